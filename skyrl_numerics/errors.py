@@ -1,0 +1,25 @@
+"""One error type for bad input, so the CLI can print one line and exit 2.
+
+Every check in the library that rejects user data raises :class:`InputError` with the place
+(``row``, ``field``, ``index``) and what was expected vs what was found.
+"""
+from __future__ import annotations
+
+
+class InputError(ValueError):
+    """Bad input data. ``str(err)`` is one line naming where and what is wrong."""
+
+    def __init__(self, message: str, *, row: int | None = None, field: str | None = None,
+                 index: int | None = None, source: str | None = None):
+        self.row, self.field, self.index, self.source = row, field, index, source
+        where = []
+        if source is not None:
+            where.append(str(source))
+        if row is not None:
+            where.append(f"row {row}")
+        if field is not None:
+            where.append(f"field '{field}'")
+        if index is not None:
+            where.append(f"index {index}")
+        prefix = ", ".join(where)
+        super().__init__(f"{prefix}: {message}" if prefix else message)
