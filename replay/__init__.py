@@ -1,1 +1,33 @@
-"""skyrl_numerics.replay"""
+"""skyrl_numerics.replay: R3 routes (packing + router replay) and top-p/top-k support replay.
+
+- :class:`PackedRoutes`, :class:`RouteTrace` — compact, zero-copy routes for ragged batches and multi-turn
+  trajectories (numpy only).
+- :func:`route_replay`, :func:`record_routes` — force / record the experts of HF MoE blocks (torch).
+- :class:`PackedSupport`, :func:`support_logprobs` — sampled support sets and logprobs renormalized over them.
+
+Torch-dependent names load lazily so ``import skyrl_numerics.replay`` needs only numpy.
+"""
+from .bitpack import bits_for, pack_bits, unpack_bits
+from .routes import PackedRoutes, id_dtype
+from .trace import RouteTrace
+
+_LAZY = {
+    "route_replay": ".hf_replay",
+    "record_routes": ".hf_replay",
+    "RouteRecorder": ".hf_replay",
+    "padded_token_index": ".hf_replay",
+    "packed_token_index": ".hf_replay",
+    "PackedSupport": ".support",
+    "support_logprobs": ".support_logprobs",
+    "support_logprobs_reference": ".support_logprobs",
+}
+
+__all__ = ["PackedRoutes", "RouteTrace", "id_dtype", "bits_for", "pack_bits", "unpack_bits", *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,361 @@
+"""PackedRoutes: R3 expert routes for a ragged batch, in one contiguous buffer.
+
+Layout (no padding): ``values[Σ tokens, L, k]`` holds, for each token position of each sequence and each
+MoE layer (dense layers are not counted), the ``k`` expert ids the router chose, in the order the router
+produced them; ``cu_seqlens[B+1]`` (int32) gives sequence ``b`` the rows ``cu[b]:cu[b+1]``. ``values``
+uses the smallest unsigned dtype that holds the ids ``0..E-1`` (uint8 for E <= 256, uint16 for
+E <= 65536, else uint32): 4x smaller than the int32 ``[T, L, k]`` tensors other stacks ship, and no
+``[B, max_len]`` padding.
+
+Convention (what a row covers): the routes of a sequence cover the positions the *inference engine* ran
+through the model for it: prompt + response, **except the final sampled token**, which the engine
+samples but never feeds back. So a sequence with ``n = len(prompt) + len(response)`` tokens has
+``n - 1`` route rows. The trainer's forward over those ``n`` tokens uses the recorded routes for
+positions ``0..n-2`` and its own router at position ``n-1``; by causality position ``n-1`` only
+changes the logits at ``n-1``, which predict nothing (no token follows), so every logprob the trainer
+uses is computed with the engine's routes. A capture that records ``n`` rows (e.g. :func:`record_routes`
+on the trainer itself) is accepted as well; replay then uses all of them.
+
+Serialized form (``to_buffer``): one uint8 array, a 64-byte header, then ``cu_seqlens`` and ``values``,
+each starting on a 64-byte boundary. ``from_buffer`` returns numpy views on that memory (zero-copy;
+also through the Ray object store, whose ``ray.get`` maps the buffer read-only). An optional bit-packed
+form stores ``ceil(log2 E)`` bits per id; loading it unpacks (one copy).
+
+A capture can fill routes in place: ``PackedRoutes.empty(seq_lens, L, k, E)`` allocates the final
+buffer, the capture writes ``routes.seq(b)[...] = ids``, then ``routes.validate()``.
+"""
+from __future__ import annotations
+
+import struct
+import warnings
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from skyrl_numerics.errors import InputError
+
+from .bitpack import bits_for, pack_bits, packed_nbytes, unpack_bits
+
+MAGIC = b"SKRNRT01"
+_HEADER = struct.Struct("<8sHHBBHIIIQQQ")  # magic, version, flags, itemsize, bits, pad, E, L, k, B, T, nbytes
+HEADER_BYTES = 64
+ALIGN = 64
+VERSION = 1
+FLAG_BITPACKED = 1
+
+
+def id_dtype(num_experts: int) -> np.dtype:
+    """Smallest unsigned dtype holding expert ids ``0..num_experts-1``."""
+    if num_experts < 1:
+        raise InputError(f"num_experts must be >= 1, got {num_experts}", field="num_experts")
+    if num_experts <= 1 << 8:
+        return np.dtype(np.uint8)
+    if num_experts <= 1 << 16:
+        return np.dtype(np.uint16)
+    if num_experts < 1 << 32:
+        return np.dtype(np.uint32)
+    raise InputError(f"num_experts {num_experts} does not fit the uint32 header field", field="num_experts")
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _check_cu_seqlens(cu: np.ndarray, num_tokens: int | None = None, field: str = "cu_seqlens") -> None:
+    if cu.ndim != 1 or cu.size < 1:
+        raise InputError(f"must be a 1-D array of length B+1 >= 1, got shape {cu.shape}", field=field)
+    if int(cu[0]) != 0:
+        raise InputError(f"must start at 0, got {int(cu[0])}", field=field, index=0)
+    d = np.diff(cu.astype(np.int64))
+    if d.size and d.min() < 0:
+        i = int(np.argmax(d < 0)) + 1
+        raise InputError(f"must be non-decreasing, got {int(cu[i - 1])} then {int(cu[i])}", field=field, index=i)
+    if num_tokens is not None and int(cu[-1]) != num_tokens:
+        raise InputError(f"last entry {int(cu[-1])} != number of route rows {num_tokens}",
+                         field=field, index=cu.size - 1)
+
+
+class PackedRoutes:
+    """Expert ids ``values[T, L, k]`` (smallest unsigned dtype) + ``cu_seqlens[B+1]`` (int32) + ``num_experts``.
+
+    Construct from arrays (validated; no copy when dtypes already match), from per-sequence arrays
+    (:meth:`from_sequences`), in place for a capture (:meth:`empty`), or from a buffer (:meth:`from_buffer`).
+    """
+
+    __slots__ = ("values", "cu_seqlens", "num_experts", "_buffer")
+
+    def __init__(self, values: np.ndarray, cu_seqlens: np.ndarray, num_experts: int, *, validate: bool = True):
+        num_experts = int(num_experts)
+        dt = id_dtype(num_experts)
+        values = np.asarray(values)
+        if values.ndim != 3:
+            raise InputError(f"expected shape [tokens, layers, k], got {values.shape}", field="values")
+        if values.dtype != dt:
+            if values.size and (values.dtype.kind not in "ui"):
+                raise InputError(f"expert ids must be integers, got dtype {values.dtype}", field="values")
+            if values.size and values.dtype.kind == "i" and int(values.min()) < 0:
+                raise InputError(f"negative expert id {int(values.min())}", field="values",
+                                 index=int(np.argmin(values.reshape(values.shape[0], -1).min(1))))
+            self._check_ids(values, num_experts)
+            values = values.astype(dt)
+        cu = np.asarray(cu_seqlens)
+        if cu.dtype != np.int32:
+            if cu.size and cu.max() >= 2 ** 31:
+                raise InputError("total tokens exceed int32", field="cu_seqlens")
+            cu = cu.astype(np.int32)
+        self.values, self.cu_seqlens, self.num_experts = values, cu, num_experts
+        self._buffer = None
+        if validate:
+            self.validate()
+
+    # ---- construction -------------------------------------------------------------------------------
+    @staticmethod
+    def _check_ids(values: np.ndarray, num_experts: int, seq: int | None = None) -> None:
+        if values.size == 0:
+            return
+        dt = values.dtype
+        if dt.kind == "u" and num_experts >= (1 << (8 * dt.itemsize)):
+            return  # dtype cannot hold an out-of-range id
+        vmax = int(values.max())
+        if vmax >= num_experts:
+            row = int(np.argmax((values.reshape(values.shape[0], -1) >= num_experts).any(axis=1)))
+            if seq is None:
+                raise InputError(f"expert id {vmax} >= num_experts {num_experts} (row {row})", field="values",
+                                 index=row)
+            raise InputError(f"expert id {vmax} >= num_experts {num_experts} (sequence {seq}, position {row})",
+                             field="seqs", index=seq)
+
+    @classmethod
+    def empty(cls, seq_lens: Sequence[int] | np.ndarray, num_layers: int, k: int, num_experts: int) -> "PackedRoutes":
+        """Allocate the final contiguous buffer for ``seq_lens`` rows; fill ``seq(b)`` in place, then ``validate()``."""
+        seq_lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+        if seq_lens.size and seq_lens.min() < 0:
+            raise InputError(f"negative sequence length {int(seq_lens.min())}", field="seq_lens",
+                             index=int(np.argmin(seq_lens)))
+        if num_layers < 0 or k < 1:
+            raise InputError(f"need num_layers >= 0 and k >= 1, got {num_layers}, {k}", field="shape")
+        dt = id_dtype(num_experts)
+        cu = np.zeros(seq_lens.size + 1, dtype=np.int64)
+        np.cumsum(seq_lens, out=cu[1:])
+        if cu[-1] >= 2 ** 31:
+            raise InputError(f"total tokens {int(cu[-1])} exceed int32", field="seq_lens")
+        T = int(cu[-1])
+        buf, cu_view, val_view = _allocate(seq_lens.size, T, num_layers, k, dt, 0, 0)
+        cu_view[:] = cu
+        _write_header(buf, num_experts, num_layers, k, seq_lens.size, T, dt.itemsize, 0, val_view.nbytes)
+        out = cls.__new__(cls)
+        out.values, out.cu_seqlens, out.num_experts, out._buffer = val_view, cu_view, int(num_experts), buf
+        return out
+
+    @classmethod
+    def from_sequences(cls, seqs: Iterable[np.ndarray], num_experts: int) -> "PackedRoutes":
+        """Pack per-sequence ``[n_b, L, k]`` integer arrays (any int dtype) straight into the final buffer."""
+        seqs = [np.asarray(s) for s in seqs]
+        if not seqs:
+            raise InputError("no sequences given", field="seqs")
+        L, k = seqs[0].shape[1:] if seqs[0].ndim == 3 else (None, None)
+        for b, s in enumerate(seqs):
+            if s.ndim != 3:
+                raise InputError(f"expected [tokens, layers, k], got shape {s.shape}", field="seqs", index=b)
+            if s.shape[1:] != (L, k):
+                raise InputError(f"layers/k {s.shape[1:]} differ from sequence 0's {(L, k)}",
+                                 field="seqs", index=b)
+            if s.dtype.kind not in "ui":
+                raise InputError(f"expert ids must be integers, got dtype {s.dtype}", field="seqs", index=b)
+        out = cls.empty([s.shape[0] for s in seqs], L, k, num_experts)
+        for b, s in enumerate(seqs):
+            if s.size and s.dtype.kind == "i" and int(s.min()) < 0:
+                raise InputError(f"negative expert id {int(s.min())} in sequence {b}", field="seqs", index=b)
+            cls._check_ids(s, num_experts, seq=b)
+            np.copyto(out.seq(b), s, casting="unsafe")
+        return out
+
+    @classmethod
+    def concat(cls, parts: Sequence["PackedRoutes"]) -> "PackedRoutes":
+        """Batch several PackedRoutes (same L, k, E) into one, sequences in order."""
+        if not parts:
+            raise InputError("nothing to concatenate", field="parts")
+        E, L, k = parts[0].num_experts, parts[0].num_layers, parts[0].k
+        for i, p in enumerate(parts):
+            if (p.num_experts, p.num_layers, p.k) != (E, L, k):
+                raise InputError(f"(E, L, k)={(p.num_experts, p.num_layers, p.k)} differs from part 0's {(E, L, k)}",
+                                 field="parts", index=i)
+        out = cls.empty(np.concatenate([p.seq_lens for p in parts]), L, k, E)
+        row = 0
+        for p in parts:
+            out.values[row:row + p.num_tokens] = p.values
+            row += p.num_tokens
+        return out
+
+    # ---- properties / views -------------------------------------------------------------------------
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens.size - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.values.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.values.shape[1]
+
+    @property
+    def k(self) -> int:
+        return self.values.shape[2]
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        """Route rows per sequence (int64)."""
+        return np.diff(self.cu_seqlens.astype(np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + self.cu_seqlens.nbytes
+
+    def __len__(self) -> int:
+        return self.num_seqs
+
+    def seq(self, b: int) -> np.ndarray:
+        """View (no copy) of sequence ``b``'s routes, shape ``[n_b, L, k]``."""
+        if not -self.num_seqs <= b < self.num_seqs:
+            raise InputError(f"sequence {b} out of range for {self.num_seqs} sequences", field="seq", index=b)
+        b %= self.num_seqs
+        return self.values[self.cu_seqlens[b]:self.cu_seqlens[b + 1]]
+
+    __getitem__ = seq
+
+    def torch_values(self):
+        """``values`` as a torch tensor sharing memory (read-only buffers: do not write to it)."""
+        import torch
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # non-writable numpy arrays (Ray buffers)
+            return torch.from_numpy(self.values)
+
+    def validate(self) -> "PackedRoutes":
+        """Check shapes, cu_seqlens (0-based, non-decreasing, ends at T) and ids < num_experts."""
+        if self.values.ndim != 3:
+            raise InputError(f"expected shape [tokens, layers, k], got {self.values.shape}", field="values")
+        if self.values.shape[2] < 1:
+            raise InputError("k must be >= 1", field="values")
+        _check_cu_seqlens(self.cu_seqlens, self.num_tokens)
+        self._check_ids(self.values, self.num_experts)
+        return self
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, PackedRoutes) and self.num_experts == other.num_experts
+                and np.array_equal(self.cu_seqlens, other.cu_seqlens)
+                and self.values.shape == other.values.shape and np.array_equal(self.values, other.values))
+
+    def __repr__(self) -> str:
+        return (f"PackedRoutes(seqs={self.num_seqs}, tokens={self.num_tokens}, layers={self.num_layers}, "
+                f"k={self.k}, experts={self.num_experts}, dtype={self.values.dtype}, bytes={self.nbytes})")
+
+    # ---- arrays (safetensors) -----------------------------------------------------------------------
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        """``{"values", "cu_seqlens", "num_experts"}`` (the last as int64 shape [1]); no copies."""
+        return {"values": self.values, "cu_seqlens": self.cu_seqlens,
+                "num_experts": np.array([self.num_experts], dtype=np.int64)}
+
+    @classmethod
+    def from_arrays(cls, d: dict[str, np.ndarray]) -> "PackedRoutes":
+        for key in ("values", "cu_seqlens", "num_experts"):
+            if key not in d:
+                raise InputError(f"missing array '{key}'", field=key)
+        ne = np.asarray(d["num_experts"]).reshape(-1)
+        if ne.size != 1:
+            raise InputError(f"expected one value, got shape {np.asarray(d['num_experts']).shape}", field="num_experts")
+        return cls(d["values"], d["cu_seqlens"], int(ne[0]))
+
+    # ---- buffer -------------------------------------------------------------------------------------
+    def to_buffer(self, *, bitpack: bool = False) -> np.ndarray:
+        """One contiguous uint8 array (header + cu_seqlens + values). Returns the backing buffer itself
+        (no copy) when the routes already live in one, e.g. after :meth:`empty`/:meth:`from_buffer`."""
+        if not bitpack and self._buffer is not None:
+            return self._buffer
+        dt = self.values.dtype
+        bits = bits_for(self.num_experts) if bitpack else 0
+        nvals = self.values.size
+        vbytes = packed_nbytes(nvals, bits) if bitpack else self.values.nbytes
+        buf, cu_view, val_view = _allocate(self.num_seqs, self.num_tokens, self.num_layers, self.k, dt, bits, vbytes)
+        cu_view[:] = self.cu_seqlens
+        if bitpack:
+            val_view[:] = pack_bits(self.values, bits)
+        else:
+            val_view[...] = self.values
+        _write_header(buf, self.num_experts, self.num_layers, self.k, self.num_seqs, self.num_tokens, dt.itemsize,
+                      bits, vbytes)
+        if not bitpack:
+            self.values, self.cu_seqlens, self._buffer = val_view, cu_view, buf
+        return buf
+
+    def to_bytes(self, *, bitpack: bool = False) -> bytes:
+        return self.to_buffer(bitpack=bitpack).tobytes()
+
+    @classmethod
+    def from_buffer(cls, buf, *, validate: bool = True) -> "PackedRoutes":
+        """Views on ``buf`` (bytes, bytearray, memoryview, uint8 ndarray): zero-copy unless bit-packed."""
+        arr = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf.reshape(-1)
+        if arr.dtype != np.uint8:
+            arr = arr.view(np.uint8)
+        if arr.size < HEADER_BYTES:
+            raise InputError(f"buffer has {arr.size} bytes, header needs {HEADER_BYTES}", field="buffer")
+        magic, version, flags, itemsize, bits, _, E, L, k, B, T, vbytes = _HEADER.unpack_from(arr[:HEADER_BYTES])
+        if magic != MAGIC:
+            raise InputError(f"bad magic {magic!r}, expected {MAGIC!r}", field="buffer")
+        if version != VERSION:
+            raise InputError(f"unsupported version {version}, expected {VERSION}", field="buffer")
+        dt = id_dtype(E)
+        if itemsize != dt.itemsize:
+            raise InputError(f"id itemsize {itemsize} does not match {E} experts ({dt})", field="buffer")
+        cu_off = HEADER_BYTES
+        v_off = _align(cu_off + 4 * (B + 1))
+        bitpacked = bool(flags & FLAG_BITPACKED)
+        expect_v = packed_nbytes(T * L * k, bits) if bitpacked else T * L * k * itemsize
+        if vbytes != expect_v or arr.size < v_off + vbytes:
+            raise InputError(f"buffer of {arr.size} bytes is truncated or inconsistent: header says {B} seqs, "
+                             f"{T} tokens, {L} layers, k={k}, {vbytes} value bytes", field="buffer")
+        cu = arr[cu_off:cu_off + 4 * (B + 1)].view(np.int32)
+        raw = arr[v_off:v_off + vbytes]
+        if bitpacked:
+            values = unpack_bits(raw, T * L * k, bits, dtype=dt).reshape(T, L, k)
+        else:
+            values = raw.view(dt).reshape(T, L, k)
+        out = cls.__new__(cls)
+        out.values, out.cu_seqlens, out.num_experts = values, cu, int(E)
+        out._buffer = None if bitpacked else arr[:v_off + vbytes]
+        if validate:
+            out.validate()
+        return out
+
+    @classmethod
+    def from_bytes(cls, data, **kw) -> "PackedRoutes":
+        return cls.from_buffer(data, **kw)
+
+    def __reduce__(self):
+        # pickle protocol 5 (Ray) ships the uint8 buffer out of band: ray.get maps it without a copy.
+        return (_from_buffer, (self.to_buffer(),))
+
+
+def _from_buffer(buf) -> PackedRoutes:
+    """Module-level (picklable by reference) constructor used by ``PackedRoutes.__reduce__``."""
+    return PackedRoutes.from_buffer(buf)
+
+
+def _allocate(B: int, T: int, L: int, k: int, dt: np.dtype, bits: int, vbytes: int):
+    cu_off = HEADER_BYTES
+    v_off = _align(cu_off + 4 * (B + 1))
+    if not bits:
+        vbytes = T * L * k * dt.itemsize
+    buf = np.empty(v_off + vbytes, dtype=np.uint8)
+    buf[:v_off] = 0
+    cu = buf[cu_off:cu_off + 4 * (B + 1)].view(np.int32)
+    raw = buf[v_off:v_off + vbytes]
+    vals = raw if bits else raw.view(dt).reshape(T, L, k)
+    return buf, cu, vals
+
+
+def _write_header(buf, E, L, k, B, T, itemsize, bits, vbytes):
+    flags = FLAG_BITPACKED if bits else 0
+    _HEADER.pack_into(buf, 0, MAGIC, VERSION, flags, itemsize, bits, 0, E, L, k, B, T, vbytes)
