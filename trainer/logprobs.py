@@ -1,0 +1,113 @@
+"""Trainer-side logprobs of a rollout's response tokens.
+
+For sequence ``i`` with prompt ``p`` (length P) and response ``r`` (length R), the model runs over
+``p ++ r`` and the logprob of ``r[t]`` is read at position ``P + t - 1``::
+
+    z      = h[P+t-1] @ W_lm^T                  (model dtype, as vLLM's lm_head computes it)
+    lp_t   = log_softmax(float32(z) / T)[r[t]]   (T = the rollout's sampling temperature)
+    H_t    = -Σ_v softmax(float32(z)/T)_v · log softmax(float32(z)/T)_v
+
+The lm-head + softmax runs over chunks of ``token_chunk`` tokens, so at most one
+``[token_chunk, vocab]`` fp32 block exists at a time (never ``[tokens, vocab]``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from skyrl_numerics.rollout import Rollout
+
+
+@dataclass
+class TrainerLogprobs:
+    logprobs: np.ndarray  # float32 [Σ response_len]
+    entropy: np.ndarray   # float32 [Σ response_len]
+
+
+def token_logprobs_from_hidden(hidden, lm_head_weight, targets, *, temperature: float = 1.0,
+                               token_chunk: int = 1024, with_entropy: bool = True):
+    """Logprob (and entropy) of ``targets[j]`` under ``softmax(hidden[j] @ W^T / T)``.
+
+    ``hidden`` [N, H], ``lm_head_weight`` [V, H], ``targets`` [N] (int). Differentiable.
+    Returns float32 tensors ``(logprobs [N], entropy [N] or None)``.
+    """
+    import torch
+
+    if hidden.shape[0] != targets.shape[0]:
+        raise ValueError(f"hidden has {hidden.shape[0]} rows but targets has {targets.shape[0]}")
+    lps, ents = [], []
+    for s in range(0, hidden.shape[0], token_chunk):
+        h = hidden[s:s + token_chunk]
+        z = (h @ lm_head_weight.T).float()
+        if temperature != 1.0:
+            z = z / temperature
+        logp = torch.log_softmax(z, dim=-1)
+        lps.append(logp.gather(-1, targets[s:s + token_chunk, None].long()).squeeze(-1))
+        if with_entropy:
+            ents.append(-(logp.exp() * logp).sum(-1))
+        del z, logp
+    if not lps:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, (empty if with_entropy else None)
+    return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+
+
+def _decoder_and_head(model):
+    """The model body (returns hidden states) and the lm-head weight of an HF causal LM."""
+    body = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    if body is None:
+        body = model.get_decoder()
+    return body, model.get_output_embeddings().weight
+
+
+def trainer_logprobs(model, rollout: Rollout, *, batch_size: int = 8, token_chunk: int = 1024,
+                     temperature: float | None = None, forward_hook: Callable | None = None,
+                     pad_id: int = 0) -> TrainerLogprobs:
+    """Recompute the rollout's response logprobs with ``model`` (HF causal LM), no grad.
+
+    Sequences are batched ``batch_size`` at a time, right-padded with an attention mask.
+    ``temperature`` defaults to the rollout's sampling temperature. ``forward_hook(batch_rows)``,
+    if given, is a context-manager factory entered around each batch's forward (used by replay
+    pieces that need to know which rows are in the batch).
+    """
+    import contextlib
+
+    import torch
+
+    if temperature is None:
+        temperature = float(rollout.sampling.get("temperature", 1.0) or 1.0)
+    body, weight = _decoder_and_head(model)
+    device = weight.device
+    out_lp = np.empty(rollout.num_response_tokens, dtype=np.float32)
+    out_ent = np.empty(rollout.num_response_tokens, dtype=np.float32)
+    with torch.no_grad():
+        for start in range(0, len(rollout), batch_size):
+            rows = list(range(start, min(start + batch_size, len(rollout))))
+            seqs = [np.concatenate([rollout.prompt(i), rollout.response(i)]) for i in rows]
+            width = max(len(s) for s in seqs)
+            ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+            mask = torch.zeros((len(rows), width), dtype=torch.long)
+            for b, s in enumerate(seqs):
+                ids[b, :len(s)] = torch.from_numpy(s.astype(np.int64))
+                mask[b, :len(s)] = 1
+            ctx = forward_hook(rows) if forward_hook is not None else contextlib.nullcontext()
+            with ctx:
+                hidden = body(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+            # Gather the positions that predict response tokens, in rollout order.
+            pos_b, pos_t, targets = [], [], []
+            for b, i in enumerate(rows):
+                p, r = int(rollout.prompt_lens[i]), int(rollout.response_lens[i])
+                pos_b.append(np.full(r, b))
+                pos_t.append(np.arange(p - 1, p + r - 1))
+                targets.append(rollout.response(i))
+            pb = torch.from_numpy(np.concatenate(pos_b)).to(device)
+            pt = torch.from_numpy(np.concatenate(pos_t)).to(device)
+            tg = torch.from_numpy(np.concatenate(targets).astype(np.int64)).to(device)
+            lp, ent = token_logprobs_from_hidden(hidden[pb, pt], weight, tg,
+                                                 temperature=temperature, token_chunk=token_chunk)
+            a, b_ = rollout.response_cu[rows[0]], rollout.response_cu[rows[-1] + 1]
+            out_lp[a:b_] = lp.cpu().numpy()
+            out_ent[a:b_] = ent.cpu().numpy()
+    return TrainerLogprobs(logprobs=out_lp, entropy=out_ent)
