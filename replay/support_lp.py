@@ -1,0 +1,179 @@
+"""Logprobs renormalized over the sampled support, computed in vocab chunks (no full-vocab logits).
+
+For response token ``i`` with hidden state ``h_i``, logits ``z_iv = h_i . W_v`` and support ``S_i``::
+
+    logZ_i    = logsumexp_{v in S_i} z_iv
+    logprob_i = z_{i,t_i} - logZ_i                    (t_i must lie in S_i)
+    entropy_i = logZ_i - sum_{v in S_i} p_iv z_iv     (p_iv = exp(z_iv - logZ_i); = -sum p log p)
+
+When ``S_i`` is the whole vocabulary this is ``log_softmax(z_i)[t_i]`` and the full entropy.
+
+The vocabulary is processed in chunks of ``chunk`` ids: each chunk's ``[N, chunk]`` logits are computed,
+masked to the support and folded into running (max, sum exp, sum exp*z) accumulators, then dropped. Peak
+extra memory is ``O(N * chunk)`` instead of ``O(N * V)``. The backward pass recomputes each chunk's logits
+(custom autograd), with::
+
+    d logprob_i / d z_iv = 1[v = t_i] - p_iv                  (v in S_i, else 0)
+    d entropy_i / d z_iv = -p_iv (z_iv - logZ_i + entropy_i)  (v in S_i, else 0)
+
+Math in float32 (logits are upcast; float64 inputs stay float64); inputs may be bf16.
+:func:`support_logprobs_reference` (dense logits + boolean mask) is the spec the tests compare against.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from skyrl_numerics.errors import InputError
+
+from .support import PackedSupport
+
+
+def support_logprobs_reference(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor,
+                               support: PackedSupport | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense spec: full ``[N, V]`` float32 (float64 for float64 inputs) logits, ``-inf`` outside the support, log_softmax."""
+    acc = _acc_dtype(hidden)
+    logits = hidden.to(acc) @ lm_head_weight.to(acc).T
+    if support is not None:
+        mask = _dense_mask(support, logits.shape[1], logits.device)
+        logits = logits.masked_fill(~mask, float("-inf"))
+    logp = torch.log_softmax(logits, dim=-1)
+    lp = logp.gather(1, targets.long()[:, None])[:, 0]
+    p = logp.exp()
+    ent = -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
+    return lp, ent
+
+
+def _dense_mask(support: PackedSupport, vocab: int, device) -> torch.Tensor:
+    mask = torch.zeros(support.num_tokens, vocab, dtype=torch.bool, device=device)
+    rows = torch.from_numpy(support.row_ids()).to(device)
+    cols = torch.from_numpy(support.token_ids.astype(np.int64)).to(device)
+    mask[rows, cols] = True
+    return mask
+
+
+class _ChunkIndex:
+    """Support entries sorted by token id, so a vocab chunk's entries are one contiguous slice."""
+
+    def __init__(self, support: PackedSupport, device):
+        ids = support.token_ids.astype(np.int64)
+        order = np.argsort(ids, kind="stable")
+        self.tok = torch.from_numpy(ids[order]).to(device)
+        self.row = torch.from_numpy(support.row_ids()[order]).to(device)
+
+    def mask(self, n: int, lo: int, hi: int) -> torch.Tensor:
+        a, b = torch.searchsorted(self.tok, torch.tensor([lo, hi], device=self.tok.device)).tolist()
+        m = torch.zeros(n, hi - lo, dtype=torch.bool, device=self.tok.device)
+        m[self.row[a:b], self.tok[a:b] - lo] = True
+        return m
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """float32, or float64 for float64 inputs."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _chunk_logits(hidden, weight, lo, hi, index, n):
+    z = hidden @ weight[lo:hi].to(hidden.dtype).T  # hidden already upcast: same products as the reference
+    if index is not None:
+        z = z.masked_fill(~index.mask(n, lo, hi), float("-inf"))
+    return z
+
+
+class _SupportLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, index, chunk):
+        n, V = hidden.shape[0], weight.shape[0]
+        kw = dict(device=hidden.device, dtype=_acc_dtype(hidden))
+        hf = hidden.to(kw["dtype"])
+        m = torch.full((n,), float("-inf"), **kw)
+        s = torch.zeros(n, **kw)
+        u = torch.zeros(n, **kw)
+        zt = torch.zeros(n, **kw)
+        for lo in range(0, V, chunk):
+            hi = min(V, lo + chunk)
+            z = _chunk_logits(hf, weight, lo, hi, index, n)
+            mc = z.amax(dim=1)
+            m_new = torch.maximum(m, mc)
+            safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+            e = torch.exp(z - safe[:, None])  # exp(-inf) = 0 outside the support
+            zf = torch.where(torch.isfinite(z), z, torch.zeros_like(z))
+            scale = torch.exp(m - safe)
+            s = s * scale + e.sum(1)
+            u = u * scale + (e * zf).sum(1)
+            m = m_new
+            inside = (targets >= lo) & (targets < hi)
+            if inside.any():
+                r = inside.nonzero()[:, 0]
+                zt[r] = z[r, targets[r] - lo]
+        logz = m + torch.log(s)
+        lp = zt - logz
+        ent = logz - u / s
+        ctx.save_for_backward(hidden, weight, targets, logz, ent)
+        ctx.index, ctx.chunk = index, chunk
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, targets, logz, ent = ctx.saved_tensors
+        index, chunk = ctx.index, ctx.chunk
+        n, V = hidden.shape[0], weight.shape[0]
+        acc = _acc_dtype(hidden)
+        g_lp = torch.zeros(n, device=hidden.device, dtype=acc) if g_lp is None else g_lp.to(acc)
+        g_ent = torch.zeros(n, device=hidden.device, dtype=acc) if g_ent is None else g_ent.to(acc)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dh = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
+        dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        hf = hidden.to(acc)
+        for lo in range(0, V, chunk):
+            hi = min(V, lo + chunk)
+            z = _chunk_logits(hf, weight, lo, hi, index, n)
+            logp = z - logz[:, None]
+            p = torch.exp(logp)  # 0 outside the support
+            logp0 = torch.where(p > 0, logp, torch.zeros_like(logp))
+            dz = -p * (g_lp[:, None] + g_ent[:, None] * (logp0 + ent[:, None]))
+            inside = (targets >= lo) & (targets < hi)
+            if inside.any():
+                r = inside.nonzero()[:, 0]
+                dz[r, targets[r] - lo] += g_lp[r]
+            if need_h:
+                dh += dz @ weight[lo:hi].to(acc)
+            if need_w:
+                dw[lo:hi] = dz.T @ hf
+        return (None if dh is None else dh.to(hidden.dtype), None if dw is None else dw.to(weight.dtype),
+                None, None, None)
+
+
+def support_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor,
+                     support: PackedSupport | None, *, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logprob, entropy)``, each float32 (float64 for float64 inputs) ``[N]``, renormalized over each token's support.
+
+    hidden ``[N, H]`` (the final-norm output at the positions predicting ``targets``), lm_head_weight
+    ``[V, H]``, targets ``[N]`` ids, support: a :class:`PackedSupport` with ``N`` rows, or ``None`` for the
+    full vocabulary. Differentiable in ``hidden`` and ``lm_head_weight`` (chunked recompute in backward).
+    """
+    if hidden.ndim != 2:
+        raise InputError(f"expected [N, H], got shape {tuple(hidden.shape)}", field="hidden")
+    if lm_head_weight.ndim != 2 or lm_head_weight.shape[1] != hidden.shape[1]:
+        raise InputError(f"expected [V, {hidden.shape[1]}], got {tuple(lm_head_weight.shape)}", field="lm_head_weight")
+    n, V = hidden.shape[0], lm_head_weight.shape[0]
+    targets = torch.as_tensor(targets, device=hidden.device).long().reshape(-1)
+    if targets.numel() != n:
+        raise InputError(f"{targets.numel()} targets for {n} hidden rows", field="targets")
+    if n and (int(targets.min()) < 0 or int(targets.max()) >= V):
+        bad = int(((targets < 0) | (targets >= V)).nonzero()[0, 0])
+        raise InputError(f"target {int(targets[bad])} outside vocab [0, {V})", field="targets", index=bad)
+    if chunk < 1:
+        raise InputError(f"chunk must be >= 1, got {chunk}", field="chunk")
+    index = None
+    if support is not None:
+        if support.num_tokens != n:
+            raise InputError(f"{support.num_tokens} support rows for {n} tokens", field="support")
+        support.validate(V)
+        ok = support.contains(targets.cpu().numpy())
+        if not ok.all():
+            i = int(np.argmin(ok))
+            raise InputError(f"target {int(targets[i])} is not in its support (size {int(support.sizes[i])})",
+                             field="support", index=i)
+        index = _ChunkIndex(support, hidden.device)
+    return _SupportLogprobs.apply(hidden, lm_head_weight, targets, index, int(chunk))
