@@ -197,8 +197,7 @@ class Rollout:
                 raise err(f"routes cover {int(seq[i])} tokens; prompt+response is {int(total[i])}",
                           row=i, field="routes")
         if self.support is not None:
-            ns = int(np.asarray(self.support.num_tokens)) if hasattr(self.support, "num_tokens") \
-                else len(self.support.offsets) - 1
+            ns = int(self.support.num_tokens)
             if ns != n:
                 raise err(f"support sets for {ns} tokens; there are {n} response tokens",
                           field="support")
@@ -276,7 +275,7 @@ class Rollout:
                 if self.trainer_logprobs is not None:
                     row["trainer_logprobs"] = self.trainer_logprobs[a:b].tolist()
                 if self.support is not None:
-                    row["support"] = [self.support.tokens_of(t).tolist() for t in range(a, b)]
+                    row["support"] = [self.support.row(int(t)).tolist() for t in range(a, b)]
                 f.write(json.dumps(row) + "\n")
 
     @classmethod
@@ -408,7 +407,7 @@ class Rollout:
                                  row=have_s.index(False), field="support")
             from skyrl_numerics.replay import PackedSupport
             per_token = [s for seq in supports for s in seq]
-            support = PackedSupport.from_lists(per_token)
+            support = PackedSupport.from_sets(per_token)
         try:
             return cls.from_lists(prompts, responses, lps,
                                   trainer_logprobs=tlps if all(have_t) else None,

@@ -96,7 +96,8 @@ class VLLMGenerator:
         if capture_support and not top_k > 1:
             raise InputError("capture_support needs top_k > 1 (the support is read from the "
                              "top-k processed logprobs)", field="top_k")
-        n_logprobs = top_k if capture_support else 0
+        # top_k + 1 entries: the last one must come back at -inf, proving the support ended inside.
+        n_logprobs = top_k + 1 if capture_support else 0
         params = []
         for i in range(len(prompts)):
             kw = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n,
@@ -128,7 +129,8 @@ class VLLMGenerator:
         if capture_support:
             from skyrl_numerics.replay import PackedSupport
 
-            support = PackedSupport.from_topk_logprobs(topk_rows)
+            support = PackedSupport.from_topk_logprobs(topk_rows, requested=n_logprobs,
+                                                       vocab_size=self.vocab_size)
         n_tok = sum(len(r) for r in r_rows)
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, n=n,
                         max_tokens=max_tokens, logprobs_mode="processed_logprobs")

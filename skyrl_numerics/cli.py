@@ -1,0 +1,109 @@
+"""``skyrl-numerics`` command line.
+
+    skyrl-numerics doctor [--family qwen3_moe] [--prompts 8] [--max-tokens 64] [--out DIR]
+    skyrl-numerics gap FILE [--out DIR]
+
+Bad input prints one line ``error: <where>: <what>`` and exits with code 2, writing nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from skyrl_numerics.errors import InputError
+
+EXIT_BAD_INPUT = 2
+
+
+def _console():
+    from rich.console import Console
+
+    # Piped output (CI logs, files) gets a wide table rather than rich's 80-column default.
+    return Console() if sys.stdout.isatty() else Console(width=220)
+
+
+def _cmd_doctor(args) -> int:
+    from skyrl_numerics.doctor import run_doctor
+    from skyrl_numerics.report import render_table, write_json, write_plot
+
+    console = _console()
+    res = run_doctor(family=args.family, n_prompts=args.prompts, prompt_len=args.prompt_len,
+                     max_tokens=args.max_tokens, seed=args.seed, rows=args.row or None,
+                     progress=not args.no_progress)
+    title = (f"trainer vs {res.engine} {res.engine_version} — tiny {args.family}, "
+             f"{args.prompts}×{args.max_tokens} tokens")
+    render_table(res.rows, title, console)
+    out = Path(args.out)
+    write_json(out / "report.json", res.to_dict())
+    write_plot(out / "gap.png", res.rows, title)
+    for name, ro in res.rollouts.items():
+        ro.save(out / f"rollout-{name.replace('/', '_')}.safetensors")
+    console.print(f"wrote {out / 'report.json'}, {out / 'gap.png'}")
+    return 0
+
+
+def _cmd_gap(args) -> int:
+    from skyrl_numerics.gap import measure
+    from skyrl_numerics.report import ReportRow, render_table, write_json, write_plot
+    from skyrl_numerics.rollout import Rollout
+
+    import numpy as np
+
+    ro = Rollout.load(args.file)
+    if ro.trainer_logprobs is None:
+        raise InputError("no trainer logprobs in the file (field 'trainer_logprobs' in .jsonl "
+                         "rows, array 'trainer_logprobs' in .safetensors)",
+                         source=str(args.file), field="trainer_logprobs")
+    report = measure(ro.trainer_logprobs, ro.rollout_logprobs, cu_seqlens=ro.response_cu)
+    row = ReportRow(Path(args.file).name, report,
+                    np.abs(ro.trainer_logprobs - ro.rollout_logprobs))
+    title = f"{args.file}: trainer vs {ro.engine} {ro.engine_version}"
+    console = _console()
+    render_table([row], title, console)
+    if args.out:
+        out = Path(args.out)
+        write_json(out / "report.json", {"file": str(args.file), "engine": ro.engine,
+                                         "engine_version": ro.engine_version,
+                                         "sampling": ro.sampling, "summary": report.summary(),
+                                         "report": report.to_dict()})
+        write_plot(out / "gap.png", [row], title)
+        console.print(f"wrote {out / 'report.json'}, {out / 'gap.png'}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="skyrl-numerics", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    d = sub.add_parser("doctor", help="measure the trainer-vLLM gap on a tiny MoE, as an "
+                                      "ablation table")
+    d.add_argument("--family", default="qwen3_moe", choices=["qwen3_moe", "deepseek_v3"])
+    d.add_argument("--prompts", type=int, default=8)
+    d.add_argument("--prompt-len", type=int, default=16)
+    d.add_argument("--max-tokens", type=int, default=64)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--row", action="append", help="only this row (repeatable)")
+    d.add_argument("--out", default="artifacts/doctor")
+    d.add_argument("--no-progress", action="store_true")
+    d.set_defaults(func=_cmd_doctor)
+
+    g = sub.add_parser("gap", help="gap report for a rollout dump with trainer logprobs")
+    g.add_argument("file")
+    g.add_argument("--out", default=None, help="also write report.json and gap.png here")
+    g.set_defaults(func=_cmd_gap)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

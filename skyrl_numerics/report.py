@@ -1,0 +1,137 @@
+"""Rendering of gap reports: a rich table, ``report.json`` and a PNG (|Δ| histogram + per-position curve).
+
+Shared by ``skyrl-numerics doctor`` (one row per ablation) and ``skyrl-numerics gap FILE`` (one row).
+Files are written to temp names and renamed, so an error never leaves a partial report.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# (column title, summary key, format)
+COLUMNS = [
+    ("mean |Δ|", "mean_abs", "{:.2e}"),
+    ("p99 |Δ|", "p99_abs", "{:.2e}"),
+    ("max |Δ|", "max_abs", "{:.2e}"),
+    ("bitwise =", "frac_bitwise_equal", "{:.1%}"),
+    ("KL k3", "kl_k3", "{:.2e}"),
+    ("F(2)", "F_2", "{:.2%}"),
+    ("PPL ratio", "ppl_ratio", "{:.4f}"),
+    ("ESS", "ess", "{:.4f}"),
+]
+
+
+@dataclass
+class ReportRow:
+    name: str
+    report: Any                      # skyrl_numerics.gap.GapReport
+    abs_delta: np.ndarray            # flat |Δ| per token, for the histogram
+    extra: dict = field(default_factory=dict)   # e.g. tokens/s, note
+
+
+def _fmt(v, f):
+    if v is None or (isinstance(v, float) and not np.isfinite(v)):
+        return "-"
+    return f.format(v)
+
+
+def render_table(rows: list[ReportRow], title: str, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    t = Table(title=title, title_justify="left")
+    t.add_column("configuration", style="bold")
+    t.add_column("tokens", justify="right")
+    for c, _, _ in COLUMNS:
+        t.add_column(c, justify="right")
+    extra_keys = sorted({k for r in rows for k in r.extra if k != "note"})
+    for k in extra_keys:
+        t.add_column(k, justify="right")
+    for r in rows:
+        s = r.report.summary()
+        cells = [r.name, str(s.get("n_tokens", "-"))]
+        cells += [_fmt(s.get(key), f) for _, key, f in COLUMNS]
+        cells += [_fmt(r.extra.get(k), "{:.4g}") if isinstance(r.extra.get(k), (int, float))
+                  else str(r.extra.get(k, "-")) for k in extra_keys]
+        t.add_row(*cells)
+    console.print(t)
+    for r in rows:
+        if r.extra.get("note"):
+            console.print(f"  [dim]{r.name}: {r.extra['note']}[/dim]")
+
+
+def _atomic_write(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: Path, payload: dict) -> None:
+    def w(tmp):
+        with open(tmp, "w") as f:
+            json.dump(payload, f, indent=2, default=_json_default)
+    _atomic_write(path, w)
+
+
+def _json_default(o):
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+def write_plot(path: Path, rows: list[ReportRow], title: str) -> None:
+    """Left: histogram of |Δ| (log x). Right: mean |Δ| by response position."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    nz_all = np.concatenate([r.abs_delta[r.abs_delta > 0] for r in rows] + [np.zeros(0)])
+    lo = max(nz_all.min() if len(nz_all) else 1e-8, 1e-9)
+    hi = max(nz_all.max() if len(nz_all) else 1.0, lo * 10)
+    bins = np.logspace(np.log10(lo), np.log10(hi), 50)
+    for r in rows:
+        nz = r.abs_delta[r.abs_delta > 0]
+        zero = 1 - len(nz) / max(len(r.abs_delta), 1)
+        ax1.hist(nz, bins=bins, histtype="step", linewidth=1.5,
+                 label=f"{r.name} ({zero:.0%} exactly 0)")
+        curve = r.report.to_dict().get("per_position", {})
+        mean = np.asarray(curve.get("mean_abs", []), dtype=float)
+        if len(mean):
+            ax2.plot(np.arange(len(mean)), mean, label=r.name, linewidth=1.2)
+    ax1.set_xscale("log")
+    ax1.set_xlabel("|Δ logprob| per token (trainer − engine)")
+    ax1.set_ylabel("tokens")
+    ax1.set_title("distribution of |Δ| (non-zero tokens)")
+    ax1.legend(fontsize=7)
+    ax2.set_xlabel("response position")
+    ax2.set_ylabel("mean |Δ|")
+    ax2.set_title("mean |Δ| by position")
+    ax2.set_yscale("symlog", linthresh=1e-6)
+    ax2.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+
+    def w(tmp):
+        fig.savefig(tmp, dpi=110, format="png")
+    _atomic_write(path, w)
+    plt.close(fig)

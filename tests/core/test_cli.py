@@ -1,0 +1,70 @@
+"""CLI: `gap FILE` on good and malformed dumps (exit 2, one line, nothing written)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from skyrl_numerics.cli import main
+from skyrl_numerics.rollout import Rollout
+
+
+def _dump(tmp_path, suffix=".jsonl"):
+    rng = np.random.default_rng(0)
+    lens = [5, 9, 3]
+    prompts = [[1, 2, 3]] * 3
+    responses = [rng.integers(0, 100, n).tolist() for n in lens]
+    lp = [(-rng.random(n) * 3).astype(np.float32) for n in lens]
+    tl = [x + rng.normal(0, 1e-3, len(x)).astype(np.float32) for x in lp]
+    tl = [np.minimum(x, 0) for x in tl]
+    return Rollout.from_lists(prompts, responses, lp, trainer_logprobs=tl,
+                              engine="vllm (cpu)", engine_version="0.32.0").save(
+        tmp_path / f"dump{suffix}")
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".safetensors"])
+def test_gap_file_writes_report(tmp_path, suffix, capsys):
+    f = _dump(tmp_path, suffix)
+    out = tmp_path / "out"
+    assert main(["gap", str(f), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "mean |Δ|" in printed and "vllm (cpu)" in printed
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["summary"]["n_tokens"] == 17
+    assert (out / "gap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _rows(tmp_path, rows):
+    p = tmp_path / "bad.jsonl"
+    p.write_text("\n".join(json.dumps(r) if not isinstance(r, str) else r for r in rows) + "\n")
+    return p
+
+
+OK = {"prompt_ids": [1], "response_ids": [2, 3], "logprobs": [-1.0, -2.0],
+      "trainer_logprobs": [-1.0, -2.1]}
+
+
+@pytest.mark.parametrize("rows,expect", [
+    ([OK, {**OK, "logprobs": [-1.0, float("nan")]}], "row 1, field 'logprobs', index 1"),
+    ([OK, {**OK, "trainer_logprobs": [-1.0, 0.5]}], "row 1, field 'trainer_logprobs', index 1"),
+    ([OK, {**OK, "trainer_logprobs": [-1.0]}], "row 1, field 'trainer_logprobs'"),
+    ([OK, {**OK, "response_ids": [2]}], "row 1, field 'logprobs'"),
+    ([], "no rows"),
+    (['{"schema": "nope"}', OK], "schema"),
+    ([{k: v for k, v in OK.items() if k != "trainer_logprobs"}], "no trainer logprobs"),
+    ([OK, {"prompt_ids": [1], "response_ids": [2]}], "row 1, field 'logprobs'"),
+])
+def test_gap_malformed_exit_2_one_line_no_output(tmp_path, rows, expect, capsys):
+    f = _rows(tmp_path, rows)
+    out = tmp_path / "out"
+    assert main(["gap", str(f), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    assert expect in err, err
+    assert not out.exists()
+
+
+def test_gap_missing_file(tmp_path, capsys):
+    assert main(["gap", str(tmp_path / "nope.jsonl")]) == 2
+    assert "file not found" in capsys.readouterr().err
