@@ -1,1 +1,10 @@
-"""skyrl_numerics.quant: bit-exact low-precision numerics (codecs, recipes, STE/QAT, KV simulation)."""
+"""skyrl_numerics.quant: bit-exact low-precision numerics.
+
+- element codecs (``codecs``): E4M3fn, E5M2, E2M1, E8M0, INT4, FP4 packing
+- recipes: ``quantize(x, recipe, **opts) -> QTensor``, ``dequantize(q)``, ``fake_quant(x, recipe)``
+  for the names in ``RECIPES`` (formulas in docs/quant.md and each recipe's docstring)
+"""
+from .api import RECIPES, dequantize, fake_quant, quantize, recipe_options
+from .qtensor import QTensor
+
+__all__ = ["RECIPES", "QTensor", "quantize", "dequantize", "fake_quant", "recipe_options"]

@@ -1,0 +1,87 @@
+"""``quantize`` / ``dequantize`` / ``fake_quant`` over the named recipes.
+
+=============  =============================================================================
+recipe         format and source convention (formulas in each ``quantize_*`` docstring)
+=============  =============================================================================
+fp8_tensor     E4M3, one float32 scale; vLLM QuantFP8 (dynamic ``amax/448`` or static scale)
+fp8_channel    E4M3, one scale per row (output channel); compressed-tensors weights
+fp8_token      E4M3, one scale per row (token); vLLM dynamic per-token, ``scale_ub``
+fp8_block      E4M3, 1x128 / 128x128 blocks; DeepSeek-V3 / vLLM group quant, optional UE8M0
+mxfp8          E4M3 or E5M2, 1x32 blocks, E8M0 scale; ``scale_mode`` floor (OCP) | rceil (TE)
+mxfp4          E2M1, 1x32 blocks, E8M0 scale
+nvfp4          E2M1, 1x16 (or 16x16) blocks, E4M3 scale, FP32 global; ``convention``
+               vllm | te | modelopt | torchao
+int4_g32       INT4 symmetric groups of 32, scale in the weight dtype; compressed-tensors W4A16
+=============  =============================================================================
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+
+from skyrl_numerics.errors import InputError
+
+from . import recipes_fp8, recipes_int4, recipes_mx, recipes_nvfp4
+from .qtensor import QTensor
+
+_Q: dict[str, Callable[..., QTensor]] = {
+    "fp8_tensor": recipes_fp8.quantize_fp8_tensor,
+    "fp8_channel": recipes_fp8.quantize_fp8_channel,
+    "fp8_token": recipes_fp8.quantize_fp8_token,
+    "fp8_block": recipes_fp8.quantize_fp8_block,
+    "mxfp8": recipes_mx.quantize_mxfp8,
+    "mxfp4": recipes_mx.quantize_mxfp4,
+    "nvfp4": recipes_nvfp4.quantize_nvfp4,
+    "int4_g32": recipes_int4.quantize_int4,
+}
+_DQ: dict[str, Callable[[QTensor], torch.Tensor]] = {
+    "fp8_tensor": recipes_fp8.dequantize_fp8,
+    "fp8_channel": recipes_fp8.dequantize_fp8,
+    "fp8_token": recipes_fp8.dequantize_fp8,
+    "fp8_block": recipes_fp8.dequantize_fp8,
+    "mxfp8": recipes_mx.dequantize_mx,
+    "mxfp4": recipes_mx.dequantize_mx,
+    "nvfp4": recipes_nvfp4.dequantize_nvfp4,
+    "int4_g32": recipes_int4.dequantize_int4,
+}
+
+#: the recipe names ``quantize`` accepts
+RECIPES: tuple[str, ...] = tuple(_Q)
+
+
+def recipe_options(recipe: str) -> tuple[str, ...]:
+    """The keyword options a recipe accepts."""
+    _check_recipe(recipe)
+    return tuple(p for p in inspect.signature(_Q[recipe]).parameters if p != "x")
+
+
+def _check_recipe(recipe: str) -> None:
+    if recipe not in _Q:
+        raise InputError(f"unknown recipe {recipe!r}; expected one of {', '.join(RECIPES)}", field="recipe")
+
+
+def quantize(x: torch.Tensor, recipe: str, **opts) -> QTensor:
+    """Quantize ``x`` with a named recipe -> :class:`QTensor` (codes, scales, global scale, layout)."""
+    _check_recipe(recipe)
+    bad = sorted(set(opts) - set(recipe_options(recipe)))
+    if bad:
+        raise InputError(f"recipe {recipe!r} has no option(s) {bad}; it accepts {list(recipe_options(recipe))}",
+                         field="opts")
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise InputError(f"expected a floating-point tensor, got {getattr(x, 'dtype', type(x))}", field="x")
+    with torch.no_grad():
+        return _Q[recipe](x.detach(), **opts)
+
+
+def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Decode a :class:`QTensor` to ``dtype`` (default: the original dtype)."""
+    _check_recipe(q.recipe)
+    with torch.no_grad():
+        return _DQ[q.recipe](q).to(dtype or q.dtype)
+
+
+def fake_quant(x: torch.Tensor, recipe: str, **opts) -> torch.Tensor:
+    """``dequantize(quantize(x, recipe, **opts))`` in ``x``'s dtype (no gradient; see ``ste``)."""
+    return dequantize(quantize(x, recipe, **opts), x.dtype)

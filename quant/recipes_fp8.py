@@ -1,0 +1,132 @@
+"""FP8 E4M3 recipes with float32 scales: per-tensor, per-channel, per-token, DeepSeek-V3 blocks.
+
+All compute in float32 (bf16/fp16 inputs are upcast first, exactly); elements are encoded with
+RNE after a clamp to +-448 (so overflow saturates; NaN stays NaN: code 0x7F). Dequantization is
+``decode(code) * scale`` in float32, then cast to the input dtype.
+"""
+from __future__ import annotations
+
+import torch
+
+from skyrl_numerics.errors import InputError
+
+from . import codecs as C
+from .blocks import block_amax, codes_to_blocks, from_blocks, resolve_block, to_blocks
+from .qtensor import QTensor
+
+FP8_MAX = 448.0
+#: vLLM ``_FP8_MIN_SCALING_FACTOR``: the smallest dynamic per-tensor / per-token scale
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+#: fp32(1/448), the constant vLLM's Triton group-quant kernel multiplies the amax by
+RCP_448 = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
+
+
+def _static_scale(scale, nblocks: tuple[int, int], field: str = "scale") -> torch.Tensor:
+    s = torch.as_tensor(scale, dtype=torch.float32)
+    if s.numel() == 1:
+        s = s.reshape(1, 1).expand(*nblocks)
+    if tuple(s.shape) != nblocks:
+        raise InputError(f"static scale has shape {tuple(s.shape)}, expected {nblocks} or a scalar",
+                         field=field)
+    if not bool(torch.isfinite(s).all() & (s > 0).all()):
+        raise InputError("static scale must be positive and finite", field=field)
+    return s.reshape(nblocks[0], 1, nblocks[1], 1)
+
+
+def _encode_e4m3(y: torch.Tensor) -> torch.Tensor:
+    return C.encode(y.clamp(-FP8_MAX, FP8_MAX), C.E4M3)
+
+
+def _pack(recipe, x, codes_b, s, info, opts) -> QTensor:
+    codes = from_blocks(codes_b, info).view(torch.float8_e4m3fn)
+    _, R, Cc, br, bc = info
+    return QTensor(recipe, codes, s.reshape(s.shape[0], s.shape[2]), None, (br, bc),
+                   tuple(x.shape), x.dtype, opts)
+
+
+def dequantize_fp8(q: QTensor) -> torch.Tensor:
+    """``decode_e4m3(code) * scale`` in float32 (all fp8 recipes)."""
+    info = (q.shape, *resolve_block(torch.Size(q.shape), q.block))
+    cb = codes_to_blocks(q.codes.view(torch.uint8), info)
+    s = q.scales.to(torch.float32)
+    y = C.decode(cb, C.E4M3) * s.reshape(s.shape[0], 1, s.shape[1], 1)
+    return from_blocks(y, info)
+
+
+def _vllm_fp8(recipe, x, block, scale, scale_ub) -> QTensor:
+    xb, info = to_blocks(x, block)
+    nblocks = (xb.shape[0], xb.shape[2])
+    if scale is None:
+        amax = block_amax(xb)
+        if scale_ub is not None:
+            amax = amax.clamp(max=float(scale_ub))
+        s = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+    else:
+        s = _static_scale(scale, nblocks)
+    codes_b = _encode_e4m3(xb * s.reciprocal())
+    return _pack(recipe, x, codes_b, s, info, {})
+
+
+def quantize_fp8_tensor(x: torch.Tensor, scale=None) -> QTensor:
+    """Per-tensor FP8 (vLLM ``QuantFP8`` per-tensor, dynamic or static).
+
+    dynamic: ``s = max(amax(|x|) / 448, 1/(448*512))``; static: ``s = scale`` (e.g. a checkpoint's
+    ``input_scale``). ``y = e4m3_rne(clamp(x * (1/s), -448, 448))`` — vLLM multiplies by the
+    reciprocal rather than dividing. ``x_hat = y * s``.
+    An inf in ``x`` makes ``s = inf``: finite elements become 0 and the inf element NaN (as vLLM).
+    """
+    return _vllm_fp8("fp8_tensor", x, (-1, -1), scale, None)
+
+
+def quantize_fp8_token(x: torch.Tensor, scale_ub=None, scale=None) -> QTensor:
+    """Dynamic per-token FP8 (vLLM ``dynamic_per_token_scaled_fp8_quant`` / ``QuantFP8`` per-token).
+
+    For each row of the last dimension: ``a = min(amax(|x_row|), scale_ub)``,
+    ``s = max(a / 448, 1/(448*512))``, ``y = e4m3_rne(clamp(x * (1/s), -448, 448))``, ``x_hat = y*s``.
+    """
+    return _vllm_fp8("fp8_token", x, (1, -1), scale, scale_ub)
+
+
+def quantize_fp8_channel(x: torch.Tensor, scale=None) -> QTensor:
+    """Per-output-channel FP8 weights (compressed-tensors ``channel`` strategy, one scale per row).
+
+    ``s = amax(|w_row|) / 448`` (float32; an all-zero row gets ``s = float32 eps`` as
+    compressed-tensors does), ``y = e4m3_rne(clamp(w / s, -448, 448))`` (true division),
+    ``w_hat = y * s``.
+    """
+    xb, info = to_blocks(x, (1, -1))
+    if scale is None:
+        s = block_amax(xb) / FP8_MAX
+        s = torch.where(s == 0, torch.finfo(torch.float32).eps, s)
+    else:
+        s = _static_scale(scale, (xb.shape[0], xb.shape[2]))
+    return _pack("fp8_channel", x, _encode_e4m3(xb / s), s, info, {})
+
+
+def ceil_pow2(s: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two >= s, exactly (frexp; no log2 rounding). 0 stays 0, NaN stays NaN."""
+    m, e = torch.frexp(s)
+    up = torch.where(m == 0.5, e - 1, e)             # m == 0.5 <=> s is already a power of two
+    p = torch.ldexp(torch.ones_like(s), up)
+    return torch.where((s == 0) | ~torch.isfinite(s), s, p)
+
+
+def quantize_fp8_block(x: torch.Tensor, block=(1, 128), eps: float = 1e-10, ue8m0: bool = False,
+                       scale=None) -> QTensor:
+    """DeepSeek-V3 block FP8: 1x128 activation tiles, 128x128 weight blocks (pass ``block``).
+
+    vLLM ``per_token_group_quant_fp8`` (the Triton kernel): ``a = max(amax(|x_blk|), eps)`` with
+    ``eps = 1e-10``, ``s = a * fp32(1/448)``; with ``ue8m0=True`` (DeepGEMM on Blackwell)
+    ``s = 2^ceil(log2 s)`` — computed exactly here (vLLM's ``exp2(ceil(log2(s)))`` can miss by one
+    binade when ``s`` is within an fp32 ulp above a power of two). ``y = e4m3_rne(clamp(x / s))``,
+    ``x_hat = y * s``. Weight checkpoints store ``s`` as ``weight_scale_inv`` (one per block).
+    """
+    br, bc = block
+    xb, info = to_blocks(x, (br, bc))
+    if scale is None:
+        s = block_amax(xb).clamp(min=eps) * RCP_448
+        if ue8m0:
+            s = ceil_pow2(s)
+    else:
+        s = _static_scale(scale, (xb.shape[0], xb.shape[2]))
+    return _pack("fp8_block", x, _encode_e4m3(xb / s), s, info, {"block": tuple(block), "ue8m0": ue8m0})

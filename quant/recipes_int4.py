@@ -1,0 +1,70 @@
+"""INT4 symmetric groups (compressed-tensors ``pack-quantized`` W4A16, as used to serve
+Kimi-K2-class models in INT4).
+
+For each group of ``group`` (32) consecutive elements of the last dimension, following
+compressed-tensors ``calculate_qparams`` / ``_quantize`` / ``_dequantize`` operation by operation::
+
+    s = (amax(|w_g|) in scale_dtype) / 7.5        # 7.5 = (qmax - qmin) / 2 = (7 - (-8)) / 2
+    s = eps(scale_dtype) where s == 0             # bf16 eps = 2^-7
+    q = round_half_even(clamp(w / s, -8, 7))      # w / s in torch's promoted dtype (bf16 for bf16 w)
+    w_hat = q.to(scale_dtype) * s                 # product rounded to scale_dtype
+
+``scale_dtype`` defaults to the weight's dtype (the checkpoint's ``weight_scale`` dtype). Both
+divisions and the product round in that dtype, so bf16 weights see bf16 double rounding exactly
+as the serving checkpoint was produced. Codes are int8 values in [-8, 7]; the checkpoint packs
+them eight per int32 (``pack_int4_to_int32``) with an offset of 8.
+"""
+from __future__ import annotations
+
+import torch
+
+from skyrl_numerics.errors import InputError
+
+from . import codecs as C
+from .blocks import block_amax, codes_to_blocks, from_blocks, resolve_block, to_blocks
+from .qtensor import QTensor
+
+
+def quantize_int4(x: torch.Tensor, group: int = 32, scale_dtype: torch.dtype | None = None) -> QTensor:
+    """Symmetric INT4 groups (formula in the module doc)."""
+    if not x.is_floating_point():
+        raise InputError(f"int4 quantizes floating-point weights, got {x.dtype}", field="x")
+    sd = scale_dtype or x.dtype
+    xb, info = to_blocks(x, (1, group), dtype=x.dtype)
+    amax = block_amax(xb).to(sd)
+    s = amax / 7.5
+    s = torch.where(s == 0, torch.tensor(torch.finfo(sd).eps, dtype=sd), s)
+    scaled = xb / s
+    if bool(torch.isnan(scaled).any()):
+        idx = int(torch.isnan(from_blocks(scaled, info)).flatten().nonzero()[0])
+        raise InputError(f"NaN in int4 input (flat index {idx})", field="x", index=idx)
+    q = C.encode_int4(scaled.clamp(-8, 7))
+    return QTensor("int4_g32", from_blocks(q, info), s.reshape(s.shape[0], s.shape[2]), None, (1, group),
+                   tuple(x.shape), x.dtype, {"group": group})
+
+
+def dequantize_int4(q: QTensor) -> torch.Tensor:
+    """``q.to(scale_dtype) * s`` in the scale dtype (compressed-tensors ``_dequantize``)."""
+    info = (q.shape, *resolve_block(torch.Size(q.shape), q.block))
+    cb = codes_to_blocks(q.codes, info)
+    s = q.scales
+    return from_blocks(cb.to(s.dtype) * s.reshape(s.shape[0], 1, s.shape[1], 1), info)
+
+
+def pack_int4_to_int32(q: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors ``pack_to_int32`` layout: ``u = q + 8`` (uint4), eight per int32 along the
+    last dim, element ``8i + j`` in bits ``4j .. 4j+3``."""
+    if q.shape[-1] % 8:
+        raise InputError(f"int32 packing needs the last dim divisible by 8, got {q.shape[-1]}", field="q")
+    u = (q.to(torch.int64) + 8).reshape(*q.shape[:-1], q.shape[-1] // 8, 8)
+    shifts = torch.arange(8, dtype=torch.int64) * 4
+    packed = (u << shifts).sum(-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def unpack_int4_from_int32(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_int4_to_int32` -> int8 ``[..., n]``."""
+    p = packed.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(8, dtype=torch.int64) * 4
+    u = (p.unsqueeze(-1) >> shifts) & 0xF
+    return (u.reshape(*packed.shape[:-1], -1)[..., :n] - 8).to(torch.int8)

@@ -1,0 +1,151 @@
+"""NVFP4: E2M1 elements in 1x16 blocks (or 16x16 weight tiles), E4M3 block scales, FP32 global scale.
+
+One format, four serving/training conventions that round differently. All arithmetic is float32
+(``fl(.)`` = one float32 rounding); ``A`` is the global amax (static ``global_amax`` if given, else
+``amax(|x|)``), ``a`` a block's amax, ``e4m3(.)`` the RNE/satfinite cast, ``e2m1(.)`` the RNE cast
+after a clamp to +-6.
+
+``vllm`` — vLLM's NVFP4 activation quantizer (``scaled_fp4_quant`` / ``ref_nvfp4_quant``) fed from
+a modelopt checkpoint (``input_scale = g = fl(A/2688)``, ``input_global_scale_inv = fl(1/g)``)::
+
+    G = fl(1/g);  s = e4m3(min(fl(G * fl(a * fp32(1/6))), 448))
+    y = e2m1(x * fl(1 / fl(s * fl(1/G))))   (0 where s == 0);   x_hat = y * fl(s / G)
+
+``te`` — Transformer Engine (dynamic, ``compute_global_encode_scaling_factor_FP4`` and the
+``quantization_ref_nvfp4`` reference)::
+
+    S = min(fl(2688 / A), FLT_MAX), S = 1 if A == 0;   s = e4m3(min(fl(fl(a / 6) * S), 448))
+    y = e2m1(x * min(fl(1 / fl(s * fl(1/S))), FLT_MAX));   x_hat = y * fl(fl(s * A) * fp32(1/2688))
+
+``modelopt`` — TensorRT Model Optimizer ``NVFP4QTensor`` (the checkpoint writer)::
+
+    g = fl(A / 2688) (weight_scale_2);   s = e4m3(fl(a / fl(6 g))), an exact-zero block gets s = 1
+    y = e2m1(x / fl(s * g)), NaN -> +6, sign from x < 0;   x_hat = y * fl(s * g)
+
+``torchao`` — torchao ``nvfp4_quantize`` with a per-tensor scale::
+
+    g = fl(A / 2688);   s = e4m3(clamp(fl(fl(a / 6) / g), 2^-6, 448))    # block-scale floor 2^-6
+    y = e2m1(x / fl(g * s));   x_hat = y * fl(g * s)
+
+Differences that matter: vllm multiplies by a reciprocal built from the checkpoint's inverse
+global scale; te multiplies by a reciprocal of the dequantized scale and clips it at FLT_MAX;
+modelopt and torchao divide. Tiny blocks: modelopt and vllm/te let the E4M3 scale fall into its
+subnormals down to 2^-9 (and to 0, giving zero blocks), torchao floors it at 2^-6. Zero blocks:
+modelopt stores scale 1.0, the others 0 (torchao 2^-6).
+
+``global_scale`` in the returned QTensor is what each convention keeps: vllm/modelopt/torchao
+``g = A/2688`` (checkpoint ``weight_scale_2`` / ``input_scale``), te the amax ``A``.
+An all-zero tensor (``A = 0``) gives zero codes, zero block scales and ``g = 0`` in every
+convention (the upstream formulas would divide 0/0 there).
+"""
+from __future__ import annotations
+
+import torch
+
+from skyrl_numerics.errors import InputError
+
+from . import codecs as C
+from .blocks import block_amax, codes_to_blocks, from_blocks, resolve_block, to_blocks
+from .qtensor import QTensor
+
+CONVENTIONS = ("vllm", "te", "modelopt", "torchao")
+FLT_MAX = torch.finfo(torch.float32).max
+E4M3_TINY = 2.0 ** -6
+F32 = torch.float32
+
+
+def _t(v) -> torch.Tensor:
+    return torch.tensor(v, dtype=F32)
+
+
+RCP_6 = _t(1.0 / 6.0)
+RCP_2688 = _t(1.0 / 2688.0)
+
+
+def _e4m3(v: torch.Tensor) -> torch.Tensor:
+    return C.decode(C.encode(v, C.E4M3), C.E4M3)
+
+
+def _global_amax(x: torch.Tensor, global_amax) -> torch.Tensor:
+    if global_amax is None:
+        return x.detach().abs().amax().to(F32) if x.numel() else _t(0.0)
+    A = torch.as_tensor(global_amax, dtype=F32).reshape(())
+    if not bool(torch.isfinite(A) & (A >= 0)):
+        raise InputError(f"global_amax must be finite and >= 0, got {float(A)}", field="global_amax")
+    return A
+
+
+def _scales(conv: str, a: torch.Tensor, A: torch.Tensor):
+    """-> (block scale s [e4m3 values, f32], element multiplier or divisor, is_divisor, global)."""
+    if conv == "vllm":
+        g = A / 2688.0
+        G = 1.0 / g
+        s = _e4m3((G * (a * RCP_6)).clamp(max=448.0))
+        m = torch.where(s == 0, 0.0, 1.0 / (s * (1.0 / G)))
+        return s, m, False, g
+    if conv == "te":
+        S = torch.clamp(2688.0 / A, max=FLT_MAX)
+        S = torch.where((A == 0) | (S == 0), _t(1.0), S)
+        s = _e4m3(torch.clamp((a / 6.0) * S, max=FLT_MAX).clamp(max=448.0))
+        m = torch.clamp(1.0 / (s * (1.0 / S)), max=FLT_MAX)
+        return s, m, False, A
+    if conv == "modelopt":
+        g = A / 2688.0
+        s_hp = a / (6.0 * g)
+        s = _e4m3(torch.where(s_hp == 0, 1.0, s_hp))
+        return s, s * g, True, g
+    if conv == "torchao":
+        g = A / 2688.0
+        s = _e4m3(((a / 6.0) / g).clamp(min=E4M3_TINY, max=448.0))
+        return s, g * s, True, g
+    raise InputError(f"unknown nvfp4 convention {conv!r}; expected one of {CONVENTIONS}", field="convention")
+
+
+def quantize_nvfp4(x: torch.Tensor, convention: str = "vllm", global_amax=None, tile=(1, 16)) -> QTensor:
+    """NVFP4 in a named convention (formulas in the module doc). ``tile=(16, 16)`` gives the 2-D
+    weight blocks of NVIDIA's NVFP4 training recipe (one scale per 16x16 tile of a 2-D weight)."""
+    tile = tuple(tile)
+    if tile not in ((1, 16), (16, 16)):
+        raise InputError(f"nvfp4 tiles are (1, 16) or (16, 16), got {tile}", field="tile")
+    if x.shape[-1] % 2:
+        raise InputError(f"nvfp4 packs two codes per byte: last dim must be even, got {x.shape[-1]}", field="x")
+    if tile == (16, 16) and x.dim() != 2:
+        raise InputError(f"16x16 tiles need a 2-D weight, got shape {tuple(x.shape)}", field="x")
+    A = _global_amax(x, global_amax)
+    xb, info = to_blocks(x, tile)
+    a = block_amax(xb)
+    if float(A) == 0.0:
+        s = torch.zeros_like(a)
+        codes_b = torch.zeros(xb.shape, dtype=torch.uint8)
+        g = A if convention == "te" else A / 2688.0
+    else:
+        s, m, divide, g = _scales(convention, a, A)
+        y = xb / m if divide else xb * m
+        nan_block = torch.isnan(s).expand_as(y)
+        if convention == "modelopt":
+            y = torch.where(torch.isnan(y), float("inf"), y)        # searchsorted puts NaN at the top
+            y = torch.where(y == 0, torch.zeros_like(y), y)          # sign from (x < 0): -0 -> +0
+        y = torch.where(nan_block | torch.isnan(y), torch.zeros_like(y), y).clamp(-6.0, 6.0)
+        codes_b = C.encode(y, C.E2M1)
+    codes = C.pack_fp4(from_blocks(codes_b, info))
+    scales = C.encode(s.reshape(s.shape[0], s.shape[2]), C.E4M3).view(torch.float8_e4m3fn)
+    return QTensor("nvfp4", codes, scales, g.reshape(()).to(F32), tile, tuple(x.shape), x.dtype,
+                   {"convention": convention})
+
+
+def dequantize_nvfp4(q: QTensor) -> torch.Tensor:
+    """Per convention: vllm ``y * fl(s / fl(1/g))``; te ``y * fl(fl(s*A) * fp32(1/2688))``;
+    modelopt / torchao ``y * fl(s * g)``."""
+    conv = q.opts["convention"]
+    info = (q.shape, *resolve_block(torch.Size(q.shape), q.block))
+    cb = codes_to_blocks(C.unpack_fp4(q.codes), info)
+    s = C.decode(q.scales.view(torch.uint8), C.E4M3)
+    s = s.reshape(s.shape[0], 1, s.shape[1], 1)
+    g = q.global_scale.to(F32)
+    if conv == "vllm":
+        f = torch.where(g == 0, torch.zeros_like(s), s / (1.0 / g))
+    elif conv == "te":
+        f = (s * g) * RCP_2688
+    else:
+        f = s * g
+    return from_blocks(C.decode(cb, C.E2M1) * f, info)
