@@ -58,11 +58,11 @@ def register_row(row: Row) -> Row:
     return row
 
 
-def _plain_trainer(dtype: str | None):
+def _plain_trainer(dtype: str | None, **kw):
     def compute(ctx: DoctorContext, rollout: Rollout) -> np.ndarray:
         from skyrl_numerics.trainer.logprobs import trainer_logprobs
 
-        return trainer_logprobs(ctx.hf_model(dtype), rollout).logprobs
+        return trainer_logprobs(ctx.hf_model(dtype), rollout, **kw).logprobs
     return compute
 
 
@@ -76,20 +76,9 @@ register_row(Row("top-p/top-k: HF trainer, full-vocab", "top-p/top-k", _plain_tr
                       "trainer normalizes over the whole vocabulary"))
 
 
-def _support_replay(ctx: DoctorContext, rollout: Rollout) -> np.ndarray:
-    from skyrl_numerics.replay.doctor_rows import support_replay_logprobs
-
-    return support_replay_logprobs(ctx.hf_model(None), rollout)
-
-
-def _maybe_register_optional_rows() -> None:
-    """Rows whose pieces live in other subpackages register only when those pieces exist."""
-    try:
-        from skyrl_numerics.replay import doctor_rows  # noqa: F401
-    except ImportError:
-        return
-    register_row(Row("top-p/top-k: + support replay", "top-p/top-k", _support_replay,
-                     note="logprobs renormalized over the support vLLM sampled from"))
+register_row(Row("top-p/top-k: + support replay", "top-p/top-k",
+                 _plain_trainer(None, use_support=True),
+                 note="trainer logprobs renormalized over the support vLLM sampled from"))
 
 
 @dataclass
@@ -128,7 +117,6 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
     from skyrl_numerics.report import ReportRow
     from skyrl_numerics.trainer.generator import get_generator
 
-    _maybe_register_optional_rows()
     selected = [r for r in ROWS if (r.name in rows if rows else r.default)]
     if rows:
         unknown = set(rows) - {r.name for r in ROWS}

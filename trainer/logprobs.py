@@ -62,15 +62,28 @@ def _decoder_and_head(model):
     return body, model.get_output_embeddings().weight
 
 
+def _support_rows(support, a: int, b: int):
+    """The support sets of response tokens ``[a, b)`` as their own PackedSupport (views)."""
+    from skyrl_numerics.replay import PackedSupport
+
+    off = support.offsets[a:b + 1]
+    return PackedSupport(support.token_ids[off[0]:off[-1]], off - off[0], support.vocab_size,
+                         validate=False)
+
+
 def trainer_logprobs(model, rollout: Rollout, *, batch_size: int = 8, token_chunk: int = 1024,
                      temperature: float | None = None, forward_hook: Callable | None = None,
-                     pad_id: int = 0) -> TrainerLogprobs:
+                     pad_id: int = 0, use_support: bool = False) -> TrainerLogprobs:
     """Recompute the rollout's response logprobs with ``model`` (HF causal LM), no grad.
 
     Sequences are batched ``batch_size`` at a time, right-padded with an attention mask.
     ``temperature`` defaults to the rollout's sampling temperature. ``forward_hook(batch_rows)``,
     if given, is a context-manager factory entered around each batch's forward (used by replay
     pieces that need to know which rows are in the batch).
+
+    ``use_support``: renormalize each token's logprob (and entropy) over the support the engine
+    sampled from (``rollout.support``, top-p/top-k replay) with
+    :func:`skyrl_numerics.replay.support_logprobs` instead of the full vocabulary.
     """
     import contextlib
 
@@ -78,6 +91,11 @@ def trainer_logprobs(model, rollout: Rollout, *, batch_size: int = 8, token_chun
 
     if temperature is None:
         temperature = float(rollout.sampling.get("temperature", 1.0) or 1.0)
+    if use_support and rollout.support is None:
+        from skyrl_numerics.errors import InputError
+
+        raise InputError("use_support=True but the rollout has no support sets (generate with "
+                         "capture_support=True)", field="support")
     body, weight = _decoder_and_head(model)
     device = weight.device
     out_lp = np.empty(rollout.num_response_tokens, dtype=np.float32)
@@ -105,9 +123,18 @@ def trainer_logprobs(model, rollout: Rollout, *, batch_size: int = 8, token_chun
             pb = torch.from_numpy(np.concatenate(pos_b)).to(device)
             pt = torch.from_numpy(np.concatenate(pos_t)).to(device)
             tg = torch.from_numpy(np.concatenate(targets).astype(np.int64)).to(device)
-            lp, ent = token_logprobs_from_hidden(hidden[pb, pt], weight, tg,
-                                                 temperature=temperature, token_chunk=token_chunk)
             a, b_ = rollout.response_cu[rows[0]], rollout.response_cu[rows[-1] + 1]
+            if use_support:
+                from skyrl_numerics.replay import support_logprobs
+
+                h = hidden[pb, pt]
+                if temperature != 1.0:
+                    h = h.float() / temperature
+                lp, ent = support_logprobs(h, weight, tg, _support_rows(rollout.support, a, b_))
+            else:
+                lp, ent = token_logprobs_from_hidden(hidden[pb, pt], weight, tg,
+                                                     temperature=temperature,
+                                                     token_chunk=token_chunk)
             out_lp[a:b_] = lp.cpu().numpy()
             out_ent[a:b_] = ent.cpu().numpy()
     return TrainerLogprobs(logprobs=out_lp, entropy=out_ent)

@@ -25,4 +25,7 @@ def test_doctor_writes_ablation_report(tmp_path, vllm_qwen, capsys):
     # top-p/top-k sampling with a full-vocab trainer: every token is off by log(kept mass) > 0
     trunc = rows["top-p/top-k: HF trainer, full-vocab"]["summary"]
     assert trunc["mean_abs"] > 10 * base["mean_abs"]
+    # support replay removes that bias: back to the baseline's order of magnitude
+    replay = rows["top-p/top-k: + support replay"]["summary"]
+    assert replay["mean_abs"] < 5 * base["mean_abs"] and replay["F_2"] == 0.0
     assert (out / "gap.png").read_bytes()[:4] == b"\x89PNG"
