@@ -1,0 +1,340 @@
+"""Off-policy corrections for what is left of the trainer–rollout gap.
+
+Every function takes the trainer and rollout logprobs of the sampled tokens (padded ``[B, T]``
+with an optional ``mask``, or flat 1-D with ``cu_seqlens=``; torch or numpy) and returns a
+:class:`Correction`: IS ``weights`` and a keep ``mask`` in the input's layout, plus ``metrics``
+of what was clipped or removed. Torch in → torch out on the same device (weights float32, or
+float64 for float64 input; computed in float64, no grad); numpy in → numpy out (float64).
+
+Notation per valid token t of sequence i: ``d_t = log π_train − log π_rollout`` and
+``r_t = exp(d_t)``; ``S_i = Σ_t d_t`` (so ``Π_t r_t = exp(S_i)``), ``L_i`` the number of valid
+tokens. All bounds are inclusive, all comparisons are done on logs (no overflow).
+
+==================  ========================================================================
+``token_tis``       w_t = min(r_t, C)                                    (truncated IS)
+``sequence_tis``    w_t = min(Π r, C) = exp(min(S_i, ln C)) on every token of sequence i
+``geometric_mask``  keep sequence i iff lo ≤ exp(S_i / L_i) ≤ hi         (geo-mean ratio)
+``product_mask``    keep sequence i iff lo ≤ exp(S_i) ≤ hi               (sequence RS)
+``outlier_veto``    drop sequence i iff some token has r_t < lo or r_t > hi
+``token_mask``      keep token t iff lo ≤ r_t ≤ hi                       (token RS / IcePop)
+``masked_is``       MIS: w_t = min(r_t, C) and keep t iff lo ≤ r_t ≤ hi
+==================  ========================================================================
+
+How to use the result: ``loss = Σ (loss_weights · ℓ_t) / Σ mask`` where ``loss_weights =
+weights · mask``. For MIS this is the decoupled form of slime PR #657 / verl #3915 (IS weights
+and rejection mask kept apart so rejected tokens leave the denominator too); C defaults to hi,
+where truncation is a no-op on kept tokens. ``combine`` chains corrections (weights multiply,
+masks AND), e.g. token TIS + geometric mask + veto, the SkyRL recipe.
+
+Metrics (floats): ``n_tokens`` / ``n_seqs`` (valid tokens, sequences with ≥ 1 valid token),
+``frac_tokens_masked`` (valid tokens removed), ``frac_seqs_masked`` (sequences left with no
+kept token), ``frac_tokens_clipped`` (valid tokens whose weight was truncated below r),
+``frac_seqs_clipped`` (sequence TIS), ``mean_weight`` (over kept tokens; NaN if none),
+``mean_ratio`` (mean r over valid tokens).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from skyrl_numerics._gap_layout import FIELDS, is_torch
+from skyrl_numerics.errors import InputError
+
+__all__ = ["Correction", "token_tis", "sequence_tis", "geometric_mask", "product_mask",
+           "outlier_veto", "token_mask", "masked_is", "combine"]
+
+
+@dataclass
+class Correction:
+    """IS ``weights`` (0 outside the input mask), keep ``mask`` (bool), and ``metrics``."""
+
+    name: str
+    weights: object
+    mask: object
+    metrics: dict
+    _state: tuple = field(default=None, repr=False, compare=False)  # padded (batch, w, keep)
+
+    @property
+    def loss_weights(self):
+        """``weights * mask``: multiply the per-token loss by this, divide by ``mask.sum()``."""
+        return self.weights * self.mask
+
+
+# -- layout -----------------------------------------------------------------------------------
+class _Batch:
+    """Padded float64 ``d`` [B, T] + ``valid`` [B, T] (torch), and the way back to the input layout."""
+
+    def __init__(self, trainer, rollout, mask, cu_seqlens):
+        import torch
+
+        self.numpy = not is_torch(trainer)
+        a, b = self._tensor(trainer, FIELDS[0]), self._tensor(rollout, FIELDS[1])
+        self.device = a.device
+        self.out_dtype = torch.float64 if (self.numpy or a.dtype == torch.float64) else torch.float32
+        if a.dim() not in (1, 2):
+            raise InputError(f"expected 1-D (flat) or 2-D [B, T] (padded), got shape {tuple(a.shape)}",
+                             field=FIELDS[0])
+        if b.shape != a.shape:
+            raise InputError(f"shape {tuple(b.shape)}, expected {tuple(a.shape)} (same as trainer_logprobs)",
+                             field=FIELDS[1])
+        if a.numel() == 0:
+            raise InputError("empty input: no tokens", field=FIELDS[0])
+        b = b.to(a.device)
+        self.cu = None
+        if a.dim() == 1:
+            n = a.numel()
+            if cu_seqlens is None:
+                cu = torch.tensor([0, n], device=a.device)
+            else:
+                cu = self._tensor(cu_seqlens, "cu_seqlens").to(a.device).long()
+                ok = (cu.dim() == 1 and cu.numel() >= 2 and int(cu[0]) == 0 and int(cu[-1]) == n
+                      and bool((cu[1:] >= cu[:-1]).all()))
+                if not ok:
+                    raise InputError(f"expected non-decreasing [0, ..., {n}] of shape [B+1]", field="cu_seqlens")
+            self.cu = cu
+        elif cu_seqlens is not None:
+            raise InputError("cu_seqlens is for flat 1-D input; padded [B, T] input uses mask", field="cu_seqlens")
+        if mask is None:
+            valid = torch.ones(a.shape, dtype=torch.bool, device=a.device)
+        else:
+            m = self._tensor(mask, "mask").to(a.device)
+            if m.shape != a.shape:
+                raise InputError(f"shape {tuple(m.shape)}, expected {tuple(a.shape)} (same as trainer_logprobs)",
+                                 field="mask")
+            if m.dtype != torch.bool:
+                bad = (m != 0) & (m != 1)
+                if bool(bad.any()):
+                    self._raise_at(bad, "mask", "is not 0/1 or bool", values=m)
+            valid = m.bool()
+        if a.dim() == 1:
+            n, cu = a.numel(), self.cu
+            lengths = cu[1:] - cu[:-1]
+            bsz, t = lengths.numel(), int(lengths.max())
+            self.seg = torch.repeat_interleave(torch.arange(bsz, device=a.device), lengths)
+            self.pos = torch.arange(n, device=a.device) - cu[:-1][self.seg]
+            self.shape1d = a.shape
+            self._check_finite(a, b, valid)
+            d = torch.zeros(bsz, t, dtype=torch.float64, device=a.device)
+            v = torch.zeros(bsz, t, dtype=torch.bool, device=a.device)
+            d[self.seg, self.pos] = torch.where(valid, a.double() - b.double(), 0.0)
+            v[self.seg, self.pos] = valid
+        else:
+            self._check_finite(a, b, valid)
+            d = torch.where(valid, a.double() - b.double(), torch.zeros((), dtype=torch.float64, device=a.device))
+            v = valid
+        self.d, self.valid = d, v
+
+    @staticmethod
+    def _tensor(x, fld):
+        import torch
+
+        if is_torch(x):
+            return x.detach()
+        arr = np.asarray(x)
+        if arr.dtype.kind not in "fiub":
+            raise InputError(f"dtype {arr.dtype} is not a real number type", field=fld)
+        return torch.from_numpy(np.ascontiguousarray(arr))
+
+    def _raise_at(self, bad, fld, what, values=None):
+        import torch
+
+        k = int(torch.nonzero(bad.reshape(-1))[0])
+        if bad.dim() == 2:
+            row, idx = divmod(k, bad.shape[1])
+        elif self.cu is not None:
+            row = int(torch.searchsorted(self.cu, torch.tensor(k, device=self.cu.device), right=True)) - 1
+            idx = k - int(self.cu[row])
+        else:
+            row, idx = 0, k
+        v = "" if values is None else f" {float(values.reshape(-1)[k])!r}"
+        raise InputError(f"value{v}: {what}", row=row, field=fld, index=idx)
+
+    def _check_finite(self, a, b, valid):
+        import torch
+
+        for x, fld in ((a, FIELDS[0]), (b, FIELDS[1])):
+            bad = ~torch.isfinite(x) & valid
+            if bool(bad.any()):
+                self._raise_at(bad, fld, "not finite", values=x)
+
+    def out(self, x):
+        """Padded [B, T] tensor -> the input's layout and kind."""
+        if self.cu is not None:
+            x = x[self.seg, self.pos]
+        if x.dtype == self.d.dtype:
+            x = x.to(self.out_dtype)
+        return x.cpu().numpy() if self.numpy else x
+
+
+def _metrics(batch: _Batch, w, keep, clipped) -> dict:
+    import torch
+
+    valid = batch.valid
+    n_tok = int(valid.sum())
+    seq_has = valid.any(dim=1)
+    n_seq = int(seq_has.sum())
+    n_keep = int(keep.sum())
+    r = torch.exp(batch.d)
+    return {
+        "n_tokens": float(n_tok),
+        "n_seqs": float(n_seq),
+        "frac_tokens_masked": (n_tok - n_keep) / max(n_tok, 1),
+        "frac_seqs_masked": int((seq_has & ~keep.any(dim=1)).sum()) / max(n_seq, 1),
+        "frac_tokens_clipped": int((clipped & valid).sum()) / max(n_tok, 1),
+        "mean_weight": float(w[keep].mean()) if n_keep else math.nan,
+        "mean_ratio": float(r[valid].mean()) if n_tok else math.nan,
+    }
+
+
+def _finish(name, batch: _Batch, logw, keep, clipped, extra=None) -> Correction:
+    """Build the Correction from padded log-weights, keep mask and clipped mask."""
+    import torch
+
+    valid = batch.valid
+    keep = keep & valid
+    w = torch.where(valid, torch.exp(logw), torch.zeros((), dtype=torch.float64, device=valid.device))
+    metrics = _metrics(batch, w, keep, clipped)
+    metrics.update(extra or {})
+    return Correction(name, batch.out(w), batch.out(keep), metrics, _state=(batch, w, keep))
+
+
+def _log_bound(x, default=None):
+    if x is None:
+        return default
+    if not (x > 0):
+        raise InputError(f"bound {x!r} must be > 0", field="bounds")
+    return math.log(x)
+
+
+def _bounds(lo, hi):
+    """(ln lo, ln hi); ``lo=None`` means 1/hi (verl's reciprocal default)."""
+    if hi is None:
+        raise InputError("upper bound is required", field="bounds")
+    lhi = _log_bound(hi)
+    llo = -lhi if lo is None else _log_bound(lo)
+    if llo > lhi:
+        raise InputError(f"lower bound {lo!r} > upper bound {hi!r}", field="bounds")
+    return llo, lhi
+
+
+def _seq_sum(batch):
+    return batch.d.sum(dim=1)      # padding is 0 in d
+
+
+# -- corrections ------------------------------------------------------------------------------
+def token_tis(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, cap: float = 2.0) -> Correction:
+    """Token truncated IS: ``w_t = min(r_t, C)``; nothing masked. (SkyRL ML4 recipe: C = 2.)"""
+    import torch
+
+    b = _Batch(trainer_logprobs, rollout_logprobs, mask, cu_seqlens)
+    lc = _log_bound(cap)
+    return _finish("token_tis", b, torch.clamp(b.d, max=lc), b.valid, b.d > lc)
+
+
+def sequence_tis(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, cap: float = 5.0) -> Correction:
+    """Sequence truncated IS: ``w_i = min(Π_t r_t, C) = exp(min(S_i, ln C))`` on all tokens of i."""
+    import torch
+
+    b = _Batch(trainer_logprobs, rollout_logprobs, mask, cu_seqlens)
+    lc = _log_bound(cap)
+    s = _seq_sum(b)
+    clipped_seq = (s > lc) & b.valid.any(dim=1)
+    logw = torch.clamp(s, max=lc)[:, None].expand_as(b.d)
+    n_seq = max(int(b.valid.any(dim=1).sum()), 1)
+    return _finish("sequence_tis", b, logw, b.valid, clipped_seq[:, None].expand_as(b.d),
+                   {"frac_seqs_clipped": int(clipped_seq.sum()) / n_seq})
+
+
+def geometric_mask(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, lo: float | None = None,
+                   hi: float = 1.001) -> Correction:
+    """Drop sequence i unless ``lo ≤ exp(S_i / L_i) ≤ hi`` (``lo`` defaults to 1/hi). Weights 1."""
+    import torch
+
+    b = _Batch(trainer_logprobs, rollout_logprobs, mask, cu_seqlens)
+    llo, lhi = _bounds(lo, hi)
+    n = b.valid.sum(dim=1)
+    g = _seq_sum(b) / n.clamp(min=1)
+    keep = ((g >= llo) & (g <= lhi))[:, None].expand_as(b.d)
+    return _finish("geometric_mask", b, torch.zeros_like(b.d), keep, torch.zeros_like(b.valid))
+
+
+def product_mask(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, lo: float | None = None,
+                 hi: float = 2.0) -> Correction:
+    """Drop sequence i unless ``lo ≤ Π_t r_t ≤ hi`` (``lo`` defaults to 1/hi). Weights 1."""
+    import torch
+
+    b = _Batch(trainer_logprobs, rollout_logprobs, mask, cu_seqlens)
+    llo, lhi = _bounds(lo, hi)
+    s = _seq_sum(b)
+    keep = ((s >= llo) & (s <= lhi))[:, None].expand_as(b.d)
+    return _finish("product_mask", b, torch.zeros_like(b.d), keep, torch.zeros_like(b.valid))
+
+
+def outlier_veto(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, lo: float | None = 1e-4,
+                 hi: float | None = None) -> Correction:
+    """Drop the whole sequence if any valid token has ``r_t < lo`` or ``r_t > hi``.
+
+    verl/slime's veto is the lower side only (default ``lo = 1e-4``); ``hi`` (off by default)
+    adds the upper side. Weights 1.
+    """
+    import torch
+
+    b = _Batch(trainer_logprobs, rollout_logprobs, mask, cu_seqlens)
+    llo = _log_bound(lo, -math.inf)
+    lhi = _log_bound(hi, math.inf)
+    bad = ((b.d < llo) | (b.d > lhi)) & b.valid
+    keep = (~bad.any(dim=1))[:, None].expand_as(b.d)
+    return _finish("outlier_veto", b, torch.zeros_like(b.d), keep, torch.zeros_like(b.valid),
+                   {"frac_tokens_outlier": int(bad.sum()) / max(int(b.valid.sum()), 1)})
+
+
+def token_mask(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, lo: float | None = None,
+               hi: float = 2.0) -> Correction:
+    """Drop token t unless ``lo ≤ r_t ≤ hi`` (``lo`` defaults to 1/hi). Weights 1."""
+    import torch
+
+    b = _Batch(trainer_logprobs, rollout_logprobs, mask, cu_seqlens)
+    llo, lhi = _bounds(lo, hi)
+    keep = (b.d >= llo) & (b.d <= lhi)
+    return _finish("token_mask", b, torch.zeros_like(b.d), keep, torch.zeros_like(b.valid))
+
+
+def masked_is(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, lo: float | None = None,
+              hi: float = 2.0, cap: float | None = None) -> Correction:
+    """Masked IS (MIS): ``w_t = min(r_t, C)`` (C defaults to hi) and keep t iff ``lo ≤ r_t ≤ hi``.
+
+    Follows slime's MIS after PR #657 (design of verl #3915): the weight keeps the ratio, the
+    rejection lives in the mask, so a rejected token leaves both numerator and denominator.
+    """
+    import torch
+
+    b = _Batch(trainer_logprobs, rollout_logprobs, mask, cu_seqlens)
+    llo, lhi = _bounds(lo, hi)
+    lc = lhi if cap is None else _log_bound(cap)
+    keep = (b.d >= llo) & (b.d <= lhi)
+    return _finish("masked_is", b, torch.clamp(b.d, max=lc), keep, (b.d > lc) & keep)
+
+
+def combine(*corrections: Correction) -> Correction:
+    """Chain corrections computed on the same batch: weights multiply, masks AND.
+
+    Metrics: the combined ones (same definitions; ``frac_tokens_clipped`` is left out) plus each
+    part's metrics prefixed ``<name>/``.
+    """
+    import torch
+
+    if not corrections:
+        raise InputError("combine() needs at least one Correction", field="corrections")
+    batch, w, keep = corrections[0]._state
+    for i, c in enumerate(corrections[1:], 1):
+        b2, w2, k2 = c._state
+        if w2.shape != w.shape or not torch.equal(b2.valid, batch.valid):
+            raise InputError("corrections were computed on different batches", field="corrections", index=i)
+        w, keep = w * w2, keep & k2
+    metrics = _metrics(batch, w, keep, torch.zeros_like(keep))
+    del metrics["frac_tokens_clipped"]
+    metrics.update({f"{c.name}/{k}": v for c in corrections for k, v in c.metrics.items()})
+    name = "+".join(c.name for c in corrections)
+    return Correction(name, batch.out(w), batch.out(keep), metrics, _state=(batch, w, keep))

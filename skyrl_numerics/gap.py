@@ -1,0 +1,502 @@
+"""The gap tool: how far the trainer's token logprobs are from the rollout engine's.
+
+``measure(trainer_logprobs, rollout_logprobs, mask=None)`` returns a :class:`GapReport`.
+Notation, per masked token t (all sums/means over the N masked tokens, in float64):
+
+* ``Δ = d = log π_train(y_t) − log π_rollout(y_t)``  (trainer minus rollout)
+* ``r = exp(d) = π_train / π_rollout``: the importance ratio of a token sampled by the rollout
+  engine (so every expectation below is an estimate under the rollout policy).
+
+Report fields (README-ready copy with the same formulas: docs/gap.md):
+
+=====================  =====================================================================
+``mean_abs``           mean |d|
+``max_abs``            max |d|
+``p50_abs/p99_abs``    50th / 99th percentile of |d| (numpy ``method="linear"``)
+``frac_bitwise_equal`` share of tokens whose two logprobs are exactly equal (value ``==`` in the
+                       input dtypes; ±0 compare equal; bf16 is compared after its exact upcast)
+``kl_k1``              mean(−d)          Schulman's k1 estimate of KL(π_rollout ‖ π_train)
+``kl_k2``              mean(d²/2)        k2 (biased, low variance)
+``kl_k3``              mean(r − 1 − d)   k3 (unbiased, ≥ 0 per token)
+``chi2``               mean(r²) − 1      estimate of Pearson χ²(π_train ‖ π_rollout)
+                       = E_rollout[r²] − 1 (verl's ``chi2_token``; can be < 0 in a sample)
+``ppl_ratio``          PPL_train / PPL_rollout = exp(mean(−log π_train)) / exp(mean(−log π_rollout))
+                       = exp(mean(−d)) = exp(k1), token level
+``ess``                (Σr)² / (N·Σr²) ∈ (0, 1]: effective sample size of the importance
+                       weights as a share of N (1 = no gap)
+``ratio_*``            mean, std (population, ddof=0), min, max, p1, p99 of r
+``extreme_frac[τ]``    F(τ) = share of tokens with max(r, 1/r) > τ, i.e. |d| > ln τ
+``position_*``         mean |d| at response position p (p-th masked token of its sequence)
+                       and the number of tokens at p
+``seq_*``              per sequence: length, mean |d|, max |d|, log ratio Σd (= log Π r),
+                       geometric-mean ratio exp(mean d). NaN for sequences with no tokens.
+=====================  =====================================================================
+
+Inputs (torch or numpy, any float dtype incl. bf16): padded ``[B, T]`` with optional ``mask``
+(bool or 0/1, ``[B, T]``); a list/tuple of 1-D sequences (optional list of 1-D masks); or flat
+1-D with ``cu_seqlens=`` (``[B+1]``, optional 1-D mask). Masked-out entries are never read for
+validation. Bad data raises :class:`~skyrl_numerics.errors.InputError` naming row, field and
+index: non-finite values, logprobs > ``logprob_tol`` (default 1e-6: log-softmax in fp32 can
+round a probability-1 token a few ulps above 0; anything larger is not a logprob), length or
+shape mismatch, empty input.
+
+Speed: inputs of more than ``FAST_MIN_TOKENS`` tokens take a chunked single pass
+(cache-sized pieces of whole sequences; exp only on the few tokens with |d| > 1/64 — the rest
+use a 6th-order Taylor series of e^d, relative error < 1e-12; exact percentiles by bracketing
+from a sample and partitioning only the bracket). :func:`measure_reference` is the plain
+full-array computation that is the spec; tests hold the fast pass to it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+from skyrl_numerics._gap_layout import Tokens, find_bad_value, normalize
+from skyrl_numerics.errors import InputError
+
+__all__ = ["GapReport", "measure", "measure_reference", "DEFAULT_TAUS", "LOGPROB_TOL"]
+
+DEFAULT_TAUS = (1.5, 2.0, 5.0)
+LOGPROB_TOL = 1e-6
+FAST_MIN_TOKENS = 1 << 18
+_CHUNK = 1 << 16          # tokens per piece: a few float64 buffers fit in L2
+_TAYLOR_MAX = 1.0 / 64    # |d| above this: exact expm1; below: Taylor to d^6 (error < d^7/5040)
+_SAMPLE = 1 << 15         # tokens sampled to place the percentile brackets
+_DOT = 8192               # dot-product block
+
+SUMMARY_KEYS = ("n_tokens", "n_seqs", "mean_abs", "max_abs", "p50_abs", "p99_abs",
+                "frac_bitwise_equal", "kl_k1", "kl_k2", "kl_k3", "chi2", "ppl_ratio", "ess",
+                "ratio_mean", "ratio_std", "ratio_min", "ratio_max", "ratio_p1", "ratio_p99")
+
+
+def _tau_key(tau: float) -> str:
+    return f"F_{tau:g}"
+
+
+def _json_float(x):
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+@dataclass
+class GapReport:
+    """Result of :func:`measure`. Scalars are Python floats, curves numpy arrays."""
+
+    n_tokens: int
+    n_seqs: int
+    mean_abs: float
+    max_abs: float
+    p50_abs: float
+    p99_abs: float
+    frac_bitwise_equal: float
+    kl_k1: float
+    kl_k2: float
+    kl_k3: float
+    chi2: float
+    ppl_ratio: float
+    ess: float
+    ratio_mean: float
+    ratio_std: float
+    ratio_min: float
+    ratio_max: float
+    ratio_p1: float
+    ratio_p99: float
+    extreme_frac: dict = field(default_factory=dict)          # {tau: F(tau)}
+    position_mean_abs: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    position_count: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    seq_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    seq_mean_abs: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    seq_max_abs: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    seq_log_ratio: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    seq_geo_ratio: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    dtypes: tuple = ("", "")
+
+    def summary(self) -> dict:
+        """Flat dict of the headline scalars: ``SUMMARY_KEYS`` then ``F_<tau>`` per τ."""
+        out = {k: getattr(self, k) for k in SUMMARY_KEYS}
+        out.update({_tau_key(t): f for t, f in self.extreme_frac.items()})
+        return out
+
+    def to_dict(self) -> dict:
+        """JSON-serializable dict (non-finite floats become ``None``)."""
+        s = {k: (v if isinstance(v, int) else _json_float(v)) for k, v in self.summary().items()}
+        return {
+            "summary": s,
+            "taus": [float(t) for t in self.extreme_frac],
+            "dtypes": {"trainer": self.dtypes[0], "rollout": self.dtypes[1]},
+            "per_position": {"mean_abs": [_json_float(x) for x in self.position_mean_abs],
+                             "count": [int(x) for x in self.position_count]},
+            "per_sequence": {
+                "len": [int(x) for x in self.seq_len],
+                "mean_abs": [_json_float(x) for x in self.seq_mean_abs],
+                "max_abs": [_json_float(x) for x in self.seq_max_abs],
+                "log_ratio": [_json_float(x) for x in self.seq_log_ratio],
+                "geo_ratio": [_json_float(x) for x in self.seq_geo_ratio],
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GapReport":
+        """Inverse of :meth:`to_dict` (``None`` reads back as NaN)."""
+        s = d["summary"]
+
+        def f(x):
+            return float("nan") if x is None else float(x)
+
+        def arr(xs, dtype=np.float64):
+            return np.array([np.nan if x is None else x for x in xs], dtype=dtype)
+
+        kw = {k: (int(s[k]) if k in ("n_tokens", "n_seqs") else f(s[k])) for k in SUMMARY_KEYS}
+        taus = [float(t) for t in d["taus"]]
+        pp, ps = d["per_position"], d["per_sequence"]
+        return cls(**kw, extreme_frac={t: f(s[_tau_key(t)]) for t in taus},
+                   position_mean_abs=arr(pp["mean_abs"]), position_count=arr(pp["count"], np.int64),
+                   seq_len=arr(ps["len"], np.int64), seq_mean_abs=arr(ps["mean_abs"]),
+                   seq_max_abs=arr(ps["max_abs"]), seq_log_ratio=arr(ps["log_ratio"]),
+                   seq_geo_ratio=arr(ps["geo_ratio"]),
+                   dtypes=(d["dtypes"]["trainer"], d["dtypes"]["rollout"]))
+
+    def __eq__(self, other):  # arrays and NaN-aware
+        if not isinstance(other, GapReport):
+            return NotImplemented
+        for fl in fields(self):
+            x, y = getattr(self, fl.name), getattr(other, fl.name)
+            if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+                if not np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True):
+                    return False
+            elif isinstance(x, dict):
+                if list(x) != list(y) or not all(_same(x[k], y[k]) for k in x):
+                    return False
+            elif not _same(x, y):
+                return False
+        return True
+
+
+def _same(x, y) -> bool:
+    if isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y):
+        return True
+    return x == y
+
+
+# -- percentiles (numpy's "linear" method, bit for bit) ----------------------------------------
+def _q_index(n: int, q: float) -> tuple[int, int, float]:
+    h = (n - 1) * np.float64(q)
+    lo = int(math.floor(h))
+    return lo, min(lo + 1, n - 1), float(h - lo)
+
+
+def _lerp(a: float, b: float, t: float) -> float:
+    diff = b - a
+    return float(b - diff * (1 - t)) if t >= 0.5 else float(a + diff * t)
+
+
+# -- shared tail: formulas from sufficient statistics -----------------------------------------
+def _finish(st: dict, tok: Tokens, taus) -> GapReport:
+    n = st["n"]
+    u1, u2 = st["u1"], st["u2"]
+    ratio_mean = 1.0 + u1 / n
+    chi2 = st.get("chi2")
+    if chi2 is None:
+        chi2 = (2.0 * u1 + u2) / n                   # mean((1+u)^2) - 1
+    ess = st.get("ess")
+    if ess is None:
+        ess = ratio_mean * ratio_mean / (1.0 + chi2)   # (Σr)² / (N Σr²)
+    ratio_std = st.get("ratio_std")
+    if ratio_std is None:
+        ratio_std = math.sqrt(max(u2 / n - (u1 / n) ** 2, 0.0))
+    lengths = tok.lengths
+    with np.errstate(invalid="ignore", divide="ignore"):
+        seq_mean_abs = np.where(lengths > 0, st["seq_sum_abs"] / lengths, np.nan)
+        seq_geo = np.where(lengths > 0, np.exp(st["seq_sum_d"] / np.maximum(lengths, 1)), np.nan)
+    seq_max = np.where(lengths > 0, st["seq_max_abs"], np.nan)
+    pos_cnt = st["pos_cnt"]
+    return GapReport(
+        n_tokens=int(n), n_seqs=int(tok.n_seqs),
+        mean_abs=float(st["sum_abs"] / n), max_abs=float(st["max_abs"]),
+        p50_abs=float(st["p50_abs"]), p99_abs=float(st["p99_abs"]),
+        frac_bitwise_equal=float(st["n_eq"] / n),
+        kl_k1=float(-st["s1"] / n), kl_k2=float(st["s2"] / (2 * n)), kl_k3=float(st["k3"] / n),
+        chi2=float(chi2), ppl_ratio=float(math.exp(-st["s1"] / n)), ess=float(ess),
+        ratio_mean=float(ratio_mean), ratio_std=float(ratio_std),
+        ratio_min=float(math.exp(st["d_min"])), ratio_max=float(math.exp(st["d_max"])),
+        ratio_p1=float(st["ratio_p1"]), ratio_p99=float(st["ratio_p99"]),
+        extreme_frac={float(t): float(c / n) for t, c in zip(taus, st["n_extreme"])},
+        position_mean_abs=st["pos_sum"] / np.maximum(pos_cnt, 1), position_count=pos_cnt,
+        seq_len=lengths.copy(), seq_mean_abs=seq_mean_abs, seq_max_abs=seq_max,
+        seq_log_ratio=np.where(lengths > 0, st["seq_sum_d"], 0.0).astype(np.float64), seq_geo_ratio=seq_geo,
+        dtypes=tuple(tok.dtypes),
+    )
+
+
+def _position_count(lengths: np.ndarray) -> np.ndarray:
+    """count[p] = number of sequences with more than p tokens."""
+    maxlen = int(lengths.max()) if lengths.size else 0
+    hist = np.bincount(lengths, minlength=maxlen + 1)
+    return (lengths.size - np.cumsum(hist))[:maxlen].astype(np.int64)
+
+
+def _check_taus(taus) -> tuple:
+    taus = tuple(float(t) for t in taus)
+    for i, t in enumerate(taus):
+        if not (t >= 1.0 and math.isfinite(t)):
+            raise InputError(f"tau {t!r}, expected a finite value >= 1", field="taus", index=i)
+    return taus
+
+
+def _validate_flat(tok: Tokens, a: np.ndarray, b: np.ndarray, tol: float) -> None:
+    for x in (a, b):
+        if not (np.isfinite(x).all() and (x.size == 0 or x.max() <= tol)):
+            find_bad_value(tok, tol)
+
+
+# -- the reference: plain full-array numpy, the spec ------------------------------------------
+def _reference_stats(tok: Tokens, taus, tol: float) -> dict:
+    a, b = tok.flat()
+    _validate_flat(tok, a, b, tol)
+    d = a.astype(np.float64) - b.astype(np.float64)
+    if not np.isfinite(d).all():
+        raise InputError("difference trainer - rollout overflows float64", field="rollout_logprobs")
+    n = d.size
+    absd = np.abs(d)
+    u = np.expm1(d)                       # r - 1, exact for small d
+    r = np.exp(d)
+    lengths, cu = tok.lengths, tok.cu
+    ne = lengths > 0
+    st_idx = cu[:-1][ne]
+    seq_sum_abs = np.zeros(tok.n_seqs)
+    seq_max_abs = np.zeros(tok.n_seqs)
+    seq_sum_d = np.zeros(tok.n_seqs)
+    seq_sum_abs[ne] = np.add.reduceat(absd, st_idx)
+    seq_max_abs[ne] = np.maximum.reduceat(absd, st_idx)
+    seq_sum_d[ne] = np.add.reduceat(d, st_idx)
+    pos = np.arange(n) - np.repeat(cu[:-1], lengths)
+    pos_cnt = _position_count(lengths)
+    # ESS = (Σr)²/(N Σr²), shifted by max d so it cannot overflow
+    w = np.exp(d - d.max())
+    with np.errstate(over="ignore", invalid="ignore"):
+        chi2_terms = np.expm1(2 * d)
+    return {
+        "n": n, "sum_abs": absd.sum(), "max_abs": absd.max(),
+        "p50_abs": np.quantile(absd, 0.5), "p99_abs": np.quantile(absd, 0.99),
+        "ratio_p1": np.quantile(r, 0.01), "ratio_p99": np.quantile(r, 0.99),
+        "n_eq": int(np.count_nonzero(a == b)),
+        "s1": d.sum(), "s2": (d * d).sum(), "k3": (u - d).sum(),
+        "u1": u.sum(), "u2": (u * u).sum(), "chi2": chi2_terms.mean(),
+        "ess": w.sum() ** 2 / (n * (w * w).sum()), "ratio_std": float(np.std(r)),
+        "d_min": d.min(), "d_max": d.max(),
+        "n_extreme": [int(np.count_nonzero(absd > math.log(t))) for t in taus],
+        "pos_sum": np.bincount(pos, weights=absd, minlength=pos_cnt.size), "pos_cnt": pos_cnt,
+        "seq_sum_abs": seq_sum_abs, "seq_max_abs": seq_max_abs, "seq_sum_d": seq_sum_d,
+    }
+
+
+# -- the fast pass ----------------------------------------------------------------------------
+def _margin(q: float, s: int) -> float:
+    return 6.0 * math.sqrt(q * (1 - q) / s) + 2.0 / s
+
+
+def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK):
+    """Same dict as :func:`_reference_stats` in one chunked pass; ``None`` if a percentile
+    bracket missed or a ratio overflows (the caller then runs the reference)."""
+    n = tok.n
+    sa, sb = tok.sample(_SAMPLE)
+    sd = sa - sb
+    if not np.isfinite(sd).all():
+        sd = sd[np.isfinite(sd)]
+    if sd.size < 64:
+        return None
+    s_abs = np.abs(sd)
+    ss = sd.size
+
+    def sq(x, p):
+        return float(np.quantile(x, min(max(p, 0.0), 1.0)))
+
+    T = min(_TAYLOR_MAX, sq(s_abs, 0.99 - _margin(0.99, ss)),
+            max(0.0, sq(sd, 0.99 - _margin(0.99, ss))), max(0.0, -sq(sd, 0.01 + _margin(0.01, ss))),
+            *(math.log(t) for t in taus))
+    med_lo, med_hi = sq(s_abs, 0.5 - _margin(0.5, ss)), sq(s_abs, 0.5 + _margin(0.5, ss))
+    use_med = med_hi > 0.0 and med_lo <= T
+
+    plan = tok.plan(chunk)
+    cu, lengths = tok.cu, tok.lengths
+    big = max(int(cu[r1] - cu[r0]) for r0, r1 in plan)
+    D, AD, D2, D4 = (np.empty(big) for _ in range(4))
+    TB, TB2 = np.empty(big, bool), np.empty(big, bool)
+    POS = np.empty(big, np.int64)
+    seq_sum_abs = np.zeros(tok.n_seqs)
+    seq_max_abs = np.zeros(tok.n_seqs)
+    seq_sum_d = np.zeros(tok.n_seqs)
+    pos_cnt = _position_count(lengths)
+    pos_sum = np.zeros(pos_cnt.size)
+    mx_a = mx_b = -math.inf
+    nnz = below = 0
+    p = [0.0] * 7                         # p[k] = Σ d^k over tokens with |d| <= T
+    tails, meds = [], []
+    for r0, r1 in plan:
+        ca, cb = tok.chunk(r0, r1)
+        k = ca.size
+        d, ad, d2, d4, tb, tb2 = D[:k], AD[:k], D2[:k], D4[:k], TB[:k], TB2[:k]
+        np.subtract(ca, cb, out=d, dtype=np.float64)
+        np.abs(d, out=ad)
+        mx_a, mx_b = max(mx_a, ca.max()), max(mx_b, cb.max())
+        np.greater(ad, 0.0, out=tb)
+        nnz += np.count_nonzero(tb)
+        lens = lengths[r0:r1]
+        starts = cu[r0:r1] - cu[r0]
+        rows = slice(r0, r1)
+        if lens.min() == 0:
+            nz = lens > 0
+            lens, starts, rows = lens[nz], starts[nz], np.arange(r0, r1)[nz]
+        seq_sum_abs[rows] = np.add.reduceat(ad, starts)
+        seq_max_abs[rows] = np.maximum.reduceat(ad, starts)
+        seq_sum_d[rows] = np.add.reduceat(d, starts)
+        if lens.min() == lens.max():
+            L = int(lens[0])
+            pos_sum[:L] += ad.reshape(-1, L).sum(axis=0)
+        else:                             # position within sequence: cumsum of 1s, reset at starts
+            pos = POS[:k]
+            pos.fill(1)
+            pos[starts[1:]] = 1 - lens[:-1]
+            pos[0] = 0
+            np.cumsum(pos, out=pos)
+            part = np.bincount(pos, weights=ad)
+            pos_sum[:part.size] += part
+        if use_med:
+            np.less(ad, med_lo, out=tb)
+            below += np.count_nonzero(tb)
+            np.less_equal(ad, med_hi, out=tb2)
+            np.logical_xor(tb, tb2, out=tb2)
+            if tb2.any():
+                meds.append(ad[tb2])
+        np.greater(ad, T, out=tb)
+        if tb.any():
+            tails.append(d[tb])
+            np.copyto(d, 0.0, where=tb)
+        p[1] += d.sum()
+        np.multiply(d, d, out=d2)
+        p[2] += d2.sum()
+        np.multiply(d2, d2, out=d4)
+        for i in range(0, k, _DOT):       # blocks <= 8192: OpenBLAS keeps short dots single-threaded
+            j = i + _DOT
+            p[3] += np.dot(d2[i:j], d[i:j])
+            p[4] += np.dot(d2[i:j], d2[i:j])
+            p[5] += np.dot(d4[i:j], d[i:j])
+            p[6] += np.dot(d4[i:j], d2[i:j])
+
+    sum_abs = float(seq_sum_abs.sum())
+    if not (mx_a <= tol and mx_b <= tol and math.isfinite(sum_abs)):
+        find_bad_value(tok, tol)
+        raise InputError("difference trainer - rollout overflows float64", field="rollout_logprobs")
+    tv = np.concatenate(tails) if tails else np.zeros(0)
+    if tv.size and tv.max() > 300.0:      # r or r² would overflow: let the reference handle it
+        return None
+    ut = np.expm1(tv)
+    # Taylor: u = e^d - 1 = Σ_{k>=1} d^k/k!,  u - d = Σ_{k>=2},  u² = Σ_{k>=2} (2^k - 2) d^k / k!
+    f = [1.0, 1.0, 2.0, 6.0, 24.0, 120.0, 720.0]
+    k3_small = sum(p[k] / f[k] for k in range(2, 7))
+    u2_small = sum(p[k] * (2.0 ** k - 2.0) / f[k] for k in range(2, 7))
+    n_tail = tv.size
+
+    # exact order statistics
+    n_zero = n - nnz
+    atv = np.abs(tv)
+    neg, pos_t = tv[tv < 0], tv[tv > 0]
+    # min/max of d: in the tails when there are any on that side; else every |d| <= T
+    if neg.size:
+        d_min = float(neg.min())
+    elif T == 0.0 or n_zero == n:
+        d_min = 0.0 if n_zero else float(pos_t.min())
+    else:
+        return None
+    if pos_t.size:
+        d_max = float(pos_t.max())
+    elif T == 0.0 or n_zero == n:
+        d_max = 0.0 if n_zero else float(neg.max())
+    else:
+        return None
+    mv = np.concatenate(meds) if meds else np.zeros(0)
+
+    def stat_abs(ranks):
+        out, need_t, need_m = {}, [], []
+        for k in ranks:
+            if k < n_zero:
+                out[k] = 0.0
+            elif k >= n - n_tail:
+                need_t.append(k - (n - n_tail))
+            elif use_med and below <= k < below + mv.size:
+                need_m.append(k - below)
+            else:
+                return None
+        if need_t:
+            part = np.partition(atv, need_t)
+            out.update({k + (n - n_tail): float(part[k]) for k in need_t})
+        if need_m:
+            part = np.partition(mv, need_m)
+            out.update({k + below: float(part[k]) for k in need_m})
+        return out
+
+    def stat_d(ranks):
+        out, need_n, need_p = {}, [], []
+        for k in ranks:
+            if k < neg.size:
+                need_n.append(k)
+            elif k >= n - pos_t.size:
+                need_p.append(k - (n - pos_t.size))
+            elif T == 0.0:
+                out[k] = 0.0
+            else:
+                return None
+        if need_n:
+            part = np.partition(neg, need_n)
+            out.update({k: float(part[k]) for k in need_n})
+        if need_p:
+            part = np.partition(pos_t, need_p)
+            out.update({k + (n - pos_t.size): float(part[k]) for k in need_p})
+        return out
+
+    qa = [_q_index(n, 0.5), _q_index(n, 0.99)]
+    qd = [_q_index(n, 0.01), _q_index(n, 0.99)]
+    sa_ = stat_abs(sorted({i for lo, hi, _ in qa for i in (lo, hi)}))
+    sd_ = stat_d(sorted({i for lo, hi, _ in qd for i in (lo, hi)}))
+    if sa_ is None or sd_ is None:
+        return None
+    p50, p99 = (_lerp(sa_[lo], sa_[hi], g) for lo, hi, g in qa)
+    r1_, r99 = (_lerp(math.exp(sd_[lo]), math.exp(sd_[hi]), g) for lo, hi, g in qd)
+    return {
+        "n": n, "sum_abs": sum_abs, "max_abs": max(d_max, -d_min),
+        "p50_abs": p50, "p99_abs": p99, "ratio_p1": r1_, "ratio_p99": r99,
+        "n_eq": n_zero, "s1": float(seq_sum_d.sum()), "s2": p[2] + float(np.dot(tv, tv)),
+        "k3": k3_small + float((ut - tv).sum()),
+        "u1": p[1] + k3_small + float(ut.sum()), "u2": u2_small + float(np.dot(ut, ut)),
+        "d_min": d_min, "d_max": d_max,
+        "n_extreme": [int(np.count_nonzero(atv > math.log(t))) for t in taus],
+        "pos_sum": pos_sum, "pos_cnt": pos_cnt,
+        "seq_sum_abs": seq_sum_abs, "seq_max_abs": seq_max_abs, "seq_sum_d": seq_sum_d,
+    }
+
+
+# -- public -----------------------------------------------------------------------------------
+def measure(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, taus=DEFAULT_TAUS,
+            logprob_tol: float = LOGPROB_TOL, _path: str = "auto") -> GapReport:
+    """Measure the trainer–rollout logprob gap over the masked tokens. See the module doc.
+
+    ``_path`` (testing): ``"auto"`` (fast pass above ``FAST_MIN_TOKENS`` tokens), ``"fast"``,
+    ``"reference"``.
+    """
+    taus = _check_taus(taus)
+    tok = normalize(trainer_logprobs, rollout_logprobs, mask, cu_seqlens)
+    st = None
+    if _path == "fast" or (_path == "auto" and tok.n > FAST_MIN_TOKENS):
+        st = _fast_stats(tok, taus, logprob_tol)
+    if st is None:
+        st = _reference_stats(tok, taus, logprob_tol)
+    return _finish(st, tok, taus)
+
+
+def measure_reference(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None,
+                      taus=DEFAULT_TAUS, logprob_tol: float = LOGPROB_TOL) -> GapReport:
+    """:func:`measure` through the plain full-array path (the spec the fast pass is tested against)."""
+    return measure(trainer_logprobs, rollout_logprobs, mask, cu_seqlens=cu_seqlens, taus=taus,
+                   logprob_tol=logprob_tol, _path="reference")
