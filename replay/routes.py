@@ -166,8 +166,13 @@ class PackedRoutes:
         for b, s in enumerate(seqs):
             if s.size and s.dtype.kind == "i" and int(s.min()) < 0:
                 raise InputError(f"negative expert id {int(s.min())} in sequence {b}", field="seqs", index=b)
-            cls._check_ids(s, num_experts, seq=b)
-            np.copyto(out.seq(b), s, casting="unsafe")
+            if s.dtype.itemsize > out.values.itemsize:
+                cls._check_ids(s, num_experts, seq=b)  # before narrowing, which could wrap a bad id
+                np.copyto(out.seq(b), s, casting="unsafe")
+            else:
+                dst = out.seq(b)
+                np.copyto(dst, s, casting="unsafe")
+                cls._check_ids(dst, num_experts, seq=b)  # on the copy, while it is hot in cache
         return out
 
     @classmethod

@@ -8,13 +8,21 @@ For response token ``i`` with hidden state ``h_i``, logits ``z_iv = h_i . W_v`` 
 
 When ``S_i`` is the whole vocabulary this is ``log_softmax(z_i)[t_i]`` and the full entropy.
 
-The vocabulary is processed in chunks of ``chunk`` ids: each chunk's ``[N, chunk]`` logits are computed,
-masked to the support and folded into running (max, sum exp, sum exp*z) accumulators, then dropped. Peak
-extra memory is ``O(N * chunk)`` instead of ``O(N * V)``. The backward pass recomputes each chunk's logits
-(custom autograd), with::
+Dense chunks are folded into running (max, sum exp, sum exp*z) accumulators, then dropped: peak extra
+memory ``O(N * chunk)`` instead of ``O(N * V)``; the backward pass recomputes each chunk's logits (custom
+autograd). Both methods use::
 
     d logprob_i / d z_iv = 1[v = t_i] - p_iv                  (v in S_i, else 0)
     d entropy_i / d z_iv = -p_iv (z_iv - logZ_i + entropy_i)  (v in S_i, else 0)
+
+Two ways to visit the support, chosen by ``method`` (``"auto"`` picks by density):
+
+- ``"dense"``: vocabulary chunks of ``chunk`` ids: each chunk's ``[N, chunk]`` logits are computed with one
+  matmul and masked to the support; cost ``N*V*H``, for large supports (top-p at high p, full vocab).
+- ``"sparse"``: only the ``nnz`` support logits ``z_j = h_{row j} . W_{id j}``, gathered ``chunk`` entries at a
+  time, then per-row (segment) max / sum; cost ``nnz*H`` but memory-bound gathers, for top-k and small
+  top-p supports. ``"auto"`` takes it when ``64 * nnz < N * V`` (on CPU one gathered row-dot cost ~50x a
+  matmul column in ``benchmarks/bench_replay.py``).
 
 Math in float32 (logits are upcast; float64 inputs stay float64); inputs may be bf16.
 :func:`support_logprobs_reference` (dense logits + boolean mask) is the spec the tests compare against.
@@ -144,14 +152,66 @@ class _SupportLogprobs(torch.autograd.Function):
                 None, None, None)
 
 
+class _SparseSupportLogprobs(torch.autograd.Function):
+    """Support logits only: ``z_j = h[row_j] . W[id_j]`` for the nnz CSR entries (rows sorted)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, rows, ids, chunk):
+        acc = _acc_dtype(hidden)
+        n, nnz = hidden.shape[0], ids.numel()
+        hf = hidden.to(acc)
+        z = torch.empty(nnz, dtype=acc, device=hidden.device)
+        for lo in range(0, nnz, chunk):
+            hi = min(nnz, lo + chunk)
+            z[lo:hi] = (hf[rows[lo:hi]] * weight[ids[lo:hi]].to(acc)).sum(-1)
+        m = torch.full((n,), float("-inf"), dtype=acc, device=hidden.device).scatter_reduce(0, rows, z, "amax")
+        e = torch.exp(z - m[rows])
+        s = torch.zeros(n, dtype=acc, device=hidden.device).index_add_(0, rows, e)
+        u = torch.zeros(n, dtype=acc, device=hidden.device).index_add_(0, rows, e * z)
+        logz = m + torch.log(s)
+        is_t = ids == targets[rows]
+        zt = torch.zeros(n, dtype=acc, device=hidden.device).index_add_(0, rows[is_t], z[is_t])
+        lp, ent = zt - logz, logz - u / s
+        ctx.save_for_backward(hidden, weight, rows, ids, z, is_t, logz, ent)
+        ctx.chunk = chunk
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, rows, ids, z, is_t, logz, ent = ctx.saved_tensors
+        acc, n = z.dtype, hidden.shape[0]
+        g_lp = torch.zeros(n, dtype=acc, device=z.device) if g_lp is None else g_lp.to(acc)
+        g_ent = torch.zeros(n, dtype=acc, device=z.device) if g_ent is None else g_ent.to(acc)
+        logp = z - logz[rows]
+        p = torch.exp(logp)
+        dz = -p * (g_lp[rows] + g_ent[rows] * (logp + ent[rows])) + g_lp[rows] * is_t
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dh = torch.zeros(hidden.shape, dtype=acc, device=z.device) if need_h else None
+        dw = torch.zeros(weight.shape, dtype=acc, device=z.device) if need_w else None
+        hf = hidden.to(acc)
+        for lo in range(0, ids.numel(), ctx.chunk):
+            hi = min(ids.numel(), lo + ctx.chunk)
+            r, i, d = rows[lo:hi], ids[lo:hi], dz[lo:hi, None]
+            if need_h:
+                dh.index_add_(0, r, d * weight[i].to(acc))
+            if need_w:
+                dw.index_add_(0, i, d * hf[r])
+        return (None if dh is None else dh.to(hidden.dtype), None if dw is None else dw.to(weight.dtype),
+                None, None, None, None)
+
+
 def support_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor,
-                     support: PackedSupport | None, *, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+                     support: PackedSupport | None, *, chunk: int = 8192,
+                     method: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """``(logprob, entropy)``, each float32 (float64 for float64 inputs) ``[N]``, renormalized over each token's support.
 
     hidden ``[N, H]`` (the final-norm output at the positions predicting ``targets``), lm_head_weight
     ``[V, H]``, targets ``[N]`` ids, support: a :class:`PackedSupport` with ``N`` rows, or ``None`` for the
-    full vocabulary. Differentiable in ``hidden`` and ``lm_head_weight`` (chunked recompute in backward).
+    full vocabulary. Differentiable in ``hidden`` and ``lm_head_weight``. ``chunk``: vocab ids per dense
+    chunk, or support entries per sparse chunk. ``method``: ``"auto"``, ``"dense"`` or ``"sparse"``.
     """
+    if method not in ("auto", "dense", "sparse"):
+        raise InputError(f"method must be 'auto', 'dense' or 'sparse', got {method!r}", field="method")
     if hidden.ndim != 2:
         raise InputError(f"expected [N, H], got shape {tuple(hidden.shape)}", field="hidden")
     if lm_head_weight.ndim != 2 or lm_head_weight.shape[1] != hidden.shape[1]:
@@ -175,5 +235,11 @@ def support_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets
             i = int(np.argmin(ok))
             raise InputError(f"target {int(targets[i])} is not in its support (size {int(support.sizes[i])})",
                              field="support", index=i)
+        if method == "sparse" or (method == "auto" and 64 * support.nnz < n * V):
+            rows = torch.from_numpy(support.row_ids()).to(hidden.device)
+            ids = torch.from_numpy(support.token_ids.astype(np.int64)).to(hidden.device)
+            return _SparseSupportLogprobs.apply(hidden, lm_head_weight, targets, rows, ids, int(chunk))
         index = _ChunkIndex(support, hidden.device)
+    elif method == "sparse":
+        raise InputError("method='sparse' needs a support (None means the full vocabulary)", field="method")
     return _SupportLogprobs.apply(hidden, lm_head_weight, targets, index, int(chunk))

@@ -71,10 +71,10 @@ def test_from_topk_logprobs():
 
 # ---- support_logprobs -------------------------------------------------------------------------------
 @settings(max_examples=25, deadline=None)
-@given(st.integers(0, 2 ** 31), st.integers(1, 64), st.integers(1, 9))
-def test_matches_dense_reference(seed, chunk, n):
+@given(st.integers(0, 2 ** 31), st.integers(1, 64), st.integers(1, 9), st.sampled_from(["dense", "sparse", "auto"]))
+def test_matches_dense_reference(seed, chunk, n, method):
     hidden, W, targets, sup = _case(seed, n=n)
-    lp, ent = support_logprobs(hidden, W, targets, sup, chunk=chunk)
+    lp, ent = support_logprobs(hidden, W, targets, sup, chunk=chunk, method=method)
     rlp, rent = support_logprobs_reference(hidden, W, targets, sup)
     torch.testing.assert_close(lp, rlp, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent, rent, rtol=1e-5, atol=1e-5)
@@ -86,8 +86,9 @@ def test_matches_dense_reference(seed, chunk, n):
 def test_full_support_equals_log_softmax():
     hidden, W, targets, _ = _case(3, n=6, V=70)
     want = torch.log_softmax(hidden @ W.T, -1)
-    for sup in (None, PackedSupport.full(6, 70)):
-        lp, ent = support_logprobs(hidden, W, targets, sup, chunk=16)
+    full = PackedSupport.full(6, 70)
+    for sup, method in ((None, "auto"), (full, "dense"), (full, "sparse")):
+        lp, ent = support_logprobs(hidden, W, targets, sup, chunk=16, method=method)
         torch.testing.assert_close(lp, want.gather(1, targets[:, None])[:, 0], rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(ent, -(want.exp() * want).sum(-1), rtol=1e-10, atol=1e-12)
 
@@ -104,11 +105,12 @@ def test_hand_computed():
     assert abs((lp - full).item() + math.log(5 / 6)) < 1e-6
 
 
-def test_gradients_match_dense_reference():
+@pytest.mark.parametrize("method", ["dense", "sparse"])
+def test_gradients_match_dense_reference(method):
     hidden, W, targets, sup = _case(11, n=5, V=40, dtype=torch.float32)
     gl, ge = torch.randn(5), torch.randn(5)
     h1, w1 = hidden.clone().requires_grad_(), W.clone().requires_grad_()
-    lp, ent = support_logprobs(h1, w1, targets, sup, chunk=7)
+    lp, ent = support_logprobs(h1, w1, targets, sup, chunk=7, method=method)
     ((lp * gl).sum() + (ent * ge).sum()).backward()
     h2, w2 = hidden.clone().requires_grad_(), W.clone().requires_grad_()
     rlp, rent = support_logprobs_reference(h2, w2, targets, sup)
@@ -117,15 +119,17 @@ def test_gradients_match_dense_reference():
     torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-4, atol=1e-5)
 
 
-def test_gradcheck_float64():
+@pytest.mark.parametrize("method", ["dense", "sparse"])
+def test_gradcheck_float64(method):
     hidden, W, targets, sup = _case(5, n=3, H=4, V=11, max_k=5)
     h, w = hidden.requires_grad_(), W.requires_grad_()
-    assert torch.autograd.gradcheck(lambda a, b: support_logprobs(a, b, targets, sup, chunk=4), (h, w))
+    assert torch.autograd.gradcheck(lambda a, b: support_logprobs(a, b, targets, sup, chunk=4, method=method), (h, w))
 
 
-def test_bf16_inputs():
+@pytest.mark.parametrize("method", ["dense", "sparse"])
+def test_bf16_inputs(method):
     hidden, W, targets, sup = _case(8, n=4, V=30, dtype=torch.bfloat16)
-    lp, _ = support_logprobs(hidden, W, targets, sup, chunk=8)
+    lp, _ = support_logprobs(hidden, W, targets, sup, chunk=8, method=method)
     rlp, _ = support_logprobs_reference(hidden, W, targets, sup)
     assert lp.dtype == torch.float32
     torch.testing.assert_close(lp, rlp, rtol=1e-3, atol=1e-3)
