@@ -21,7 +21,7 @@ def is_torch(x) -> bool:
     return type(x).__module__.split(".")[0] == "torch"
 
 
-def to_numpy(x, field: str, row: int | None = None) -> tuple[np.ndarray, str]:
+def to_numpy(x, field: str, row: int | None = None, kinds: str = "fiu") -> tuple[np.ndarray, str]:
     """Array view of ``x`` (torch tensor, numpy array, list of numbers) and its dtype name.
 
     torch bfloat16 (which numpy lacks) becomes float32: the conversion is exact, so equality
@@ -36,14 +36,14 @@ def to_numpy(x, field: str, row: int | None = None) -> tuple[np.ndarray, str]:
             t = t.cpu()
         if t.dtype == torch.bfloat16:
             t = t.float()
-        if t.is_complex() or t.dtype == torch.bool:
+        if t.is_complex() or (t.dtype == torch.bool and "b" not in kinds):
             raise InputError(f"dtype {name} is not a real number type", row=row, field=field)
         return t.numpy(), name
     arr = np.asarray(x)
     name = arr.dtype.name
     if name == "bfloat16":  # ml_dtypes
         arr = arr.astype(np.float32)
-    elif arr.dtype.kind not in "fiu":
+    elif arr.dtype.kind not in kinds:
         raise InputError(f"dtype {name} is not a real number type", row=row, field=field)
     return arr, name
 
@@ -53,7 +53,7 @@ def _is_ragged(x) -> bool:
 
 
 def _mask_array(m, shape, row=None) -> np.ndarray:
-    arr, _ = to_numpy(m, "mask", row) if not (isinstance(m, np.ndarray) and m.dtype == bool) else (m, "bool")
+    arr, _ = to_numpy(m, "mask", row, kinds="fiub")
     if arr.shape != tuple(shape):
         raise InputError(f"shape {tuple(arr.shape)}, expected {tuple(shape)} (same as trainer_logprobs)",
                          row=row, field="mask")

@@ -1,0 +1,458 @@
+"""gap.measure: hand-computed vectors, layouts, properties, fast pass == reference, errors."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from skyrl_numerics import gap
+from skyrl_numerics.errors import InputError
+from skyrl_numerics.gap import GapReport, measure, measure_reference
+
+SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# Two sequences, chosen so every d is exact in binary floating point:
+#   seq 0: trainer [-1, -2, -0.5],  rollout [-1, -1.5, -0.75]  -> d = [0, -0.5, 0.25]
+#   seq 1: trainer [-3, -0.125],    rollout [-2, -0.125]       -> d = [-1, 0]
+T0, R0 = [-1.0, -2.0, -0.5], [-1.0, -1.5, -0.75]
+T1, R1 = [-3.0, -0.125], [-2.0, -0.125]
+PAD_T = np.array([T0, T1 + [0.0]])
+PAD_R = np.array([R0, R1 + [0.0]])
+PAD_M = np.array([[1, 1, 1], [1, 1, 0]], bool)
+FLAT_T, FLAT_R, CU = np.array(T0 + T1), np.array(R0 + R1), np.array([0, 3, 5])
+
+# Hand values (d = [0, -0.5, 0.25, -1, 0], N = 5, r = e^d):
+HAND = {
+    "n_tokens": 5, "n_seqs": 2,
+    "mean_abs": 0.35,                       # (0 + .5 + .25 + 1 + 0) / 5
+    "max_abs": 1.0,
+    "p50_abs": 0.25,                        # sorted |d| = [0, 0, .25, .5, 1]; h = 4 * .5 = 2
+    "p99_abs": 0.98,                        # h = 3.96: .5 + .96 * (1 - .5)
+    "frac_bitwise_equal": 0.4,              # tokens 0 and 4
+    "kl_k1": 0.25,                          # -(-1.25) / 5
+    "kl_k2": 0.13125,                       # (.25 + .0625 + 1) / 2 / 5
+    "kl_k3": 0.10168710351436343,           # Σ(e^d - 1 - d)/5 = (.10653 + .03403 + .36788)/5
+    "chi2": -0.1696128009783633,            # (1 + e^-1 + e^.5 + e^-2 + 1)/5 - 1
+    "ppl_ratio": 1.2840254166877414,        # e^0.25
+    "ess": 0.8735333626858881,              # (Σr)² / (5 Σr²)
+    "ratio_mean": 0.8516871035143634,       # Σr / 5
+    "ratio_std": 0.3240621494851729,        # population std of r
+    "ratio_min": 0.36787944117144233,       # e^-1
+    "ratio_max": 1.2840254166877414,        # e^0.25
+    "ratio_p1": 0.37742548991309,           # sorted r: e^-1 + .04 (e^-.5 - e^-1)
+    "ratio_p99": 1.2726644000202318,        # 1 + .96 (e^.25 - 1)
+    "F_1.5": 0.4,                           # |d| > ln 1.5 = .405: -.5 and -1
+    "F_2": 0.2,                             # |d| > ln 2 = .693: -1
+    "F_5": 0.0,
+}
+
+
+def _check_hand(rep: GapReport):
+    s = rep.summary()
+    assert list(s) == list(HAND)
+    for k, v in HAND.items():
+        assert s[k] == pytest.approx(v, rel=1e-13, abs=1e-15), k
+    np.testing.assert_allclose(rep.position_mean_abs, [0.5, 0.25, 0.25], rtol=1e-15)
+    np.testing.assert_array_equal(rep.position_count, [2, 2, 1])
+    np.testing.assert_array_equal(rep.seq_len, [3, 2])
+    np.testing.assert_allclose(rep.seq_mean_abs, [0.25, 0.5], rtol=1e-15)
+    np.testing.assert_allclose(rep.seq_max_abs, [0.5, 1.0], rtol=1e-15)
+    np.testing.assert_allclose(rep.seq_log_ratio, [-0.25, -1.0], rtol=1e-15)
+    np.testing.assert_allclose(rep.seq_geo_ratio, [math.exp(-0.25 / 3), math.exp(-0.5)], rtol=1e-14)
+
+
+@pytest.mark.parametrize("path", ["reference", "fast"])
+@pytest.mark.parametrize("layout", ["padded", "ragged", "flat", "torch_padded"])
+def test_hand_vector_every_layout(layout, path):
+    if layout == "padded":
+        rep = measure(PAD_T, PAD_R, PAD_M, _path=path)
+    elif layout == "ragged":
+        rep = measure([np.array(T0), T1], [R0, np.array(R1)], _path=path)
+    elif layout == "flat":
+        rep = measure(FLAT_T, FLAT_R, cu_seqlens=CU, _path=path)
+    else:
+        rep = measure(torch.tensor(PAD_T), torch.tensor(PAD_R), torch.tensor(PAD_M), _path=path)
+    _check_hand(rep)
+
+
+def test_published_formulas_literally():
+    """The report equals the textbook formulas written out on the full arrays."""
+    rng = np.random.default_rng(3)
+    b = -rng.exponential(2.0, 400)
+    a = np.minimum(b + rng.normal(0, 0.3, 400), 0)
+    d = a - b
+    r = np.exp(d)
+    rep = measure(a, b)
+    assert rep.kl_k1 == pytest.approx(np.mean(-d), rel=1e-12, abs=0)
+    assert rep.kl_k2 == pytest.approx(np.mean(d * d / 2), rel=1e-12, abs=0)
+    assert rep.kl_k3 == pytest.approx(np.mean(r - 1 - d), rel=1e-10, abs=0)
+    assert rep.chi2 == pytest.approx(np.mean(r * r) - 1, rel=1e-10, abs=0)
+    assert rep.ppl_ratio == pytest.approx(np.exp(np.mean(-a)) / np.exp(np.mean(-b)), rel=1e-12, abs=0)
+    assert rep.ess == pytest.approx(r.sum() ** 2 / (r.size * (r * r).sum()), rel=1e-12, abs=0)
+    assert rep.ratio_std == pytest.approx(np.std(r), rel=1e-12, abs=0)
+    for tau, f in rep.extreme_frac.items():
+        assert f == np.mean(np.maximum(r, 1 / r) > tau)
+    assert rep.p99_abs == np.quantile(np.abs(d), 0.99)
+
+
+def test_bf16_and_dtypes_recorded():
+    t = torch.tensor([[-1.0, -2.5, -0.25]], dtype=torch.bfloat16)
+    r = torch.tensor([[-1.0, -2.0, -0.25]], dtype=torch.float32)
+    rep = measure(t, r)
+    assert rep.dtypes == ("bfloat16", "float32")
+    assert rep.frac_bitwise_equal == pytest.approx(2 / 3)
+    assert rep.max_abs == 0.5
+
+
+def test_mixed_dtype_equality_is_exact_value_equality():
+    a = np.array([-0.1, -0.5], np.float32)
+    b = np.array([-0.1, -0.5], np.float64)     # -0.1 differs between f32 and f64, -0.5 does not
+    assert measure(a, b).frac_bitwise_equal == 0.5
+
+
+def test_taus_custom_and_keys():
+    rep = measure(FLAT_T, FLAT_R, cu_seqlens=CU, taus=(1.2, 3))
+    assert list(rep.extreme_frac) == [1.2, 3.0]
+    assert "F_1.2" in rep.summary() and "F_3" in rep.summary()
+    assert rep.extreme_frac[1.2] == 0.6            # |d| > ln 1.2 = .182: .5, .25 and 1
+    assert rep.extreme_frac[3.0] == 0.0            # |d| > ln 3 = 1.0986: none
+
+
+def test_to_dict_is_json_and_round_trips():
+    rep = measure([np.array(T0), np.array([]), np.array(T1)], [R0, [], R1])   # an empty sequence
+    d = rep.to_dict()
+    text = json.dumps(d, allow_nan=False)
+    back = GapReport.from_dict(json.loads(text))
+    assert back == rep
+    assert d["per_sequence"]["mean_abs"][1] is None and d["per_sequence"]["len"] == [3, 0, 2]
+    assert rep.n_seqs == 3 and rep.n_tokens == 5
+
+
+# -- properties -------------------------------------------------------------------------------
+def _logprobs(draw, n):
+    # dyadic values in [-16, 0]: sums and shifts stay exact
+    ints = draw(st.lists(st.integers(-16 * 64, 0), min_size=n, max_size=n))
+    return np.array(ints, np.float64) / 64
+
+
+@st.composite
+def batches(draw, max_seqs=6, max_len=12):
+    lens = draw(st.lists(st.integers(0, max_len), min_size=1, max_size=max_seqs))
+    if sum(lens) == 0:
+        lens[0] = 1
+    n = sum(lens)
+    a = _logprobs(draw, n)
+    b = _logprobs(draw, n)
+    eq = np.array(draw(st.lists(st.booleans(), min_size=n, max_size=n)), bool)
+    b[eq] = a[eq]
+    return a, b, np.array(lens)
+
+
+def _ragged(x, lens):
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    return [x[cu[i]:cu[i + 1]] for i in range(len(lens))]
+
+
+def _padded(x, lens):
+    t = max(lens)
+    out = np.full((len(lens), t), np.nan)    # padding holds NaN: must never be read
+    m = np.arange(t)[None, :] < np.array(lens)[:, None]
+    out[m] = x
+    return out, m
+
+
+@SETTINGS
+@given(batches())
+def test_padded_equals_ragged_equals_flat(batch):
+    a, b, lens = batch
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    flat = measure(a, b, cu_seqlens=cu)
+    ragged = measure(_ragged(a, lens), _ragged(b, lens))
+    pa, m = _padded(a, lens)
+    pb, _ = _padded(b, lens)
+    padded = measure(pa, pb, m)
+    assert flat == ragged == padded
+    # a flat mask selecting the same tokens out of a longer stream gives the same report too
+    keep = np.ones(a.size + 2, bool)
+    keep[[0, -1]] = False
+    big_a = np.insert(a, [0, a.size], np.nan)          # NaN at masked-out places
+    big_b = np.insert(b, [0, a.size], np.nan)
+    big_lens = lens.copy()
+    big_lens[0] += 1
+    big_lens[-1] += 1
+    masked = measure(big_a, big_b, keep, cu_seqlens=np.concatenate([[0], np.cumsum(big_lens)]))
+    assert masked == flat
+
+
+@SETTINGS
+@given(batches(), st.randoms(use_true_random=False))
+def test_sequence_order_does_not_matter(batch, rnd):
+    a, b, lens = batch
+    ra, rb = _ragged(a, lens), _ragged(b, lens)
+    perm = list(range(len(lens)))
+    rnd.shuffle(perm)
+    r1 = measure(ra, rb)
+    r2 = measure([ra[i] for i in perm], [rb[i] for i in perm])
+    assert r2.summary() == pytest.approx(r1.summary(), rel=1e-12, abs=1e-15)
+    np.testing.assert_array_equal(r2.seq_len, r1.seq_len[perm])
+    np.testing.assert_allclose(r2.seq_mean_abs, r1.seq_mean_abs[perm], rtol=1e-15)
+    np.testing.assert_allclose(r2.position_mean_abs, r1.position_mean_abs, rtol=1e-12)
+
+
+@SETTINGS
+@given(batches())
+def test_zero_gap_gives_identity_values(batch):
+    a, _, lens = batch
+    rep = measure(_ragged(a, lens), _ragged(a.copy(), lens))
+    s = rep.summary()
+    for k in ("mean_abs", "max_abs", "p50_abs", "p99_abs", "kl_k1", "kl_k2", "kl_k3", "chi2",
+              "ratio_std", "F_1.5", "F_2", "F_5"):
+        assert s[k] == 0.0, k
+    for k in ("frac_bitwise_equal", "ess", "ppl_ratio", "ratio_mean", "ratio_min", "ratio_max",
+              "ratio_p1", "ratio_p99"):
+        assert s[k] == 1.0, k
+
+
+@SETTINGS
+@given(batches())
+def test_swap_and_shift_and_scale(batch):
+    a, b, lens = batch
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    base = measure(a, b, cu_seqlens=cu)
+    swap = measure(b, a, cu_seqlens=cu)                          # d -> -d
+    for k in ("mean_abs", "max_abs", "p50_abs", "p99_abs", "kl_k2", "frac_bitwise_equal"):
+        assert getattr(swap, k) == getattr(base, k), k
+    assert swap.kl_k1 == -base.kl_k1
+    assert swap.extreme_frac == base.extreme_frac
+    assert swap.ratio_min == pytest.approx(1 / base.ratio_max, rel=1e-15, abs=0)
+    shift = measure(a - 3.0, b - 3.0, cu_seqlens=cu)             # exact for these dyadic values
+    assert shift.summary() == base.summary()
+    half = measure(a / 2, b / 2, cu_seqlens=cu)                  # d -> d/2 exactly
+    assert half.mean_abs == base.mean_abs / 2 and half.p99_abs == base.p99_abs / 2
+    assert half.kl_k2 == pytest.approx(base.kl_k2 / 4, rel=1e-15, abs=0)
+
+
+@SETTINGS
+@given(st.lists(st.floats(-50, 50, allow_nan=False), min_size=1, max_size=40),
+       st.sampled_from([0.0, 0.01, 0.25, 0.5, 0.99, 1.0]))
+def test_quantile_matches_numpy_bitwise(xs, q):
+    x = np.sort(np.array(xs))
+    lo, hi, g = gap._q_index(x.size, q)
+    assert gap._lerp(x[lo], x[hi], g) == np.quantile(x, q)
+
+
+# -- the fast pass against the reference ------------------------------------------------------
+def _close(fast: GapReport, ref: GapReport):
+    fs, rs = fast.summary(), ref.summary()
+    exact = ("n_tokens", "n_seqs", "max_abs", "p50_abs", "p99_abs", "frac_bitwise_equal",
+             "ratio_min", "ratio_max", "ratio_p1", "ratio_p99", "F_1.5", "F_2", "F_5")
+    for k in fs:
+        if k in exact:
+            assert fs[k] == rs[k], k
+        else:   # sums in another order; Taylor (error < 1e-12) vs expm1 on tiny d
+            assert fs[k] == pytest.approx(rs[k], rel=1e-9, abs=1e-300), k
+    np.testing.assert_array_equal(fast.position_count, ref.position_count)
+    np.testing.assert_allclose(fast.position_mean_abs, ref.position_mean_abs, rtol=1e-12)
+    np.testing.assert_array_equal(fast.seq_max_abs, ref.seq_max_abs)
+    np.testing.assert_allclose(fast.seq_mean_abs, ref.seq_mean_abs, rtol=1e-12)
+    np.testing.assert_allclose(fast.seq_log_ratio, ref.seq_log_ratio, rtol=1e-12, atol=1e-300)
+
+
+def _synthetic(n, scale, rng, dtype=np.float32, zero_frac=0.3, bias=0.0):
+    b = (-rng.exponential(1.5, n)).astype(dtype)
+    a = np.minimum(b.astype(np.float64) + bias + rng.normal(0, scale, n), 0).astype(dtype)
+    eq = rng.random(n) < zero_frac
+    a[eq] = b[eq]
+    return a, b
+
+
+def _cu(n, rng, max_len=700, empties=True):
+    lens = rng.integers(0 if empties else 1, max_len, n // 100 + 2)
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    cu = cu[cu < n]
+    return np.append(cu, n)
+
+
+CASES = {
+    "bf16-like small gap": dict(scale=1e-3),
+    "large gap": dict(scale=0.5),
+    "tiny gap": dict(scale=1e-7, zero_frac=0.1),
+    "mostly bitwise equal": dict(scale=1e-3, zero_frac=0.995),
+    "all equal": dict(scale=1e-3, zero_frac=1.0),
+    "systematic bias": dict(scale=1e-4, bias=-5e-3, zero_frac=0.0),
+    "float64": dict(scale=1e-3, dtype=np.float64),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fast_pass_matches_reference(case):
+    rng = np.random.default_rng(len(case))
+    n = 60_000
+    a, b = _synthetic(n, rng=rng, **CASES[case])
+    cu = _cu(n, rng)
+    _close(measure(a, b, cu_seqlens=cu, _path="fast"), measure_reference(a, b, cu_seqlens=cu))
+
+
+def test_fast_pass_matches_reference_padded_masked_and_uniform():
+    rng = np.random.default_rng(7)
+    a, b = _synthetic(64 * 500, 1e-3, rng)
+    a, b = a.reshape(64, 500), b.reshape(64, 500)
+    _close(measure(a, b, _path="fast"), measure_reference(a, b))               # uniform lengths
+    m = np.arange(500)[None, :] < rng.integers(0, 500, 64)[:, None]
+    m[:, 0] = True
+    m[3] = False                                                                # an empty row
+    m[5, 100:200] = False                                                       # a hole
+    _close(measure(a, b, m, _path="fast"), measure_reference(a, b, m))
+
+
+def test_fast_pass_small_chunks_and_huge_ratio_fallback():
+    rng = np.random.default_rng(11)
+    a, b = _synthetic(20_000, 0.5, rng)
+    cu = _cu(20_000, rng)
+    tok = gap.normalize(a, b, None, cu)
+    fast = gap._finish(gap._fast_stats(tok, gap.DEFAULT_TAUS, gap.LOGPROB_TOL, chunk=1000), tok, gap.DEFAULT_TAUS)
+    _close(fast, measure_reference(a, b, cu_seqlens=cu))
+    b2 = b.astype(np.float64)
+    b2[17] = -400.0                  # r = e^400: the fast pass hands over to the reference
+    assert gap._fast_stats(gap.normalize(a.astype(np.float64), b2, None, cu), gap.DEFAULT_TAUS, 1e-6) is None
+    rep = measure(a.astype(np.float64), b2, cu_seqlens=cu, _path="fast")
+    assert rep.ratio_max > 1e170 and rep.chi2 == math.inf and 0 < rep.ess < 1e-3
+    assert rep.to_dict()["summary"]["chi2"] is None
+
+
+def test_fast_pass_taylor_part_is_accurate_to_1e12():
+    """Tokens with |d| <= 1/64 go through the 6th-order series; hold it to fsum(expm1) values."""
+    rng = np.random.default_rng(2)
+    d = rng.uniform(1e-3, 1 / 64, 50_000) * rng.choice([-1, 1], 50_000)
+    b = -rng.uniform(1, 5, 50_000)
+    a = b + d
+    d = a - b                                        # the d the tool sees
+    rep = measure(a, b, _path="fast")
+    n = d.size
+    assert rep.kl_k3 == pytest.approx(math.fsum(np.expm1(d) - d) / n, rel=1e-12, abs=0)
+    assert rep.chi2 == pytest.approx(math.fsum(np.expm1(2 * d)) / n, rel=1e-12, abs=0)
+    assert rep.ratio_mean - 1 == pytest.approx(math.fsum(np.expm1(d)) / n, rel=1e-10, abs=0)
+
+
+@SETTINGS
+@given(batches(max_seqs=8, max_len=40), st.integers(0, 2 ** 32 - 1))
+def test_fast_pass_matches_reference_property(batch, seed):
+    a, b, lens = batch
+    rng = np.random.default_rng(seed)
+    b = b + rng.normal(0, 1e-3, b.size) * (rng.random(b.size) < 0.7)
+    b = np.minimum(b, 0)
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    _close(measure(a, b, cu_seqlens=cu, _path="fast"), measure_reference(a, b, cu_seqlens=cu))
+
+
+# -- errors -----------------------------------------------------------------------------------
+def _err(fn, *args, **kw) -> InputError:
+    with pytest.raises(InputError) as e:
+        fn(*args, **kw)
+    return e.value
+
+
+@pytest.mark.parametrize("path", ["reference", "fast"])
+def test_non_finite_named_by_row_field_index(path):
+    t = PAD_T.copy()
+    t[1, 1] = np.nan
+    e = _err(measure, t, PAD_R, PAD_M, _path=path)
+    assert (e.row, e.field, e.index) == (1, "trainer_logprobs", 1)
+    assert "not finite" in str(e) and "row 1" in str(e)
+    r = [R0, [-2.0, np.inf]]
+    e = _err(measure, [T0, T1], r, _path=path)
+    assert (e.row, e.field, e.index) == (1, "rollout_logprobs", 1)
+
+
+@pytest.mark.parametrize("path", ["reference", "fast"])
+def test_positive_logprob_rejected_zero_and_tolerance_accepted(path):
+    ok = measure([[-1.0, 0.0, 5e-7]], [[-1.0, 0.0, 0.0]], _path=path)
+    assert ok.n_tokens == 3
+    e = _err(measure, [[-1.0, 0.0, 0.5]], [[-1.0, 0.0, 0.0]], _path=path)
+    assert (e.row, e.field, e.index) == (0, "trainer_logprobs", 2) and "positive" in str(e)
+    e = _err(measure, FLAT_T, np.array([-1, -1, -1, 2e-6, -1.0]), cu_seqlens=CU, _path=path)
+    assert (e.row, e.field, e.index) == (1, "rollout_logprobs", 0)
+
+
+def test_error_location_large_input_fast_pass():
+    rng = np.random.default_rng(5)
+    a, b = _synthetic(50_000, 1e-3, rng)
+    cu = _cu(50_000, rng, empties=False)
+    b[40_123] = np.nan
+    e = _err(measure, a, b, cu_seqlens=cu, _path="fast")
+    row = int(np.searchsorted(cu, 40_123, side="right") - 1)
+    assert (e.row, e.field, e.index) == (row, "rollout_logprobs", 40_123 - cu[row])
+
+
+def test_masked_out_garbage_is_ignored_and_masked_index_maps_back():
+    t = PAD_T.copy()
+    t[1, 2] = np.nan                 # padding
+    _check_hand(measure(t, PAD_R, PAD_M))
+    m = np.array([[1, 0, 1], [1, 1, 1]], bool)
+    t2 = PAD_T.copy()
+    t2[1, 2] = 3.0
+    e = _err(measure, t2, PAD_R, m)
+    assert (e.row, e.field, e.index) == (1, "trainer_logprobs", 2)
+    flat_m = np.array([1, 0, 1, 1, 1], bool)
+    ft = FLAT_T.copy()
+    ft[4] = np.inf
+    e = _err(measure, ft, FLAT_R, flat_m, cu_seqlens=CU)
+    assert (e.row, e.field, e.index) == (1, "trainer_logprobs", 1)
+    rag_t = [np.array(T0), np.array([-3.0, np.nan])]
+    e = _err(measure, rag_t, [R0, R1], [np.array([1, 1, 1]), np.array([0, 1])])
+    assert (e.row, e.field, e.index) == (1, "trainer_logprobs", 1)
+
+
+def test_shape_and_length_errors():
+    e = _err(measure, [T0, T1], [R0, R1[:1]])
+    assert (e.row, e.field) == (1, "rollout_logprobs") and "length 1, expected 2" in str(e)
+    e = _err(measure, [T0, T1], [R0])
+    assert e.field == "rollout_logprobs" and "1 sequences, expected 2" in str(e)
+    e = _err(measure, PAD_T, PAD_R[:, :2])
+    assert e.field == "rollout_logprobs" and "shape" in str(e)
+    e = _err(measure, PAD_T, PAD_R, PAD_M[:, :2])
+    assert e.field == "mask"
+    m = PAD_M.astype(int)
+    m[0, 1] = 2
+    e = _err(measure, PAD_T, PAD_R, m)
+    assert (e.row, e.field, e.index) == (0, "mask", 1)
+    e = _err(measure, np.zeros((2, 2, 2)) - 1, np.zeros((2, 2, 2)) - 1)
+    assert e.field == "trainer_logprobs"
+    e = _err(measure, [T0, T1], PAD_R)
+    assert "layout" in str(e)
+    e = _err(measure, np.array(["a", "b"]), np.array(["a", "b"]))
+    assert "dtype" in str(e)
+
+
+def test_empty_inputs():
+    for args in [([], []), (np.zeros((0, 4)), np.zeros((0, 4))), ([np.array([])], [np.array([])])]:
+        assert "empty" in str(_err(measure, *args))
+    e = _err(measure, PAD_T, PAD_R, np.zeros_like(PAD_M))
+    assert e.field == "mask" and "empty" in str(e)
+
+
+def test_cu_seqlens_errors():
+    for cu, idx in [([1, 3, 5], 0), ([0, 4, 3, 5], 2), ([0, 3, 6], 2)]:
+        e = _err(measure, FLAT_T, FLAT_R, cu_seqlens=np.array(cu))
+        assert (e.field, e.index) == ("cu_seqlens", idx)
+    assert _err(measure, PAD_T, PAD_R, cu_seqlens=CU).field == "cu_seqlens"
+    assert _err(measure, [T0], [R0], cu_seqlens=CU).field == "cu_seqlens"
+
+
+def test_bad_taus():
+    e = _err(measure, FLAT_T, FLAT_R, taus=(2.0, 0.5))
+    assert (e.field, e.index) == ("taus", 1)
+
+
+def test_import_is_light():
+    import subprocess
+    import sys
+
+    code = "import sys, skyrl_numerics.gap, skyrl_numerics.correction; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
