@@ -4,7 +4,7 @@
 - recipes: ``quantize(x, recipe, **opts) -> QTensor``, ``dequantize(q)``, ``fake_quant(x, recipe)``
   for the names in ``RECIPES`` (formulas in docs/quant.md and each recipe's docstring)
 """
-from .api import RECIPES, dequantize, fake_quant, quantize, recipe_options
+from .api import RECIPES, dequantize, fake_quant, quantize, recipe_options, requantize
 from .qtensor import QTensor
 
-__all__ = ["RECIPES", "QTensor", "quantize", "dequantize", "fake_quant", "recipe_options"]
+__all__ = ["RECIPES", "QTensor", "quantize", "dequantize", "fake_quant", "requantize", "recipe_options"]

@@ -82,6 +82,18 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         return _DQ[q.recipe](q).to(dtype or q.dtype)
 
 
+def requantize(x: torch.Tensor, like: QTensor) -> QTensor:
+    """Encode ``x`` with the scales of ``like`` held fixed (static): same recipe, options, block
+    scales and global scale. ``requantize(dequantize(q), q).codes == q.codes`` is the round-trip
+    a serving checkpoint must pass (``qat_check``)."""
+    _check_recipe(like.recipe)
+    opts = {k: v for k, v in like.opts.items() if k in recipe_options(like.recipe)}
+    opts["scale"] = like.scales
+    if like.global_scale is not None:
+        opts["global_scale"] = like.global_scale
+    return quantize(x, like.recipe, **opts)
+
+
 def fake_quant(x: torch.Tensor, recipe: str, **opts) -> torch.Tensor:
     """``dequantize(quantize(x, recipe, **opts))`` in ``x``'s dtype (no gradient; see ``ste``)."""
     return dequantize(quantize(x, recipe, **opts), x.dtype)

@@ -129,4 +129,4 @@ def quantize_fp8_block(x: torch.Tensor, block=(1, 128), eps: float = 1e-10, ue8m
             s = ceil_pow2(s)
     else:
         s = _static_scale(scale, (xb.shape[0], xb.shape[2]))
-    return _pack("fp8_block", x, _encode_e4m3(xb / s), s, info, {"block": tuple(block), "ue8m0": ue8m0})
+    return _pack("fp8_block", x, _encode_e4m3(xb / s), s, info, {"block": tuple(block), "ue8m0": ue8m0, "eps": eps})

@@ -25,22 +25,31 @@ from .blocks import block_amax, codes_to_blocks, from_blocks, resolve_block, to_
 from .qtensor import QTensor
 
 
-def quantize_int4(x: torch.Tensor, group: int = 32, scale_dtype: torch.dtype | None = None) -> QTensor:
-    """Symmetric INT4 groups (formula in the module doc)."""
+def quantize_int4(x: torch.Tensor, group: int = 32, scale_dtype: torch.dtype | None = None,
+                  scale=None) -> QTensor:
+    """Symmetric INT4 groups (formula in the module doc). ``scale``: stored group scales
+    (``[R, C/group]``) to re-encode with (static)."""
     if not x.is_floating_point():
         raise InputError(f"int4 quantizes floating-point weights, got {x.dtype}", field="x")
     sd = scale_dtype or x.dtype
     xb, info = to_blocks(x, (1, group), dtype=x.dtype)
-    amax = block_amax(xb).to(sd)
-    s = amax / 7.5
-    s = torch.where(s == 0, torch.tensor(torch.finfo(sd).eps, dtype=sd), s)
+    if scale is None:
+        amax = block_amax(xb).to(sd)
+        s = amax / 7.5
+        s = torch.where(s == 0, torch.tensor(torch.finfo(sd).eps, dtype=sd), s)
+    else:
+        s = torch.as_tensor(scale)
+        nb = (xb.shape[0], xb.shape[2])
+        if tuple(s.shape) != nb:
+            raise InputError(f"static int4 scales have shape {tuple(s.shape)}, expected {nb}", field="scale")
+        s = s.reshape(nb[0], 1, nb[1], 1)
     scaled = xb / s
     if bool(torch.isnan(scaled).any()):
         idx = int(torch.isnan(from_blocks(scaled, info)).flatten().nonzero()[0])
         raise InputError(f"NaN in int4 input (flat index {idx})", field="x", index=idx)
     q = C.encode_int4(scaled.clamp(-8, 7))
     return QTensor("int4_g32", from_blocks(q, info), s.reshape(s.shape[0], s.shape[2]), None, (1, group),
-                   tuple(x.shape), x.dtype, {"group": group})
+                   tuple(x.shape), x.dtype, {"group": group, "scale_dtype": s.dtype})
 
 
 def dequantize_int4(q: QTensor) -> torch.Tensor:

@@ -53,8 +53,9 @@ def _rceil_code(amax: torch.Tensor, max_elem: float) -> torch.Tensor:
 
 
 def quantize_mx(x: torch.Tensor, elem: str = "e4m3fn", scale_mode: str = "floor", block: int = 32,
-                recipe: str = "mxfp8") -> QTensor:
-    """MX quantization of the last dimension in blocks of ``block``; formulas in the module doc."""
+                recipe: str = "mxfp8", scale=None) -> QTensor:
+    """MX quantization of the last dimension in blocks of ``block``; formulas in the module doc.
+    ``scale``: stored E8M0 scales (``[R, C/32]``, float8_e8m0fnu or uint8) to re-encode with."""
     if elem not in EMAX:
         raise InputError(f"unknown MX element format {elem!r}; expected one of {sorted(EMAX)}", field="elem")
     if scale_mode not in ("floor", "rceil"):
@@ -65,12 +66,18 @@ def quantize_mx(x: torch.Tensor, elem: str = "e4m3fn", scale_mode: str = "floor"
                          field="x")
     xb, info = to_blocks(x, (1, block))
     amax = block_amax(xb)
+    if scale is not None:
+        sc = torch.as_tensor(scale)
+        nb = (xb.shape[0], xb.shape[2])
+        if tuple(sc.shape) != nb:
+            raise InputError(f"static E8M0 scales have shape {tuple(sc.shape)}, expected {nb}", field="scale")
+        b = sc.view(torch.uint8).to(torch.int32).reshape(nb[0], 1, nb[1], 1)
     if scale_mode == "floor":
-        b = _floor_code(amax, EMAX[elem])
+        b = _floor_code(amax, EMAX[elem]) if scale is None else b
         X = (b.clamp(max=255) << 23).view(torch.float32).clamp(min=torch.finfo(torch.float32).tiny)
         y = xb / X
     else:
-        b = _rceil_code(amax, fmt.max_finite)
+        b = _rceil_code(amax, fmt.max_finite) if scale is None else b
         inv = torch.where(b == 0, 1.0, torch.exp2((127 - b).to(torch.float32)))
         y = xb * inv
     nan_block = b == 255
@@ -82,13 +89,13 @@ def quantize_mx(x: torch.Tensor, elem: str = "e4m3fn", scale_mode: str = "floor"
     else:
         codes = codes.view(torch.float8_e4m3fn if elem == "e4m3fn" else torch.float8_e5m2)
     scales = b.reshape(b.shape[0], b.shape[2]).to(torch.uint8).view(torch.float8_e8m0fnu)
-    return QTensor(recipe, codes, scales, None, (1, block), tuple(x.shape), x.dtype,
-                   {"elem": elem, "scale_mode": scale_mode, "block": block})
+    opts = {"scale_mode": scale_mode} if recipe == "mxfp4" else {"elem": elem, "scale_mode": scale_mode}
+    return QTensor(recipe, codes, scales, None, (1, block), tuple(x.shape), x.dtype, opts)
 
 
 def dequantize_mx(q: QTensor) -> torch.Tensor:
     """``decode(code) * 2^(b - 127)`` in float32; NaN where ``b = 255``."""
-    elem = q.opts["elem"]
+    elem = q.opts.get("elem", "e2m1")
     codes = q.codes.view(torch.uint8)
     if elem == "e2m1":
         codes = C.unpack_fp4(codes)
@@ -99,13 +106,13 @@ def dequantize_mx(q: QTensor) -> torch.Tensor:
     return from_blocks(y, info)
 
 
-def quantize_mxfp8(x: torch.Tensor, elem: str = "e4m3fn", scale_mode: str = "floor") -> QTensor:
+def quantize_mxfp8(x: torch.Tensor, elem: str = "e4m3fn", scale_mode: str = "floor", scale=None) -> QTensor:
     """MXFP8: E4M3 (or ``elem='e5m2'``) elements, 1x32 blocks, E8M0 scale (``floor`` | ``rceil``)."""
     if elem not in ("e4m3fn", "e5m2"):
         raise InputError(f"mxfp8 elements are e4m3fn or e5m2, got {elem!r}", field="elem")
-    return quantize_mx(x, elem, scale_mode, 32, "mxfp8")
+    return quantize_mx(x, elem, scale_mode, 32, "mxfp8", scale)
 
 
-def quantize_mxfp4(x: torch.Tensor, scale_mode: str = "floor") -> QTensor:
+def quantize_mxfp4(x: torch.Tensor, scale_mode: str = "floor", scale=None) -> QTensor:
     """MXFP4: E2M1 elements (packed two per byte), 1x32 blocks, E8M0 scale, RNE elements."""
-    return quantize_mx(x, "e2m1", scale_mode, 32, "mxfp4")
+    return quantize_mx(x, "e2m1", scale_mode, 32, "mxfp4", scale)

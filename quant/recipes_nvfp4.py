@@ -75,35 +75,54 @@ def _global_amax(x: torch.Tensor, global_amax) -> torch.Tensor:
     return A
 
 
-def _scales(conv: str, a: torch.Tensor, A: torch.Tensor):
-    """-> (block scale s [e4m3 values, f32], element multiplier or divisor, is_divisor, global)."""
+def _te_encode_global(A: torch.Tensor) -> torch.Tensor:
+    S = torch.clamp(2688.0 / A, max=FLT_MAX)
+    return torch.where((A == 0) | (S == 0), _t(1.0), S)
+
+
+def _block_scale(conv: str, a: torch.Tensor, glob: torch.Tensor) -> torch.Tensor:
+    """E4M3 block scale (as float32 values) from block amax ``a`` and the convention's global."""
     if conv == "vllm":
-        g = A / 2688.0
-        G = 1.0 / g
-        s = _e4m3((G * (a * RCP_6)).clamp(max=448.0))
-        m = torch.where(s == 0, 0.0, 1.0 / (s * (1.0 / G)))
-        return s, m, False, g
+        G = 1.0 / glob
+        return _e4m3((G * (a * RCP_6)).clamp(max=448.0))
     if conv == "te":
-        S = torch.clamp(2688.0 / A, max=FLT_MAX)
-        S = torch.where((A == 0) | (S == 0), _t(1.0), S)
-        s = _e4m3(torch.clamp((a / 6.0) * S, max=FLT_MAX).clamp(max=448.0))
-        m = torch.clamp(1.0 / (s * (1.0 / S)), max=FLT_MAX)
-        return s, m, False, A
+        S = _te_encode_global(glob)
+        return _e4m3(torch.clamp((a / 6.0) * S, max=FLT_MAX).clamp(max=448.0))
     if conv == "modelopt":
-        g = A / 2688.0
-        s_hp = a / (6.0 * g)
-        s = _e4m3(torch.where(s_hp == 0, 1.0, s_hp))
-        return s, s * g, True, g
-    if conv == "torchao":
-        g = A / 2688.0
-        s = _e4m3(((a / 6.0) / g).clamp(min=E4M3_TINY, max=448.0))
-        return s, g * s, True, g
-    raise InputError(f"unknown nvfp4 convention {conv!r}; expected one of {CONVENTIONS}", field="convention")
+        s_hp = a / (6.0 * glob)
+        return _e4m3(torch.where(s_hp == 0, 1.0, s_hp))
+    return _e4m3(((a / 6.0) / glob).clamp(min=E4M3_TINY, max=448.0))
 
 
-def quantize_nvfp4(x: torch.Tensor, convention: str = "vllm", global_amax=None, tile=(1, 16)) -> QTensor:
+def _elements(conv: str, xb: torch.Tensor, s: torch.Tensor, glob: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes of the block view ``xb`` given block scales ``s`` and the global."""
+    if conv == "vllm":
+        G = 1.0 / glob
+        y = xb * torch.where(s == 0, 0.0, 1.0 / (s * (1.0 / G)))
+    elif conv == "te":
+        S = _te_encode_global(glob)
+        y = xb * torch.clamp(1.0 / (s * (1.0 / S)), max=FLT_MAX)
+    elif conv == "modelopt":
+        y = xb / (s * glob)
+        y = torch.where(torch.isnan(y), float("inf"), y)            # searchsorted puts NaN at the top
+        y = torch.where(y == 0, torch.zeros_like(y), y)              # sign from (x < 0): -0 -> +0
+    else:
+        y = xb / (glob * s)
+    y = torch.where(torch.isnan(s).expand_as(y) | torch.isnan(y), torch.zeros_like(y), y)
+    return C.encode(y.clamp(-6.0, 6.0), C.E2M1)
+
+
+def quantize_nvfp4(x: torch.Tensor, convention: str = "vllm", global_amax=None, tile=(1, 16),
+                   global_scale=None, scale=None) -> QTensor:
     """NVFP4 in a named convention (formulas in the module doc). ``tile=(16, 16)`` gives the 2-D
-    weight blocks of NVIDIA's NVFP4 training recipe (one scale per 16x16 tile of a 2-D weight)."""
+    weight blocks of NVIDIA's NVFP4 training recipe (one scale per 16x16 tile of a 2-D weight).
+
+    Static quantization: ``global_amax`` (calibrated amax) or ``global_scale`` (the convention's
+    stored global, e.g. a checkpoint's ``weight_scale_2``), and ``scale`` (stored E4M3 block
+    scales, shape ``[R/br, C/bc]``) re-encode with those scales held fixed."""
+    if convention not in CONVENTIONS:
+        raise InputError(f"unknown nvfp4 convention {convention!r}; expected one of {CONVENTIONS}",
+                         field="convention")
     tile = tuple(tile)
     if tile not in ((1, 16), (16, 16)):
         raise InputError(f"nvfp4 tiles are (1, 16) or (16, 16), got {tile}", field="tile")
@@ -111,26 +130,32 @@ def quantize_nvfp4(x: torch.Tensor, convention: str = "vllm", global_amax=None, 
         raise InputError(f"nvfp4 packs two codes per byte: last dim must be even, got {x.shape[-1]}", field="x")
     if tile == (16, 16) and x.dim() != 2:
         raise InputError(f"16x16 tiles need a 2-D weight, got shape {tuple(x.shape)}", field="x")
-    A = _global_amax(x, global_amax)
-    xb, info = to_blocks(x, tile)
-    a = block_amax(xb)
-    if float(A) == 0.0:
-        s = torch.zeros_like(a)
-        codes_b = torch.zeros(xb.shape, dtype=torch.uint8)
-        g = A if convention == "te" else A / 2688.0
+    if global_scale is not None:
+        glob = torch.as_tensor(global_scale, dtype=F32).reshape(())
+        if not bool(torch.isfinite(glob) & (glob >= 0)):
+            raise InputError(f"global_scale must be finite and >= 0, got {float(glob)}", field="global_scale")
     else:
-        s, m, divide, g = _scales(convention, a, A)
-        y = xb / m if divide else xb * m
-        nan_block = torch.isnan(s).expand_as(y)
-        if convention == "modelopt":
-            y = torch.where(torch.isnan(y), float("inf"), y)        # searchsorted puts NaN at the top
-            y = torch.where(y == 0, torch.zeros_like(y), y)          # sign from (x < 0): -0 -> +0
-        y = torch.where(nan_block | torch.isnan(y), torch.zeros_like(y), y).clamp(-6.0, 6.0)
-        codes_b = C.encode(y, C.E2M1)
+        A = _global_amax(x, global_amax)
+        glob = A if convention == "te" else A / 2688.0
+    xb, info = to_blocks(x, tile)
+    nblocks = (xb.shape[0], xb.shape[2])
+    if scale is not None:
+        sc = torch.as_tensor(scale)
+        if tuple(sc.shape) != nblocks:
+            raise InputError(f"static block scales have shape {tuple(sc.shape)}, expected {nblocks}", field="scale")
+        s = C.decode(sc.view(torch.uint8) if sc.dtype == torch.float8_e4m3fn else C.encode(sc.float(), C.E4M3),
+                     C.E4M3).reshape(nblocks[0], 1, nblocks[1], 1)
+    if float(glob) == 0.0:
+        s = torch.zeros(nblocks[0], 1, nblocks[1], 1) if scale is None else s
+        codes_b = torch.zeros(xb.shape, dtype=torch.uint8)
+    else:
+        if scale is None:
+            s = _block_scale(convention, block_amax(xb), glob)
+        codes_b = _elements(convention, xb, s, glob)
     codes = C.pack_fp4(from_blocks(codes_b, info))
-    scales = C.encode(s.reshape(s.shape[0], s.shape[2]), C.E4M3).view(torch.float8_e4m3fn)
-    return QTensor("nvfp4", codes, scales, g.reshape(()).to(F32), tile, tuple(x.shape), x.dtype,
-                   {"convention": convention})
+    scales = C.encode(s.reshape(nblocks), C.E4M3).view(torch.float8_e4m3fn)
+    return QTensor("nvfp4", codes, scales, glob.reshape(()).to(F32), tile, tuple(x.shape), x.dtype,
+                   {"convention": convention, "tile": tile})
 
 
 def dequantize_nvfp4(q: QTensor) -> torch.Tensor:
