@@ -1,0 +1,232 @@
+"""correction: hand vectors per method, caps and masks, layouts, torch/numpy, errors."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from skyrl_numerics import correction as C
+from skyrl_numerics import gap
+from skyrl_numerics.errors import InputError
+
+# rollout logprob 0 and trainer logprob ln r, so the ratio of every token is r exactly-ish:
+#   seq 0: r = [3, 0.6, 1.5]   (Π = 2.7, geo-mean 2.7^(1/3) = 1.3925)
+#   seq 1: r = [0.25, 1.2]     (Π = 0.3, geo-mean 0.3^(1/2) = 0.5477), then one padding slot
+R = [[3.0, 0.6, 1.5], [0.25, 1.2, 1.0]]
+TRAIN = torch.log(torch.tensor(R, dtype=torch.float64))
+TRAIN[1, 2] = float("nan")                     # padding: never read
+ROLL = torch.zeros(2, 3, dtype=torch.float64)
+MASK = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+CU = torch.tensor([0, 3, 5])
+KEEP_SEQ0 = [[1, 1, 1], [0, 0, 0]]
+
+
+def _w(c):
+    return np.asarray(c.weights, dtype=np.float64)
+
+
+def _m(c):
+    return np.asarray(c.mask).astype(int).tolist()
+
+
+def test_token_tis_hand():
+    c = C.token_tis(TRAIN, ROLL, MASK, cap=2.0)
+    np.testing.assert_allclose(_w(c), [[2, 0.6, 1.5], [0.25, 1.2, 0]], rtol=1e-15)
+    assert _m(c) == MASK.int().tolist()
+    assert c.metrics["frac_tokens_clipped"] == 0.2                 # the 3
+    assert c.metrics["mean_weight"] == pytest.approx(5.55 / 5, rel=1e-15, abs=0)
+    assert c.metrics["mean_ratio"] == pytest.approx(6.55 / 5, rel=1e-15, abs=0)
+    assert c.metrics["frac_tokens_masked"] == 0 and c.metrics["frac_seqs_masked"] == 0
+    assert (c.metrics["n_tokens"], c.metrics["n_seqs"]) == (5, 2)
+
+
+def test_sequence_tis_hand():
+    c = C.sequence_tis(TRAIN, ROLL, MASK, cap=2.0)
+    np.testing.assert_allclose(_w(c), [[2, 2, 2], [0.3, 0.3, 0]], rtol=1e-14)   # min(2.7, 2), 0.3
+    assert c.metrics["frac_seqs_clipped"] == 0.5
+    assert c.metrics["frac_tokens_clipped"] == 0.6
+    assert c.metrics["mean_weight"] == pytest.approx(6.6 / 5, rel=1e-14, abs=0)
+    big = C.sequence_tis(TRAIN, ROLL, MASK, cap=10.0)
+    np.testing.assert_allclose(_w(big), [[2.7, 2.7, 2.7], [0.3, 0.3, 0]], rtol=1e-14)
+
+
+def test_sequence_masks_hand():
+    g = C.geometric_mask(TRAIN, ROLL, MASK, lo=0.6, hi=1.5)        # 1.3925 in, 0.5477 out
+    assert _m(g) == KEEP_SEQ0
+    assert g.metrics["frac_tokens_masked"] == 0.4 and g.metrics["frac_seqs_masked"] == 0.5
+    np.testing.assert_array_equal(_w(g), [[1, 1, 1], [1, 1, 0]])
+    assert _m(C.geometric_mask(TRAIN, ROLL, MASK, hi=1.4)) == [[1, 1, 1], [0, 0, 0]]  # lo = 1/1.4
+    assert _m(C.geometric_mask(TRAIN, ROLL, MASK, hi=1.3)) == [[0, 0, 0], [0, 0, 0]]
+    p = C.product_mask(TRAIN, ROLL, MASK, lo=0.5, hi=3.0)           # 2.7 in, 0.3 out
+    assert _m(p) == KEEP_SEQ0
+    assert _m(C.product_mask(TRAIN, ROLL, MASK)) == [[0, 0, 0], [0, 0, 0]]           # [0.5, 2]
+    assert _m(C.product_mask(TRAIN, ROLL, MASK, lo=0.2, hi=2.8)) == MASK.int().tolist()
+
+
+def test_outlier_veto_hand():
+    v = C.outlier_veto(TRAIN, ROLL, MASK, lo=0.3)                  # 0.25 < 0.3 vetoes seq 1
+    assert _m(v) == KEEP_SEQ0
+    assert v.metrics["frac_tokens_outlier"] == 0.2 and v.metrics["frac_seqs_masked"] == 0.5
+    both = C.outlier_veto(TRAIN, ROLL, MASK, lo=0.3, hi=2.5)       # 3 > 2.5 vetoes seq 0 too
+    assert _m(both) == [[0, 0, 0], [0, 0, 0]] and both.metrics["mean_weight"] != both.metrics["mean_weight"]
+    assert _m(C.outlier_veto(TRAIN, ROLL, MASK)) == MASK.int().tolist()               # lo = 1e-4
+
+
+def test_token_mask_and_mis_hand():
+    t = C.token_mask(TRAIN, ROLL, MASK, hi=2.0)                    # keep r in [0.5, 2]
+    assert _m(t) == [[0, 1, 1], [0, 1, 0]]
+    assert t.metrics["frac_tokens_masked"] == 0.4 and t.metrics["frac_seqs_masked"] == 0
+    m = C.masked_is(TRAIN, ROLL, MASK, hi=2.0)
+    assert _m(m) == [[0, 1, 1], [0, 1, 0]]
+    np.testing.assert_allclose(_w(m), [[2, 0.6, 1.5], [0.25, 1.2, 0]], rtol=1e-15)  # C = hi
+    np.testing.assert_allclose(np.asarray(m.loss_weights), [[0, 0.6, 1.5], [0, 1.2, 0]], rtol=1e-15)
+    assert m.metrics["mean_weight"] == pytest.approx(3.3 / 3, rel=1e-15, abs=0)
+    assert m.metrics["frac_tokens_clipped"] == 0
+    capped = C.masked_is(TRAIN, ROLL, MASK, hi=2.0, cap=1.0)       # kept 1.5, 1.2 clipped to 1
+    np.testing.assert_allclose(np.asarray(capped.loss_weights), [[0, 0.6, 1], [0, 1, 0]], rtol=1e-15)
+    assert capped.metrics["frac_tokens_clipped"] == 0.4
+
+
+def test_combine_hand():
+    c = C.combine(C.token_tis(TRAIN, ROLL, MASK, cap=2.0), C.geometric_mask(TRAIN, ROLL, MASK, lo=0.6, hi=1.5),
+                  C.outlier_veto(TRAIN, ROLL, MASK))
+    assert c.name == "token_tis+geometric_mask+outlier_veto"
+    assert _m(c) == KEEP_SEQ0
+    np.testing.assert_allclose(_w(c), [[2, 0.6, 1.5], [0.25, 1.2, 0]], rtol=1e-15)
+    assert c.metrics["mean_weight"] == pytest.approx(4.1 / 3, rel=1e-15, abs=0)
+    assert c.metrics["frac_tokens_masked"] == 0.4 and c.metrics["frac_seqs_masked"] == 0.5
+    assert c.metrics["token_tis/frac_tokens_clipped"] == 0.2
+    other = C.token_tis(TRAIN[:1], ROLL[:1], MASK[:1])
+    with pytest.raises(InputError):
+        C.combine(c, other)
+
+
+ALL = [lambda *a, **k: C.token_tis(*a, **k), C.sequence_tis, C.geometric_mask, C.product_mask,
+       C.outlier_veto, C.token_mask, C.masked_is]
+
+
+@pytest.mark.parametrize("fn", ALL)
+def test_flat_layout_equals_padded(fn):
+    flat_t, flat_r = TRAIN[MASK], ROLL[MASK]
+    padded = fn(TRAIN, ROLL, MASK)
+    flat = fn(flat_t, flat_r, cu_seqlens=CU)
+    torch.testing.assert_close(flat.weights, padded.weights[MASK], rtol=0, atol=0)
+    assert torch.equal(flat.mask, padded.mask[MASK])
+    assert flat.metrics == padded.metrics
+    np_flat = fn(flat_t.numpy(), flat_r.numpy(), cu_seqlens=CU.numpy())
+    assert isinstance(np_flat.weights, np.ndarray) and np_flat.weights.dtype == np.float64
+    np.testing.assert_array_equal(np_flat.weights, flat.weights.numpy())
+    # a flat 1-D mask over a longer stream
+    big_t = torch.cat([flat_t, torch.tensor([float("nan")])])
+    big_r = torch.cat([flat_r, torch.tensor([0.0], dtype=torch.float64)])
+    m = torch.tensor([1, 1, 1, 1, 1, 0], dtype=torch.bool)
+    masked = fn(big_t, big_r, m, cu_seqlens=torch.tensor([0, 3, 6]))
+    torch.testing.assert_close(masked.weights[:5], flat.weights, rtol=0, atol=0)
+    assert masked.weights[5] == 0 and not masked.mask[5]
+
+
+def test_torch_out_dtype_device_and_no_grad():
+    t32 = TRAIN.float().clone().requires_grad_(True)
+    c = C.token_tis(t32, ROLL.float(), MASK)
+    assert c.weights.dtype == torch.float32 and c.mask.dtype == torch.bool
+    assert not c.weights.requires_grad and c.weights.device == t32.device
+    assert C.token_tis(TRAIN, ROLL, MASK).weights.dtype == torch.float64
+    bf = C.token_tis(TRAIN.bfloat16(), ROLL.bfloat16(), MASK)
+    assert bf.weights.dtype == torch.float32
+    c01 = C.token_tis(TRAIN, ROLL, MASK.int())                     # 0/1 mask
+    assert torch.equal(c01.mask, C.token_tis(TRAIN, ROLL, MASK).mask)
+
+
+def test_mean_ratio_agrees_with_gap_tool():
+    rng = np.random.default_rng(0)
+    b = -rng.exponential(1.0, (4, 50))
+    a = np.minimum(b + rng.normal(0, 0.05, b.shape), 0)
+    m = np.arange(50)[None] < np.array([[50], [10], [33], [1]])
+    c = C.token_tis(a, b, m)
+    assert c.metrics["mean_ratio"] == pytest.approx(gap.measure(a, b, m).ratio_mean, rel=1e-13, abs=0)
+
+
+@st.composite
+def padded_batches(draw):
+    bsz = draw(st.integers(1, 5))
+    t = draw(st.integers(1, 9))
+    vals = st.floats(-6, 6, allow_nan=False)
+    d = np.array(draw(st.lists(vals, min_size=bsz * t, max_size=bsz * t))).reshape(bsz, t)
+    m = np.array(draw(st.lists(st.booleans(), min_size=bsz * t, max_size=bsz * t))).reshape(bsz, t)
+    return d, m
+
+
+@settings(max_examples=40, deadline=None)
+@given(padded_batches(), st.floats(1.01, 10))
+def test_caps_and_masks_properties(batch, cap):
+    d, m = batch
+    roll = np.zeros_like(d) - 1.0
+    tr = roll + d
+    r = np.exp(tr - roll)
+    tis = C.token_tis(tr, roll, m, cap=cap)
+    assert (tis.weights <= cap * (1 + 1e-12)).all()
+    np.testing.assert_allclose(tis.weights[m], np.minimum(r, cap)[m], rtol=1e-12)
+    assert (tis.weights[~m] == 0).all() and (tis.mask == m).all()
+    seq = C.sequence_tis(tr, roll, m, cap=cap)
+    assert (seq.weights <= cap * (1 + 1e-12)).all()
+    for i in range(d.shape[0]):
+        w = seq.weights[i][m[i]]
+        assert (w == w[:1]).all()                                  # one weight per sequence
+        if m[i].any():
+            assert w[0] == pytest.approx(min(math.exp((tr - roll)[i][m[i]].sum()), cap), rel=1e-12, abs=0)
+    for c in (C.token_mask(tr, roll, m, hi=cap), C.masked_is(tr, roll, m, hi=cap),
+              C.geometric_mask(tr, roll, m, hi=cap), C.product_mask(tr, roll, m, hi=cap),
+              C.outlier_veto(tr, roll, m, lo=1 / cap, hi=cap)):
+        assert not (c.mask & ~m).any()                             # never keeps padding
+        assert (c.loss_weights[~c.mask] == 0).all()
+        kept = c.mask
+        assert ((r[kept] >= 1 / cap * (1 - 1e-12)).all() and (r[kept] <= cap * (1 + 1e-12)).all()) or \
+            c.name in ("geometric_mask", "product_mask")
+        frac = (m.sum() - kept.sum()) / max(m.sum(), 1)
+        assert c.metrics["frac_tokens_masked"] == pytest.approx(frac, abs=1e-12)
+    veto = C.outlier_veto(tr, roll, m, lo=1 / cap, hi=cap)
+    tm = C.token_mask(tr, roll, m, lo=1 / cap, hi=cap)
+    for i in range(d.shape[0]):                                    # veto = "token mask drops none"
+        assert veto.mask[i].any() == (m[i].any() and (tm.mask[i] == m[i]).all())
+
+
+def test_errors():
+    bad = TRAIN.clone()
+    bad[0, 1] = float("inf")
+    with pytest.raises(InputError) as e:
+        C.token_tis(bad, ROLL, MASK)
+    assert (e.value.row, e.value.field, e.value.index) == (0, "trainer_logprobs", 1)
+    flat_r = ROLL[MASK].clone()
+    flat_r[4] = float("nan")
+    with pytest.raises(InputError) as e:
+        C.masked_is(TRAIN[MASK], flat_r, cu_seqlens=CU)
+    assert (e.value.row, e.value.field, e.value.index) == (1, "rollout_logprobs", 1)
+    with pytest.raises(InputError) as e:
+        C.token_tis(TRAIN, ROLL[:, :2], MASK)
+    assert e.value.field == "rollout_logprobs"
+    with pytest.raises(InputError) as e:
+        C.token_tis(TRAIN, ROLL, MASK[:, :2])
+    assert e.value.field == "mask"
+    m2 = MASK.int()
+    m2[1, 0] = 3
+    with pytest.raises(InputError) as e:
+        C.token_tis(TRAIN, ROLL, m2)
+    assert (e.value.row, e.value.field, e.value.index) == (1, "mask", 0)
+    for kw in (dict(cu_seqlens=torch.tensor([0, 2, 4])), dict(cu_seqlens=torch.tensor([0, 4, 3, 5]))):
+        with pytest.raises(InputError) as e:
+            C.token_tis(TRAIN[MASK], ROLL[MASK], **kw)
+        assert e.value.field == "cu_seqlens"
+    with pytest.raises(InputError):
+        C.token_tis(TRAIN, ROLL, MASK, cu_seqlens=CU)
+    with pytest.raises(InputError):
+        C.token_mask(TRAIN, ROLL, MASK, lo=3.0, hi=2.0)
+    with pytest.raises(InputError):
+        C.token_tis(TRAIN, ROLL, MASK, cap=0.0)
+    with pytest.raises(InputError):
+        C.token_tis(torch.zeros(0), torch.zeros(0))
+    with pytest.raises(InputError):
+        C.combine()
