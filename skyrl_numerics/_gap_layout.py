@@ -113,8 +113,8 @@ class Tokens:
         if self.mask2d is None:
             s, e = self.cu[r0], self.cu[r1]
             return self.a[s:e], self.b[s:e]
-        m = self.mask2d[r0:r1]
-        return self.a[r0:r1][m], self.b[r0:r1][m]
+        idx = np.flatnonzero(self.mask2d[r0:r1])
+        return self.a[r0:r1].reshape(-1).take(idx), self.b[r0:r1].reshape(-1).take(idx)
 
     def sample(self, size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """About ``size`` tokens drawn uniformly (with replacement), as float64."""
@@ -185,7 +185,8 @@ def normalize(trainer, rollout, mask=None, cu_seqlens=None) -> Tokens:
         def locate(row, j, m=m):
             return row, int(np.flatnonzero(m[row])[j])
 
-        return Tokens(a, b, lengths, mask2d=m, locate=locate, dtypes=dtypes)
+        return Tokens(np.ascontiguousarray(a), np.ascontiguousarray(b), lengths, mask2d=m, locate=locate,
+                      dtypes=dtypes)
     # flat 1-D
     cu = _check_cu(cu_seqlens, a.size) if cu_seqlens is not None else np.array([0, a.size], np.int64)
     if mask is None:

@@ -49,6 +49,7 @@ full-array computation that is the spec; tests hold the fast pass to it.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -299,39 +300,36 @@ def _margin(q: float, s: int) -> float:
     return 6.0 * math.sqrt(q * (1 - q) / s) + 2.0 / s
 
 
-def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK):
-    """Same dict as :func:`_reference_stats` in one chunked pass; ``None`` if a percentile
-    bracket missed or a ratio overflows (the caller then runs the reference)."""
-    n = tok.n
+def _brackets(tok: Tokens, taus):
+    """From a sample: the tail threshold T and the median bracket [med_lo, med_hi] of |d|."""
     sa, sb = tok.sample(_SAMPLE)
     sd = sa - sb
-    if not np.isfinite(sd).all():
-        sd = sd[np.isfinite(sd)]
+    sd = sd[np.isfinite(sd)]
     if sd.size < 64:
         return None
-    s_abs = np.abs(sd)
-    ss = sd.size
+    s_abs, ss = np.abs(sd), sd.size
 
     def sq(x, p):
         return float(np.quantile(x, min(max(p, 0.0), 1.0)))
 
+    # every token beyond the p99 of |d|, beyond the p99 of d and below the p1 of d is "tail"
     T = min(_TAYLOR_MAX, sq(s_abs, 0.99 - _margin(0.99, ss)),
             max(0.0, sq(sd, 0.99 - _margin(0.99, ss))), max(0.0, -sq(sd, 0.01 + _margin(0.01, ss))),
             *(math.log(t) for t in taus))
     med_lo, med_hi = sq(s_abs, 0.5 - _margin(0.5, ss)), sq(s_abs, 0.5 + _margin(0.5, ss))
-    use_med = med_hi > 0.0 and med_lo <= T
+    return T, med_lo, med_hi, (med_hi > 0.0 and med_lo <= T)
 
-    plan = tok.plan(chunk)
+
+def _scan(tok: Tokens, plan, T, med_lo, med_hi, use_med, out) -> dict:
+    """One pass over the row ranges in ``plan``. Per-sequence results go straight into
+    ``out`` (disjoint rows per caller); token totals come back as a dict."""
     cu, lengths = tok.cu, tok.lengths
+    seq_sum_abs, seq_max_abs, seq_sum_d = out
     big = max(int(cu[r1] - cu[r0]) for r0, r1 in plan)
     D, AD, D2, D4 = (np.empty(big) for _ in range(4))
     TB, TB2 = np.empty(big, bool), np.empty(big, bool)
     POS = np.empty(big, np.int64)
-    seq_sum_abs = np.zeros(tok.n_seqs)
-    seq_max_abs = np.zeros(tok.n_seqs)
-    seq_sum_d = np.zeros(tok.n_seqs)
-    pos_cnt = _position_count(lengths)
-    pos_sum = np.zeros(pos_cnt.size)
+    pos_sum = np.zeros(int(lengths.max()))
     mx_a = mx_b = -math.inf
     nnz = below = 0
     p = [0.0] * 7                         # p[k] = Σ d^k over tokens with |d| <= T
@@ -374,8 +372,9 @@ def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK):
                 meds.append(ad[tb2])
         np.greater(ad, T, out=tb)
         if tb.any():
-            tails.append(d[tb])
-            np.copyto(d, 0.0, where=tb)
+            idx = np.flatnonzero(tb)
+            tails.append(d.take(idx))
+            d[idx] = 0.0
         p[1] += d.sum()
         np.multiply(d, d, out=d2)
         p[2] += d2.sum()
@@ -386,6 +385,51 @@ def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK):
             p[4] += np.dot(d2[i:j], d2[i:j])
             p[5] += np.dot(d4[i:j], d[i:j])
             p[6] += np.dot(d4[i:j], d2[i:j])
+    return dict(p=p, nnz=nnz, below=below, mx_a=mx_a, mx_b=mx_b, tails=tails, meds=meds, pos_sum=pos_sum)
+
+
+def _threads(n_tokens: int, threads: int | None) -> int:
+    if threads is not None:
+        return max(1, int(threads))
+    return max(1, min(os.cpu_count() or 1, 8, n_tokens // (4 * _CHUNK)))
+
+
+def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK, threads: int | None = 1):
+    """Same dict as :func:`_reference_stats` in one chunked pass; ``None`` if a percentile
+    bracket missed or a ratio overflows (the caller then runs the reference).
+
+    ``threads`` > 1 splits the chunks into that many contiguous runs scanned in parallel (numpy
+    releases the GIL in its loops); partial results are combined in run order.
+    """
+    n = tok.n
+    br = _brackets(tok, taus)
+    if br is None:
+        return None
+    T, med_lo, med_hi, use_med = br
+    plan = tok.plan(chunk)
+    seq_sum_abs = np.zeros(tok.n_seqs)
+    seq_max_abs = np.zeros(tok.n_seqs)
+    seq_sum_d = np.zeros(tok.n_seqs)
+    out = (seq_sum_abs, seq_max_abs, seq_sum_d)
+    nt = min(threads, len(plan))
+    if nt <= 1:
+        parts = [_scan(tok, plan, T, med_lo, med_hi, use_med, out)]
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        runs = [plan[i * len(plan) // nt:(i + 1) * len(plan) // nt] for i in range(nt)]
+        with ThreadPoolExecutor(nt) as ex:
+            parts = list(ex.map(lambda run: _scan(tok, run, T, med_lo, med_hi, use_med, out), runs))
+    pos_cnt = _position_count(tok.lengths)
+    pos_sum = parts[0]["pos_sum"]
+    for q in parts[1:]:
+        pos_sum = pos_sum + q["pos_sum"]
+    p = [math.fsum(q["p"][i] for q in parts) if len(parts) > 1 else parts[0]["p"][i] for i in range(7)]
+    nnz = sum(q["nnz"] for q in parts)
+    below = sum(q["below"] for q in parts)
+    mx_a, mx_b = max(q["mx_a"] for q in parts), max(q["mx_b"] for q in parts)
+    tails = [t for q in parts for t in q["tails"]]
+    meds = [m for q in parts for m in q["meds"]]
 
     sum_abs = float(seq_sum_abs.sum())
     if not (mx_a <= tol and mx_b <= tol and math.isfinite(sum_abs)):
@@ -487,24 +531,25 @@ def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK):
 
 # -- public -----------------------------------------------------------------------------------
 def measure(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, taus=DEFAULT_TAUS,
-            logprob_tol: float = LOGPROB_TOL, _path: str = "auto") -> GapReport:
+            logprob_tol: float = LOGPROB_TOL, threads: int | None = None, _path: str = "auto") -> GapReport:
     """Measure the trainer–rollout logprob gap over the masked tokens. See the module doc.
 
-    ``_path`` (testing): ``"auto"`` (fast pass above ``FAST_MIN_TOKENS`` tokens), ``"fast"``,
-    ``"reference"``.
+    ``threads``: CPU threads for the fast pass (default: up to 8, one per 256K tokens, at most
+    ``os.cpu_count()``). ``_path`` (testing): ``"auto"`` (fast pass above ``FAST_MIN_TOKENS``
+    tokens), ``"fast"``, ``"reference"``.
     """
     taus = _check_taus(taus)
     tok = normalize(trainer_logprobs, rollout_logprobs, mask, cu_seqlens)
     st = None
     if _path == "fast" or (_path == "auto" and tok.n > FAST_MIN_TOKENS):
-        st = _fast_stats(tok, taus, logprob_tol)
+        st = _fast_stats(tok, taus, logprob_tol, threads=_threads(tok.n, threads))
     if st is None:
         st = _reference_stats(tok, taus, logprob_tol)
     return _finish(st, tok, taus)
 
 
 def measure_reference(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None,
-                      taus=DEFAULT_TAUS, logprob_tol: float = LOGPROB_TOL) -> GapReport:
+                      taus=DEFAULT_TAUS, logprob_tol: float = LOGPROB_TOL, threads=None) -> GapReport:
     """:func:`measure` through the plain full-array path (the spec the fast pass is tested against)."""
     return measure(trainer_logprobs, rollout_logprobs, mask, cu_seqlens=cu_seqlens, taus=taus,
                    logprob_tol=logprob_tol, _path="reference")

@@ -339,6 +339,20 @@ def test_fast_pass_taylor_part_is_accurate_to_1e12():
     assert rep.ratio_mean - 1 == pytest.approx(math.fsum(np.expm1(d)) / n, rel=1e-10, abs=0)
 
 
+def test_fast_pass_threads_agree():
+    rng = np.random.default_rng(13)
+    a, b = _synthetic(80_000, 1e-3, rng)
+    cu = _cu(80_000, rng)
+    tok = gap.normalize(a, b, None, cu)
+    one = gap._fast_stats(tok, gap.DEFAULT_TAUS, 1e-6, chunk=4096, threads=1)
+    three = gap._fast_stats(tok, gap.DEFAULT_TAUS, 1e-6, chunk=4096, threads=3)
+    ref = measure_reference(a, b, cu_seqlens=cu)
+    _close(gap._finish(one, tok, gap.DEFAULT_TAUS), ref)
+    _close(gap._finish(three, tok, gap.DEFAULT_TAUS), ref)
+    for k in ("seq_sum_abs", "seq_max_abs", "seq_sum_d", "n_eq", "p50_abs", "p99_abs"):
+        np.testing.assert_array_equal(one[k], three[k])
+
+
 @SETTINGS
 @given(batches(max_seqs=8, max_len=40), st.integers(0, 2 ** 32 - 1))
 def test_fast_pass_matches_reference_property(batch, seed):
