@@ -8,3 +8,7 @@ from .api import RECIPES, dequantize, fake_quant, quantize, recipe_options, requ
 from .qtensor import QTensor
 
 __all__ = ["RECIPES", "QTensor", "quantize", "dequantize", "fake_quant", "requantize", "recipe_options"]
+from .qat import QATRule, apply_qat, remove_qat
+from .ste import representable_range, ste_fake_quant
+
+__all__ += ["QATRule", "apply_qat", "remove_qat", "ste_fake_quant", "representable_range"]
