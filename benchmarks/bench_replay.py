@@ -46,6 +46,7 @@ def bytes_per_token(num_experts=E, layers=L, k=K, B=64):
     lens = _lengths(B)
     T = int(lens.sum())
     r = PackedRoutes.empty(lens, layers, k, num_experts)
+    r.values.fill(num_experts - 1)  # sizes do not depend on the ids; keep them valid for bit-packing
     packed = r.to_buffer().nbytes
     bitpacked = PackedRoutes(r.values, r.cu_seqlens, num_experts, validate=False).to_buffer(bitpack=True).nbytes
     dense32 = T * layers * k * 4
