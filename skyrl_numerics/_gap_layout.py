@@ -116,12 +116,17 @@ class Tokens:
         idx = np.flatnonzero(self.mask2d[r0:r1])
         return self.a[r0:r1].reshape(-1).take(idx), self.b[r0:r1].reshape(-1).take(idx)
 
-    def sample(self, size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """About ``size`` tokens drawn uniformly (with replacement), as float64."""
+    def sample(self, size: int, seed: int = 0, runs: int = 128) -> tuple[np.ndarray, np.ndarray]:
+        """About ``size`` tokens as float64: ``runs`` runs of consecutive tokens at random places
+        (cache-friendly; the runs are spread over the whole batch)."""
         rng = np.random.default_rng(seed)
         if self.mask2d is None:
-            idx = rng.integers(0, self.n, size)
-            return self.a[idx].astype(np.float64), self.b[idx].astype(np.float64)
+            if self.n <= size:
+                return self.a.astype(np.float64), self.b.astype(np.float64)
+            run = max(1, size // runs)
+            starts = np.sort(rng.integers(0, self.n - run + 1, runs))
+            idx = (starts[:, None] + np.arange(run)[None, :]).reshape(-1)
+            return self.a.take(idx).astype(np.float64), self.b.take(idx).astype(np.float64)
         bsz, t = self.mask2d.shape
         density = self.n / (bsz * t)
         draws = int(size / density * 1.2) + 64
