@@ -1,0 +1,179 @@
+"""``batch_invariant_mode()``: route the aten ops of an unmodified model through invariant kernels.
+
+It registers kernels for the CPU dispatch key (the fast CPU path, ``cpu.py``) and, when CUDA is
+present, the CUDA key (the Triton kernels) through ``torch.library.Library("aten", "IMPL")``.
+Autograd is untouched: aten's derivative formulas call mm/bmm/... again and hit the same
+overrides, so backward passes are covered too.
+
+Overridden ops: mm, addmm, bmm, _log_softmax, _log_softmax_backward_data, _softmax,
+_softmax_backward_data, mean.dim. (``sum.dim_IntList`` is left stock: the CPU path uses it on
+rows of at most ``cpu.CHUNK`` elements, which stock torch reduces invariantly, and overriding it
+would recurse.)
+
+The overrides are process-wide (the dispatcher has no per-thread table): the mode is on while
+at least one holder is inside; entering/leaving is reference counted under a lock, so nesting
+and concurrent use from threads are safe, and the stock kernels come back when the last holder
+leaves. ``enable_batch_invariant_cpu()`` / ``disable_batch_invariant_cpu()`` are the same thing
+without a ``with`` block, for installing in a worker process (e.g. a vLLM CPU worker) at start.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+
+import torch
+
+from . import cpu
+
+_LOCK = threading.Lock()
+_DEPTH = 0
+_LIB: torch.library.Library | None = None
+
+
+def _last(dim: int, nd: int) -> bool:
+    return dim % max(nd, 1) == nd - 1
+
+
+def _rowwise(fn, x, dim, *more):
+    """Apply a last-dim row function along ``dim`` (moving it last and back)."""
+    if _last(dim, x.dim()):
+        return fn(x, *more)
+    xt = x.movedim(dim, -1)
+    out = fn(xt, *(t.movedim(dim, -1) for t in more))
+    return out.movedim(-1, dim).contiguous()
+
+
+# --------------------------------------------------------------------------- CPU kernels
+def _cpu_mm(a, b):
+    return cpu.matmul_2d(a, b)
+
+
+def _cpu_addmm(bias, a, b, *, beta=1, alpha=1):
+    if beta == 1 and alpha == 1:
+        return cpu.matmul_2d(a, b, bias.expand(a.shape[0], b.shape[1]))
+    prod = cpu.matmul_2d(a, b, out_dtype=torch.float32)
+    out = prod * alpha if alpha != 1 else prod
+    if beta != 0:
+        out = out + beta * bias.float()
+    return out.to(a.dtype)
+
+
+def _cpu_bmm(a, b):
+    return cpu.bmm(a, b)
+
+
+def _cpu_log_softmax(x, dim, half_to_float):
+    out = _rowwise(cpu.log_softmax, x.float() if half_to_float else x, dim)
+    return out
+
+
+def _cpu_log_softmax_bwd(g, y, dim, input_dtype):
+    return _rowwise(lambda gg, yy: cpu.log_softmax_backward(gg, yy), g, dim, y).to(input_dtype)
+
+
+def _cpu_softmax(x, dim, half_to_float):
+    return _rowwise(cpu.softmax, x.float() if half_to_float else x, dim)
+
+
+def _cpu_softmax_bwd(g, y, dim, input_dtype):
+    return _rowwise(lambda gg, yy: cpu.softmax_backward(gg, yy), g, dim, y).to(input_dtype)
+
+
+def _cpu_mean(x, dim=None, keepdim=False, *, dtype=None):
+    if not x.is_floating_point():
+        raise RuntimeError(f"mean(): expected a floating point input, got {x.dtype}")
+    dims = list(dim) if dim is not None else None
+    return cpu.reduce(x if dtype is None else x.to(dtype), dims, keepdim, True, dtype)
+
+
+# --------------------------------------------------------------------------- CUDA kernels
+def _cuda_kernels():
+    from . import tl_matmul, tl_reduce, tl_softmax
+
+    def mm(a, b):
+        return tl_matmul.matmul(a, b)
+
+    def addmm(bias, a, b, *, beta=1, alpha=1):
+        if beta == 1 and alpha == 1 and bias.dim() == 1:
+            return tl_matmul.matmul(a, b, bias)
+        out = tl_matmul.matmul(a.float(), b.float())
+        return (alpha * out + beta * bias.float()).to(a.dtype)
+
+    def bmm(a, b):
+        return tl_matmul.bmm(a, b)
+
+    def log_softmax(x, dim, half_to_float):
+        return _rowwise(tl_softmax.log_softmax_fwd, x.float() if half_to_float else x, dim)
+
+    def log_softmax_bwd(g, y, dim, input_dtype):
+        return _rowwise(tl_softmax.log_softmax_bwd, g, dim, y).to(input_dtype)
+
+    def mean(x, dim=None, keepdim=False, *, dtype=None):
+        return tl_reduce.reduce(x if dtype is None else x.to(dtype), list(dim) if dim else None,
+                                keepdim, True, dtype)
+
+    return {"mm": mm, "addmm": addmm, "bmm": bmm, "_log_softmax": log_softmax,
+            "_log_softmax_backward_data": log_softmax_bwd, "mean.dim": mean}
+
+
+_CPU_KERNELS = {
+    "mm": _cpu_mm, "addmm": _cpu_addmm, "bmm": _cpu_bmm,
+    "_log_softmax": _cpu_log_softmax, "_log_softmax_backward_data": _cpu_log_softmax_bwd,
+    "_softmax": _cpu_softmax, "_softmax_backward_data": _cpu_softmax_bwd, "mean.dim": _cpu_mean,
+}
+
+
+def _install() -> torch.library.Library:
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():  # "Overriding a previously registered kernel": intended
+        warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel.*")
+        for op, fn in _CPU_KERNELS.items():
+            lib.impl(op, fn, "CPU")
+        if torch.cuda.is_available():
+            for op, fn in _cuda_kernels().items():
+                lib.impl(op, fn, "CUDA")
+    return lib
+
+
+def _acquire() -> None:
+    global _DEPTH, _LIB
+    with _LOCK:
+        if _DEPTH == 0:
+            _LIB = _install()
+        _DEPTH += 1
+
+
+def _release() -> None:
+    global _DEPTH, _LIB
+    with _LOCK:
+        if _DEPTH == 0:
+            raise RuntimeError("batch-invariant mode released more times than it was enabled")
+        _DEPTH -= 1
+        if _DEPTH == 0 and _LIB is not None:
+            _LIB._destroy()
+            _LIB = None
+
+
+def is_batch_invariant_mode_enabled() -> bool:
+    return _DEPTH > 0
+
+
+@contextlib.contextmanager
+def batch_invariant_mode():
+    """Within the block, mm/addmm/bmm/(log_)softmax/mean run batch-invariant kernels."""
+    _acquire()
+    try:
+        yield
+    finally:
+        _release()
+
+
+def enable_batch_invariant_cpu() -> None:
+    """Turn the mode on for the whole process (e.g. at vLLM CPU worker start). Idempotent per
+    call pair: each call must be matched by :func:`disable_batch_invariant_cpu` to turn it off."""
+    _acquire()
+
+
+def disable_batch_invariant_cpu() -> None:
+    _release()
