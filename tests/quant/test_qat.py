@@ -4,6 +4,8 @@ import torch
 from torch.nn.utils import parametrize
 
 from skyrl_numerics.errors import InputError
+from qmodels import tiny_qwen3_moe
+
 from skyrl_numerics.quant import QATRule, apply_qat, fake_quant, remove_qat, ste_fake_quant
 
 
@@ -26,16 +28,6 @@ def test_clipped_ste_zeroes_saturated_elements():
     w.requires_grad_(True)
     ste_fake_quant(w, "int4_g32", clip=True).sum().backward()
     assert w.grad[0, :2].tolist() == [0.0, 1.0]
-
-
-def tiny_qwen3_moe(seed=0):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                         num_experts=8, num_experts_per_tok=2, max_position_embeddings=128,
-                         tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[])
-    torch.manual_seed(seed)
-    return Qwen3MoeForCausalLM(cfg).eval()
 
 
 RULES = [
