@@ -1,0 +1,125 @@
+"""The fast CPU path: stock torch CPU ops are NOT batch-invariant on these shapes; ours are."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from skyrl_numerics.kernels import cpu, ops, reference as ref
+
+HS = settings(max_examples=15, deadline=None)
+
+
+def test_stock_torch_cpu_is_not_batch_invariant():
+    """fp32 mm: rows of a 1-row product differ from the same rows of a 64-row product (MKL's
+    small-M path); mean over long rows: 1 row is split across threads, several rows are not."""
+    a, b = torch.randn(64, 256), torch.randn(256, 256)
+    assert not torch.equal(torch.mm(a[:1], b), torch.mm(a, b)[:1])
+    x = torch.randn(8, 40000)
+    if torch.get_num_threads() > 1:
+        assert not torch.equal(x[:1].mean(-1), x.mean(-1)[:1])
+    # ours on the same inputs
+    assert torch.equal(cpu.matmul_2d(a[:1], b), cpu.matmul_2d(a, b)[:1])
+    assert torch.equal(cpu.reduce(x[:1], [-1], False, True), cpu.reduce(x, [-1], False, True)[:1])
+
+
+def test_check_cpu_invariance_holds_here():
+    assert cpu.check_cpu_invariance()
+
+
+@HS
+@given(M=st.integers(1, 70), K=st.integers(1, 300), N=st.integers(1, 200), m=st.integers(1, 70),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), bias=st.booleans())
+def test_matmul_rows_invariant(M, K, N, m, dtype, bias):
+    m = min(m, M)
+    a, b = torch.randn(M, K).to(dtype), torch.randn(K, N).to(dtype)
+    c = torch.randn(N).to(dtype) if bias else None
+    full = ops.matmul(a, b, c, backend="cpu")
+    assert torch.equal(ops.matmul(a[:m], b, c, backend="cpu"), full[:m])
+    perm = torch.randperm(M)
+    assert torch.equal(ops.matmul(a[perm], b, c, backend="cpu"), full[perm])
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(full, ref.matmul(a, b, c), rtol=tol, atol=tol * max(1, K ** 0.5))
+
+
+def test_matmul_transposed_weight_like_linear():
+    a, w = torch.randn(40, 96), torch.randn(64, 96)
+    full = cpu.matmul_2d(a, w.t())
+    assert torch.equal(cpu.matmul_2d(a[:2], w.t()), full[:2])
+
+
+@HS
+@given(B=st.integers(1, 5), M=st.integers(1, 30), K=st.integers(1, 64), N=st.integers(1, 40))
+def test_bmm_invariant(B, M, K, N):
+    a, b = torch.randn(B, M, K), torch.randn(B, K, N)
+    full = ops.bmm(a, b, backend="cpu")
+    assert torch.equal(ops.bmm(a[:, :1], b, backend="cpu"), full[:, :1])
+    assert torch.equal(ops.bmm(a[-1:], b[-1:], backend="cpu"), full[-1:])
+    torch.testing.assert_close(full, ref.bmm(a, b), rtol=1e-5, atol=1e-4)
+
+
+@HS
+@given(counts=st.lists(st.integers(0, 30), min_size=1, max_size=6), K=st.integers(1, 48),
+       N=st.integers(1, 48))
+def test_grouped_matmul_invariant(counts, K, N):
+    E = len(counts)
+    offs = torch.tensor([0] + counts).cumsum(0)
+    x, w = torch.randn(int(offs[-1]), K), torch.randn(E, K, N)
+    out = ops.grouped_matmul(x, w, offs, backend="cpu")
+    torch.testing.assert_close(out, ref.grouped_matmul(x, w, offs), rtol=1e-5, atol=1e-4)
+    for e in range(E):
+        lo, hi = int(offs[e]), int(offs[e + 1])
+        if hi > lo:   # the first row of each expert alone
+            assert torch.equal(cpu.matmul_2d(x[lo:lo + 1], w[e]), out[lo:lo + 1])
+
+
+@HS
+@given(M=st.integers(1, 9), V=st.sampled_from([1, 7, 100, 5000, 40000]), m=st.integers(1, 9))
+def test_row_ops_invariant(M, V, m):
+    m = min(m, M)
+    x = torch.randn(M, V) * 3
+    t = torch.randint(0, V, (M,))
+    for fn in (cpu.log_softmax, cpu.softmax, lambda z: cpu.reduce(z, [-1], False, True)):
+        full = fn(x)
+        assert torch.equal(fn(x[:m]), full[:m])
+    lp, ent, _ = cpu.token_logprob_entropy(x, t, 0.9)
+    lp_m, ent_m, _ = cpu.token_logprob_entropy(x[:m], t[:m], 0.9)
+    assert torch.equal(lp_m, lp[:m]) and torch.equal(ent_m, ent[:m])
+    rlp, rent = ref.token_logprob_entropy(x, t, 0.9)
+    torch.testing.assert_close(lp, rlp, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(ent, rent, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(cpu.log_softmax(x), ref.log_softmax(x), rtol=1e-5, atol=1e-4)
+
+
+def test_autograd_cpu_vs_reference():
+    x = torch.randn(4, 3, 30, requires_grad=True)
+    w = torch.randn(30, requires_grad=True)
+    t = torch.randint(0, 30, (4, 3))
+    h = ops.rms_norm(x, w, backend="cpu")
+    lp, ent = ops.token_logprob_entropy(ops.log_softmax(h, backend="cpu"), t, backend="cpu")
+    (lp.sum() + 0.1 * ent.sum()).backward()
+    x2, w2 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    h2 = x2 * torch.rsqrt(x2.pow(2).mean(-1, keepdim=True) + 1e-6) * w2
+    z = torch.log_softmax(torch.log_softmax(h2, -1), -1)
+    lp2 = z.gather(-1, t.unsqueeze(-1)).squeeze(-1)
+    ent2 = -(z.exp() * z).sum(-1)
+    (lp2.sum() + 0.1 * ent2.sum()).backward()
+    torch.testing.assert_close(x.grad, x2.grad.float(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(w.grad, w2.grad.float(), rtol=1e-4, atol=1e-5)
+
+
+def test_rms_norm_invariant():
+    x, w = torch.randn(20, 4096), torch.randn(4096)
+    y = ops.rms_norm(x, w, backend="cpu")
+    assert torch.equal(ops.rms_norm(x[:1], w, backend="cpu"), y[:1])
+    torch.testing.assert_close(y, ref.rms_norm(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("H,Hkv,S,D", [(2, 2, 70, 16), (4, 2, 33, 64)])
+def test_attention_decode_equals_prefill(H, Hkv, S, D):
+    B = 2
+    q, k, v = torch.randn(B, H, S, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+    prefill = ops.attention(q, k, v, backend="cpu")
+    torch.testing.assert_close(prefill, ref.attention(q, k, v), rtol=1e-5, atol=1e-5)
+    for t in range(S):
+        out = ops.attention(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], backend="cpu")
+        assert torch.equal(out, prefill[:, :, t:t + 1]), f"query {t}"
+    assert torch.equal(ops.attention(q[:1], k[:1], v[:1], backend="cpu"), prefill[:1])
