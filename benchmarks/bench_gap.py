@@ -3,8 +3,10 @@
 Goal (issue 2): the full report <= 3x that single pass. Both are timed in the same process on
 the same float32 arrays (best of several runs); the reported number is the ratio.
 
-Layouts: flat + cu_seqlens (ragged lengths 1..2000), padded [B, 2000] with a right-padding
-mask, and the plain full-array reference path (``measure_reference``) for scale.
+Layouts: flat + cu_seqlens with short (1..2000) and long (2K..16K, RL-reasoning-like) responses,
+padded [B, 2000] with a right-padding mask, and the plain full-array reference path
+(``measure_reference``) for scale. ``measure`` uses its default threads (up to 8, at most
+``os.cpu_count()``); the ``threads=1`` row shows the single-core cost.
 
 Tokens: ``SKYRL_BENCH_GAP_TOKENS`` (default 10_000_000). Run as a script for a markdown table
 (``python benchmarks/bench_gap.py``) or under pytest-benchmark
@@ -34,10 +36,13 @@ def make_data(n=N, seed=0):
     lens = rng.integers(1, MAX_LEN, n // (MAX_LEN // 2) + 2)
     cu = np.concatenate([[0], np.cumsum(lens)])
     cu = np.append(cu[cu < n], n)
+    long_lens = rng.integers(2048, 16384, n // 2048 + 2)
+    cu_long = np.concatenate([[0], np.cumsum(long_lens)])
+    cu_long = np.append(cu_long[cu_long < n], n)
     rows = n // MAX_LEN
     pa, pb = a[: rows * MAX_LEN].reshape(rows, MAX_LEN), b[: rows * MAX_LEN].reshape(rows, MAX_LEN)
     pm = np.arange(MAX_LEN)[None, :] < rng.integers(1, MAX_LEN + 1, rows)[:, None]
-    return a, b, cu, pa, pb, pm
+    return a, b, cu, pa, pb, pm, cu_long
 
 
 def _best(fn, repeat=5):
@@ -54,11 +59,13 @@ def baseline(a, b):
 
 
 def rows(repeat=5):
-    a, b, cu, pa, pb, pm = make_data()
+    a, b, cu, pa, pb, pm, cu_long = make_data()
     out = []
     cases = [
-        ("flat + cu_seqlens", lambda: measure(a, b, cu_seqlens=cu), a.size),
-        ("padded + mask", lambda: measure(pa, pb, pm), int(pm.sum())),
+        ("flat + cu_seqlens, short seqs", lambda: measure(a, b, cu_seqlens=cu), a.size),
+        ("flat + cu_seqlens, short seqs, threads=1", lambda: measure(a, b, cu_seqlens=cu, threads=1), a.size),
+        ("flat + cu_seqlens, long seqs", lambda: measure(a, b, cu_seqlens=cu_long), a.size),
+        ("padded [B, 2000] + mask", lambda: measure(pa, pb, pm), int(pm.sum())),
         ("reference (full arrays)", lambda: measure_reference(a, b, cu_seqlens=cu), a.size),
     ]
     for name, fn, n_tok in cases:
@@ -83,11 +90,13 @@ def test_baseline_abs_mean(benchmark, data):
     benchmark(baseline, a, b)
 
 
-@pytest.mark.parametrize("layout", ["flat", "padded"])
+@pytest.mark.parametrize("layout", ["flat", "flat_long", "padded"])
 def test_measure(benchmark, data, layout):
-    a, b, cu, pa, pb, pm = data
+    a, b, cu, pa, pb, pm, cu_long = data
     if layout == "flat":
         fn, ba, bb = (lambda: measure(a, b, cu_seqlens=cu)), a, b
+    elif layout == "flat_long":
+        fn, ba, bb = (lambda: measure(a, b, cu_seqlens=cu_long)), a, b
     else:
         fn, ba, bb = (lambda: measure(pa, pb, pm)), pa[pm], pb[pm]
     t_base = _best(lambda: baseline(ba, bb))
@@ -99,7 +108,8 @@ def test_measure(benchmark, data, layout):
 
 
 if __name__ == "__main__":
-    print(f"gap.measure vs np.abs(a - b).mean(), {N:,} float32 tokens, best of runs\n")
+    print(f"gap.measure vs np.abs(a - b).mean(), {N:,} float32 tokens, best of runs, "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n")
     print("| case | tokens | numpy abs-mean (ms) | measure (ms) | ratio | Mtok/s |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in rows():

@@ -66,6 +66,7 @@ _CHUNK = 1 << 16          # tokens per piece: a few float64 buffers fit in L2
 _TAYLOR_MAX = 1.0 / 64    # |d| above this: exact expm1; below: Taylor to d^6 (error < d^7/5040)
 _SAMPLE = 1 << 16         # tokens sampled (in 128 runs of 512) to place the percentile brackets
 _DOT = 8192               # dot-product block
+_LONG = 2048              # chunks of sequences at least this long add per-position sums by slices
 
 SUMMARY_KEYS = ("n_tokens", "n_seqs", "mean_abs", "max_abs", "p50_abs", "p99_abs",
                 "frac_bitwise_equal", "kl_k1", "kl_k2", "kl_k3", "chi2", "ppl_ratio", "ess",
@@ -310,15 +311,17 @@ def _brackets(tok: Tokens, taus):
         return None
     s_abs, ss = np.abs(sd), sd.size
 
-    def clip(q):
-        return min(max(q, 0.0), 1.0)
+    def quantiles(x, qs):           # nearest-rank, one partition: only brackets, need not be exact
+        ks = [min(max(int(round(q * (x.size - 1))), 0), x.size - 1) for q in qs]
+        part = np.partition(x, ks)
+        return [float(part[k]) for k in ks]
 
     m99, m50 = _margin(0.99, ss), _margin(0.5, ss)
-    a99, med_lo, med_hi = np.quantile(s_abs, [clip(0.99 - m99), clip(0.5 - m50), clip(0.5 + m50)])
-    d1, d99 = np.quantile(sd, [clip(0.01 + m99), clip(0.99 - m99)])
+    a99, med_lo, med_hi = quantiles(s_abs, [0.99 - m99, 0.5 - m50, 0.5 + m50])
+    d1, d99 = quantiles(sd, [0.01 + m99, 0.99 - m99])
     # every token beyond the p99 of |d|, beyond the p99 of d and below the p1 of d is "tail"
-    T = min(_TAYLOR_MAX, float(a99), max(0.0, float(d99)), max(0.0, -float(d1)), *(math.log(t) for t in taus))
-    return T, float(med_lo), float(med_hi), (med_hi > 0.0 and med_lo <= T)
+    T = min(_TAYLOR_MAX, a99, max(0.0, d99), max(0.0, -d1), *(math.log(t) for t in taus))
+    return T, med_lo, med_hi, (med_hi > 0.0 and med_lo <= T)
 
 
 def _power_sums(d, d2, d4, p) -> None:
@@ -380,6 +383,9 @@ def _scan(tok: Tokens, plan, T, med_lo, med_hi, use_med, out) -> dict:
         if lens.min() == lens.max():
             L = int(lens[0])
             pos_sum[:L] += ad.reshape(-1, L).sum(axis=0)
+        elif lens.min() >= _LONG:         # few long sequences: add each as a slice
+            for s0, L in zip(starts.tolist(), lens.tolist()):
+                pos_sum[:L] += ad[s0:s0 + L]
         else:                             # position within sequence: cumsum of 1s, reset at starts
             pos = POS[:k]
             pos.fill(1)
@@ -523,7 +529,7 @@ def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK, threads: int
         return out
 
     u1 = p[1] + k3_small + float(ut.sum())
-    u2 = u2_small + float(np.dot(ut, ut))
+    u2 = u2_small + float((ut * ut).sum())      # (not np.dot: long BLAS dots spawn threads)
     # std(r)² = E[u²] - E[u]² cancels when the ratios sit far from 1 relative to their spread
     # (a systematic bias): past a 1000x loss of digits let the reference do it (two-pass std).
     if (u1 / n) ** 2 > (1 - 1e-3) * (u2 / n):
@@ -539,7 +545,7 @@ def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK, threads: int
     return {
         "n": n, "sum_abs": sum_abs, "max_abs": max(d_max, -d_min),
         "p50_abs": p50, "p99_abs": p99, "ratio_p1": r1_, "ratio_p99": r99,
-        "n_eq": n_zero, "s1": float(seq_sum_d.sum()), "s2": p[2] + float(np.dot(tv, tv)),
+        "n_eq": n_zero, "s1": float(seq_sum_d.sum()), "s2": p[2] + float((tv * tv).sum()),
         "k3": k3_small + float((ut - tv).sum()),
         "u1": u1, "u2": u2,
         "d_min": d_min, "d_max": d_max,

@@ -310,6 +310,13 @@ def test_fast_pass_matches_reference_padded_masked_and_uniform():
     _close(measure(a, b, m, _path="fast"), measure_reference(a, b, m))
 
 
+def test_fast_pass_long_sequences():
+    rng = np.random.default_rng(17)
+    a, b = _synthetic(90_000, 1e-3, rng)
+    cu = np.array([0, 3000, 3000, 10_000, 12_500, 40_000, 90_000])      # long, one empty
+    _close(measure(a, b, cu_seqlens=cu, _path="fast"), measure_reference(a, b, cu_seqlens=cu))
+
+
 def test_fast_pass_small_chunks_and_huge_ratio_fallback():
     rng = np.random.default_rng(11)
     a, b = _synthetic(20_000, 0.5, rng)
