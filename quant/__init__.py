@@ -12,3 +12,9 @@ from .qat import QATRule, apply_qat, remove_qat
 from .ste import representable_range, ste_fake_quant
 
 __all__ += ["QATRule", "apply_qat", "remove_qat", "ste_fake_quant", "representable_range"]
+from .checkpoint import QATCheckReport, qat_check, write_quantized_checkpoint
+from .kv import (ds_mla_cache_read, ds_mla_cache_write, fp8_kv_read, fp8_kv_roundtrip, fp8_kv_write,
+                 mla_cache_read, mla_cache_write)
+
+__all__ += ["QATCheckReport", "qat_check", "write_quantized_checkpoint", "fp8_kv_write", "fp8_kv_read",
+            "fp8_kv_roundtrip", "mla_cache_write", "mla_cache_read", "ds_mla_cache_write", "ds_mla_cache_read"]
