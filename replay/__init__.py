@@ -3,6 +3,7 @@
 - :class:`PackedRoutes`, :class:`RouteTrace` — compact, zero-copy routes for ragged batches and multi-turn
   trajectories (numpy only).
 - :func:`route_replay`, :func:`record_routes` — force / record the experts of HF MoE blocks (torch).
+- :func:`megatron_route_replay`, :func:`megatron_record_routes` — the same through megatron-core's RouterReplay.
 - :class:`PackedSupport`, :func:`support_logprobs` — sampled support sets and logprobs renormalized over them.
 
 Torch-dependent names load lazily so ``import skyrl_numerics.replay`` needs only numpy.
@@ -18,6 +19,9 @@ _LAZY = {
     "RouteRecorder": ".hf_replay",
     "padded_token_index": ".hf_replay",
     "packed_token_index": ".hf_replay",
+    "megatron_route_replay": ".megatron",
+    "megatron_record_routes": ".megatron",
+    "megatron_replay_indices": ".megatron",
     "support_logprobs": ".support_lp",
     "support_logprobs_reference": ".support_lp",
 }
