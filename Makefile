@@ -26,13 +26,13 @@ demo: $(STAMP)
 	$(BIN)/skyrl-numerics doctor --out artifacts/doctor
 
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/pytest $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not vllm and not slow" $(PYTEST_ARGS)
+	$(BIN)/pytest -m "not vllm and not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(BIN)/python -m pytest benchmarks -p no:cacheprovider --benchmark-only --benchmark-columns=min,mean,ops $(PYTEST_ARGS)
+	$(BIN)/pytest benchmarks -p no:cacheprovider --benchmark-only --benchmark-columns=min,mean,ops $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .benchmarks

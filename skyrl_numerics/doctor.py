@@ -71,6 +71,8 @@ register_row(Row("baseline: HF trainer, bf16", "full", _plain_trainer(None),
 register_row(Row("HF trainer, fp32 weights", "full", _plain_trainer("float32"),
                  note="more precision in the trainer does not close the gap: it is a mismatch, "
                       "not noise"))
+register_row(Row("+ R3 (router replay)", "full", _plain_trainer(None, use_routes=True),
+                 note="every MoE router uses the experts vLLM chose (captured in the engine)"))
 register_row(Row("top-p/top-k: HF trainer, full-vocab", "top-p/top-k", _plain_trainer(None),
                  note="the engine samples from a truncated support (top_p=0.9, top_k=16); the "
                       "trainer normalizes over the whole vocabulary"))
@@ -79,6 +81,9 @@ register_row(Row("top-p/top-k: HF trainer, full-vocab", "top-p/top-k", _plain_tr
 register_row(Row("top-p/top-k: + support replay", "top-p/top-k",
                  _plain_trainer(None, use_support=True),
                  note="trainer logprobs renormalized over the support vLLM sampled from"))
+register_row(Row("top-p/top-k: + support replay + R3", "top-p/top-k",
+                 _plain_trainer(None, use_support=True, use_routes=True),
+                 note="both replays"))
 
 
 @dataclass
@@ -129,7 +134,7 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
     out_rows, rollouts = [], {}
     with Progress(disable=not progress, transient=True) as prog:
         task = prog.add_task("starting vLLM engine", total=len(scenarios) + len(selected) + 1)
-        gen = get_generator(model_dir)
+        gen = get_generator(model_dir, capture_routes=True)
         prog.advance(task)
         for sc in scenarios:
             prog.update(task, description=f"sampling: {sc}")

@@ -46,7 +46,8 @@ class VLLMGenerator:
 
     def __init__(self, model_dir: str | os.PathLike, *, dtype: str = "bfloat16", seed: int = 0,
                  max_model_len: int = 1024, gpu_memory_utilization: float | None = None,
-                 enforce_eager: bool = True, max_logprobs: int = 64, **engine_kwargs: Any):
+                 enforce_eager: bool = True, max_logprobs: int = 64, capture_routes: bool = False,
+                 **engine_kwargs: Any):
         from vllm import LLM
 
         import vllm
@@ -59,13 +60,19 @@ class VLLMGenerator:
         self.llm = LLM(model=self.model_dir, skip_tokenizer_init=True, dtype=dtype, seed=seed,
                        max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                        logprobs_mode="processed_logprobs", enforce_eager=enforce_eager,
-                       max_logprobs=max_logprobs, **engine_kwargs)
+                       max_logprobs=max_logprobs,
+                       worker_extension_cls="skyrl_numerics.trainer.vllm_ext.SkyrlWorkerExtension",
+                       **engine_kwargs)
         self.startup_s = time.perf_counter() - t0
         device = "gpu" if _on_gpu() else "cpu"
         self.info = EngineInfo(name=f"vllm ({device})", version=vllm.__version__)
         self.dtype = dtype
         self.max_model_len = max_model_len
         self.vocab_size = self.llm.model_config.get_vocab_size()
+        self.route_info = None
+        if capture_routes:
+            # One worker here (TP = 1); with TP > 1 every rank sees the same logical ids.
+            self.route_info = self.llm.collective_rpc("skyrl_route_capture_start")[0]
 
     # ---------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], *, temperature: float = 1.0,
@@ -112,8 +119,9 @@ class VLLMGenerator:
         outputs = self.llm.generate(inputs, params, use_tqdm=progress)
         elapsed = time.perf_counter() - t0
 
-        p_rows, r_rows, lp_rows, groups, topk_rows = [], [], [], [], []
+        p_rows, r_rows, lp_rows, groups, topk_rows, cached = [], [], [], [], [], []
         for i, out in enumerate(outputs):
+            cached.append(int(getattr(out, "num_cached_tokens", 0) or 0))
             for comp in out.outputs:
                 toks = list(comp.token_ids)
                 lps = []
@@ -125,6 +133,7 @@ class VLLMGenerator:
                 r_rows.append(toks)
                 lp_rows.append(lps)
                 groups.append(i)
+        routes = self._fetch_routes(outputs, n, p_rows, r_rows) if self.route_info else None
         support = None
         if capture_support:
             from skyrl_numerics.replay import PackedSupport
@@ -135,10 +144,30 @@ class VLLMGenerator:
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, n=n,
                         max_tokens=max_tokens, logprobs_mode="processed_logprobs")
         meta = dict(model_dir=self.model_dir, dtype=self.dtype, generate_s=elapsed,
+                    num_cached_tokens=cached,
                     tokens_per_s=n_tok / elapsed if elapsed > 0 else None)
         return Rollout.from_lists(p_rows, r_rows, lp_rows, group_ids=np.asarray(groups),
-                                  support=support, sampling=sampling, engine=self.info.name,
+                                  routes=routes, support=support, sampling=sampling, engine=self.info.name,
                                   engine_version=self.info.version, meta=meta)
+
+    def _fetch_routes(self, outputs, n: int, p_rows, r_rows):
+        """Routes recorded inside the engine for each returned sample, as PackedRoutes."""
+        from skyrl_numerics.replay import PackedRoutes
+
+        # vLLM names the j-th of n samples of request r "j_r" (parallel sampling), else "r".
+        ext = [out.request_id if n == 1 else f"{j}_{out.request_id}"
+               for out in outputs for j in range(len(out.outputs))]
+        lengths = [len(p) + len(r) - 1 for p, r in zip(p_rows, r_rows)]
+        got = self.llm.collective_rpc("skyrl_route_capture_fetch", args=(ext, lengths))[0]
+        seqs = []
+        for i, g in enumerate(got):
+            if g is None:
+                raise RuntimeError(f"route capture: no routes recorded for sample {i} "
+                                   f"(request {ext[i]})")
+            if not isinstance(g, dict):
+                raise RuntimeError(f"route capture: sample {i} misses routes at position {g[1]}")
+            seqs.append(np.frombuffer(g["data"], dtype=np.dtype(g["dtype"])).reshape(g["shape"]))
+        return PackedRoutes.from_sequences(seqs, self.route_info["num_experts"])
 
     def close(self) -> None:
         """Shut the engine down (frees its worker processes)."""

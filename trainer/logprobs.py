@@ -71,9 +71,19 @@ def _support_rows(support, a: int, b: int):
                          validate=False)
 
 
+def _route_rows(routes, rows: list[int]):
+    """The routes of consecutive sequences ``rows`` as their own PackedRoutes (views)."""
+    from skyrl_numerics.replay import PackedRoutes
+
+    cu = routes.cu_seqlens[rows[0]:rows[-1] + 2]
+    return PackedRoutes(routes.values[cu[0]:cu[-1]], cu - cu[0], routes.num_experts,
+                        validate=False)
+
+
 def trainer_logprobs(model, rollout: Rollout, *, batch_size: int = 8, token_chunk: int = 1024,
                      temperature: float | None = None, forward_hook: Callable | None = None,
-                     pad_id: int = 0, use_support: bool = False) -> TrainerLogprobs:
+                     pad_id: int = 0, use_support: bool = False,
+                     use_routes: bool = False) -> TrainerLogprobs:
     """Recompute the rollout's response logprobs with ``model`` (HF causal LM), no grad.
 
     Sequences are batched ``batch_size`` at a time, right-padded with an attention mask.
@@ -84,6 +94,10 @@ def trainer_logprobs(model, rollout: Rollout, *, batch_size: int = 8, token_chun
     ``use_support``: renormalize each token's logprob (and entropy) over the support the engine
     sampled from (``rollout.support``, top-p/top-k replay) with
     :func:`skyrl_numerics.replay.support_logprobs` instead of the full vocabulary.
+
+    ``use_routes``: R3 — every MoE router uses the experts the engine chose (``rollout.routes``),
+    with gate weights recomputed from the trainer's router logits
+    (:func:`skyrl_numerics.replay.route_replay`).
     """
     import contextlib
 
@@ -96,6 +110,11 @@ def trainer_logprobs(model, rollout: Rollout, *, batch_size: int = 8, token_chun
 
         raise InputError("use_support=True but the rollout has no support sets (generate with "
                          "capture_support=True)", field="support")
+    if use_routes and rollout.routes is None:
+        from skyrl_numerics.errors import InputError
+
+        raise InputError("use_routes=True but the rollout has no routes (generate with "
+                         "capture_routes=True)", field="routes")
     body, weight = _decoder_and_head(model)
     device = weight.device
     out_lp = np.empty(rollout.num_response_tokens, dtype=np.float32)
@@ -110,8 +129,15 @@ def trainer_logprobs(model, rollout: Rollout, *, batch_size: int = 8, token_chun
             for b, s in enumerate(seqs):
                 ids[b, :len(s)] = torch.from_numpy(s.astype(np.int64))
                 mask[b, :len(s)] = 1
-            ctx = forward_hook(rows) if forward_hook is not None else contextlib.nullcontext()
-            with ctx:
+            stack = contextlib.ExitStack()
+            if forward_hook is not None:
+                stack.enter_context(forward_hook(rows))
+            if use_routes:
+                from skyrl_numerics.replay import route_replay
+
+                stack.enter_context(route_replay(body, _route_rows(rollout.routes, rows),
+                                                 seq_lens=[len(x) for x in seqs]))
+            with stack:
                 hidden = body(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
             # Gather the positions that predict response tokens, in rollout order.
             pos_b, pos_t, targets = [], [], []

@@ -1,0 +1,183 @@
+"""Worker-side extension for the vLLM engine: capture the experts each MoE router chose (R3).
+
+GPU vLLM has ``enable_return_routed_experts``; vLLM CPU does not (it lives in the V2 model runner,
+which needs Triton on GPU). This class is passed as ``worker_extension_cls`` so vLLM mixes its
+methods into the worker, and the generator calls them with ``llm.collective_rpc("skyrl_...")``.
+
+Capture uses vLLM's own hook, ``BaseRouter.set_capture_fn``: it sees the logical ``topk_ids`` the
+MoE kernel is about to use, inside the forward. Rows of one forward are the scheduled tokens of
+every request in the batch, back to back (continuous batching, chunked prefill). Each row is placed
+by reading the runner's batch state at capture time:
+
+    row t of request b (input_batch order)  ->  position  runner.positions[t]
+                                                kv slot   block_table[b, pos // bs] * bs + pos % bs
+
+and stored twice: per request at its position, and per KV-cache slot. A request that starts with
+a prefix-cache hit (its first scheduled position P > 0) never runs positions 0..P-1; their routes
+are read from the slots of its cached blocks, i.e. the routes that produced the KV it attends to.
+
+Routes come back per request for positions ``0 .. len(prompt) + len(response) - 2``: the final
+sampled token is never run through the model (see ``skyrl_numerics.replay.routes``).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class _RouteStore:
+    def __init__(self, runner, moe_modules):
+        self.runner = runner
+        self.layers = moe_modules
+        self.L = len(moe_modules)
+        self.k = int(moe_modules[0].router.top_k)
+        self.num_experts = int(moe_modules[0].router.global_num_experts)
+        self.dtype = np.uint8 if self.num_experts <= 256 else np.uint16
+        self.per_req: dict[str, np.ndarray] = {}     # internal req id -> [cap, L, k]
+        self.filled: dict[str, np.ndarray] = {}      # internal req id -> [cap, L] bool
+        self.slots = np.zeros((0, self.L, self.k), dtype=self.dtype)
+        self.slot_filled = np.zeros((0, self.L), dtype=bool)
+        self._step = None
+
+    # ---- batch layout of the current forward --------------------------------------------
+    def _layout(self, n_rows: int):
+        r = self.runner
+        ib = r.input_batch
+        num_reqs = ib.num_reqs
+        qsl = np.asarray(r.query_start_loc.np[: num_reqs + 1], dtype=np.int64)
+        n = int(qsl[-1])
+        if n > n_rows:
+            raise RuntimeError(f"route capture: {n} scheduled tokens but {n_rows} routed rows")
+        req_ids = list(ib.req_ids[:num_reqs])
+        req_of_row = np.repeat(np.arange(num_reqs), np.diff(qsl))
+        pos = r.positions[:n].cpu().numpy().astype(np.int64)
+        bt = ib.block_table[0]
+        bs = int(bt.block_size)
+        table = bt.block_table.np
+        slot = table[req_of_row, pos // bs].astype(np.int64) * bs + pos % bs
+        return dict(n=n, qsl=qsl, req_ids=req_ids, req_of_row=req_of_row, pos=pos, slot=slot,
+                    table=table, bs=bs)
+
+    def _ensure(self, req: str, length: int):
+        arr = self.per_req.get(req)
+        if arr is None or arr.shape[0] < length:
+            cap = max(length, 64 if arr is None else 2 * arr.shape[0])
+            new = np.zeros((cap, self.L, self.k), dtype=self.dtype)
+            fil = np.zeros((cap, self.L), dtype=bool)
+            if arr is not None:
+                new[: arr.shape[0]] = arr
+                fil[: arr.shape[0]] = self.filled[req]
+            self.per_req[req], self.filled[req] = new, fil
+
+    def _ensure_slots(self, max_slot: int):
+        if max_slot >= self.slots.shape[0]:
+            cap = max(max_slot + 1, 2 * self.slots.shape[0], 4096)
+            new = np.zeros((cap, self.L, self.k), dtype=self.dtype)
+            fil = np.zeros((cap, self.L), dtype=bool)
+            new[: self.slots.shape[0]] = self.slots
+            fil[: self.slots.shape[0]] = self.slot_filled
+            self.slots, self.slot_filled = new, fil
+
+    # ---- the capture callback -----------------------------------------------------------
+    def capture(self, layer: int, topk_ids) -> None:
+        if layer == 0 or self._step is None:
+            self._step = self._layout(int(topk_ids.shape[0]))
+            self._fill_cached_prefixes(self._step)
+        st = self._step
+        ids = topk_ids[: st["n"]].cpu().numpy().astype(self.dtype)
+        self._ensure_slots(int(st["slot"].max()) if st["n"] else 0)
+        self.slots[st["slot"], layer] = ids
+        self.slot_filled[st["slot"], layer] = True
+        for b, req in enumerate(st["req_ids"]):
+            a, e = st["qsl"][b], st["qsl"][b + 1]
+            if a == e:
+                continue
+            p = st["pos"][a:e]
+            self._ensure(req, int(p.max()) + 1)
+            self.per_req[req][p, layer] = ids[a:e]
+            self.filled[req][p, layer] = True
+        if layer == self.L - 1:
+            self._step = None
+
+    def _fill_cached_prefixes(self, st) -> None:
+        """A request seen for the first time at position P > 0 hit the prefix cache: copy the
+        routes of positions 0..P-1 from the slots of its cached blocks."""
+        for b, req in enumerate(st["req_ids"]):
+            a, e = st["qsl"][b], st["qsl"][b + 1]
+            if a == e or req in self.per_req:
+                continue
+            start = int(st["pos"][a])
+            if start == 0:
+                continue
+            p = np.arange(start)
+            slot = st["table"][b, p // st["bs"]].astype(np.int64) * st["bs"] + p % st["bs"]
+            self._ensure(req, start)
+            ok = slot < self.slots.shape[0]
+            self.per_req[req][p[ok]] = self.slots[slot[ok]]
+            self.filled[req][p[ok]] = self.slot_filled[slot[ok]]
+
+    def fetch(self, external_ids: list[str], lengths: list[int]) -> list:
+        """Routes ``[length, L, k]`` per external request id, as ``{data, shape, dtype}``;
+        ``None`` where the request is unknown, ``("missing", position)`` where a row is missing."""
+        by_ext: dict[str, str] = {}
+        for req in self.per_req:
+            base = req.rsplit("-", 1)[0]   # internal id = f"{external}-{8 random chars}"
+            by_ext[base] = req
+        out = []
+        for ext, length in zip(external_ids, lengths):
+            req = by_ext.get(ext)
+            if req is None or self.per_req[req].shape[0] < length:
+                out.append(None)
+                continue
+            fil = self.filled[req][:length]
+            if not fil.all():
+                missing = int(np.argmin(fil.all(axis=1)))
+                out.append(("missing", missing))
+                continue
+            arr = self.per_req[req][:length]
+            # plain bytes: vLLM's RPC serializer does not rebuild numpy arrays in return values
+            out.append({"data": arr.tobytes(), "shape": list(arr.shape), "dtype": arr.dtype.str})
+        return out
+
+    def clear(self) -> None:
+        self.per_req.clear()
+        self.filled.clear()
+
+
+class SkyrlWorkerExtension:
+    """Methods vLLM mixes into its worker (``worker_extension_cls``)."""
+
+    def skyrl_route_capture_start(self) -> dict:
+        from vllm.model_executor.layers.fused_moe.layer import MoERunner
+        from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+        model = self.model_runner.get_model()
+        mods = [m for m in model.modules() if isinstance(m, MoERunner)]
+        mods.sort(key=lambda m: m.layer_id)
+        if not mods:
+            raise RuntimeError("route capture: the model has no MoE layers")
+        for m in mods:
+            if not isinstance(m.router, BaseRouter):
+                raise RuntimeError(f"route capture: router {type(m.router).__name__} has no "
+                                   "capture hook")
+        store = _RouteStore(self.model_runner, mods)
+        for i, m in enumerate(mods):
+            m.router.set_capture_fn(lambda ids, _i=i: store.capture(_i, ids))
+        self._skyrl_routes = store
+        return {"layers": store.L, "k": store.k, "num_experts": store.num_experts,
+                "layer_ids": [int(m.layer_id) for m in mods]}
+
+    def skyrl_route_capture_fetch(self, external_ids: list[str], lengths: list[int],
+                                  clear: bool = True) -> list:
+        store = self._skyrl_routes
+        out = store.fetch(external_ids, lengths)
+        if clear:
+            store.clear()
+        return out
+
+    def skyrl_route_capture_stop(self) -> None:
+        store = getattr(self, "_skyrl_routes", None)
+        if store is None:
+            return
+        for m in store.layers:
+            m.router.set_capture_fn(None)
+        self._skyrl_routes = None
