@@ -348,16 +348,17 @@ def _power_sums(d, d2, d4, p) -> None:
         p[6] += np.dot(d4[i:j], d2[i:j])
 
 
-def _scan(tok: Tokens, plan, T, med_lo, med_hi, use_med, out) -> dict:
+def _scan(tok: Tokens, plan, T, med_lo, med_hi, use_med, out, offsets, maxlen) -> dict:
     """One pass over the row ranges in ``plan``. Per-sequence results go straight into
-    ``out`` (disjoint rows per caller); token totals come back as a dict."""
+    ``out`` (disjoint rows per caller); token totals come back as a dict. Row i's tokens sit at
+    response positions ``offsets[i]...`` (non-zero for the later pieces of a split sequence)."""
     cu, lengths = tok.cu, tok.lengths
     seq_sum_abs, seq_max_abs, seq_sum_d = out
     big = max(int(cu[r1] - cu[r0]) for r0, r1 in plan)
     D, AD, D2, D4 = (np.empty(big) for _ in range(4))
     TB, TB2 = np.empty(big, bool), np.empty(big, bool)
     POS = np.empty(big, np.int64)
-    pos_sum = np.zeros(int(lengths.max()))
+    pos_sum = np.zeros(maxlen)
     mx_a = mx_b = -math.inf
     nnz = below = 0
     p = [0.0] * 7                         # p[k] = Σ d^k over tokens with |d| <= T
@@ -373,24 +374,26 @@ def _scan(tok: Tokens, plan, T, med_lo, med_hi, use_med, out) -> dict:
         nnz += np.count_nonzero(tb)
         lens = lengths[r0:r1]
         starts = cu[r0:r1] - cu[r0]
+        offs = offsets[r0:r1]
         rows = slice(r0, r1)
         if lens.min() == 0:
             nz = lens > 0
-            lens, starts, rows = lens[nz], starts[nz], np.arange(r0, r1)[nz]
+            lens, starts, offs, rows = lens[nz], starts[nz], offs[nz], np.arange(r0, r1)[nz]
         seq_sum_abs[rows] = np.add.reduceat(ad, starts)
         seq_max_abs[rows] = np.maximum.reduceat(ad, starts)
         seq_sum_d[rows] = np.add.reduceat(d, starts)
-        if lens.min() == lens.max():
+        o0 = int(offs[0])
+        if lens.min() == lens.max() and offs.min() == offs.max():
             L = int(lens[0])
-            pos_sum[:L] += ad.reshape(-1, L).sum(axis=0)
+            pos_sum[o0:o0 + L] += ad.reshape(-1, L).sum(axis=0)
         elif lens.min() >= _LONG:         # few long sequences: add each as a slice
-            for s0, L in zip(starts.tolist(), lens.tolist()):
-                pos_sum[:L] += ad[s0:s0 + L]
-        else:                             # position within sequence: cumsum of 1s, reset at starts
+            for s0, L, o in zip(starts.tolist(), lens.tolist(), offs.tolist()):
+                pos_sum[o:o + L] += ad[s0:s0 + L]
+        else:                             # position in sequence: cumsum of 1s, reset at starts
             pos = POS[:k]
             pos.fill(1)
-            pos[starts[1:]] = 1 - lens[:-1]
-            pos[0] = 0
+            pos[starts[1:]] = offs[1:] - (offs[:-1] + lens[:-1] - 1)
+            pos[0] = o0
             np.cumsum(pos, out=pos)
             part = np.bincount(pos, weights=ad)
             pos_sum[:part.size] += part
@@ -414,6 +417,22 @@ def _scan(tok: Tokens, plan, T, med_lo, med_hi, use_med, out) -> dict:
     return dict(p=p, nnz=nnz, below=below, mx_a=mx_a, mx_b=mx_b, tails=tails, meds=meds, pos_sum=pos_sum)
 
 
+def _split_long(tok: Tokens, chunk: int):
+    """Flat input with sequences longer than ``chunk``: a view whose rows are pieces of at most
+    ``chunk`` tokens (so buffers stay cache-sized), the position offset of each piece, and the
+    index of the first piece of every non-empty sequence. Otherwise ``(tok, zeros, None)``."""
+    lengths = tok.lengths
+    if tok.mask2d is not None or lengths.max() <= chunk:
+        return tok, np.zeros(tok.n_seqs, np.int64), None
+    ne = lengths[lengths > 0]
+    npieces = -(-ne // chunk)
+    first = np.concatenate([[0], np.cumsum(npieces)[:-1]])
+    piece = np.arange(int(npieces.sum())) - np.repeat(first, npieces)     # piece index within its seq
+    offsets = piece * chunk
+    plen = np.minimum(np.repeat(ne, npieces) - offsets, chunk)
+    return Tokens(tok.a, tok.b, plen, dtypes=tok.dtypes), offsets.astype(np.int64), first
+
+
 def _threads(n_tokens: int, threads: int | None) -> int:
     if threads is not None:
         return max(1, int(threads))
@@ -432,20 +451,30 @@ def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK, threads: int
     if br is None:
         return None
     T, med_lo, med_hi, use_med = br
-    plan = tok.plan(chunk)
-    seq_sum_abs = np.zeros(tok.n_seqs)
-    seq_max_abs = np.zeros(tok.n_seqs)
-    seq_sum_d = np.zeros(tok.n_seqs)
+    vtok, offsets, first = _split_long(tok, chunk)
+    plan = vtok.plan(chunk)
+    seq_sum_abs = np.zeros(vtok.n_seqs)
+    seq_max_abs = np.zeros(vtok.n_seqs)
+    seq_sum_d = np.zeros(vtok.n_seqs)
     out = (seq_sum_abs, seq_max_abs, seq_sum_d)
+    maxlen = int(tok.lengths.max())
     nt = min(threads, len(plan))
     if nt <= 1:
-        parts = [_scan(tok, plan, T, med_lo, med_hi, use_med, out)]
+        parts = [_scan(vtok, plan, T, med_lo, med_hi, use_med, out, offsets, maxlen)]
     else:
         from concurrent.futures import ThreadPoolExecutor
 
         runs = [plan[i * len(plan) // nt:(i + 1) * len(plan) // nt] for i in range(nt)]
         with ThreadPoolExecutor(nt) as ex:
-            parts = list(ex.map(lambda run: _scan(tok, run, T, med_lo, med_hi, use_med, out), runs))
+            parts = list(ex.map(lambda run: _scan(vtok, run, T, med_lo, med_hi, use_med, out, offsets, maxlen),
+                                runs))
+    if first is not None:                 # pieces of split sequences back into whole sequences
+        ne = tok.lengths > 0
+        real = [np.zeros(tok.n_seqs) for _ in range(3)]
+        real[0][ne] = np.add.reduceat(seq_sum_abs, first)
+        real[1][ne] = np.maximum.reduceat(seq_max_abs, first)
+        real[2][ne] = np.add.reduceat(seq_sum_d, first)
+        seq_sum_abs, seq_max_abs, seq_sum_d = real
     pos_cnt = _position_count(tok.lengths)
     pos_sum = parts[0]["pos_sum"]
     for q in parts[1:]:

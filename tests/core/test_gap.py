@@ -317,13 +317,25 @@ def test_fast_pass_long_sequences():
     _close(measure(a, b, cu_seqlens=cu, _path="fast"), measure_reference(a, b, cu_seqlens=cu))
 
 
-def test_fast_pass_small_chunks_and_huge_ratio_fallback():
+@pytest.mark.parametrize("chunk", [1000, 3000])
+def test_fast_pass_small_chunks_split_sequences(chunk):
+    """Chunks smaller than the sequences: long sequences are cut into pieces and merged back."""
+    rng = np.random.default_rng(11)
+    a, b = _synthetic(20_000, 0.5, rng)
+    cu = np.sort(np.concatenate([_cu(20_000, rng, max_len=5000), [7000, 7000, 19_990]]))
+    tok = gap.normalize(a, b, None, cu)
+    for threads in (1, 3):
+        st_ = gap._fast_stats(tok, gap.DEFAULT_TAUS, gap.LOGPROB_TOL, chunk=chunk, threads=threads)
+        _close(gap._finish(st_, tok, gap.DEFAULT_TAUS), measure_reference(a, b, cu_seqlens=cu))
+    one = gap.normalize(a, b, None, None)                     # a single 20K-token sequence
+    st_ = gap._fast_stats(one, gap.DEFAULT_TAUS, gap.LOGPROB_TOL, chunk=chunk)
+    _close(gap._finish(st_, one, gap.DEFAULT_TAUS), measure_reference(a, b))
+
+
+def test_fast_pass_huge_ratio_falls_back():
     rng = np.random.default_rng(11)
     a, b = _synthetic(20_000, 0.5, rng)
     cu = _cu(20_000, rng)
-    tok = gap.normalize(a, b, None, cu)
-    fast = gap._finish(gap._fast_stats(tok, gap.DEFAULT_TAUS, gap.LOGPROB_TOL, chunk=1000), tok, gap.DEFAULT_TAUS)
-    _close(fast, measure_reference(a, b, cu_seqlens=cu))
     b2 = b.astype(np.float64)
     b2[17] = -400.0                  # r = e^400: the fast pass hands over to the reference
     assert gap._fast_stats(gap.normalize(a.astype(np.float64), b2, None, cu), gap.DEFAULT_TAUS, 1e-6) is None
