@@ -82,10 +82,12 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def _chunk_logits(hidden, weight, lo, hi, index, n):
+    """``(raw, masked)`` chunk logits: ``masked`` is ``-inf`` outside the support (``raw`` itself if no support).
+    Products with ``exp(masked - c)`` (0 outside) then use ``raw`` to stay finite without extra passes."""
     z = hidden @ weight[lo:hi].to(hidden.dtype).T  # hidden already upcast: same products as the reference
-    if index is not None:
-        z = z.masked_fill(~index.mask(n, lo, hi), float("-inf"))
-    return z
+    if index is None:
+        return z, z
+    return z, z.masked_fill(~index.mask(n, lo, hi), float("-inf"))
 
 
 class _SupportLogprobs(torch.autograd.Function):
@@ -100,15 +102,14 @@ class _SupportLogprobs(torch.autograd.Function):
         zt = torch.zeros(n, **kw)
         for lo in range(0, V, chunk):
             hi = min(V, lo + chunk)
-            z = _chunk_logits(hf, weight, lo, hi, index, n)
+            zr, z = _chunk_logits(hf, weight, lo, hi, index, n)
             mc = z.amax(dim=1)
             m_new = torch.maximum(m, mc)
             safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
             e = torch.exp(z - safe[:, None])  # exp(-inf) = 0 outside the support
-            zf = torch.where(torch.isfinite(z), z, torch.zeros_like(z))
             scale = torch.exp(m - safe)
             s = s * scale + e.sum(1)
-            u = u * scale + (e * zf).sum(1)
+            u = u * scale + (e * zr).sum(1)  # e = 0 outside, zr finite
             m = m_new
             inside = (targets >= lo) & (targets < hi)
             if inside.any():
@@ -135,11 +136,9 @@ class _SupportLogprobs(torch.autograd.Function):
         hf = hidden.to(acc)
         for lo in range(0, V, chunk):
             hi = min(V, lo + chunk)
-            z = _chunk_logits(hf, weight, lo, hi, index, n)
-            logp = z - logz[:, None]
-            p = torch.exp(logp)  # 0 outside the support
-            logp0 = torch.where(p > 0, logp, torch.zeros_like(logp))
-            dz = -p * (g_lp[:, None] + g_ent[:, None] * (logp0 + ent[:, None]))
+            zr, z = _chunk_logits(hf, weight, lo, hi, index, n)
+            p = torch.exp(z - logz[:, None])  # 0 outside the support
+            dz = -p * (g_lp[:, None] + g_ent[:, None] * (zr - logz[:, None] + ent[:, None]))  # finite * 0 outside
             inside = (targets >= lo) & (targets < hi)
             if inside.any():
                 r = inside.nonzero()[:, 0]
