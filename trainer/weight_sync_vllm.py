@@ -1,0 +1,278 @@
+"""Load new weights into a RUNNING ``vllm.LLM`` in place (no restart): ``update_vllm_weights``.
+
+Mechanism (vLLM 0.32, CPU and GPU)
+----------------------------------
+1. The caller's tensors (checkpoint / HF names, any dtype) are written to one safetensors file in a
+   fresh staging directory (``/dev/shm`` when writable, so it stays in RAM).
+2. ``llm.collective_rpc("skyrl_load_weights", args=(path,))`` runs
+   :meth:`WeightSyncWorkerExtension.skyrl_load_weights` in every worker. It streams the file into
+   ``model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)``: vLLM's own
+   ``model.load_weights`` maps the HF names onto its fused parameters (``qkv_proj``,
+   ``gate_up_proj``, experts ``w13``/``w2``), re-runs ``process_weights_after_loading`` per layer
+   and copies the result into the *existing* parameter storage, so kernels (and CUDA graphs) keep
+   their pointers.
+3. The prefix cache is reset: KV blocks computed with the old weights must not be reused.
+
+Only the method *name* and a path cross the RPC, so the engine needs no
+``VLLM_ALLOW_INSECURE_SERIALIZATION``; it does need the extension, which vLLM mixes into its
+worker class when the engine is started with ``worker_extension_cls=WORKER_EXTENSION``
+(see :func:`engine_kwargs`).
+
+Why an extension rather than the stock ``collective_rpc("reload_weights", ...)``
+--------------------------------------------------------------------------------
+On CPU, vLLM 0.32 prepacks unquantized MoE expert weights into its grouped-GEMM layout
+(``CPUUnquantizedExperts.process_weights_after_loading``) only on the *first* load: a reload takes
+the ``is_weight_update`` branch of ``UnquantizedFusedMoEMethod._setup_kernel``, skips the prepack,
+and copies the unpacked weights into the packed storage, so the experts compute garbage (measured
+here: NaN logprobs after a one-expert update, a restored checkpoint not reproducing its rollouts).
+The extension clears ``quant_method.moe_kernel`` on CPU before the reload, so every reloaded MoE
+layer takes the first-load path (pad + prepack) and the packed result is copied into place; layers
+the update does not touch get their old kernel back.
+
+Partial updates
+---------------
+vLLM processes a layer when *all* of its weights have arrived; a layer that gets only part of its
+fused parameter (say ``q_proj`` without ``k_proj``/``v_proj``) is finalized with uninitialized
+memory for the rest. :func:`update_vllm_weights` therefore checks, against the checkpoint's tensor
+names, that a partial update holds whole blocks: every tensor under ``model.layers.<i>.<block>``
+(``self_attn``, ``mlp``, a norm, ...) or under a top-level module (``lm_head``, ...). This is a
+superset of every fusion vLLM does inside a block.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from skyrl_numerics.errors import InputError
+
+WORKER_EXTENSION = "skyrl_numerics.trainer.weight_sync_vllm.WeightSyncWorkerExtension"
+_STAGING_FILE = "model.safetensors"
+
+
+def engine_kwargs() -> dict[str, Any]:
+    """Extra ``vllm.LLM`` / ``get_generator`` arguments an engine needs for in-place updates."""
+    return {"worker_extension_cls": WORKER_EXTENSION}
+
+
+# ---- worker side ----------------------------------------------------------------------------
+class WeightSyncWorkerExtension:
+    """Mixed into vLLM's worker class (``worker_extension_cls``); ``self`` is the worker."""
+
+    def skyrl_load_weights(self, path: str) -> dict:
+        """Reload the weights in ``path`` (safetensors, checkpoint names) into the live model."""
+        from safetensors import safe_open
+
+        t0 = time.perf_counter()
+        model = self.model_runner.get_model()
+        parked = _park_cpu_moe_kernels(model)
+        names: list[str] = []
+
+        def weights():
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    names.append(name)
+                    yield name, f.get_tensor(name)
+
+        try:
+            self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+        finally:
+            for qm, kernel in parked:
+                if qm.moe_kernel is None:  # layer was not reloaded: keep its old kernel
+                    qm.moe_kernel = kernel
+        return {"loaded": len(names), "seconds": time.perf_counter() - t0}
+
+    def skyrl_weight_digest(self) -> dict[str, str]:
+        """blake2b of every parameter's bytes as vLLM holds them (kernel layout; for tests)."""
+        import hashlib
+
+        out = {}
+        for name, p in self.model_runner.get_model().named_parameters():
+            t = p.detach().contiguous().cpu()
+            out[name] = hashlib.blake2b(t.view(-1).view(_u8()).numpy().tobytes(),
+                                        digest_size=16).hexdigest()
+        return out
+
+
+def _u8():
+    import torch
+
+    return torch.uint8
+
+
+def _park_cpu_moe_kernels(model) -> list[tuple[Any, Any]]:
+    """On CPU, detach each unquantized MoE method's kernel so a reload re-runs the prepack."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return []
+    try:
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+            UnquantizedFusedMoEMethod,
+        )
+    except ImportError:  # pragma: no cover - other vLLM layouts
+        return []
+    parked = []
+    for module in model.modules():
+        qm = getattr(module, "quant_method", None)
+        if isinstance(qm, UnquantizedFusedMoEMethod) and qm.moe_kernel is not None:
+            parked.append((qm, qm.moe_kernel))
+            qm.moe_kernel = None
+    return parked
+
+
+# ---- caller side ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EngineUpdate:
+    """What one in-place update did."""
+
+    tensors: int
+    bytes: int
+    stage_s: float   # writing the staging file
+    load_s: float    # the RPC: reading + vLLM's load + re-processing, all workers
+    total_s: float
+
+
+def _block_of(name: str) -> str:
+    """The whole-block group a checkpoint tensor belongs to (see module docstring)."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1):
+        if parts[i] in ("layers", "h", "blocks") and parts[i + 1].isdigit():
+            return ".".join(parts[:i + 3])
+    return ".".join(parts[:-1]) or name
+
+
+_NAME_CACHE: dict[str, frozenset[str]] = {}
+
+
+def checkpoint_names(model_dir: str | os.PathLike) -> frozenset[str]:
+    """Tensor names stored in a checkpoint directory's ``*.safetensors`` files (headers only)."""
+    key = str(model_dir)
+    if key not in _NAME_CACHE:
+        from safetensors import safe_open
+
+        names: set[str] = set()
+        for f in sorted(Path(model_dir).glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as h:
+                names.update(h.keys())
+        _NAME_CACHE[key] = frozenset(names)
+    return _NAME_CACHE[key]
+
+
+def check_complete_blocks(names: Iterable[str], all_names: Iterable[str]) -> None:
+    """Raise ``InputError`` unless ``names`` ⊆ ``all_names`` and covers whole blocks."""
+    names, all_names = set(names), set(all_names)
+    unknown = sorted(names - all_names)
+    if unknown:
+        raise InputError(f"tensor {unknown[0]!r} is not in the engine's checkpoint "
+                         f"({len(unknown)} unknown names)", field="named_tensors")
+    touched = {_block_of(n) for n in names}
+    missing = sorted(n for n in all_names - names if _block_of(n) in touched)
+    if missing:
+        raise InputError(f"partial update of block {_block_of(missing[0])!r} lacks {missing[0]!r} "
+                         f"({len(missing)} tensors missing); vLLM reloads fused layers whole, so "
+                         "send every tensor of each block you update", field="named_tensors")
+
+
+def _engine_of(llm):
+    """Accept a ``vllm.LLM`` or anything holding one as ``.llm`` (e.g. ``VLLMGenerator``)."""
+    inner = getattr(llm, "llm", None)
+    return inner if inner is not None and hasattr(inner, "collective_rpc") else llm
+
+
+def _require_extension(engine) -> None:
+    """The engine's worker class must carry ``skyrl_load_weights`` (this module's mixin)."""
+    qualname = getattr(engine.llm_engine.vllm_config.parallel_config, "worker_extension_cls", "")
+    ok = False
+    if qualname:
+        import importlib
+
+        mod, _, cls = qualname.rpartition(".")
+        try:
+            ok = callable(getattr(getattr(importlib.import_module(mod), cls), "skyrl_load_weights",
+                                  None))
+        except (ImportError, AttributeError):
+            ok = False
+    if not ok:
+        raise InputError(f"the engine's worker_extension_cls ({qualname!r}) has no "
+                         "skyrl_load_weights; start it with worker_extension_cls="
+                         f"{WORKER_EXTENSION!r} or a class that inherits "
+                         "WeightSyncWorkerExtension", field="llm")
+
+
+def _default_staging() -> str | None:
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+
+
+def update_vllm_weights(llm, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], *,
+                        staging_dir: str | os.PathLike | None = None,
+                        reset_prefix_cache: bool = True,
+                        all_names: Iterable[str] | None = None) -> EngineUpdate:
+    """Load ``named_tensors`` (checkpoint names -> CPU tensors) into the running engine in place.
+
+    ``llm``: a ``vllm.LLM`` started with :func:`engine_kwargs`, or a ``VLLMGenerator``.
+    ``all_names``: the full set of checkpoint tensor names, for the whole-block check; default:
+    read from the engine's model directory. Returns an :class:`EngineUpdate`. Raises
+    ``InputError`` for names the checkpoint lacks, partial blocks, or an engine without the
+    extension; the engine is untouched in those cases.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    t0 = time.perf_counter()
+    engine = _engine_of(llm)
+    _require_extension(engine)
+    items = dict(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+    if not items:
+        raise InputError("no tensors to load", field="named_tensors")
+    for name, t in items.items():
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"expected a torch.Tensor, got {type(t).__name__}", field=name)
+    if all_names is None:
+        all_names = checkpoint_names(engine.llm_engine.model_config.model)
+    if all_names:
+        check_complete_blocks(items, all_names)
+
+    stage = tempfile.mkdtemp(prefix="skyrl_vllm_update_",
+                             dir=str(staging_dir) if staging_dir else _default_staging())
+    try:
+        path = os.path.join(stage, _STAGING_FILE)
+        tmp = path + ".tmp"
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in items.items()}, tmp)
+        os.replace(tmp, path)
+        t1 = time.perf_counter()
+        engine.collective_rpc("skyrl_load_weights", args=(path,))
+        t2 = time.perf_counter()
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    if reset_prefix_cache:
+        engine.reset_prefix_cache()
+    nbytes = sum(v.numel() * v.element_size() for v in items.values())
+    return EngineUpdate(tensors=len(items), bytes=nbytes, stage_s=t1 - t0, load_s=t2 - t1,
+                        total_s=time.perf_counter() - t0)
+
+
+def engine_weight_digest(llm) -> dict[str, str]:
+    """Per-parameter blake2b of the engine's weights (worker 0, vLLM's kernel layout)."""
+    return _engine_of(llm).collective_rpc("skyrl_weight_digest")[0]
+
+
+def checkpoint_state_dict(model) -> dict[str, Any]:
+    """An HF model's ``state_dict`` under the names its checkpoint (and vLLM) use.
+
+    transformers >= 5 fuses some weights in memory (Qwen3-MoE experts become
+    ``mlp.experts.gate_up_proj`` [E, 2I, H]); ``revert_weight_conversion`` splits them back into
+    ``mlp.experts.<e>.{gate,up,down}_proj.weight`` as ``save_pretrained`` would.
+    """
+    state = dict(model.state_dict())
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers < 5: in-memory names are checkpoint names
+        return state
+    return dict(revert_weight_conversion(model, state))
+
