@@ -197,7 +197,9 @@ class RouteRecorder:
         self.routers = routers
         self.num_experts = getattr(routers[0][1], ROUTER_FAMILIES[type(routers[0][1]).__name__][1])
         self.calls: list[list[torch.Tensor]] = []
+        self.shapes: list[tuple[int, int] | None] = []  # [B, S] of each recorded forward's input
         self._pending: list[torch.Tensor] = []
+        self._input = _InputShape()
 
     def _hook(self, layer: int):
         def hook(module, args, output):
@@ -206,6 +208,7 @@ class RouteRecorder:
             self._pending.append(output[2].detach().to("cpu", torch.int64))
             if layer == len(self.routers) - 1:
                 self.calls.append(self._pending)
+                self.shapes.append(self._input.shape)
         return hook
 
     def routes(self, seq_lens, *, packed: bool = False, drop_last: bool = False, call: int = -1) -> PackedRoutes:
@@ -224,6 +227,10 @@ class RouteRecorder:
                 raise InputError(f"seq_lens sum to {int(lens.sum())}, the forward had {n} tokens", field="seq_lens")
             starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
         else:
+            shape = self.shapes[call]
+            if shape is not None and shape[0] * shape[1] == n and shape[0] != lens.size:
+                raise InputError(f"{lens.size} seq_lens for a recorded batch of {shape[0]} sequences",
+                                 field="seq_lens")
             if lens.size == 0 or n % lens.size or lens.max() > n // lens.size:
                 raise InputError(f"seq_lens {lens.tolist()} do not fit a padded forward of {n} tokens",
                                  field="seq_lens")
@@ -238,7 +245,8 @@ def record_routes(model: torch.nn.Module):
     """Record the experts every MoE router of ``model`` chooses inside the ``with`` block."""
     routers = _routers_or_raise(model)
     rec = RouteRecorder(routers)
-    handles = [m.register_forward_hook(rec._hook(i)) for i, (_, m) in enumerate(routers)]
+    handles = [model.register_forward_pre_hook(rec._input, with_kwargs=True)]
+    handles += [m.register_forward_hook(rec._hook(i)) for i, (_, m) in enumerate(routers)]
     try:
         yield rec
     finally:

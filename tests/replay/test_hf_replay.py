@@ -198,6 +198,8 @@ def test_errors():
     with pytest.raises(InputError, match="routes cover 12 positions of sequence 0, the forward has only 10"):
         with route_replay(m, routes):
             _logits(m, ids[:, :10], mask[:, :10])
+    with pytest.raises(InputError, match="2 seq_lens for a recorded batch of 3 sequences"):
+        rec.routes([12, 9])
     with pytest.raises(InputError, match="no supported MoE router"):
         with route_replay(torch.nn.Linear(2, 2), routes):
             pass
