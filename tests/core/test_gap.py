@@ -344,18 +344,21 @@ def test_fast_pass_huge_ratio_falls_back():
     assert rep.to_dict()["summary"]["chi2"] is None
 
 
-def test_fast_pass_taylor_part_is_accurate_to_1e12():
-    """Tokens with |d| <= 1/64 go through the 6th-order series; hold it to fsum(expm1) values."""
+@pytest.mark.parametrize("top,order", [(1e-4, 4), (2e-3, 5), (1 / 64, 6)])
+def test_fast_pass_taylor_part_is_accurate_to_1e12(top, order):
+    """Tokens with |d| <= T go through the series of order K(T); hold it to fsum(expm1) values."""
     rng = np.random.default_rng(2)
-    d = rng.uniform(1e-3, 1 / 64, 50_000) * rng.choice([-1, 1], 50_000)
+    d = rng.uniform(top / 20, top, 50_000) * rng.choice([-1, 1], 50_000)
     b = -rng.uniform(1, 5, 50_000)
     a = b + d
     d = a - b                                        # the d the tool sees
+    T = gap._brackets(gap.normalize(a, b, None, None), gap.DEFAULT_TAUS)[0]
+    assert gap._taylor_order(T) == order and T <= gap._TAYLOR_MAX
     rep = measure(a, b, _path="fast")
     n = d.size
     assert rep.kl_k3 == pytest.approx(math.fsum(np.expm1(d) - d) / n, rel=1e-12, abs=0)
     assert rep.chi2 == pytest.approx(math.fsum(np.expm1(2 * d)) / n, rel=1e-12, abs=0)
-    assert rep.ratio_mean - 1 == pytest.approx(math.fsum(np.expm1(d)) / n, rel=1e-10, abs=0)
+    assert rep.ratio_mean == pytest.approx(1 + math.fsum(np.expm1(d)) / n, rel=1e-15, abs=0)
 
 
 def test_fast_pass_threads_agree():
