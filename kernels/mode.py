@@ -5,8 +5,9 @@ present, the CUDA key (the Triton kernels) through ``torch.library.Library("aten
 Autograd is untouched: aten's derivative formulas call mm/bmm/... again and hit the same
 overrides, so backward passes are covered too.
 
-Overridden ops: mm, addmm, bmm, _log_softmax, _log_softmax_backward_data, _softmax,
-_softmax_backward_data, mean.dim. (``sum.dim_IntList`` is left stock: the CPU path uses it on
+Overridden ops: mm, addmm, bmm (and their .out forms), _grouped_mm (CPU; transformers' MoE
+experts call it), _log_softmax, _log_softmax_backward_data, _softmax, _softmax_backward_data,
+mean.dim. (``sum.dim_IntList`` is left stock: the CPU path uses it on
 rows of at most ``cpu.CHUNK`` elements, which stock torch reduces invariantly, and overriding it
 would recurse.)
 
@@ -61,6 +62,31 @@ def _cpu_addmm(bias, a, b, *, beta=1, alpha=1):
 
 def _cpu_bmm(a, b):
     return cpu.bmm(a, b)
+
+
+def _cpu_grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
+    """aten::_grouped_mm (what transformers' MoE experts call): a (S, K) sorted by group,
+    b (G, K, N), offs (G,) cumulative row ends; or a (G, M, K) @ b (G, K, N) without offs."""
+    if a.dim() == 2 and b.dim() == 3 and offs is not None:
+        ends = offs.to(torch.int64).cpu()
+        full = torch.cat([ends.new_zeros(1), ends])
+        rows = int(full[-1])
+        out = torch.zeros((a.shape[0], b.shape[2]), dtype=out_dtype or a.dtype)
+        out[:rows] = cpu.grouped_matmul(a[:rows], b, full).to(out.dtype)
+    elif a.dim() == 3 and b.dim() == 3 and offs is None:
+        out = cpu.bmm(a, b).to(out_dtype or a.dtype)
+    else:
+        raise NotImplementedError(f"batch-invariant _grouped_mm: {a.dim()}D x {b.dim()}D"
+                                  f"{' with' if offs is not None else ' without'} offs")
+    return out if bias is None else out + bias
+
+
+def _out_variant(fn):
+    def impl(*args, out, **kwargs):
+        res = fn(*args, **kwargs)
+        out.resize_(res.shape)
+        return out.copy_(res)
+    return impl
 
 
 def _cpu_log_softmax(x, dim, half_to_float):
@@ -121,13 +147,16 @@ _CPU_KERNELS = {
     "mm": _cpu_mm, "addmm": _cpu_addmm, "bmm": _cpu_bmm,
     "_log_softmax": _cpu_log_softmax, "_log_softmax_backward_data": _cpu_log_softmax_bwd,
     "_softmax": _cpu_softmax, "_softmax_backward_data": _cpu_softmax_bwd, "mean.dim": _cpu_mean,
+    "_grouped_mm": _cpu_grouped_mm,
+    "mm.out": _out_variant(_cpu_mm), "addmm.out": _out_variant(_cpu_addmm),
+    "bmm.out": _out_variant(_cpu_bmm),
 }
 
 
 def _install() -> torch.library.Library:
     lib = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():  # "Overriding a previously registered kernel": intended
-        warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel.*")
+        warnings.simplefilter("ignore", UserWarning)
         for op, fn in _CPU_KERNELS.items():
             lib.impl(op, fn, "CPU")
         if torch.cuda.is_available():
