@@ -1,0 +1,471 @@
+"""Delta weight sync: XOR deltas of raw tensor bytes, zstd, a manifest, over disk or fsspec.
+
+Publisher (trainer side), version ``v`` of a state dict ``{name: tensor}``::
+
+    full snapshot (v == 0, every ``snapshot_every`` versions, or on request):
+        payload(name) = zstd(shuffle(bytes_v(name)))                   base_version = None
+    delta:
+        payload(name) = zstd(shuffle(bytes_v(name) XOR bytes_{v-1}(name)))   base_version = v - 1
+        (no payload at all when the XOR is all zero: the tensor did not change)
+
+Payloads are written first, the manifest ``manifests/<v:012d>.json`` last, each atomically
+(temp name + rename), so a manifest never names a payload that is not there yet.
+
+Receiver (engine side) holds its current weights (its own tensors, or a live ``torch.nn.Module``'s
+parameters and buffers) and applies manifests in version order. ``prepare(v)`` reads and verifies
+everything — manifest schema, order and base, names, dtypes, shapes, payload digests, decoded
+sizes, and the digest of every resulting tensor — without touching the weights; ``commit``
+then copies the new bytes in. A bad manifest raises ``InputError`` naming the tensor and field and
+leaves the last good weights in place. ``prepare`` can run in a thread while the engine generates
+(SkyRL overlaps the fetch with generation); ``commit`` is a memcpy per changed tensor.
+
+Manifest schema: see ``docs/weight_sync.md``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from skyrl_numerics.errors import InputError
+from skyrl_numerics.trainer.weight_sync_codec import (
+    Zstd,
+    digest,
+    dtype_from_name,
+    dtype_name,
+    shuffle,
+    tensor_bytes,
+    tensor_from_bytes,
+    unshuffle,
+    xor_bytes,
+)
+from skyrl_numerics.trainer.weight_sync_store import SyncStore
+
+FORMAT = "skyrl-numerics.weight-sync"
+FORMAT_VERSION = 1
+_MANIFEST_RE = re.compile(r"^(\d{12})\.json$")
+
+
+def manifest_path(version: int) -> str:
+    return f"manifests/{version:012d}.json"
+
+
+def payload_dir(version: int) -> str:
+    return f"payloads/{version:012d}"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of one version. ``payload`` is ``None`` when a delta left it unchanged."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int                    # raw bytes of the tensor
+    checksum: str                  # digest of the tensor's NEW raw bytes
+    payload: str | None            # relative path of the compressed payload
+    payload_nbytes: int            # compressed bytes (0 without payload)
+    payload_checksum: str | None   # digest of the payload file's bytes
+
+
+@dataclass(frozen=True)
+class Manifest:
+    version: int
+    base_version: int | None       # None: a full snapshot
+    tensors: tuple[TensorEntry, ...]
+    codec: str = "zstd"
+    level: int = 1
+    filters: tuple[str, ...] = ()  # applied in order before the codec: "xor", "shuffle"
+    created_unix: float = 0.0
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def is_full(self) -> bool:
+        return self.base_version is None
+
+    @property
+    def raw_nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def payload_nbytes(self) -> int:
+        return sum(t.payload_nbytes for t in self.tensors)
+
+    @property
+    def changed(self) -> list[str]:
+        """Names with a payload (all of them in a full snapshot)."""
+        return [t.name for t in self.tensors if t.payload is not None]
+
+    def to_json(self) -> bytes:
+        d = asdict(self)
+        d["tensors"] = [dict(asdict(t), shape=list(t.shape)) for t in self.tensors]
+        d["filters"] = list(self.filters)
+        return json.dumps(d, indent=1).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, *, source: str = "manifest") -> "Manifest":
+        """Parse and schema-check a manifest; ``InputError`` naming the bad field."""
+        try:
+            d = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise InputError(f"not valid JSON ({e})", source=source) from None
+        if not isinstance(d, dict):
+            raise InputError("manifest is not a JSON object", source=source)
+        if d.get("format") != FORMAT or d.get("format_version") != FORMAT_VERSION:
+            raise InputError(f"format {d.get('format')!r} v{d.get('format_version')!r}, expected "
+                             f"{FORMAT!r} v{FORMAT_VERSION}", field="format", source=source)
+        v, b = d.get("version"), d.get("base_version")
+        if not isinstance(v, int) or v < 0:
+            raise InputError(f"version {v!r} is not a non-negative integer", field="version",
+                             source=source)
+        if b is not None and (not isinstance(b, int) or not 0 <= b < v):
+            raise InputError(f"base_version {b!r} is not an integer in [0, {v})",
+                             field="base_version", source=source)
+        if d.get("codec") != "zstd":
+            raise InputError(f"codec {d.get('codec')!r}, expected 'zstd'", field="codec",
+                             source=source)
+        filters = tuple(d.get("filters", ()))
+        if not set(filters) <= {"xor", "shuffle"} or (("xor" in filters) != (b is not None)):
+            raise InputError(f"filters {list(filters)} do not fit a "
+                             f"{'full snapshot' if b is None else 'delta'}", field="filters",
+                             source=source)
+        raw = d.get("tensors")
+        if not isinstance(raw, list):
+            raise InputError("'tensors' is not a list", field="tensors", source=source)
+        entries, seen = [], set()
+        for i, t in enumerate(raw):
+            entries.append(_parse_entry(t, i, source, delta=b is not None))
+            if entries[-1].name in seen:
+                raise InputError(f"tensor {entries[-1].name!r} listed twice", field="tensors",
+                                 index=i, source=source)
+            seen.add(entries[-1].name)
+        return cls(version=v, base_version=b, tensors=tuple(entries), codec="zstd",
+                   level=int(d.get("level", 1)), filters=filters,
+                   created_unix=float(d.get("created_unix", 0.0)))
+
+
+def _parse_entry(t: Any, i: int, source: str, *, delta: bool) -> TensorEntry:
+    if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+        raise InputError("entry has no string 'name'", field="tensors", index=i, source=source)
+    name = t["name"]
+    try:
+        shape = tuple(int(s) for s in t["shape"])
+        nbytes, pn = int(t["nbytes"]), int(t["payload_nbytes"])
+        entry = TensorEntry(name=name, dtype=str(t["dtype"]), shape=shape, nbytes=nbytes,
+                            checksum=str(t["checksum"]), payload=t["payload"],
+                            payload_nbytes=pn, payload_checksum=t["payload_checksum"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise InputError(f"tensor {name!r}: bad or missing field ({e!r})", field=name,
+                         index=i, source=source) from None
+    dt = dtype_from_name(entry.dtype)
+    if dt is None:
+        raise InputError(f"tensor {name!r}: unknown dtype {entry.dtype!r}", field=name,
+                         index=i, source=source)
+    expect = int(np.prod(shape, dtype=np.int64)) * _itemsize(dt)
+    if any(s < 0 for s in shape) or nbytes != expect:
+        raise InputError(f"tensor {name!r}: nbytes {nbytes} does not match {entry.dtype}"
+                         f"{list(shape)} ({expect})", field=name, index=i, source=source)
+    if entry.payload is None and not delta:
+        raise InputError(f"tensor {name!r}: a full snapshot needs a payload", field=name,
+                         index=i, source=source)
+    if entry.payload is not None and not isinstance(entry.payload_checksum, str):
+        raise InputError(f"tensor {name!r}: payload without payload_checksum", field=name,
+                         index=i, source=source)
+    return entry
+
+
+def _itemsize(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def list_versions(store: SyncStore) -> list[int]:
+    """Versions whose manifest exists in ``store``, ascending."""
+    out = []
+    for name in store.list("manifests"):
+        m = _MANIFEST_RE.match(name)
+        if m:
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def read_manifest(store: SyncStore, version: int) -> Manifest:
+    rel = manifest_path(version)
+    m = Manifest.from_json(store.read(rel, field="manifest"), source=rel)
+    if m.version != version:
+        raise InputError(f"file says version {m.version}", field="version", source=rel)
+    return m
+
+
+# ---- publisher ------------------------------------------------------------------------------
+class DeltaPublisher:
+    """Publishes successive versions of a state dict to ``root`` (path or fsspec URL).
+
+    Keeps one copy of the last published bytes per tensor (host memory = one copy of the
+    weights): the XOR base. ``snapshot_every``: a full snapshot when ``version % N == 0``.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, snapshot_every: int = 10, level: int = 1,
+                 use_shuffle: bool = True, start_version: int | None = None):
+        if snapshot_every < 1:
+            raise InputError(f"snapshot_every must be >= 1, got {snapshot_every}",
+                             field="snapshot_every")
+        self.store = SyncStore(root)
+        self.snapshot_every = snapshot_every
+        self.use_shuffle = use_shuffle
+        self.zstd = Zstd(level)
+        if start_version is None:  # resume after what the store already holds
+            vs = list_versions(self.store)
+            start_version = vs[-1] + 1 if vs else 0
+        self.next_version = start_version
+        self._prev: dict[str, tuple[str, tuple[int, ...], np.ndarray]] | None = None
+
+    def publish(self, state: Mapping[str, Any], *, full: bool = False) -> Manifest:
+        """Publish ``state`` as the next version; returns its manifest."""
+        import torch
+
+        if not state:
+            raise InputError("empty state dict", field="state")
+        cur: dict[str, tuple[str, tuple[int, ...], np.ndarray]] = {}
+        for name, t in state.items():
+            if not isinstance(name, str):
+                raise InputError(f"tensor name {name!r} is not a string", field="state")
+            if not isinstance(t, torch.Tensor):
+                raise InputError(f"expected a torch.Tensor, got {type(t).__name__}", field=name)
+            t = t.detach().to("cpu").contiguous()
+            cur[name] = (dtype_name(t.dtype), tuple(t.shape), tensor_bytes(t).copy())
+        v = self.next_version
+        full = full or self._prev is None or v % self.snapshot_every == 0
+        if not full:
+            self._check_same_structure(cur)
+        filters = (() if full else ("xor",)) + (("shuffle",) if self.use_shuffle else ())
+        entries = []
+        for i, (name, (dt, shape, b)) in enumerate(cur.items()):
+            itemsize = _itemsize(dtype_from_name(dt))
+            data = b if full else xor_bytes(b, self._prev[name][2])
+            if not full and not data.any():
+                entries.append(TensorEntry(name, dt, shape, b.size, digest(b), None, 0, None))
+                continue
+            blob = self.zstd.compress(shuffle(data, itemsize) if self.use_shuffle else data)
+            rel = f"{payload_dir(v)}/{i:06d}.zst"
+            self.store.write(rel, blob)
+            entries.append(TensorEntry(name, dt, shape, b.size, digest(b), rel, len(blob),
+                                       digest(blob)))
+        manifest = Manifest(version=v, base_version=None if full else v - 1,
+                            tensors=tuple(entries), level=self.zstd.level, filters=filters,
+                            created_unix=time.time())
+        self.store.write(manifest_path(v), manifest.to_json())  # last: payloads are in place
+        self._prev = cur
+        self.next_version = v + 1
+        return manifest
+
+    def prune(self, keep_last: int = 2) -> list[int]:
+        """Delete old versions, keeping the newest ``keep_last`` and the full snapshot they start
+        from, so every receiver can still catch up. Manifests go before their payloads."""
+        vs = list_versions(self.store)
+        if not vs:
+            return []
+        cutoff = vs[-1] - max(keep_last, 1) + 1
+        fulls = [v for v in vs if v <= cutoff and read_manifest(self.store, v).is_full]
+        if not fulls:
+            return []
+        gone = [v for v in vs if v < fulls[-1]]
+        for v in gone:
+            self.store.remove_tree(manifest_path(v))
+            self.store.remove_tree(payload_dir(v))
+        return gone
+
+    def _check_same_structure(self, cur) -> None:
+        prev = self._prev
+        for name, (dt, shape, _) in cur.items():
+            if name not in prev:
+                raise InputError(f"tensor {name!r} is new since the last version; publish a "
+                                 "full snapshot (full=True)", field=name)
+            if (dt, shape) != prev[name][:2]:
+                raise InputError(f"tensor {name!r} changed from {prev[name][0]}"
+                                 f"{list(prev[name][1])} to {dt}{list(shape)}; publish a full "
+                                 "snapshot (full=True)", field=name)
+        gone = [n for n in prev if n not in cur]
+        if gone:
+            raise InputError(f"tensor {gone[0]!r} is missing from the state ({len(gone)} "
+                             "missing); publish a full snapshot (full=True)", field=gone[0])
+
+
+# ---- receiver -------------------------------------------------------------------------------
+@dataclass
+class PreparedUpdate:
+    """A verified version, ready to commit: new bytes for each changed tensor."""
+
+    manifest: Manifest
+    new_bytes: dict[str, np.ndarray] = field(default_factory=dict)
+    fetch_s: float = 0.0
+
+
+class DeltaReceiver:
+    """Applies published versions from ``root`` to the weights it holds.
+
+    ``target``: ``None`` (the receiver owns its tensors; the first version applied must be a
+    full snapshot), a dict of tensors, or a ``torch.nn.Module`` (its ``state_dict`` tensors are
+    updated in place, byte for byte). ``version``: the version ``target`` already holds, if any.
+    """
+
+    def __init__(self, root: str | os.PathLike, target=None, *, version: int | None = None):
+        import torch
+
+        self.store = SyncStore(root)
+        self.zstd = Zstd()
+        self.version = version
+        self.module = target if isinstance(target, torch.nn.Module) else None
+        self._tensors: dict[str, Any] = {}
+        if self.module is not None:
+            self._tensors = dict(self.module.state_dict(keep_vars=True))
+            self._tensors = {k: (v.data if isinstance(v, torch.nn.Parameter) else v)
+                             for k, v in self._tensors.items()}
+        elif target is not None:
+            self._tensors = dict(target)
+        for name, t in self._tensors.items():
+            if not t.is_contiguous() or t.device.type != "cpu":
+                raise InputError("receiver tensors must be contiguous CPU tensors", field=name)
+        if version is not None and not self._tensors:
+            raise InputError("version given without target weights", field="version")
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """The current weights (name -> tensor); module targets share the module's storage."""
+        return dict(self._tensors)
+
+    # -- reading -------------------------------------------------------------------------------
+    def latest_version(self) -> int | None:
+        vs = list_versions(self.store)
+        return vs[-1] if vs else None
+
+    def prepare(self, version: int) -> PreparedUpdate:
+        """Read and verify ``version`` against the held weights; touches nothing."""
+        t0 = time.perf_counter()
+        m = read_manifest(self.store, version)
+        src = manifest_path(version)
+        self._check_order(m, src)
+        if self._tensors:
+            self._check_names(m, src)
+        prepared = PreparedUpdate(manifest=m)
+        for e in m.tensors:
+            new = self._decode(m, e, src)
+            if new is not None:
+                prepared.new_bytes[e.name] = new
+        prepared.fetch_s = time.perf_counter() - t0
+        return prepared
+
+    def _check_order(self, m: Manifest, src: str) -> None:
+        cur = self.version
+        if m.is_full:
+            if cur is not None and m.version <= cur:
+                raise InputError(f"out of order: receiver holds version {cur}, snapshot is "
+                                 f"version {m.version}", field="version", source=src)
+            return
+        if cur is None:
+            raise InputError(f"receiver holds no weights; delta {m.version} needs base "
+                             f"{m.base_version} (apply a full snapshot first)",
+                             field="base_version", source=src)
+        if m.version <= cur:
+            raise InputError(f"out of order: receiver holds version {cur}, delta is version "
+                             f"{m.version}", field="version", source=src)
+        if m.base_version != cur:
+            raise InputError(f"mismatched base: delta {m.version} is against version "
+                             f"{m.base_version}, receiver holds {cur}", field="base_version",
+                             source=src)
+
+    def _check_names(self, m: Manifest, src: str) -> None:
+        held = self._tensors
+        for e in m.tensors:
+            t = held.get(e.name)
+            if t is None:
+                raise InputError(f"unknown tensor {e.name!r} (the receiver does not hold it)",
+                                 field=e.name, source=src)
+            if dtype_name(t.dtype) != e.dtype:
+                raise InputError(f"tensor {e.name!r}: dtype {e.dtype}, receiver holds "
+                                 f"{dtype_name(t.dtype)}", field=e.name, source=src)
+            if tuple(t.shape) != e.shape:
+                raise InputError(f"tensor {e.name!r}: shape {list(e.shape)}, receiver holds "
+                                 f"{list(t.shape)}", field=e.name, source=src)
+        names = {e.name for e in m.tensors}
+        missing = [n for n in held if n not in names]
+        if missing:
+            raise InputError(f"tensor {missing[0]!r} held by the receiver is missing from the "
+                             f"manifest ({len(missing)} missing)", field=missing[0], source=src)
+
+    def _decode(self, m: Manifest, e: TensorEntry, src: str) -> np.ndarray | None:
+        """The verified new bytes of one tensor, or ``None`` if a delta left it unchanged."""
+        if e.payload is None:
+            old = tensor_bytes(self._tensors[e.name])
+            if digest(old) != e.checksum:
+                raise InputError(f"tensor {e.name!r}: held bytes do not match the manifest "
+                                 "checksum of an unchanged tensor (receiver is not at the base)",
+                                 field=e.name, source=src)
+            return None
+        blob = self.store.read(e.payload, field=e.name)
+        if len(blob) != e.payload_nbytes or digest(blob) != e.payload_checksum:
+            raise InputError(f"tensor {e.name!r}: payload {e.payload!r} is corrupt (checksum or "
+                             f"size mismatch: {len(blob)} bytes, expected {e.payload_nbytes})",
+                             field=e.name, source=src)
+        try:
+            data = self.zstd.decompress(blob, e.nbytes)
+        except ValueError as err:
+            raise InputError(f"tensor {e.name!r}: payload does not decode ({err})",
+                             field=e.name, source=src) from None
+        if "shuffle" in m.filters:
+            data = unshuffle(data, _itemsize(dtype_from_name(e.dtype)))
+        if "xor" in m.filters:
+            data = xor_bytes(data, tensor_bytes(self._tensors[e.name]))
+        elif not data.flags.writeable:
+            data = data.copy()
+        if digest(data) != e.checksum:
+            raise InputError(f"tensor {e.name!r}: checksum mismatch after decoding (the held "
+                             "weights are not the manifest's base, or the payload is corrupt)",
+                             field=e.name, source=src)
+        return data
+
+    # -- applying ------------------------------------------------------------------------------
+    def commit(self, prepared: PreparedUpdate) -> Manifest:
+        """Copy a prepared version in. Re-checks order (the weights may have moved since)."""
+        m = prepared.manifest
+        self._check_order(m, manifest_path(m.version))
+        if not self._tensors:  # a fresh receiver adopts the snapshot's tensors as its own
+            self._tensors = {e.name: tensor_from_bytes(prepared.new_bytes[e.name],
+                                                       dtype_from_name(e.dtype), e.shape)
+                             for e in m.tensors}
+        else:
+            for name, new in prepared.new_bytes.items():
+                np.copyto(tensor_bytes(self._tensors[name]), new)
+        self.version = m.version
+        return m
+
+    def apply(self, version: int) -> Manifest:
+        """``commit(prepare(version))``: all-or-nothing."""
+        return self.commit(self.prepare(version))
+
+    def sync(self) -> list[Manifest]:
+        """Apply every published version after the held one, in order; returns their manifests.
+
+        When the next version is not there (a fresh receiver, or versions pruned) it jumps to the
+        newest full snapshot newer than what it holds, then continues by deltas. Errors propagate
+        with the last good weights kept.
+        """
+        applied: list[Manifest] = []
+        versions = list_versions(self.store)
+        while True:
+            cur = self.version
+            if cur is not None and cur + 1 in versions:
+                applied.append(self.apply(cur + 1))
+                continue
+            fulls = [v for v in versions
+                     if (cur is None or v > cur) and read_manifest(self.store, v).is_full]
+            if not fulls:
+                return applied
+            applied.append(self.apply(fulls[-1]))

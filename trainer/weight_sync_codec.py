@@ -1,0 +1,129 @@
+"""Byte-level pieces of delta weight sync: a tensor's raw bytes, XOR, byte shuffle, zstd, digests.
+
+A tensor of any dtype (bf16, fp32, fp8 ``float8_e4m3fn``, ints) is treated as its raw little-endian
+bytes ``b = bytes(t)``. Between two versions of the same tensor the delta is
+
+    d = b_new XOR b_old           (byte-wise; d == 0 where an element did not change)
+    b_new = d XOR b_old           (exact inverse: XOR is its own inverse, bit for bit)
+
+so a round trip is byte-exact for every dtype — no float arithmetic, NaN payloads and -0.0 kept.
+Small training updates change few elements, and mostly their low mantissa bits: ``d`` is mostly
+zero bytes. ``shuffle`` (the blosc/HDF5 byte-shuffle filter) regroups the bytes of ``s``-byte
+elements into ``s`` planes (all byte-0s, then all byte-1s, ...), so the sign/exponent plane of a
+bf16 delta is a long run of zeros that zstd stores in a few bytes.
+
+The XOR spec is ``xor_reference`` (one byte at a time); ``xor_bytes`` works on 8-byte words and
+is tested bitwise against it.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+DIGEST = "blake2b-128"
+
+
+def dtype_name(dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the manifest spelling)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str):
+    """Inverse of :func:`dtype_name`; ``None`` for a name torch does not know."""
+    import torch
+
+    dt = getattr(torch, str(name), None)
+    return dt if isinstance(dt, torch.dtype) else None
+
+
+def tensor_bytes(t) -> np.ndarray:
+    """The raw bytes of a contiguous tensor as a ``uint8`` numpy array that SHARES its memory."""
+    import torch
+
+    if not t.is_contiguous():
+        raise ValueError("tensor is not contiguous")
+    flat = t.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    return flat.view(torch.uint8).numpy()
+
+
+def tensor_from_bytes(buf: np.ndarray, dtype, shape):
+    """A tensor of ``dtype``/``shape`` viewing ``buf`` (``uint8``, writable, owned by the caller)."""
+    import torch
+
+    if buf.size == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    return torch.from_numpy(buf).view(dtype).reshape(tuple(shape))
+
+
+def xor_reference(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Spec: byte-wise XOR of two equal-length ``uint8`` arrays."""
+    if a.shape != b.shape:
+        raise ValueError(f"byte lengths differ: {a.shape} vs {b.shape}")
+    return np.bitwise_xor(a.astype(np.uint8, copy=False), b.astype(np.uint8, copy=False))
+
+
+def xor_bytes(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Fast path of :func:`xor_reference`: the 8-byte-aligned body as ``uint64`` words."""
+    if a.shape != b.shape:
+        raise ValueError(f"byte lengths differ: {a.shape} vs {b.shape}")
+    if out is None:
+        out = np.empty_like(a)
+    n = a.size
+    body = n - n % 8
+    if body:
+        np.bitwise_xor(a[:body].view(np.uint64), b[:body].view(np.uint64),
+                       out=out[:body].view(np.uint64))
+    if body != n:
+        np.bitwise_xor(a[body:], b[body:], out=out[body:])
+    return out
+
+
+def shuffle(buf: np.ndarray, itemsize: int) -> np.ndarray:
+    """Byte planes: ``[n, itemsize]`` -> ``[itemsize, n]`` (a copy); identity for 1-byte items."""
+    if itemsize <= 1 or buf.size % itemsize:
+        return buf
+    return np.ascontiguousarray(buf.reshape(-1, itemsize).T).reshape(-1)
+
+
+def unshuffle(buf: np.ndarray, itemsize: int) -> np.ndarray:
+    """Inverse of :func:`shuffle`."""
+    if itemsize <= 1 or buf.size % itemsize:
+        return buf
+    return np.ascontiguousarray(buf.reshape(itemsize, -1).T).reshape(-1)
+
+
+def digest(buf) -> str:
+    """``blake2b-128:<hex>`` of a bytes-like object (numpy arrays hashed without a copy)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(memoryview(buf).cast("B") if not isinstance(buf, (bytes, bytearray)) else buf)
+    return f"{DIGEST}:{h.hexdigest()}"
+
+
+class Zstd:
+    """zstd with one compressor/decompressor per instance (they are not thread-safe)."""
+
+    def __init__(self, level: int = 1):
+        import zstandard
+
+        self.level = level
+        self._c = zstandard.ZstdCompressor(level=level)
+        self._d = zstandard.ZstdDecompressor()
+        self.Error = zstandard.ZstdError
+
+    def compress(self, buf) -> bytes:
+        return self._c.compress(memoryview(buf).cast("B") if isinstance(buf, np.ndarray) else buf)
+
+    def decompress(self, data: bytes, nbytes: int) -> np.ndarray:
+        """Decompress exactly ``nbytes``; raises ``ValueError`` on a bad frame or a wrong size."""
+        try:
+            out = self._d.decompress(data, max_output_size=nbytes)
+        except self.Error as e:
+            raise ValueError(f"zstd: {e}") from None
+        if len(out) != nbytes:
+            raise ValueError(f"zstd: decompressed {len(out)} bytes, expected {nbytes}")
+        return np.frombuffer(out, dtype=np.uint8)  # read-only view of the bytes
