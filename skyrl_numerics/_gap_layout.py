@@ -127,13 +127,17 @@ class Tokens:
             starts = np.sort(rng.integers(0, self.n - run + 1, runs))
             idx = (starts[:, None] + np.arange(run)[None, :]).reshape(-1)
             return self.a.take(idx).astype(np.float64), self.b.take(idx).astype(np.float64)
-        bsz, t = self.mask2d.shape
-        density = self.n / (bsz * t)
-        draws = int(size / density * 1.2) + 64
-        flat_idx = rng.integers(0, bsz * t, draws)
-        flat_idx = flat_idx[self.mask2d.reshape(-1)[flat_idx]][:size]
-        a2, b2 = self.a.reshape(-1), self.b.reshape(-1)
-        return a2[flat_idx].astype(np.float64), b2[flat_idx].astype(np.float64)
+        # padded + mask: a window of masked tokens from each of `runs` rows drawn by length
+        run = max(1, size // runs)
+        rows = np.searchsorted(self.cu, rng.integers(0, self.n, runs), side="right") - 1
+        pa, pb = [], []
+        for row in rows.tolist():
+            idx = np.flatnonzero(self.mask2d[row])
+            s0 = int(rng.integers(0, max(idx.size - run, 0) + 1))
+            idx = idx[s0:s0 + run]
+            pa.append(self.a[row].take(idx))
+            pb.append(self.b[row].take(idx))
+        return np.concatenate(pa).astype(np.float64), np.concatenate(pb).astype(np.float64)
 
 
 def _check_cu(cu, n: int) -> np.ndarray:
