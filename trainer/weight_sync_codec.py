@@ -44,6 +44,8 @@ def tensor_bytes(t) -> np.ndarray:
     if not t.is_contiguous():
         raise ValueError("tensor is not contiguous")
     flat = t.detach().reshape(-1)
+    if flat.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
     if flat.device.type != "cpu":
         flat = flat.cpu()
     if flat.dtype == torch.bool:
