@@ -1,0 +1,104 @@
+"""Triton fake-quant kernels bitwise against the torch recipes (interpreter) + sm_90/sm_100 compile."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from skyrl_numerics.quant import fake_quant, quantize
+from skyrl_numerics.quant.ste import representable_range
+
+pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
+
+CASES = [
+    ("fp8_block", {}), ("fp8_block", {"ue8m0": True}),
+    ("mxfp8", {}), ("mxfp8", {"scale_mode": "rceil"}), ("mxfp8", {"elem": "e5m2"}),
+    ("mxfp8", {"elem": "e5m2", "scale_mode": "rceil"}), ("mxfp4", {}), ("mxfp4", {"scale_mode": "rceil"}),
+    ("nvfp4", {"convention": "vllm"}), ("nvfp4", {"convention": "te"}),
+    ("nvfp4", {"convention": "modelopt"}), ("nvfp4", {"convention": "torchao"}),
+    ("nvfp4", {"convention": "te", "global_amax": 3.0}),
+]
+IDS = [f"{r}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for r, o in CASES]
+
+
+def _data(seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(24, 256, generator=g) * torch.exp(torch.randn(24, 1, generator=g) * 3)
+    x[0, :128] = 0                                             # all-zero blocks
+    x[1, :16] = torch.tensor([6.375, 5.0, 0.25, -0.75, 2.5, -3.5, 1e-30, -0.0] * 2)   # ties, tiny, -0
+    x[2, :32] = 2.0 ** torch.arange(-16, 16).float()           # a wide block
+    x[3] *= 1e-38                                              # fp32-subnormal-ish block amax
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_bitwise_equals_reference(case, dtype):
+    from skyrl_numerics.quant.triton_fq import fake_quant_triton
+    recipe, opts = CASES[case]
+    for seed in range(2):
+        x = _data(seed, dtype)
+        if "global_amax" in opts:
+            x = x.clamp(-3, 3)
+        ref = fake_quant(x, recipe, **opts)
+        out, mask = fake_quant_triton(x, recipe, clip_mask=True, **opts)
+        assert out.dtype == x.dtype
+        assert torch.equal(out.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           ref.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+        lo, hi = representable_range(quantize(x, recipe, **opts))
+        assert torch.equal(mask.bool(), (x.float() >= lo) & (x.float() <= hi))
+
+
+def test_triton_ste_gradients():
+    from skyrl_numerics.quant.triton_fq import ste_fake_quant_triton
+    x = torch.randn(4, 64) * 4
+    x[0, 0] = 7.9                                              # mxfp4 floor: saturates -> no gradient (clipped)
+    x[0, 1:32] = 0.01
+    x.requires_grad_(True)
+    ste_fake_quant_triton(x, "mxfp4", clip=True).sum().backward()
+    lo, hi = representable_range(quantize(x.detach(), "mxfp4"))
+    assert torch.equal(x.grad, ((x.detach() >= lo) & (x.detach() <= hi)).float())
+    assert x.grad[0, 0].item() == 0.0
+    x.grad = None
+    ste_fake_quant_triton(x, "nvfp4", convention="te").sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
+COMPILE = textwrap.dedent("""
+    import triton, triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from skyrl_numerics.quant import triton_fq as K
+    ptr = lambda t: "*" + t
+    specs = [
+        (K._fp8_block_kernel, {"x_ptr": "*i16", "out_ptr": "*i16", "mask_ptr": "*i8", "nblk": "i32",
+                               "eps": "fp32", "rcp448": "fp32", "BLK": "constexpr", "BPP": "constexpr",
+                               "UE8M0": "constexpr", "WRITE_MASK": "constexpr"},
+         {"BLK": 128, "BPP": 16, "UE8M0": True, "WRITE_MASK": True}),
+        (K._mx_kernel, {"x_ptr": "*i16", "out_ptr": "*i16", "mask_ptr": "*i8", "nblk": "i32",
+                        "BLK": "constexpr", "BPP": "constexpr", "MBITS": "constexpr", "EMIN": "constexpr",
+                        "MAXV": "constexpr", "EMAX": "constexpr", "RCEIL": "constexpr", "WRITE_MASK": "constexpr"},
+         {"BLK": 32, "BPP": 16, "MBITS": 3, "EMIN": -6, "MAXV": 448.0, "EMAX": 8, "RCEIL": True, "WRITE_MASK": False}),
+        (K._nvfp4_kernel, {"x_ptr": "*i16", "out_ptr": "*i16", "mask_ptr": "*i8", "glob_ptr": "*fp32",
+                           "nblk": "i32", "BPP": "constexpr", "CONV": "constexpr", "WRITE_MASK": "constexpr"},
+         {"BPP": 16, "CONV": 1, "WRITE_MASK": True}),
+    ]
+    for arch in (90, 100):
+        for fn, sig, cx in specs:
+            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", arch, 32))
+            ptx = k.asm["ptx"]
+            assert f".target sm_{arch}" in ptx, (arch, fn)
+            assert "div.full" not in ptx, "approximate division leaked into the kernel"
+            assert len(k.asm["cubin"]) > 0
+            print("ok", arch, fn.__name__)
+""")
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_and_sm100():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("ok") == 6
