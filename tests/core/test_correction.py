@@ -230,3 +230,17 @@ def test_errors():
         C.token_tis(torch.zeros(0), torch.zeros(0))
     with pytest.raises(InputError):
         C.combine()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_in_cuda_out():
+    dev = torch.device("cuda")
+    c = C.masked_is(TRAIN.float().to(dev), ROLL.float().to(dev), MASK.to(dev), hi=2.0)
+    assert c.weights.device.type == "cuda" and c.mask.device.type == "cuda"
+    cpu = C.masked_is(TRAIN.float(), ROLL.float(), MASK, hi=2.0)
+    torch.testing.assert_close(c.weights.cpu(), cpu.weights)
+    assert c.metrics == cpu.metrics
+    flat = C.sequence_tis(TRAIN[MASK].to(dev), ROLL[MASK].to(dev), cu_seqlens=CU.to(dev), cap=2.0)
+    torch.testing.assert_close(flat.weights.cpu(), C.sequence_tis(TRAIN, ROLL, MASK, cap=2.0).weights[MASK])
+    rep = gap.measure(TRAIN.to(dev), ROLL.to(dev), MASK.to(dev))
+    assert rep.n_tokens == 5
