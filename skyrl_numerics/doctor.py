@@ -17,10 +17,34 @@ import numpy as np
 
 from skyrl_numerics.rollout import Rollout
 
-# scenario name -> sampling parameters given to the engine
-SCENARIOS: dict[str, dict] = {
-    "full": dict(temperature=1.0, top_p=1.0, top_k=0),
-    "top-p/top-k": dict(temperature=1.0, top_p=0.9, top_k=16, capture_support=True),
+FULL = dict(temperature=1.0, top_p=1.0, top_k=0)
+
+
+@dataclass
+class Scenario:
+    """What the engine does: its sampling parameters, and optionally what it serves
+    (``serve(model_dir) -> checkpoint dir``, e.g. experts on an NVFP4 grid)."""
+    sampling: dict
+    serve: Callable[[Path], Path] | None = None
+    description: str = ""
+
+
+def _fake_quant_serving(recipe: str):
+    def serve(model_dir: Path) -> Path:
+        from skyrl_numerics.trainer.serving_checkpoint import write_fake_quant_checkpoint
+
+        return write_fake_quant_checkpoint(model_dir, recipe)
+    return serve
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "full": Scenario(FULL, description="temperature 1, full vocabulary"),
+    "top-p/top-k": Scenario(dict(temperature=1.0, top_p=0.9, top_k=16, capture_support=True),
+                            description="top_p 0.9, top_k 16, support captured"),
+    "nvfp4 experts": Scenario(FULL, _fake_quant_serving("nvfp4"),
+                              "engine serves MoE experts on the NVFP4 grid (vllm convention)"),
+    "int4 experts": Scenario(FULL, _fake_quant_serving("int4_g32"),
+                             "engine serves MoE experts on the INT4 g32 grid (W4A16)"),
 }
 
 
@@ -30,13 +54,21 @@ class DoctorContext:
     family: str
     _models: dict = field(default_factory=dict)
 
-    def hf_model(self, dtype: str | None = None):
-        """The HF trainer model, loaded once per dtype (None = stored dtype)."""
-        if dtype not in self._models:
+    def hf_model(self, dtype: str | None = None, qat: str | None = None):
+        """The HF trainer model, loaded once per (dtype, QAT recipe). ``qat``: experts wrapped
+        with ``apply_qat`` in that recipe (the trainer-side match of a quantized server)."""
+        key = (dtype, qat)
+        if key not in self._models:
             from skyrl_numerics.models import load_hf_model
 
-            self._models[dtype] = load_hf_model(self.model_dir, dtype=dtype)
-        return self._models[dtype]
+            model = load_hf_model(self.model_dir, dtype=dtype)
+            if qat is not None:
+                from skyrl_numerics.quant import apply_qat
+                from skyrl_numerics.trainer.serving_checkpoint import qat_rules
+
+                apply_qat(model, qat_rules(qat))
+            self._models[key] = model
+        return self._models[key]
 
 
 @dataclass
@@ -58,11 +90,11 @@ def register_row(row: Row) -> Row:
     return row
 
 
-def _plain_trainer(dtype: str | None, **kw):
+def _plain_trainer(dtype: str | None, qat: str | None = None, **kw):
     def compute(ctx: DoctorContext, rollout: Rollout) -> np.ndarray:
         from skyrl_numerics.trainer.logprobs import trainer_logprobs
 
-        return trainer_logprobs(ctx.hf_model(dtype), rollout, **kw).logprobs
+        return trainer_logprobs(ctx.hf_model(dtype, qat), rollout, **kw).logprobs
     return compute
 
 
@@ -84,6 +116,11 @@ register_row(Row("top-p/top-k: + support replay", "top-p/top-k",
 register_row(Row("top-p/top-k: + support replay + R3", "top-p/top-k",
                  _plain_trainer(None, use_support=True, use_routes=True),
                  note="both replays"))
+for _recipe, _sc in (("nvfp4", "nvfp4 experts"), ("int4_g32", "int4 experts")):
+    register_row(Row(f"{_sc}: plain bf16 trainer", _sc, _plain_trainer(None),
+                     note=f"trainer keeps bf16 experts; the engine serves the {_recipe} grid"))
+    register_row(Row(f"{_sc}: + fake-quant matched", _sc, _plain_trainer(None, qat=_recipe),
+                     note=f"apply_qat(experts, {_recipe}) reproduces the served grid bit for bit"))
 
 
 @dataclass
@@ -120,7 +157,7 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
     from skyrl_numerics.gap import measure
     from skyrl_numerics.models import build_tiny_model
     from skyrl_numerics.report import ReportRow
-    from skyrl_numerics.trainer.generator import get_generator
+    from skyrl_numerics.trainer.generator import VLLMGenerator, get_generator
 
     selected = [r for r in ROWS if (r.name in rows if rows else r.default)]
     if rows:
@@ -133,14 +170,21 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
     scenarios = list(dict.fromkeys(r.scenario for r in selected))
     out_rows, rollouts = [], {}
     with Progress(disable=not progress, transient=True) as prog:
-        task = prog.add_task("starting vLLM engine", total=len(scenarios) + len(selected) + 1)
-        gen = get_generator(model_dir, capture_routes=True)
-        prog.advance(task)
+        task = prog.add_task("starting vLLM engine", total=len(scenarios) + len(selected))
+        gen = None
         for sc in scenarios:
+            spec = SCENARIOS[sc]
             prog.update(task, description=f"sampling: {sc}")
-            prompts = make_prompts(n_prompts, prompt_len, gen.vocab_size, seed)
-            rollouts[sc] = gen.generate(prompts, max_tokens=max_tokens, seed=seed,
-                                        **SCENARIOS[sc])
+            if spec.serve is None:
+                gen = engine = get_generator(model_dir, capture_routes=True)
+            else:  # another checkpoint: its own engine, closed once sampled
+                engine = VLLMGenerator(spec.serve(model_dir), capture_routes=True)
+            prompts = make_prompts(n_prompts, prompt_len, engine.vocab_size, seed)
+            rollouts[sc] = engine.generate(prompts, max_tokens=max_tokens, seed=seed,
+                                           **spec.sampling)
+            if engine is not gen:
+                info = engine.info
+                engine.close()
             prog.advance(task)
         for row in selected:
             prog.update(task, description=f"trainer: {row.name}")
@@ -152,5 +196,8 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
             prog.advance(task)
     settings = dict(family=family, n_prompts=n_prompts, prompt_len=prompt_len,
                     max_tokens=max_tokens, seed=seed,
-                    scenarios={s: SCENARIOS[s] for s in scenarios})
-    return DoctorResult(out_rows, rollouts, gen.info.name, gen.info.version, model_dir, settings)
+                    scenarios={s: {**SCENARIOS[s].sampling,
+                                   "description": SCENARIOS[s].description}
+                               for s in scenarios})
+    info = gen.info if gen is not None else info
+    return DoctorResult(out_rows, rollouts, info.name, info.version, model_dir, settings)
