@@ -140,6 +140,13 @@ class Tokens:
         return np.concatenate(pa).astype(np.float64), np.concatenate(pb).astype(np.float64)
 
 
+def position_count(lengths: np.ndarray) -> np.ndarray:
+    """count[p] = number of sequences with more than p tokens."""
+    maxlen = int(lengths.max()) if lengths.size else 0
+    hist = np.bincount(lengths, minlength=maxlen + 1)
+    return (lengths.size - np.cumsum(hist))[:maxlen].astype(np.int64)
+
+
 def _check_cu(cu, n: int) -> np.ndarray:
     arr, _ = to_numpy(cu, "cu_seqlens")
     if arr.ndim != 1 or arr.size < 2 or arr.dtype.kind not in "iu":

@@ -10,6 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from skyrl_numerics import _gap_fast as fast
 from skyrl_numerics import gap
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.gap import GapReport, measure, measure_reference
@@ -242,8 +243,8 @@ def test_swap_and_shift_and_scale(batch):
        st.sampled_from([0.0, 0.01, 0.25, 0.5, 0.99, 1.0]))
 def test_quantile_matches_numpy_bitwise(xs, q):
     x = np.sort(np.array(xs))
-    lo, hi, g = gap._q_index(x.size, q)
-    assert gap._lerp(x[lo], x[hi], g) == np.quantile(x, q)
+    lo, hi, g = fast._q_index(x.size, q)
+    assert fast._lerp(x[lo], x[hi], g) == np.quantile(x, q)
 
 
 # -- the fast pass against the reference ------------------------------------------------------
@@ -325,10 +326,10 @@ def test_fast_pass_small_chunks_split_sequences(chunk):
     cu = np.sort(np.concatenate([_cu(20_000, rng, max_len=5000), [7000, 7000, 19_990]]))
     tok = gap.normalize(a, b, None, cu)
     for threads in (1, 3):
-        st_ = gap._fast_stats(tok, gap.DEFAULT_TAUS, gap.LOGPROB_TOL, chunk=chunk, threads=threads)
+        st_ = fast._fast_stats(tok, gap.DEFAULT_TAUS, gap.LOGPROB_TOL, chunk=chunk, threads=threads)
         _close(gap._finish(st_, tok, gap.DEFAULT_TAUS), measure_reference(a, b, cu_seqlens=cu))
     one = gap.normalize(a, b, None, None)                     # a single 20K-token sequence
-    st_ = gap._fast_stats(one, gap.DEFAULT_TAUS, gap.LOGPROB_TOL, chunk=chunk)
+    st_ = fast._fast_stats(one, gap.DEFAULT_TAUS, gap.LOGPROB_TOL, chunk=chunk)
     _close(gap._finish(st_, one, gap.DEFAULT_TAUS), measure_reference(a, b))
 
 
@@ -338,7 +339,7 @@ def test_fast_pass_huge_ratio_falls_back():
     cu = _cu(20_000, rng)
     b2 = b.astype(np.float64)
     b2[17] = -400.0                  # r = e^400: the fast pass hands over to the reference
-    assert gap._fast_stats(gap.normalize(a.astype(np.float64), b2, None, cu), gap.DEFAULT_TAUS, 1e-6) is None
+    assert fast._fast_stats(gap.normalize(a.astype(np.float64), b2, None, cu), gap.DEFAULT_TAUS, 1e-6) is None
     rep = measure(a.astype(np.float64), b2, cu_seqlens=cu, _path="fast")
     assert rep.ratio_max > 1e170 and rep.chi2 == math.inf and 0 < rep.ess < 1e-3
     assert rep.to_dict()["summary"]["chi2"] is None
@@ -352,8 +353,8 @@ def test_fast_pass_taylor_part_is_accurate_to_1e12(top, order):
     b = -rng.uniform(1, 5, 50_000)
     a = b + d
     d = a - b                                        # the d the tool sees
-    T = gap._brackets(gap.normalize(a, b, None, None), gap.DEFAULT_TAUS)[0]
-    assert gap._taylor_order(T) == order and T <= gap._TAYLOR_MAX
+    T = fast._brackets(gap.normalize(a, b, None, None), gap.DEFAULT_TAUS)[0]
+    assert fast._taylor_order(T) == order and T <= fast._TAYLOR_MAX
     rep = measure(a, b, _path="fast")
     n = d.size
     assert rep.kl_k3 == pytest.approx(math.fsum(np.expm1(d) - d) / n, rel=1e-12, abs=0)
@@ -366,8 +367,8 @@ def test_fast_pass_threads_agree():
     a, b = _synthetic(80_000, 1e-3, rng)
     cu = _cu(80_000, rng)
     tok = gap.normalize(a, b, None, cu)
-    one = gap._fast_stats(tok, gap.DEFAULT_TAUS, 1e-6, chunk=4096, threads=1)
-    three = gap._fast_stats(tok, gap.DEFAULT_TAUS, 1e-6, chunk=4096, threads=3)
+    one = fast._fast_stats(tok, gap.DEFAULT_TAUS, 1e-6, chunk=4096, threads=1)
+    three = fast._fast_stats(tok, gap.DEFAULT_TAUS, 1e-6, chunk=4096, threads=3)
     ref = measure_reference(a, b, cu_seqlens=cu)
     _close(gap._finish(one, tok, gap.DEFAULT_TAUS), ref)
     _close(gap._finish(three, tok, gap.DEFAULT_TAUS), ref)
