@@ -27,7 +27,8 @@ _TAYLOR_MAX = 0.0125      # |d| above this: exact expm1; below: Taylor series to
 _TAYLOR_ERR = 1e-13       # K is the smallest order whose truncation bound 2 T^(K-1)/(K+1)! is below this
 _SAMPLE = 1 << 16         # tokens sampled (in 128 runs of 512) to place the percentile brackets
 _DOT = 8192               # dot-product block
-_LONG = 2048              # chunks of sequences at least this long add per-position sums by slices
+_LONG = 2048              # mean sequence length from which per-position sums are added by slices
+                          # (one ~1-3 µs Python step per sequence, vs ~2 ns/token for bincount)
 
 
 # numpy's quantile(method="linear"), bit for bit
@@ -137,7 +138,7 @@ def _scan(tok: Tokens, plan, T, med_lo, med_hi, use_med, out, offsets, maxlen) -
         if lens.min() == lens.max() and offs.min() == offs.max():
             L = int(lens[0])
             pos_sum[o0:o0 + L] += ad.reshape(-1, L).sum(axis=0)
-        elif lens.min() >= _LONG:         # few long sequences: add each as a slice
+        elif k >= _LONG * lens.size:      # long sequences on average: add each as a slice
             for s0, L, o in zip(starts.tolist(), lens.tolist(), offs.tolist()):
                 pos_sum[o:o + L] += ad[s0:s0 + L]
         else:                             # position in sequence: cumsum of 1s, reset at starts
