@@ -4,8 +4,6 @@ megatron-core's ``TopKRouter.gating`` moves its weight to CUDA unconditionally a
 CUDA RNG tracker, so a whole GPT-MoE cannot run here; these tests compute the gating linear on CPU and call
 the real ``TopKRouter.routing`` (top-k, score function, group limit, scaling, RouterReplay) with it.
 """
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -19,16 +17,15 @@ E, K, H, S, B = 8, 2, 32, 6, 3
 
 
 @pytest.fixture(scope="module")
-def mcore():
+def mcore(tmp_path_factory):
     pytest.importorskip("megatron.core")
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
     own = not dist.is_initialized()
-    if own:
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    if own:  # file rendezvous: no TCP port to collide with other test processes
+        store = tmp_path_factory.mktemp("gloo") / "store"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     ps.initialize_model_parallel(1, 1)
     yield
     ps.destroy_model_parallel()
