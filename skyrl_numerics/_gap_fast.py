@@ -22,7 +22,7 @@ import numpy as np
 from skyrl_numerics._gap_layout import Tokens, find_bad_value, position_count
 from skyrl_numerics.errors import InputError
 
-_CHUNK = 1 << 16          # tokens per piece: a few float64 buffers fit in L2
+_CHUNK = 1 << 17          # tokens per piece: the float64 buffers stay in L3; fewer Python steps
 _TAYLOR_MAX = 0.0125      # |d| above this: exact expm1; below: Taylor series to d^K
 _TAYLOR_ERR = 1e-13       # K is the smallest order whose truncation bound 2 T^(K-1)/(K+1)! is below this
 _SAMPLE = 1 << 16         # tokens sampled (in 128 runs of 512) to place the percentile brackets
