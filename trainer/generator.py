@@ -47,7 +47,7 @@ class VLLMGenerator:
     def __init__(self, model_dir: str | os.PathLike, *, dtype: str = "bfloat16", seed: int = 0,
                  max_model_len: int = 1024, gpu_memory_utilization: float | None = None,
                  enforce_eager: bool = True, max_logprobs: int = 64, capture_routes: bool = False,
-                 **engine_kwargs: Any):
+                 batch_invariant: bool = False, **engine_kwargs: Any):
         from vllm import LLM
 
         import vllm
@@ -56,6 +56,16 @@ class VLLMGenerator:
             # On CPU vLLM reserves this share of RAM for the KV cache.
             gpu_memory_utilization = 0.5 if _on_gpu() else 0.1
         self.model_dir = str(model_dir)
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            # The same invariant forward the trainer runs (trainer/invariant_qwen3_moe.py),
+            # as an out-of-tree model registered by our vllm.general_plugins entry point.
+            from .vllm_invariant_model import ARCH
+
+            if capture_routes:
+                raise ValueError("capture_routes is not needed with batch_invariant=True: the "
+                                 "engine's routing is the trainer's, bit for bit")
+            engine_kwargs.setdefault("hf_overrides", {})["architectures"] = [ARCH]
         t0 = time.perf_counter()
         self.llm = LLM(model=self.model_dir, skip_tokenizer_init=True, dtype=dtype, seed=seed,
                        max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
