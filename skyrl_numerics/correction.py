@@ -71,7 +71,6 @@ class _Batch:
 
         self.numpy = not is_torch(trainer)
         a, b = self._tensor(trainer, FIELDS[0]), self._tensor(rollout, FIELDS[1])
-        self.device = a.device
         self.out_dtype = torch.float64 if (self.numpy or a.dtype == torch.float64) else torch.float32
         if a.dim() not in (1, 2):
             raise InputError(f"expected 1-D (flat) or 2-D [B, T] (padded), got shape {tuple(a.shape)}",
@@ -114,7 +113,6 @@ class _Batch:
             bsz, t = lengths.numel(), int(lengths.max())
             self.seg = torch.repeat_interleave(torch.arange(bsz, device=a.device), lengths)
             self.pos = torch.arange(n, device=a.device) - cu[:-1][self.seg]
-            self.shape1d = a.shape
             self._check_finite(a, b, valid)
             d = torch.zeros(bsz, t, dtype=torch.float64, device=a.device)
             v = torch.zeros(bsz, t, dtype=torch.bool, device=a.device)
