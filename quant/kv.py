@@ -80,6 +80,19 @@ def ds_mla_cache_write(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     return torch.cat([codes, scale_bytes, rope_bytes], dim=-1)
 
 
+def ds_mla_roundtrip(kv_c: torch.Tensor, k_pe: torch.Tensor):
+    """What ``fp8_ds_mla`` hands back for any ``kv_c`` whose last dim is a multiple of 128 (tiles of
+    128, float32 tile scales ``max(amax/448, FLT_MIN)``) and ``k_pe`` (rounded to bf16).
+    Equals :func:`ds_mla_cache_read` of :func:`ds_mla_cache_write` for the 512/64 geometry."""
+    d = kv_c.shape[-1]
+    if d % DS_MLA_TILE:
+        raise InputError(f"fp8_ds_mla tiles kv_c in 128s; last dim {d} is not a multiple of 128", field="kv_c")
+    t = kv_c.float().reshape(*kv_c.shape[:-1], d // DS_MLA_TILE, DS_MLA_TILE)
+    s = torch.clamp(t.abs().amax(-1, keepdim=True) / 448.0, min=FLT_MIN)
+    back = (C.round_to(t / s, C.E4M3) * s).reshape(kv_c.shape)
+    return back.to(kv_c.dtype), k_pe.to(torch.bfloat16).to(k_pe.dtype)
+
+
 def ds_mla_cache_read(cache: torch.Tensor, dtype=torch.float32):
     """-> ``(kv_c_hat [..., 512] as dtype, k_pe [..., 64] bfloat16)`` from 656-byte rows."""
     if cache.dtype != torch.uint8 or cache.shape[-1] != DS_MLA_BYTES:
