@@ -178,6 +178,12 @@ def check_complete_blocks(names: Iterable[str], all_names: Iterable[str]) -> Non
                          "send every tensor of each block you update", field="named_tensors")
 
 
+def expand_to_blocks(names: Iterable[str], all_names: Iterable[str]) -> list[str]:
+    """Every name in ``all_names`` that shares a block with one of ``names`` (in order)."""
+    blocks = {_block_of(n) for n in names}
+    return [n for n in all_names if _block_of(n) in blocks]
+
+
 def _engine_of(llm):
     """Accept a ``vllm.LLM`` or anything holding one as ``.llm`` (e.g. ``VLLMGenerator``)."""
     inner = getattr(llm, "llm", None)
@@ -212,12 +218,15 @@ def _default_staging() -> str | None:
 def update_vllm_weights(llm, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], *,
                         staging_dir: str | os.PathLike | None = None,
                         reset_prefix_cache: bool = True,
-                        all_names: Iterable[str] | None = None) -> EngineUpdate:
+                        all_names: Iterable[str] | None = None,
+                        changed: Iterable[str] | None = None) -> EngineUpdate:
     """Load ``named_tensors`` (checkpoint names -> CPU tensors) into the running engine in place.
 
     ``llm``: a ``vllm.LLM`` started with :func:`engine_kwargs`, or a ``VLLMGenerator``.
     ``all_names``: the full set of checkpoint tensor names, for the whole-block check; default:
-    read from the engine's model directory. Returns an :class:`EngineUpdate`. Raises
+    read from the engine's model directory. ``changed``: names that changed (e.g. the
+    ``Manifest.changed`` of the versions just applied); with it, ``named_tensors`` is a full state
+    and only the blocks holding a changed tensor are sent. Returns an :class:`EngineUpdate`. Raises
     ``InputError`` for names the checkpoint lacks, partial blocks, or an engine without the
     extension; the engine is untouched in those cases.
     """
@@ -235,6 +244,11 @@ def update_vllm_weights(llm, named_tensors: Mapping[str, Any] | Iterable[tuple[s
             raise InputError(f"expected a torch.Tensor, got {type(t).__name__}", field=name)
     if all_names is None:
         all_names = checkpoint_names(engine.llm_engine.model_config.model)
+    if changed is not None:
+        items = {k: items[k] for k in expand_to_blocks(changed, items)}
+        if not items:
+            return EngineUpdate(tensors=0, bytes=0, stage_s=0.0, load_s=0.0,
+                                total_s=time.perf_counter() - t0)
     if all_names:
         check_complete_blocks(items, all_names)
 
