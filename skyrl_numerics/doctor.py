@@ -27,6 +27,7 @@ class Scenario:
     sampling: dict
     serve: Callable[[Path], Path] | None = None
     description: str = ""
+    engine: dict = field(default_factory=dict)   # extra VLLMGenerator arguments
 
 
 def _fake_quant_serving(recipe: str):
@@ -45,6 +46,9 @@ SCENARIOS: dict[str, Scenario] = {
                               "engine serves MoE experts on the NVFP4 grid (vllm convention)"),
     "int4 experts": Scenario(FULL, _fake_quant_serving("int4_g32"),
                              "engine serves MoE experts on the INT4 g32 grid (W4A16)"),
+    "batch-invariant": Scenario(FULL, description="vLLM runs the batch-invariant Qwen3-MoE "
+                                "(out-of-tree model over its paged KV cache)",
+                                engine=dict(batch_invariant=True)),
 }
 
 
@@ -78,6 +82,7 @@ class Row:
     compute: Callable[[DoctorContext, Rollout], np.ndarray]  # -> flat trainer logprobs
     note: str = ""
     default: bool = True
+    families: tuple = ("qwen3_moe", "deepseek_v3")
 
 
 ROWS: list[Row] = []
@@ -116,6 +121,18 @@ register_row(Row("top-p/top-k: + support replay", "top-p/top-k",
 register_row(Row("top-p/top-k: + support replay + R3", "top-p/top-k",
                  _plain_trainer(None, use_support=True, use_routes=True),
                  note="both replays"))
+def _invariant_trainer(ctx: DoctorContext, rollout: Rollout) -> np.ndarray:
+    from skyrl_numerics.trainer.invariant_qwen3_moe import (InvariantQwen3Moe,
+                                                            invariant_trainer_logprobs)
+
+    if "invariant" not in ctx._models:
+        ctx._models["invariant"] = InvariantQwen3Moe.from_checkpoint(ctx.model_dir)
+    return invariant_trainer_logprobs(ctx._models["invariant"], rollout).logprobs
+
+
+register_row(Row("+ batch-invariant (trainer and vLLM)", "batch-invariant", _invariant_trainer,
+                 note="one invariant forward on both sides: expect every token bitwise equal",
+                 families=("qwen3_moe",)))
 for _recipe, _sc in (("nvfp4", "nvfp4 experts"), ("int4_g32", "int4 experts")):
     register_row(Row(f"{_sc}: plain bf16 trainer", _sc, _plain_trainer(None),
                      note=f"trainer keeps bf16 experts; the engine serves the {_recipe} grid"))
@@ -159,7 +176,8 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
     from skyrl_numerics.report import ReportRow
     from skyrl_numerics.trainer.generator import VLLMGenerator, get_generator
 
-    selected = [r for r in ROWS if (r.name in rows if rows else r.default)]
+    selected = [r for r in ROWS if (r.name in rows if rows else r.default)
+                and family in r.families]
     if rows:
         unknown = set(rows) - {r.name for r in ROWS}
         if unknown:
@@ -175,14 +193,17 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
         for sc in scenarios:
             spec = SCENARIOS[sc]
             prog.update(task, description=f"sampling: {sc}")
-            if spec.serve is None:
+            if spec.serve is None and spec.engine:
+                engine = get_generator(model_dir, **spec.engine)
+                gen = gen or engine
+            elif spec.serve is None:
                 gen = engine = get_generator(model_dir, capture_routes=True)
             else:  # another checkpoint: its own engine, closed once sampled
                 engine = VLLMGenerator(spec.serve(model_dir), capture_routes=True)
             prompts = make_prompts(n_prompts, prompt_len, engine.vocab_size, seed)
             rollouts[sc] = engine.generate(prompts, max_tokens=max_tokens, seed=seed,
                                            **spec.sampling)
-            if engine is not gen:
+            if spec.serve is not None:
                 info = engine.info
                 engine.close()
             prog.advance(task)
@@ -191,7 +212,8 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
             ro = rollouts[row.scenario]
             lp = np.asarray(row.compute(ctx, ro), dtype=np.float32)
             report = measure(lp, ro.rollout_logprobs, cu_seqlens=ro.response_cu)
-            extra = {"scenario": row.scenario, "note": row.note}
+            extra = {"scenario": row.scenario, "note": row.note,
+                     "vLLM tok/s": ro.meta.get("tokens_per_s")}
             out_rows.append(ReportRow(row.name, report, np.abs(lp - ro.rollout_logprobs), extra))
             prog.advance(task)
     settings = dict(family=family, n_prompts=n_prompts, prompt_len=prompt_len,

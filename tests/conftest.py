@@ -41,3 +41,14 @@ def vllm_qwen(qwen_moe_dir):
     gen = get_generator(qwen_moe_dir, capture_routes=True)
     yield gen
     gen.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_qwen_invariant(qwen_moe_dir):
+    """The real vLLM CPU engine running the batch-invariant Qwen3-MoE (out-of-tree model)."""
+    pytest.importorskip("vllm")
+    from skyrl_numerics.trainer import get_generator
+
+    gen = get_generator(qwen_moe_dir, batch_invariant=True)
+    yield gen
+    gen.close()

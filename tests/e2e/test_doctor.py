@@ -44,3 +44,13 @@ def test_doctor_fake_quant_rows(tmp_path, vllm_qwen, capsys):
     # measured: 2.5e-2 -> 5.2e-3 mean |Δ| (8x64 tokens)
     assert matched["mean_abs"] < 0.5 * plain["mean_abs"], (plain, matched)
     assert matched["kl_k3"] < plain["kl_k3"]
+
+
+def test_doctor_batch_invariant_row(tmp_path, vllm_qwen_invariant):
+    out = tmp_path / "bi"
+    row = "+ batch-invariant (trainer and vLLM)"
+    assert main(["doctor", "--prompts", "4", "--max-tokens", "24", "--out", str(out),
+                 "--no-progress", "--row", row]) == 0
+    rep = json.loads((out / "report.json").read_text())["rows"][0]
+    assert rep["summary"]["frac_bitwise_equal"] == 1.0 and rep["summary"]["max_abs"] == 0.0
+    assert rep["vLLM tok/s"] > 0
