@@ -53,7 +53,7 @@ def _brackets(tok: Tokens, taus):
     sa, sb = tok.sample(_SAMPLE)
     sd = sa - sb
     sd = sd[np.isfinite(sd)]
-    if sd.size < 64:
+    if sd.size == 0:
         return None
     s_abs, ss = np.abs(sd), sd.size
 
