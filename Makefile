@@ -32,7 +32,7 @@ test-fast: $(STAMP)
 	$(BIN)/pytest -m "not vllm and not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(BIN)/pytest benchmarks -p no:cacheprovider --benchmark-only --benchmark-columns=min,mean,ops $(PYTEST_ARGS)
+	$(BIN)/pytest benchmarks -o python_files="bench_*.py" -p no:cacheprovider --benchmark-only --benchmark-columns=min,mean,ops $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .benchmarks

@@ -10,6 +10,10 @@ ops of an unmodified model (mm, addmm, bmm, _log_softmax, mean, ...) through the
     with batch_invariant_mode():
         logits = model(input_ids).logits     # row i identical for any batch size
 """
+
+if __name__ != "skyrl_numerics.kernels":  # imported as top-level `kernels` (repo root on sys.path)
+    raise ImportError("this folder is the package 'skyrl_numerics.kernels'; import it by that name "
+                      "(transformers probes for an unrelated top-level package of this name)")
 from .mode import (batch_invariant_mode, disable_batch_invariant_cpu, enable_batch_invariant_cpu,
                    is_batch_invariant_mode_enabled)
 from .ops import (attention, bmm, grouped_matmul, log_softmax, matmul, mean, rms_norm, sum,
