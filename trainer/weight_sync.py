@@ -34,6 +34,7 @@ import numpy as np
 
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.trainer.weight_sync_codec import (
+    DIGEST,
     Zstd,
     digest,
     dtype_from_name,
@@ -42,6 +43,7 @@ from skyrl_numerics.trainer.weight_sync_codec import (
     tensor_bytes,
     tensor_from_bytes,
     unshuffle,
+    verify,
     xor_bytes,
 )
 from skyrl_numerics.trainer.weight_sync_store import SyncStore
@@ -49,6 +51,7 @@ from skyrl_numerics.trainer.weight_sync_store import SyncStore
 FORMAT = "skyrl-numerics.weight-sync"
 FORMAT_VERSION = 1
 _MANIFEST_RE = re.compile(r"^(\d{12})\.json$")
+CHECKSUM_ALGOS = ("xxh3-128", "blake2b-128")
 
 
 def manifest_path(version: int) -> str:
@@ -171,6 +174,12 @@ def _parse_entry(t: Any, i: int, source: str, *, delta: bool) -> TensorEntry:
     if any(s < 0 for s in shape) or nbytes != expect:
         raise InputError(f"tensor {name!r}: nbytes {nbytes} does not match {entry.dtype}"
                          f"{list(shape)} ({expect})", field=name, index=i, source=source)
+    for key in ("checksum", "payload_checksum"):
+        val = getattr(entry, key)
+        if val is not None and str(val).partition(":")[0] not in CHECKSUM_ALGOS:
+            raise InputError(f"tensor {name!r}: {key} {val!r} is not one of "
+                             f"{'/'.join(CHECKSUM_ALGOS)}:<hex>", field=name, index=i,
+                             source=source)
     if entry.payload is None and not delta:
         raise InputError(f"tensor {name!r}: a full snapshot needs a payload", field=name,
                          index=i, source=source)
@@ -178,6 +187,14 @@ def _parse_entry(t: Any, i: int, source: str, *, delta: bool) -> TensorEntry:
         raise InputError(f"tensor {name!r}: payload without payload_checksum", field=name,
                          index=i, source=source)
     return entry
+
+
+def _verify(buf, checksum: str, name: str, src: str) -> bool:
+    try:
+        return verify(buf, checksum)
+    except ImportError:
+        raise InputError(f"tensor {name!r}: checksum {checksum.partition(':')[0]} needs the "
+                         "xxhash package (pip install xxhash)", field=name, source=src) from None
 
 
 def _itemsize(dtype) -> int:
@@ -210,14 +227,21 @@ class DeltaPublisher:
 
     Keeps one copy of the last published bytes per tensor (host memory = one copy of the
     weights): the XOR base. ``snapshot_every``: a full snapshot when ``version % N == 0``.
+    ``checksum``: ``"xxh3-128"`` (default when ``xxhash`` is installed) or ``"blake2b-128"``.
+    ``start_version``: default, one after the newest version already in ``root``.
     """
 
     def __init__(self, root: str | os.PathLike, *, snapshot_every: int = 10, level: int = 1,
-                 use_shuffle: bool = True, start_version: int | None = None):
+                 use_shuffle: bool = True, start_version: int | None = None,
+                 checksum: str | None = None):
         if snapshot_every < 1:
             raise InputError(f"snapshot_every must be >= 1, got {snapshot_every}",
                              field="snapshot_every")
         self.store = SyncStore(root)
+        if checksum is not None and checksum not in CHECKSUM_ALGOS:
+            raise InputError(f"checksum {checksum!r} is not one of {CHECKSUM_ALGOS}",
+                             field="checksum")
+        self.checksum = checksum or DIGEST
         self.snapshot_every = snapshot_every
         self.use_shuffle = use_shuffle
         self.zstd = Zstd(level)
@@ -251,13 +275,14 @@ class DeltaPublisher:
             itemsize = _itemsize(dtype_from_name(dt))
             data = b if full else xor_bytes(b, self._prev[name][2])
             if not full and not data.any():
-                entries.append(TensorEntry(name, dt, shape, b.size, digest(b), None, 0, None))
+                entries.append(TensorEntry(name, dt, shape, b.size, digest(b, self.checksum), None, 0,
+                                           None))
                 continue
             blob = self.zstd.compress(shuffle(data, itemsize) if self.use_shuffle else data)
             rel = f"{payload_dir(v)}/{i:06d}.zst"
             self.store.write(rel, blob)
-            entries.append(TensorEntry(name, dt, shape, b.size, digest(b), rel, len(blob),
-                                       digest(blob)))
+            entries.append(TensorEntry(name, dt, shape, b.size, digest(b, self.checksum), rel,
+                                       len(blob), digest(blob, self.checksum)))
         manifest = Manifest(version=v, base_version=None if full else v - 1,
                             tensors=tuple(entries), level=self.zstd.level, filters=filters,
                             created_unix=time.time())
@@ -404,13 +429,13 @@ class DeltaReceiver:
         """The verified new bytes of one tensor, or ``None`` if a delta left it unchanged."""
         if e.payload is None:
             old = tensor_bytes(self._tensors[e.name])
-            if digest(old) != e.checksum:
+            if not _verify(old, e.checksum, e.name, src):
                 raise InputError(f"tensor {e.name!r}: held bytes do not match the manifest "
                                  "checksum of an unchanged tensor (receiver is not at the base)",
                                  field=e.name, source=src)
             return None
         blob = self.store.read(e.payload, field=e.name)
-        if len(blob) != e.payload_nbytes or digest(blob) != e.payload_checksum:
+        if len(blob) != e.payload_nbytes or not _verify(blob, e.payload_checksum, e.name, src):
             raise InputError(f"tensor {e.name!r}: payload {e.payload!r} is corrupt (checksum or "
                              f"size mismatch: {len(blob)} bytes, expected {e.payload_nbytes})",
                              field=e.name, source=src)
@@ -425,7 +450,7 @@ class DeltaReceiver:
             data = xor_bytes(data, tensor_bytes(self._tensors[e.name]))
         elif not data.flags.writeable:
             data = data.copy()
-        if digest(data) != e.checksum:
+        if not _verify(data, e.checksum, e.name, src):
             raise InputError(f"tensor {e.name!r}: checksum mismatch after decoding (the held "
                              "weights are not the manifest's base, or the payload is corrupt)",
                              field=e.name, source=src)

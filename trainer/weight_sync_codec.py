@@ -21,9 +21,6 @@ import hashlib
 
 import numpy as np
 
-DIGEST = "blake2b-128"
-
-
 def dtype_name(dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"`` (the manifest spelling)."""
     return str(dtype).removeprefix("torch.")
@@ -86,24 +83,60 @@ def xor_bytes(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np
 
 
 def shuffle(buf: np.ndarray, itemsize: int) -> np.ndarray:
-    """Byte planes: ``[n, itemsize]`` -> ``[itemsize, n]`` (a copy); identity for 1-byte items."""
+    """Byte planes: element bytes ``[n, itemsize]`` -> ``[itemsize, n]`` (a copy); identity for
+    1-byte items. Plane ``k`` is ``buf[k::itemsize]``."""
     if itemsize <= 1 or buf.size % itemsize:
         return buf
-    return np.ascontiguousarray(buf.reshape(-1, itemsize).T).reshape(-1)
+    return np.concatenate([buf[k::itemsize] for k in range(itemsize)])
 
 
 def unshuffle(buf: np.ndarray, itemsize: int) -> np.ndarray:
-    """Inverse of :func:`shuffle`."""
+    """Inverse of :func:`shuffle`: plane ``k`` goes back to bytes ``k, k + itemsize, ...``."""
     if itemsize <= 1 or buf.size % itemsize:
         return buf
-    return np.ascontiguousarray(buf.reshape(itemsize, -1).T).reshape(-1)
+    n = buf.size // itemsize
+    out = np.empty_like(buf)
+    for k in range(itemsize):
+        out[k::itemsize] = buf[k * n:(k + 1) * n]
+    return out
 
 
-def digest(buf) -> str:
-    """``blake2b-128:<hex>`` of a bytes-like object (numpy arrays hashed without a copy)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(memoryview(buf).cast("B") if not isinstance(buf, (bytes, bytearray)) else buf)
-    return f"{DIGEST}:{h.hexdigest()}"
+def _hasher(algo: str):
+    if algo == "xxh3-128":
+        import xxhash
+
+        return xxhash.xxh3_128()
+    if algo == "blake2b-128":
+        return hashlib.blake2b(digest_size=16)
+    raise ValueError(f"unknown checksum algorithm {algo!r}")
+
+
+def _default_algo() -> str:
+    try:
+        import xxhash  # noqa: F401
+
+        return "xxh3-128"
+    except ImportError:  # pragma: no cover - xxhash is in the cpu/gpu/dev extras
+        return "blake2b-128"
+
+
+DIGEST = _default_algo()
+
+
+def digest(buf, algo: str | None = None) -> str:
+    """``<algo>:<hex>`` of a bytes-like object (numpy arrays hashed without a copy).
+
+    ``xxh3-128`` (about 20 GB/s here) when ``xxhash`` is installed, else ``blake2b-128`` (about
+    0.5 GB/s). Both detect corruption; neither is meant to resist a forger."""
+    h = _hasher(algo or DIGEST)
+    h.update(buf if isinstance(buf, (bytes, bytearray)) else memoryview(buf).cast("B"))
+    return f"{algo or DIGEST}:{h.hexdigest()}"
+
+
+def verify(buf, checksum: str) -> bool:
+    """Whether ``buf`` has ``checksum`` (an ``<algo>:<hex>`` string from :func:`digest`)."""
+    algo, _, _ = str(checksum).partition(":")
+    return digest(buf, algo) == checksum
 
 
 class Zstd:

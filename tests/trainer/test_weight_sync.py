@@ -152,6 +152,20 @@ def test_sparse_update_payloads_are_small(tmp_path):
     assert delta.payload_nbytes < 0.05 * delta.raw_nbytes < full.payload_nbytes
 
 
+@pytest.mark.parametrize("algo", ["xxh3-128", "blake2b-128"])
+def test_checksum_algorithms(tmp_path, algo):
+    state = make_state(10)
+    pub = DeltaPublisher(tmp_path, checksum=algo)
+    m = pub.publish(state)
+    assert all(t.checksum.startswith(algo + ":") for t in m.tensors)
+    assert all(t.checksum == digest(raw(state[t.name]), algo) for t in m.tensors)
+    rec = DeltaReceiver(tmp_path)
+    rec.sync()
+    assert_same_bytes(state, rec.state)
+    with pytest.raises(InputError, match="checksum"):
+        DeltaPublisher(tmp_path, checksum="md5")
+
+
 def test_zero_change_step_writes_no_payload(tmp_path):
     state = make_state(1)
     state["empty"] = torch.empty(0, 3, dtype=torch.bfloat16)
@@ -408,6 +422,7 @@ def test_manifest_schema_errors(synced):
         (lambda d: d.update(format="other"), "format", "format"),
         (lambda d: d.update(base_version=7), "base_version", "base_version"),
         (lambda d: d["tensors"].append(d["tensors"][0]), "listed twice", "tensors"),
+        (lambda d: d["tensors"][0].update(checksum="md5:00"), "checksum", m1.tensors[0].name),
     ]
     for fn, match, field in cases:
         (root / manifest_path(1)).write_text(good)

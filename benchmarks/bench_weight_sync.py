@@ -1,0 +1,181 @@
+"""Delta weight sync benchmarks: delta size, encode / apply throughput. Ratios vs zstd level 1.
+
+A bf16 weight ``W ~ N(0, 0.02)`` (``--elements`` of them) takes a training-like step: a fraction
+``f`` of its elements (1 % and 3 %, the range SkyRL reports per RL step) moves by 1-3 bf16 ulps
+(a relative change of ~0.4-2 %), the rest is bit-identical, as in bf16 weights after one small
+optimizer step. Measured in one process:
+
+1. delta bytes / full bf16 bytes, with and without the byte shuffle, next to a full snapshot and
+   a sparse (int32 index + bf16 value) encoding;
+2. encode: ``DeltaPublisher.publish`` of the step (copy, XOR, shuffle, zstd-1, two blake2b
+   digests, atomic file writes) vs ``zstd -1`` of the new raw bytes;
+   apply: ``DeltaReceiver.apply`` (read, verify, decompress, unshuffle, XOR, verify, copy) vs
+   ``zstd -1`` decompression of those raw bytes. Ratio = baseline time / ours (> 1: faster).
+
+Files go to ``/dev/shm`` when it exists, so the file system is not what is timed. The vLLM
+update-vs-restart timing is ``benchmarks/bench_engine_update.py``.
+
+Run as a script for the markdown table (``python benchmarks/bench_weight_sync.py [--quick]``) or
+under pytest-benchmark (``pytest benchmarks/bench_weight_sync.py --benchmark-only``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from skyrl_numerics.trainer.weight_sync import DeltaPublisher, DeltaReceiver
+from skyrl_numerics.trainer.weight_sync_codec import Zstd, tensor_bytes
+
+
+def _best(fn, repeat=3):
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _tmpdir():
+    return tempfile.mkdtemp(prefix="bench_ws_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+
+
+def weights(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (0.02 * torch.randn(n, generator=g)).bfloat16()
+
+
+def training_step(w: torch.Tensor, frac: float, seed: int = 1) -> torch.Tensor:
+    """Move ``frac`` of the elements by +-1..3 bf16 ulps (bit-pattern steps), keep the rest."""
+    rng = np.random.default_rng(seed)
+    out = w.clone()
+    bits = out.view(torch.int16)
+    idx = torch.from_numpy(rng.choice(w.numel(), int(frac * w.numel()), replace=False))
+    step = torch.from_numpy(rng.integers(1, 4, idx.numel()) * rng.choice([-1, 1], idx.numel()))
+    bits[idx] = (bits[idx].to(torch.int32) + step.to(torch.int32)).to(torch.int16)
+    return out
+
+
+def delta_sizes(n: int, fracs=(0.01, 0.03)) -> list[dict]:
+    w0 = weights(n)
+    full_bytes = w0.numel() * 2
+    rows = []
+    for frac in fracs:
+        w1 = training_step(w0, frac)
+        changed = int((w1.view(torch.int16) != w0.view(torch.int16)).sum())
+        row = dict(frac=frac, changed_frac=changed / n, full_bf16_bytes=full_bytes)
+        for shuf in (True, False):
+            root = _tmpdir()
+            try:
+                pub = DeltaPublisher(root, use_shuffle=shuf)
+                snap = pub.publish({"w": w0})
+                m = pub.publish({"w": w1})
+            finally:
+                shutil.rmtree(root)
+            key = "shuffle" if shuf else "noshuffle"
+            row[f"delta_over_full_{key}"] = m.payload_nbytes / full_bytes
+            row[f"snapshot_over_full_{key}"] = snap.payload_nbytes / full_bytes
+        row["sparse_idx_value_over_full"] = changed * 6 / full_bytes
+        rows.append(row)
+    return rows
+
+
+def throughput(n: int, frac: float = 0.01, repeat: int = 3) -> dict:
+    """Publish / apply of one delta step vs zstd-1 compress / decompress of the raw new bytes."""
+    w0, w1 = weights(n), training_step(weights(n), frac)
+    raw = tensor_bytes(w1)
+    z = Zstd(1)
+    t_zc = _best(lambda: z.compress(raw), repeat)
+    blob = z.compress(raw)
+    t_zd = _best(lambda: z.decompress(blob, raw.size), repeat)
+
+    def run_publish():
+        root = _tmpdir()
+        pub = DeltaPublisher(root)
+        pub.publish({"w": w0})
+        t = time.perf_counter()
+        pub.publish({"w": w1})
+        dt = time.perf_counter() - t
+        return root, dt
+
+    enc, apply_ = [], []
+    for _ in range(repeat):
+        root, dt = run_publish()
+        enc.append(dt)
+        try:
+            rec = DeltaReceiver(root)
+            rec.apply(0)
+            t = time.perf_counter()
+            rec.apply(1)
+            apply_.append(time.perf_counter() - t)
+            assert torch.equal(rec.state["w"].view(torch.int16), w1.view(torch.int16))
+        finally:
+            shutil.rmtree(root)
+    t_enc, t_app = min(enc), min(apply_)
+    gb = raw.size / 1e9
+    return dict(frac=frac, bytes=raw.size, zstd1_compress_GBps=gb / t_zc,
+                zstd1_decompress_GBps=gb / t_zd, publish_GBps=gb / t_enc, apply_GBps=gb / t_app,
+                encode_ratio_vs_zstd1=t_zc / t_enc, apply_ratio_vs_zstd1=t_zd / t_app)
+
+
+# ---- pytest-benchmark ------------------------------------------------------------------------------
+def test_bench_delta_sizes(benchmark):
+    rows = delta_sizes(1 << 20)
+    for r in rows:
+        benchmark.extra_info.update({f"f{r['frac']}_{k}": v for k, v in r.items()})
+    w0 = weights(1 << 20)
+    w1 = training_step(w0, 0.01)
+    benchmark(lambda: Zstd(1).compress(np.bitwise_xor(tensor_bytes(w0), tensor_bytes(w1))))
+
+
+def test_bench_publish_apply_vs_zstd(benchmark):
+    res = throughput(1 << 22, repeat=2)
+    benchmark.extra_info.update(res)
+    w0, w1 = weights(1 << 20), training_step(weights(1 << 20), 0.01)
+
+    def publish_step():
+        root = _tmpdir()
+        try:
+            pub = DeltaPublisher(root)
+            pub.publish({"w": w0})
+            pub.publish({"w": w1})
+        finally:
+            shutil.rmtree(root)
+
+    benchmark(publish_step)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="4M elements instead of 32M")
+    ap.add_argument("--elements", type=int, default=None)
+    args = ap.parse_args()
+    n = args.elements or ((1 << 22) if args.quick else (1 << 25))
+    print(f"## Delta weight sync (bf16, {n:,} elements = {2 * n / 1e6:.0f} MB, torch "
+          f"{torch.__version__}, {os.cpu_count()} CPUs)\n")
+    print("| elements changed | delta / full bf16 (shuffle) | (no shuffle) | full snapshot / full "
+          "bf16 | sparse idx+value / full |")
+    print("|---|---|---|---|---|")
+    for r in delta_sizes(n):
+        print(f"| {100 * r['frac']:.0f} % | {100 * r['delta_over_full_shuffle']:.2f} % | "
+              f"{100 * r['delta_over_full_noshuffle']:.2f} % | "
+              f"{100 * r['snapshot_over_full_shuffle']:.1f} % | "
+              f"{100 * r['sparse_idx_value_over_full']:.2f} % |")
+    print("\n| elements changed | publish GB/s | zstd-1 compress GB/s | encode ratio (zstd-1 time / "
+          "publish time) | apply GB/s | zstd-1 decompress GB/s | apply ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for frac in (0.01, 0.03):
+        r = throughput(n, frac)
+        print(f"| {100 * frac:.0f} % | {r['publish_GBps']:.2f} | {r['zstd1_compress_GBps']:.2f} | "
+              f"{r['encode_ratio_vs_zstd1']:.2f} | {r['apply_GBps']:.2f} | "
+              f"{r['zstd1_decompress_GBps']:.2f} | {r['apply_ratio_vs_zstd1']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
