@@ -21,6 +21,8 @@ import numpy as np
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.rollout import Rollout
 
+WORKER_EXTENSION = "skyrl_numerics.trainer.vllm_ext.SkyrlWorkerExtension"
+
 
 def _on_gpu() -> bool:
     try:
@@ -66,13 +68,13 @@ class VLLMGenerator:
                 raise ValueError("capture_routes is not needed with batch_invariant=True: the "
                                  "engine's routing is the trainer's, bit for bit")
             engine_kwargs.setdefault("hf_overrides", {})["architectures"] = [ARCH]
+        # route capture + in-place weight loading live in one worker extension
+        engine_kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)
         t0 = time.perf_counter()
         self.llm = LLM(model=self.model_dir, skip_tokenizer_init=True, dtype=dtype, seed=seed,
                        max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                        logprobs_mode="processed_logprobs", enforce_eager=enforce_eager,
-                       max_logprobs=max_logprobs,
-                       worker_extension_cls="skyrl_numerics.trainer.vllm_ext.SkyrlWorkerExtension",
-                       **engine_kwargs)
+                       max_logprobs=max_logprobs, **engine_kwargs)
         self.startup_s = time.perf_counter() - t0
         device = "gpu" if _on_gpu() else "cpu"
         self.info = EngineInfo(name=f"vllm ({device})", version=vllm.__version__)

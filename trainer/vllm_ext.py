@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .weight_sync_vllm import WeightSyncWorkerExtension
+
 
 class _RouteStore:
     def __init__(self, runner, moe_modules):
@@ -143,8 +145,10 @@ class _RouteStore:
         self.filled.clear()
 
 
-class SkyrlWorkerExtension:
-    """Methods vLLM mixes into its worker (``worker_extension_cls``)."""
+class SkyrlWorkerExtension(WeightSyncWorkerExtension):
+    """Methods vLLM mixes into its worker (``worker_extension_cls``): route capture here, in-place
+    weight loading from :class:`~skyrl_numerics.trainer.weight_sync_vllm.WeightSyncWorkerExtension`
+    (vLLM takes one extension class per engine)."""
 
     def skyrl_route_capture_start(self) -> dict:
         from vllm.model_executor.layers.fused_moe.layer import MoERunner
