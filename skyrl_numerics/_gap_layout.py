@@ -120,9 +120,10 @@ class Tokens:
         """About ``size`` tokens as float64: ``runs`` runs of consecutive tokens at random places
         (cache-friendly; the runs are spread over the whole batch)."""
         rng = np.random.default_rng(seed)
+        if self.n <= size:
+            a, b = self.flat()
+            return a.astype(np.float64), b.astype(np.float64)
         if self.mask2d is None:
-            if self.n <= size:
-                return self.a.astype(np.float64), self.b.astype(np.float64)
             run = max(1, size // runs)
             starts = np.sort(rng.integers(0, self.n - run + 1, runs))
             idx = (starts[:, None] + np.arange(run)[None, :]).reshape(-1)

@@ -401,7 +401,12 @@ def test_fast_pass_any_chunking_matches_reference(batch, seed, chunk, threads):
         u = np.expm1(a - b)
         assert np.var(u) <= 1.01e-3 * np.mean(u * u)
         return
-    _close(gap._finish(st_, tok, gap.DEFAULT_TAUS), measure_reference(a, b, cu_seqlens=cu))
+    ref = measure_reference(a, b, cu_seqlens=cu)
+    _close(gap._finish(st_, tok, gap.DEFAULT_TAUS), ref)
+    (pa, m), (pb, _) = _padded(a, lens), _padded(b, lens)
+    ptok = gap.normalize(pa, pb, m)                          # padded + mask, same tokens
+    pst = fast._fast_stats(ptok, gap.DEFAULT_TAUS, gap.LOGPROB_TOL, chunk=chunk, threads=threads)
+    _close(gap._finish(pst, ptok, gap.DEFAULT_TAUS), ref)
 
 
 # -- errors -----------------------------------------------------------------------------------
