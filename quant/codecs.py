@@ -43,6 +43,7 @@ bits 4..7), as vLLM / modelopt / compressed-tensors NVFP4 checkpoints and torcha
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -135,12 +136,35 @@ def _work_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _pow2(k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """2^k for integer tensors k in the normal range of ``dtype``, built from the exponent bits."""
+    if dtype == torch.float64:
+        return ((k.to(torch.int64) + 1023) << 52).view(torch.float64)
+    return ((k.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def _rne_parts(a: torch.Tensor, fmt: MiniFloat) -> tuple[torch.Tensor, torch.Tensor]:
+    """For finite ``a >= 0``: ``(e, r)`` with ``e = max(floor(log2 a), emin)`` and the integer
+    significand ``r = rne(a / 2^(e - mbits))`` (as a float); the grid value is ``r * 2^(e - mbits)``.
+    ``a * 2^(mbits - e)`` is exact, ``torch.round`` is half-to-even."""
+    if a.dtype == torch.float64:               # floor(log2 a) from the exponent field; 0 and
+        e = ((a.view(torch.int64) >> 52) & 0x7FF).to(torch.int32) - 1023   # subnormals clamp to emin
+    else:
+        e = ((a.view(torch.int32) >> 23) & 0xFF) - 127
+    e = e.clamp(min=fmt.emin)
+    return e, torch.round(a * _pow2(fmt.mbits - e, a.dtype))
+
+
 def _rne_magnitude(a: torch.Tensor, fmt: MiniFloat) -> torch.Tensor:
     """RNE of finite non-negative ``a`` onto the format's grid with an unbounded exponent above."""
-    _, e = torch.frexp(a)                      # a = m * 2^e, m in [0.5, 1)
-    e = (e.to(torch.int32) - 1).clamp(min=fmt.emin)
-    quantum = torch.pow(torch.tensor(2.0, dtype=a.dtype, device=a.device), (e - fmt.mbits).to(a.dtype))
-    return torch.round(a / quantum) * quantum  # torch.round is half-to-even
+    e, r = _rne_parts(a, fmt)
+    return r * _pow2(e - fmt.mbits, a.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _max_mag(fmt: MiniFloat) -> int:
+    """Magnitude code of the largest finite value."""
+    return max(c for c in range(fmt.sign_bit) if fmt.code_value(c) == fmt.max_finite)
 
 
 def round_to(x: torch.Tensor, fmt: MiniFloat | str, *, saturate: bool = True) -> torch.Tensor:
@@ -175,11 +199,13 @@ def encode(x: torch.Tensor, fmt: MiniFloat | str, *, saturate: bool = True) -> t
         raise InputError(f"NaN has no {fmt.name} code (flat index {idx}); quantize NaN blocks via a recipe",
                          field="x", index=idx)
     finite = torch.isfinite(a)
-    q = _rne_magnitude(torch.where(finite, a, torch.zeros_like(a)), fmt)
-    over = (q > fmt.max_finite) | torch.isinf(a)
-    q = torch.where(over, torch.full_like(q, fmt.max_finite), q)
-    _, pos = _tables(fmt, x.device)
-    mag = torch.searchsorted(pos.to(q.dtype), q.contiguous()).to(torch.int32)
+    e, r = _rne_parts(torch.where(finite, a, torch.zeros_like(a)), fmt)
+    # code magnitude = (e - emin) * 2^mbits + r: subnormals (e = emin, r < 2^mbits) and the carry
+    # of r = 2^(mbits+1) into the next binade both come out right without a case split
+    mag = (e - fmt.emin) * (1 << fmt.mbits) + r.to(torch.int32)
+    top = _max_mag(fmt)
+    over = (mag > top) | torch.isinf(a)
+    mag = torch.where(over, top, mag)
     if not saturate and fmt.nan_code is not None:
         special = fmt.inf_code if fmt.inf_code is not None else fmt.nan_code
         mag = torch.where(over, torch.full_like(mag, special), mag)
