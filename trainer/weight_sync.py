@@ -35,6 +35,7 @@ import numpy as np
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.trainer.weight_sync_codec import (
     DIGEST,
+    Scratch,
     Zstd,
     digest,
     dtype_from_name,
@@ -250,6 +251,7 @@ class DeltaPublisher:
             start_version = vs[-1] + 1 if vs else 0
         self.next_version = start_version
         self._prev: dict[str, tuple[str, tuple[int, ...], np.ndarray]] | None = None
+        self._scratch = Scratch()
 
     def publish(self, state: Mapping[str, Any], *, full: bool = False) -> Manifest:
         """Publish ``state`` as the next version; returns its manifest."""
@@ -264,7 +266,7 @@ class DeltaPublisher:
             if not isinstance(t, torch.Tensor):
                 raise InputError(f"expected a torch.Tensor, got {type(t).__name__}", field=name)
             t = t.detach().to("cpu").contiguous()
-            cur[name] = (dtype_name(t.dtype), tuple(t.shape), tensor_bytes(t).copy())
+            cur[name] = (dtype_name(t.dtype), tuple(t.shape), tensor_bytes(t))  # live view
         v = self.next_version
         full = full or self._prev is None or v % self.snapshot_every == 0
         if not full:
@@ -273,12 +275,16 @@ class DeltaPublisher:
         entries = []
         for i, (name, (dt, shape, b)) in enumerate(cur.items()):
             itemsize = _itemsize(dtype_from_name(dt))
-            data = b if full else xor_bytes(b, self._prev[name][2])
-            if not full and not data.any():
-                entries.append(TensorEntry(name, dt, shape, b.size, digest(b, self.checksum), None, 0,
-                                           None))
-                continue
-            blob = self.zstd.compress(shuffle(data, itemsize) if self.use_shuffle else data)
+            data = b
+            if not full:
+                data = xor_bytes(b, self._prev[name][2], out=self._scratch.get("xor", b.size))
+                if not data.any():
+                    entries.append(TensorEntry(name, dt, shape, b.size, digest(b, self.checksum),
+                                               None, 0, None))
+                    continue
+            if self.use_shuffle:
+                data = shuffle(data, itemsize, out=self._scratch.get("shuffle", b.size))
+            blob = self.zstd.compress(data)
             rel = f"{payload_dir(v)}/{i:06d}.zst"
             self.store.write(rel, blob)
             entries.append(TensorEntry(name, dt, shape, b.size, digest(b, self.checksum), rel,
@@ -287,9 +293,20 @@ class DeltaPublisher:
                             tensors=tuple(entries), level=self.zstd.level, filters=filters,
                             created_unix=time.time())
         self.store.write(manifest_path(v), manifest.to_json())  # last: payloads are in place
-        self._prev = cur
+        # Only now does this version become the XOR base: a publish that failed above leaves the
+        # previous base (and the previous manifest) as they were.
+        if self._same_structure(cur):
+            for name, (_, _, b) in cur.items():
+                np.copyto(self._prev[name][2], b)
+        else:
+            self._prev = {n: (dt, sh, b.copy()) for n, (dt, sh, b) in cur.items()}
         self.next_version = v + 1
         return manifest
+
+    def _same_structure(self, cur) -> bool:
+        prev = self._prev
+        return prev is not None and prev.keys() == cur.keys() and all(
+            prev[n][:2] == cur[n][:2] for n in cur)
 
     def prune(self, keep_last: int = 2) -> list[int]:
         """Delete old versions, keeping the newest ``keep_last`` and the full snapshot they start
@@ -331,6 +348,7 @@ class PreparedUpdate:
     manifest: Manifest
     new_bytes: dict[str, np.ndarray] = field(default_factory=dict)
     fetch_s: float = 0.0
+    token: int = 0  # which prepare() filled the receiver's staging buffers
 
 
 class DeltaReceiver:
@@ -346,6 +364,9 @@ class DeltaReceiver:
 
         self.store = SyncStore(root)
         self.zstd = Zstd()
+        self._scratch = Scratch()   # intermediate stages, reused
+        self._staging = Scratch()   # per-tensor new bytes until commit, reused across versions
+        self._token = 0
         self.version = version
         self.module = target if isinstance(target, torch.nn.Module) else None
         self._tensors: dict[str, Any] = {}
@@ -379,7 +400,8 @@ class DeltaReceiver:
         self._check_order(m, src)
         if self._tensors:
             self._check_names(m, src)
-        prepared = PreparedUpdate(manifest=m)
+        self._token += 1
+        prepared = PreparedUpdate(manifest=m, token=self._token)
         for e in m.tensors:
             new = self._decode(m, e, src)
             if new is not None:
@@ -439,17 +461,25 @@ class DeltaReceiver:
             raise InputError(f"tensor {e.name!r}: payload {e.payload!r} is corrupt (checksum or "
                              f"size mismatch: {len(blob)} bytes, expected {e.payload_nbytes})",
                              field=e.name, source=src)
+        shuf, xor = "shuffle" in m.filters, "xor" in m.filters
+        itemsize = _itemsize(dtype_from_name(e.dtype))
+        shuffled = shuf and itemsize > 1 and e.nbytes % itemsize == 0
+        # Only the last stage writes where the new bytes wait for commit: this tensor's staging
+        # buffer (reused every version: no page faults in steady state), or fresh memory when a
+        # fresh receiver adopts a snapshot.
+        final = self._staging.get(e.name, e.nbytes) if self._tensors else None
         try:
-            data = self.zstd.decompress(blob, e.nbytes)
+            data = self.zstd.decompress(blob, e.nbytes,
+                                        out=self._scratch.get("z", e.nbytes)
+                                        if (shuffled or xor) else final)
         except ValueError as err:
             raise InputError(f"tensor {e.name!r}: payload does not decode ({err})",
                              field=e.name, source=src) from None
-        if "shuffle" in m.filters:
-            data = unshuffle(data, _itemsize(dtype_from_name(e.dtype)))
-        if "xor" in m.filters:
-            data = xor_bytes(data, tensor_bytes(self._tensors[e.name]))
-        elif not data.flags.writeable:
-            data = data.copy()
+        if shuffled:
+            data = unshuffle(data, itemsize,
+                             out=self._scratch.get("unshuffle", e.nbytes) if xor else final)
+        if xor:
+            data = xor_bytes(data, tensor_bytes(self._tensors[e.name]), out=final)
         if not _verify(data, e.checksum, e.name, src):
             raise InputError(f"tensor {e.name!r}: checksum mismatch after decoding (the held "
                              "weights are not the manifest's base, or the payload is corrupt)",
@@ -461,6 +491,9 @@ class DeltaReceiver:
         """Copy a prepared version in. Re-checks order (the weights may have moved since)."""
         m = prepared.manifest
         self._check_order(m, manifest_path(m.version))
+        if self._tensors and prepared.token != self._token:
+            raise InputError(f"stale update for version {m.version}: a later prepare() reused "
+                             "its buffers; prepare it again", field="prepared")
         if not self._tensors:  # a fresh receiver adopts the snapshot's tensors as its own
             self._tensors = {e.name: tensor_from_bytes(prepared.new_bytes[e.name],
                                                        dtype_from_name(e.dtype), e.shape)

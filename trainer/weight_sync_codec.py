@@ -18,6 +18,7 @@ is tested bitwise against it.
 from __future__ import annotations
 
 import hashlib
+import sys
 
 import numpy as np
 
@@ -82,23 +83,54 @@ def xor_bytes(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np
     return out
 
 
-def shuffle(buf: np.ndarray, itemsize: int) -> np.ndarray:
-    """Byte planes: element bytes ``[n, itemsize]`` -> ``[itemsize, n]`` (a copy); identity for
-    1-byte items. Plane ``k`` is ``buf[k::itemsize]``."""
+def shuffle(buf: np.ndarray, itemsize: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Byte planes: element bytes ``[n, itemsize]`` -> ``[itemsize, n]``; plane ``k`` is
+    ``buf[k::itemsize]``. Identity (no copy) for 1-byte items. ``out``: a buffer to reuse."""
     if itemsize <= 1 or buf.size % itemsize:
         return buf
-    return np.concatenate([buf[k::itemsize] for k in range(itemsize)])
+    out = np.empty_like(buf) if out is None else out[:buf.size]
+    np.copyto(out.reshape(itemsize, -1), buf.reshape(-1, itemsize).T)
+    return out
 
 
-def unshuffle(buf: np.ndarray, itemsize: int) -> np.ndarray:
-    """Inverse of :func:`shuffle`: plane ``k`` goes back to bytes ``k, k + itemsize, ...``."""
+_WORDS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def unshuffle(buf: np.ndarray, itemsize: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Inverse of :func:`shuffle`: plane ``k`` goes back to bytes ``k, k + itemsize, ...``.
+
+    On little-endian hosts byte ``k`` of an element is bits ``8k..8k+7`` of its word, so the
+    element is rebuilt as ``(...((plane_{s-1} << 8) | plane_{s-2}) << 8 ...) | plane_0`` with
+    contiguous word ops (~5 GB/s here) instead of ``s`` strided byte writes (~0.5-3 GB/s)."""
     if itemsize <= 1 or buf.size % itemsize:
         return buf
     n = buf.size // itemsize
-    out = np.empty_like(buf)
-    for k in range(itemsize):
-        out[k::itemsize] = buf[k * n:(k + 1) * n]
+    out = np.empty_like(buf) if out is None else out[:buf.size]
+    word = _WORDS.get(itemsize)
+    if word is not None and sys.byteorder == "little":
+        w = out.view(word)
+        np.copyto(w, buf[(itemsize - 1) * n:])
+        for k in range(itemsize - 2, -1, -1):
+            np.left_shift(w, 8, out=w)
+            np.bitwise_or(w, buf[k * n:(k + 1) * n], out=w)
+    else:
+        for k in range(itemsize):
+            np.copyto(out[k::itemsize], buf[k * n:(k + 1) * n])
     return out
+
+
+class Scratch:
+    """Named ``uint8`` buffers that grow to the largest size asked for and are then reused, so a
+    steady stream of same-shaped tensors allocates (and page-faults) nothing."""
+
+    def __init__(self):
+        self._bufs: dict[str, np.ndarray] = {}
+
+    def get(self, key: str, nbytes: int) -> np.ndarray:
+        buf = self._bufs.get(key)
+        if buf is None or buf.size < nbytes:
+            buf = self._bufs[key] = np.empty(nbytes, dtype=np.uint8)
+        return buf[:nbytes]
 
 
 def _hasher(algo: str):
@@ -153,12 +185,23 @@ class Zstd:
     def compress(self, buf) -> bytes:
         return self._c.compress(memoryview(buf).cast("B") if isinstance(buf, np.ndarray) else buf)
 
-    def decompress(self, data: bytes, nbytes: int) -> np.ndarray:
-        """Decompress exactly ``nbytes``; raises ``ValueError`` on a bad frame or a wrong size."""
+    def decompress(self, data: bytes, nbytes: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Decompress exactly ``nbytes`` (into ``out`` if given); ``ValueError`` on a bad frame
+        or a wrong size."""
+        out = np.empty(nbytes, dtype=np.uint8) if out is None else out[:nbytes]
         try:
-            out = self._d.decompress(data, max_output_size=nbytes)
+            with self._d.stream_reader(data) as reader:
+                got = 0
+                view = memoryview(out)
+                while got < nbytes:
+                    k = reader.readinto(view[got:])
+                    if not k:
+                        break
+                    got += k
+                extra = reader.read(1)
         except self.Error as e:
             raise ValueError(f"zstd: {e}") from None
-        if len(out) != nbytes:
-            raise ValueError(f"zstd: decompressed {len(out)} bytes, expected {nbytes}")
-        return np.frombuffer(out, dtype=np.uint8)  # read-only view of the bytes
+        if got != nbytes or extra:
+            raise ValueError(f"zstd: decompressed {got + len(extra)}{'+' if extra else ''} "
+                             f"bytes, expected {nbytes}")
+        return out

@@ -92,11 +92,15 @@ def test_hand_computed_bf16_and_fp8_bytes():
 
 
 @settings(max_examples=30, deadline=None)
-@given(n=st.integers(0, 64), itemsize=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**31))
+@given(n=st.integers(0, 64), itemsize=st.sampled_from([1, 2, 3, 4, 8]), seed=st.integers(0, 2**31))
 def test_shuffle_round_trip(n, itemsize, seed):
     b = np.random.default_rng(seed).integers(0, 256, n * itemsize, dtype=np.uint8)
     s = shuffle(b, itemsize)
+    # spec: element bytes [n, itemsize] transposed to planes [itemsize, n]
+    assert s.tobytes() == b.reshape(n, itemsize).T.tobytes()
     assert unshuffle(s, itemsize).tobytes() == b.tobytes()
+    out = np.full(n * itemsize + 5, 7, dtype=np.uint8)  # a reused, larger buffer
+    assert unshuffle(s, itemsize, out=out).tobytes() == b.tobytes()
     if itemsize == 2 and n:
         assert s[:n].tobytes() == b[0::2].tobytes()  # plane of low bytes first
 
@@ -284,6 +288,14 @@ def test_prepare_in_a_thread_then_commit(tmp_path):
     assert_same_bytes(new, rec.state)
     with pytest.raises(InputError, match="out of order"):
         rec.commit(out["p"])  # stale: the receiver already holds version 1
+    pub.publish(state, full=True)                         # version 2
+    pub.publish({k: v.clone() for k, v in new.items()})   # version 3, a delta on 2
+    p2 = rec.prepare(2)
+    rec.prepare(2)  # a second prepare reuses the staging buffers: the first one is void
+    with pytest.raises(InputError, match="stale"):
+        rec.commit(p2)
+    assert rec.version == 1
+    assert_same_bytes(new, rec.state)
 
 
 # ---- corruption and misuse: clear errors, last good weights kept -----------------------------
