@@ -18,3 +18,6 @@ from .kv import (ds_mla_cache_read, ds_mla_cache_write, fp8_kv_read, fp8_kv_roun
 
 __all__ += ["QATCheckReport", "qat_check", "write_quantized_checkpoint", "fp8_kv_write", "fp8_kv_read",
             "fp8_kv_roundtrip", "mla_cache_write", "mla_cache_read", "ds_mla_cache_write", "ds_mla_cache_read"]
+from .qweights import load_quantized_weights
+
+__all__ += ["load_quantized_weights"]

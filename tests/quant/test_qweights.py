@@ -1,0 +1,53 @@
+"""A model run from a quantized checkpoint (codes + scales in memory, dequantized on the fly)
+equals the source model with fake-quantized weights, bitwise; adapters train on top."""
+import pytest
+import torch
+from torch.nn.utils import parametrize
+
+from qmodels import tiny_qwen3_moe
+from skyrl_numerics.quant import fake_quant
+from skyrl_numerics.quant.checkpoint import write_quantized_checkpoint
+from skyrl_numerics.quant.qweights import load_quantized_weights
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt,recipe,opts", [("ct_int4", "int4_g32", {}),
+                                             ("modelopt_nvfp4", "nvfp4", {"convention": "modelopt"})])
+def test_run_from_quantized_checkpoint(tmp_path, fmt, recipe, opts):
+    src = tiny_qwen3_moe().to(torch.bfloat16)
+    src.save_pretrained(tmp_path / "bf16")
+    pick = lambda k: ".mlp.experts." in k or k.endswith("self_attn.q_proj.weight")  # noqa: E731
+    write_quantized_checkpoint(tmp_path / "bf16", tmp_path / "q", fmt, pick)
+
+    ref = tiny_qwen3_moe().to(torch.bfloat16)
+    ref.load_state_dict(src.state_dict())
+    with torch.no_grad():
+        for name, mod in ref.named_modules():
+            if name.endswith("mlp.experts"):
+                for pname in ("gate_up_proj", "down_proj"):
+                    p = getattr(mod, pname)
+                    for e in range(p.shape[0]):
+                        halves = p[e].chunk(2, 0) if pname == "gate_up_proj" else (p[e],)
+                        p[e] = torch.cat([fake_quant(h, recipe, **opts) for h in halves], 0)
+            elif name.endswith("self_attn.q_proj"):
+                mod.weight.copy_(fake_quant(mod.weight, recipe, **opts))
+
+    model = tiny_qwen3_moe(seed=123).to(torch.bfloat16)          # different random init
+    rep = load_quantized_weights(model, tmp_path / "q")
+    assert len(rep["quantized"]) == 2 * 2 + 2 and rep["unused"] == []
+    experts = model.model.layers[0].mlp.experts
+    assert experts.parametrizations.gate_up_proj.original.numel() == 0   # no full-precision copy
+    ids = torch.randint(0, 512, (2, 10), generator=torch.Generator().manual_seed(0))
+    with parametrize.cached():
+        out = model(ids).logits
+    assert torch.equal(out, ref(ids).logits)
+
+    # a LoRA-style adapter on q_proj trains; the quantized base has nothing to train
+    q_proj = model.model.layers[0].self_attn.q_proj
+    A = torch.nn.Parameter(torch.randn(4, 128, dtype=torch.bfloat16) * 0.01)
+    B = torch.nn.Parameter(torch.zeros(128, 4, dtype=torch.bfloat16))
+    h = q_proj.register_forward_hook(lambda m, a, o: o + a[0] @ A.t() @ B.t())
+    model(ids).logits.float().pow(2).mean().backward()
+    h.remove()
+    assert B.grad is not None and B.grad.abs().sum() > 0
+    assert not any(p.requires_grad for n, p in q_proj.named_parameters() if "original" in n)
