@@ -200,6 +200,7 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
                 gen = engine = get_generator(model_dir, capture_routes=True)
             else:  # another checkpoint: its own engine, closed once sampled
                 engine = VLLMGenerator(spec.serve(model_dir), capture_routes=True)
+            engine.generate([[2, 3]], max_tokens=2)  # warm-up, so tokens/s compares engines
             prompts = make_prompts(n_prompts, prompt_len, engine.vocab_size, seed)
             rollouts[sc] = engine.generate(prompts, max_tokens=max_tokens, seed=seed,
                                            **spec.sampling)

@@ -80,6 +80,7 @@ class VLLMGenerator:
         self.info = EngineInfo(name=f"vllm ({device})", version=vllm.__version__)
         self.dtype = dtype
         self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
         self.vocab_size = self.llm.model_config.get_vocab_size()
         self.route_info = None
         if capture_routes:
@@ -112,11 +113,14 @@ class VLLMGenerator:
             if len(p) + max_tokens > self.max_model_len:
                 raise InputError(f"prompt ({len(p)}) + max_tokens ({max_tokens}) exceeds "
                                  f"max_model_len {self.max_model_len}", row=i, field="prompts")
-        if capture_support and not top_k > 1:
-            raise InputError("capture_support needs top_k > 1 (the support is read from the "
-                             "top-k processed logprobs)", field="top_k")
-        # top_k + 1 entries: the last one must come back at -inf, proving the support ended inside.
-        n_logprobs = top_k + 1 if capture_support else 0
+        if capture_support and not 1 < top_k < self.max_logprobs:
+            raise InputError(f"capture_support needs 1 < top_k < max_logprobs "
+                             f"({self.max_logprobs}): the support is read from the top "
+                             "processed logprobs", field="top_k")
+        # More entries than top_k: vLLM's top-k keeps every token tied with the k-th logit (bf16
+        # logits tie often), so the support can exceed k. At least one returned entry must come
+        # back at -inf, proving the support ended inside what was returned.
+        n_logprobs = min(2 * top_k + 1, self.max_logprobs) if capture_support else 0
         params = []
         for i in range(len(prompts)):
             kw = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n,
