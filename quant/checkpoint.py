@@ -105,6 +105,36 @@ def write_quantized_checkpoint(src_dir, out_dir, fmt: str, should_quantize) -> l
     return done
 
 
+def write_fake_quantized_checkpoint(src_dir, out_dir, recipe: str, should_quantize, **opts) -> list[str]:
+    """Copy an HF safetensors checkpoint with the chosen 2-D weights replaced by
+    ``fake_quant(w, recipe, **opts)`` in their own dtype (per matrix, as ``apply_qat`` quantizes
+    them). Serve this with a plain engine and train the *original* weights under ``apply_qat``
+    with the same recipe: both sides then use identical weights (the doctor's "fake-quant
+    matched" row). Returns the replaced names."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from .api import fake_quant
+    src, out = Path(src_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise InputError(f"no *.safetensors files in {src}", field="src_dir")
+    done = []
+    for f in files:
+        tensors = load_file(str(f))
+        for k, v in tensors.items():
+            if v.dim() == 2 and v.is_floating_point() and should_quantize(k):
+                tensors[k] = fake_quant(v, recipe, **opts)
+                done.append(k)
+        _atomic_save(tensors, out / f.name)
+    for extra in src.iterdir():
+        if extra.is_file() and extra.suffix != ".safetensors" and not (out / extra.name).exists():
+            shutil.copy2(extra, out / extra.name)
+    return done
+
+
 def load_qtensors(model_dir, dtype: torch.dtype = torch.bfloat16) -> dict[str, QTensor]:
     """Every quantized weight of a checkpoint as a :class:`QTensor` (keys: ``P.weight``)."""
     from safetensors import safe_open

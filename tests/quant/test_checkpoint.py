@@ -62,3 +62,20 @@ def test_qat_check_errors(tmp_path, bf16_ckpt):
     src, _ = bf16_ckpt
     with pytest.raises(InputError, match="no quantized weights"):
         qat_check(src)
+
+
+def test_fake_quantized_checkpoint_matches_apply_qat(bf16_ckpt, tmp_path):
+    from torch.nn.utils import parametrize
+    from transformers import AutoModelForCausalLM
+
+    from skyrl_numerics.quant import apply_qat
+    from skyrl_numerics.quant.checkpoint import write_fake_quantized_checkpoint
+    src, model = bf16_ckpt
+    names = write_fake_quantized_checkpoint(src, tmp_path, "int4_g32", lambda k: ".mlp.experts." in k)
+    assert len(names) == 48 and (tmp_path / "config.json").exists()
+    served = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    trained = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+    apply_qat(trained, [("model.layers.*.mlp.experts", "int4_g32")])
+    ids = torch.randint(0, 512, (2, 10), generator=torch.Generator().manual_seed(0))
+    with parametrize.cached():
+        assert torch.equal(trained(ids).logits, served(ids).logits)
