@@ -115,7 +115,8 @@ def apply_qat(model: nn.Module, rules) -> dict[str, list[str]]:
                 if parametrize.is_parametrized(mod, pname):
                     raise InputError(f"module {name!r} parameter {pname!r} already has QAT applied", field="rules")
                 split = 2 if pname == "gate_up_proj" else 1
-                parametrize.register_parametrization(mod, pname, FakeQuantWeight(rule.recipe, rule.opts, rule.clip, split))
+                fq = FakeQuantWeight(rule.recipe, rule.opts, rule.clip, split)
+                parametrize.register_parametrization(mod, pname, fq)
                 wrapped.append(f"{pname}:{rule.recipe}")
         if rule.act_recipe is not None:
             mod._qat_act_hook = mod.register_forward_pre_hook(_act_hook(rule))

@@ -213,7 +213,8 @@ def fake_quant_triton(x: torch.Tensor, recipe: str, *, clip_mask: bool = False, 
         raise InputError(f"no Triton kernel for recipe {recipe!r}; supported: {SUPPORTED}", field="recipe")
     blk = {"fp8_block": 128, "mxfp8": 32, "mxfp4": 32, "nvfp4": 16}[recipe]
     if recipe == "fp8_block" and tuple(opts.get("block", (1, 128))) != (1, 128):
-        raise InputError("the Triton fp8_block kernel does 1x128 tiles; use the reference for 2-D blocks", field="block")
+        raise InputError("the Triton fp8_block kernel does 1x128 tiles; use the reference for 2-D blocks",
+                         field="block")
     if recipe == "nvfp4" and tuple(opts.get("tile", (1, 16))) != (1, 16):
         raise InputError("the Triton nvfp4 kernel does 1x16 blocks; use the reference for 16x16 tiles", field="tile")
     if x.dtype not in (torch.float32, torch.bfloat16):
@@ -224,7 +225,7 @@ def fake_quant_triton(x: torch.Tensor, recipe: str, *, clip_mask: bool = False, 
     out = torch.empty_like(xc)
     xk, ok = (xc.view(torch.int16), out.view(torch.int16)) if x.dtype == torch.bfloat16 else (xc, out)
     nblk = xc.numel() // blk
-    mask = torch.empty(xc.shape, dtype=torch.int8, device=x.device) if clip_mask else torch.empty(1, dtype=torch.int8, device=x.device)
+    mask = torch.empty(xc.shape if clip_mask else (1,), dtype=torch.int8, device=x.device)
     grid = (triton.cdiv(nblk, bpp),)
     if recipe == "fp8_block":
         _fp8_block_kernel[grid](xk, ok, mask, nblk, float(opts.get("eps", 1e-10)), 1.0 / 448.0,

@@ -7,7 +7,6 @@ import torch
 from qmodels import tiny_qwen3_moe
 
 from skyrl_numerics.errors import InputError
-from skyrl_numerics.quant import codecs as C
 from skyrl_numerics.quant import quantize
 from skyrl_numerics.quant.checkpoint import load_qtensors, qat_check, write_quantized_checkpoint
 

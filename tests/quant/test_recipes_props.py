@@ -1,7 +1,6 @@
 """Properties (hypothesis): static re-encoding gives back the stored codes; fake_quant is
 idempotent bitwise for the recipes whose scale is a fixed point (and for all recipes once the
 scales are static); fake_quant preserves order inside a block."""
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
