@@ -119,3 +119,29 @@ def test_engine_picks_up_synced_weights(vllm_qwen, qwen_moe_dir, tmp_path):
     restored = gen.generate(prompts, **kw)
     np.testing.assert_array_equal(restored.response_tokens, before.response_tokens)
     np.testing.assert_array_equal(restored.rollout_logprobs, before.rollout_logprobs)
+
+
+def test_whole_block_rule_property(qwen_moe_dir):
+    """Any union of whole blocks passes; dropping one tensor of a touched block is refused."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    names = sorted(checkpoint_names(qwen_moe_dir))
+    blocks = sorted({_block_of(n) for n in names})
+    assert "model.layers.0.mlp" in blocks and "model.layers.1.self_attn" in blocks
+
+    @settings(max_examples=30, deadline=None)
+    @given(chosen=st.sets(st.sampled_from(blocks), min_size=1), drop=st.integers(0, 10**6))
+    def prop(chosen, drop):
+        subset = [n for n in names if _block_of(n) in chosen]
+        check_complete_blocks(subset, names)
+        assert sorted(expand_to_blocks(subset[:1], names)) == sorted(
+            n for n in names if _block_of(n) == _block_of(subset[0]))
+        if len(subset) > 1:
+            victim = subset[drop % len(subset)]
+            rest = [n for n in subset if n != victim]
+            if any(_block_of(n) == _block_of(victim) for n in rest):
+                with pytest.raises(InputError, match="partial update"):
+                    check_complete_blocks(rest, names)
+
+    prop()

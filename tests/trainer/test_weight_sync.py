@@ -475,3 +475,51 @@ def test_manifest_json_round_trip(synced):
     root, _, _, _, _, m1 = synced
     again = Manifest.from_json(m1.to_json())
     assert again == m1
+
+
+def test_failed_publish_keeps_the_previous_base(tmp_path):
+    """A publish that dies before its manifest is written leaves no version and the old XOR
+    base: the next publish is a correct delta against the last PUBLISHED version."""
+    rng = np.random.default_rng(11)
+    s0 = make_state(11)
+    s1 = {k: sparse_update(rng, v, 0.1) for k, v in s0.items()}
+    s2 = {k: sparse_update(rng, v, 0.1) for k, v in s1.items()}
+
+    class FailOnManifest(SyncStore):
+        fail = True
+
+        def write(self, rel, data):
+            if rel.startswith("manifests/") and self.fail:
+                self.fail = False
+                raise OSError("disk full")
+            super().write(rel, data)
+
+    pub = DeltaPublisher(tmp_path)
+    pub.store = FailOnManifest(tmp_path)
+    rec = DeltaReceiver(tmp_path)
+    pub.store.fail = False
+    pub.publish(s0)
+    pub.store.fail = True
+    with pytest.raises(OSError):
+        pub.publish(s1)
+    assert list_versions(pub.store) == [0] and pub.next_version == 1
+    m = pub.publish(s2)  # version 1, a delta s0 -> s2
+    assert (m.version, m.base_version) == (1, 0)
+    rec.sync()
+    assert_same_bytes(s2, rec.state)
+
+
+def test_sync_stops_at_a_bad_version_with_the_last_good_weights(tmp_path):
+    rng = np.random.default_rng(12)
+    states = [make_state(12)]
+    for _ in range(3):
+        states.append({k: sparse_update(rng, v, 0.1) for k, v in states[-1].items()})
+    pub = DeltaPublisher(tmp_path)
+    manifests = [pub.publish(s) for s in states]
+    bad = tmp_path / manifests[2].tensors[0].payload
+    bad.write_bytes(bad.read_bytes()[::-1])
+    rec = DeltaReceiver(tmp_path)
+    with pytest.raises(InputError, match="corrupt"):
+        rec.sync()
+    assert rec.version == 1
+    assert_same_bytes(states[1], rec.state)
