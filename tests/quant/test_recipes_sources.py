@@ -7,7 +7,9 @@ from skyrl_numerics.quant import codecs as C
 from skyrl_numerics.quant import dequantize, fake_quant, quantize
 from skyrl_numerics.quant.recipes_int4 import pack_int4_to_int32, unpack_int4_from_int32
 
-pytestmark = pytest.mark.vllm
+# vLLM / compressed-tensors are imported (their reference functions), the engine is not started
+pytest.importorskip("vllm")
+pytest.importorskip("compressed_tensors")
 
 
 def _x(shape, seed=0, dtype=torch.float32):
