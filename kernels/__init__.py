@@ -11,18 +11,23 @@ ops of an unmodified model (mm, addmm, bmm, _log_softmax, mean, ...) through the
         logits = model(input_ids).logits     # row i identical for any batch size
 """
 
-if __name__ != "skyrl_numerics.kernels":  # imported as top-level `kernels` (repo root on sys.path)
-    raise ImportError("this folder is the package 'skyrl_numerics.kernels'; import it by that name "
-                      "(transformers probes for an unrelated top-level package of this name)")
-from .mode import (batch_invariant_mode, disable_batch_invariant_cpu, enable_batch_invariant_cpu,
-                   is_batch_invariant_mode_enabled)
-from .ops import (attention, bmm, grouped_matmul, log_softmax, matmul, mean, rms_norm, sum,
-                  token_logprob_entropy)
-from .cpu import check_cpu_invariance
+if __name__ != "skyrl_numerics.kernels":
+    # Imported as a top-level ``kernels``: the repo root is on sys.path (``python -c`` / ``-m`` or
+    # a Ray worker started from the checkout). transformers probes for Hugging Face's unrelated
+    # ``kernels`` package by importing that name; look like an empty namespace package (no
+    # ``__file__``, no version, no submodules) so the probe reports "not installed".
+    del globals()["__file__"]
+    __path__ = []
+else:
+    from .mode import (batch_invariant_mode, disable_batch_invariant_cpu, enable_batch_invariant_cpu,
+                       is_batch_invariant_mode_enabled)
+    from .ops import (attention, bmm, grouped_matmul, log_softmax, matmul, mean, rms_norm, sum,
+                      token_logprob_entropy)
+    from .cpu import check_cpu_invariance
 
-__all__ = [
-    "batch_invariant_mode", "enable_batch_invariant_cpu", "disable_batch_invariant_cpu",
-    "is_batch_invariant_mode_enabled", "check_cpu_invariance",
-    "matmul", "bmm", "grouped_matmul", "log_softmax", "token_logprob_entropy", "rms_norm",
-    "mean", "sum", "attention",
-]
+    __all__ = [
+        "batch_invariant_mode", "enable_batch_invariant_cpu", "disable_batch_invariant_cpu",
+        "is_batch_invariant_mode_enabled", "check_cpu_invariance",
+        "matmul", "bmm", "grouped_matmul", "log_softmax", "token_logprob_entropy", "rms_norm",
+        "mean", "sum", "attention",
+    ]

@@ -184,7 +184,8 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
 
     s = settings or LoopSettings()
     task = task or TargetSetTask()
-    work = Path(work_dir or tempfile.mkdtemp(prefix="skyrl_loop_"))
+    # absolute: Ray actors do not share the driver's working directory
+    work = Path(work_dir or tempfile.mkdtemp(prefix="skyrl_loop_")).resolve()
     if use_ray:
         import ray
 
