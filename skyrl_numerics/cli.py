@@ -2,6 +2,8 @@
 
     skyrl-numerics doctor [--family qwen3_moe] [--prompts 8] [--max-tokens 64] [--out DIR]
     skyrl-numerics gap FILE [--out DIR]
+    skyrl-numerics qat-check MODEL_DIR [--json FILE]
+    skyrl-numerics train [--configs plain,aligned] [--steps 5] [--ray]
 
 Bad input prints one line ``error: <where>: <what>`` and exits with code 2, writing nothing.
 """
@@ -109,6 +111,20 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _cmd_qat_check(args) -> int:
+    """Day-0 bring-up: re-encode the dequantized weights of a quantized checkpoint and report
+    per tensor whether the stored codes come back exactly. Exit 1 on any mismatch."""
+    from skyrl_numerics.quant import qat_check
+    from skyrl_numerics.report import write_json
+
+    rep = qat_check(args.model_dir)
+    print(rep.to_text())
+    if args.json:
+        write_json(Path(args.json), {"model_dir": str(args.model_dir), "ok": rep.ok,
+                                     "summary": rep.summary(), "rows": rep.rows})
+    return 0 if rep.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="skyrl-numerics", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -129,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("file")
     g.add_argument("--out", default=None, help="also write report.json and gap.png here")
     g.set_defaults(func=_cmd_gap)
+
+    q = sub.add_parser("qat-check", help="do a quantized checkpoint's stored codes re-encode "
+                                         "exactly? (NVFP4 modelopt, INT4 compressed-tensors)")
+    q.add_argument("model_dir")
+    q.add_argument("--json", default=None, help="also write the per-tensor report here")
+    q.set_defaults(func=_cmd_qat_check)
 
     t = sub.add_parser("train", help="a few GRPO steps on the tiny MoE with real vLLM, comparing "
                                      "configurations")

@@ -8,6 +8,7 @@ bit and the gap falls back to the kernel-level baseline.
 """
 from __future__ import annotations
 
+import fnmatch
 import os
 import shutil
 import tempfile
@@ -25,33 +26,29 @@ def qat_rules(recipe: str, pattern: str = EXPERTS_PATTERN, **opts) -> list:
 
 def write_fake_quant_checkpoint(src_dir: str | os.PathLike, recipe: str, *,
                                 pattern: str = EXPERTS_PATTERN, out_dir=None, **opts) -> Path:
-    """Copy ``src_dir`` with the weights matched by ``pattern`` fake-quantized; cached by name.
+    """``src_dir`` with the expert weights fake-quantized, cached next to it by recipe.
 
-    Written to a temp dir and renamed, so a crash leaves no half checkpoint.
+    The tensors are written by :func:`skyrl_numerics.quant.checkpoint.write_fake_quantized_checkpoint`
+    (per 2-D matrix, as ``apply_qat`` quantizes them); here the whole directory is built under a
+    temp name and renamed, so a crash never leaves a half checkpoint where the cache looks.
     """
-    import torch
-
-    from skyrl_numerics.models import load_hf_model
-    from skyrl_numerics.quant import apply_qat, remove_qat
+    from skyrl_numerics.quant.checkpoint import write_fake_quantized_checkpoint
 
     src = Path(src_dir)
     tag = "-".join([recipe] + [f"{k}={v}" for k, v in sorted(opts.items())])
     out = Path(out_dir) if out_dir is not None else src.parent / f"{src.name}-fq-{tag}"
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
-    model = load_hf_model(src)
-    with torch.no_grad():
-        apply_qat(model, qat_rules(recipe, pattern, **opts))
-        remove_qat(model, bake=True)
+    # checkpoint names of expert matrices: model.layers.<i>.mlp.experts.<e>.<proj>.weight
+    match = lambda name: fnmatch.fnmatchcase(name.rsplit(".", 3)[0], pattern)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        # keep the source's config.json (dtype fields, naming) byte for byte
-        shutil.copy(src / "config.json", tmp / "config.json")
+        if not write_fake_quantized_checkpoint(src, tmp, recipe, match, **opts):
+            raise ValueError(f"pattern {pattern!r} matched no weight in {src}")
         try:
             os.replace(tmp, out)
-        except OSError:
+        except OSError:  # another process won the race; its copy is identical
             shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -68,3 +68,43 @@ def test_gap_malformed_exit_2_one_line_no_output(tmp_path, rows, expect, capsys)
 def test_gap_missing_file(tmp_path, capsys):
     assert main(["gap", str(tmp_path / "nope.jsonl")]) == 2
     assert "file not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["modelopt_nvfp4", "ct_int4"])
+def test_qat_check_cli_on_a_written_checkpoint(tmp_path, fmt, capsys):
+    from skyrl_numerics.models import build_tiny_model
+    from skyrl_numerics.quant import write_quantized_checkpoint
+
+    src = build_tiny_model("qwen3_moe", cache_dir=tmp_path / "m", num_hidden_layers=1)
+    out = tmp_path / f"q-{fmt}"
+    names = write_quantized_checkpoint(src, out, fmt, lambda n: ".experts." in n)
+    assert names
+    rc = main(["qat-check", str(out), "--json", str(tmp_path / "r.json")])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert text.startswith(f"qat-check {out}: OK")
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["ok"] and rep["summary"]["tensors"] == len(names)
+
+
+def test_qat_check_cli_reports_a_corrupted_scale(tmp_path, capsys):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from skyrl_numerics.models import build_tiny_model
+    from skyrl_numerics.quant import write_quantized_checkpoint
+
+    src = build_tiny_model("qwen3_moe", cache_dir=tmp_path / "m", num_hidden_layers=1)
+    out = tmp_path / "q"
+    write_quantized_checkpoint(src, out, "modelopt_nvfp4", lambda n: ".experts.0." in n)
+    f = next(out.glob("*.safetensors"))
+    t = load_file(str(f))
+    key = next(k for k in t if k.endswith("experts.0.down_proj.weight_scale"))
+    s = t[key].view(torch.uint8).clone()
+    s[0, 0] = 0x7F  # a NaN E4M3 block scale: the block dequantizes to NaN and cannot re-encode
+    t[key] = s.view(torch.float8_e4m3fn)
+    save_file(t, str(f))
+    rc = main(["qat-check", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 1 and "MISMATCH" in text.splitlines()[0], text
+    assert "experts.0.down_proj.weight" in text and "DIFF" in text
