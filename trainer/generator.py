@@ -68,6 +68,11 @@ class VLLMGenerator:
                 raise ValueError("capture_routes is not needed with batch_invariant=True: the "
                                  "engine's routing is the trainer's, bit for bit")
             engine_kwargs.setdefault("hf_overrides", {})["architectures"] = [ARCH]
+        # GPU vLLM returns routed experts itself (V2 model runner); vLLM CPU does not, so there
+        # the worker extension captures them (trainer/vllm_ext.py).
+        self.native_routes = bool(capture_routes) and _on_gpu()
+        if self.native_routes:
+            engine_kwargs["enable_return_routed_experts"] = True
         # route capture + in-place weight loading live in one worker extension
         engine_kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)
         t0 = time.perf_counter()
@@ -83,7 +88,10 @@ class VLLMGenerator:
         self.max_logprobs = max_logprobs
         self.vocab_size = self.llm.model_config.get_vocab_size()
         self.route_info = None
-        if capture_routes:
+        if capture_routes and self.native_routes:
+            cfg = self.llm.model_config
+            self.route_info = {"num_experts": cfg.get_num_experts(), "native": True}
+        elif capture_routes:
             # One worker here (TP = 1); with TP > 1 every rank sees the same logical ids.
             self.route_info = self.llm.collective_rpc("skyrl_route_capture_start")[0]
 
@@ -169,6 +177,13 @@ class VLLMGenerator:
     def _fetch_routes(self, outputs, n: int, p_rows, r_rows):
         """Routes recorded inside the engine for each returned sample, as PackedRoutes."""
         from skyrl_numerics.replay import PackedRoutes
+
+        if self.route_info.get("native"):  # GPU vLLM: [tokens, layers, k] per completion
+            seqs = [np.asarray(c.routed_experts) for out in outputs for c in out.outputs]
+            lengths = [len(p) + len(r) - 1 for p, r in zip(p_rows, r_rows)]
+            # keep the documented convention: prompt + response - 1 rows per sequence
+            seqs = [s_[:n] for s_, n in zip(seqs, lengths)]
+            return PackedRoutes.from_sequences(seqs, self.route_info["num_experts"])
 
         # vLLM names the j-th of n samples of request r "j_r" (parallel sampling), else "r".
         ext = [out.request_id if n == 1 else f"{j}_{out.request_id}"
