@@ -45,7 +45,8 @@ def _best(fn, repeat=3):
 
 
 def _tmpdir():
-    return tempfile.mkdtemp(prefix="bench_ws_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    return tempfile.mkdtemp(prefix="bench_ws_", dir=shm)
 
 
 def weights(n: int, seed: int = 0) -> torch.Tensor:
@@ -125,7 +126,7 @@ def throughput(n: int, frac: float = 0.01, repeat: int = 3) -> dict:
                 encode_ratio_vs_zstd1=t_zc / t_enc, apply_ratio_vs_zstd1=t_zd / t_app)
 
 
-# ---- pytest-benchmark ------------------------------------------------------------------------------
+# ---- pytest-benchmark -----------------------------------------------------------------------
 def test_bench_delta_sizes(benchmark):
     rows = delta_sizes(1 << 20)
     for r in rows:
@@ -168,8 +169,8 @@ def main() -> None:
               f"{100 * r['delta_over_full_noshuffle']:.2f} % | "
               f"{100 * r['snapshot_over_full_shuffle']:.1f} % | "
               f"{100 * r['sparse_idx_value_over_full']:.2f} % |")
-    print("\n| elements changed | publish GB/s | zstd-1 compress GB/s | encode ratio (zstd-1 time / "
-          "publish time) | apply GB/s | zstd-1 decompress GB/s | apply ratio |")
+    print("\n| elements changed | publish GB/s | zstd-1 compress GB/s | encode ratio (zstd-1 time "
+          "/ publish time) | apply GB/s | zstd-1 decompress GB/s | apply ratio |")
     print("|---|---|---|---|---|---|---|")
     for frac in (0.01, 0.03):
         r = throughput(n, frac)

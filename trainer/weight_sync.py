@@ -417,7 +417,7 @@ class DeltaReceiver:
                                  f"version {m.version}", field="version", source=src)
             return
         if cur is None:
-            raise InputError(f"receiver holds no weights; delta {m.version} needs base "
+            raise InputError(f"receiver holds no version; delta {m.version} needs base "
                              f"{m.base_version} (apply a full snapshot first)",
                              field="base_version", source=src)
         if m.version <= cur:

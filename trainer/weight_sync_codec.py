@@ -52,7 +52,7 @@ def tensor_bytes(t) -> np.ndarray:
 
 
 def tensor_from_bytes(buf: np.ndarray, dtype, shape):
-    """A tensor of ``dtype``/``shape`` viewing ``buf`` (``uint8``, writable, owned by the caller)."""
+    """A tensor of ``dtype``/``shape`` viewing ``buf`` (``uint8``, writable, caller-owned)."""
     import torch
 
     if buf.size == 0:

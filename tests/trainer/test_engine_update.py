@@ -21,8 +21,9 @@ from skyrl_numerics.trainer.weight_sync_vllm import (
 
 NAMES = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
          "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight",
-         "model.layers.0.mlp.experts.0.up_proj.weight", "model.layers.0.mlp.experts.1.up_proj.weight",
-         "model.layers.0.mlp.gate.weight", "model.layers.0.input_layernorm.weight",
+         "model.layers.0.mlp.experts.0.up_proj.weight",
+         "model.layers.0.mlp.experts.1.up_proj.weight", "model.layers.0.mlp.gate.weight",
+         "model.layers.0.input_layernorm.weight",
          "model.layers.1.self_attn.q_proj.weight", "lm_head.weight"]
 
 
