@@ -66,15 +66,29 @@ def _entry(rank, world_size, port, backend, threads, fn, args):
         dist.destroy_process_group()
 
 
-def spawn(fn, world_size: int, *args, backend: str | None = None, threads: int | None = 1) -> None:
+def spawn(fn, world_size: int, *args, backend: str | None = None, threads: int | None = 1,
+          timeout: float | None = None) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes; raise if any fails.
 
     ``fn`` must be importable (module level). ``threads`` sets ``torch.set_num_threads`` per process
-    (1 by default: ranks share the machine's cores).
+    (1 by default: ranks share the machine's cores). ``timeout`` (seconds): past it the processes
+    are killed and TimeoutError is raised (a collective that only some ranks entered hangs forever).
     """
+    import time
+
     import torch.multiprocessing as mp
 
-    mp.spawn(_entry, args=(world_size, free_port(), backend, threads, fn, args), nprocs=world_size, join=True)
+    ctx = mp.start_processes(_entry, args=(world_size, free_port(), backend, threads, fn, args),
+                             nprocs=world_size, join=False, start_method="spawn")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not ctx.join(timeout=1.0):
+        if deadline is not None and time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            for p in ctx.processes:
+                p.join()
+            raise TimeoutError(f"{world_size} ranks did not finish within {timeout} s")
 
 
 def shard_rows(n_rows: int, world_size: int, rank: int) -> np.ndarray:

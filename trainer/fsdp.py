@@ -373,3 +373,15 @@ class FSDPTrainer:
 
             sd = merge_lora_state_dict(sd)
         return sd
+
+    def save(self, path) -> None:
+        """Checkpoint weights + optimizer state (collective; see :mod:`.checkpoint`)."""
+        from .checkpoint import save_checkpoint
+
+        save_checkpoint(self, path)
+
+    def load(self, path) -> dict:
+        """Restore a checkpoint written by :meth:`save` (any world size); returns its trainer_state."""
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path)

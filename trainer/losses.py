@@ -58,6 +58,7 @@ def _as_tensor(x, name: str, dtype=torch.float64) -> torch.Tensor:
 
 def _groups(rewards, group_ids):
     r = _as_tensor(rewards, "rewards").detach()
+    out_dtype = r.dtype if isinstance(rewards, torch.Tensor) and r.is_floating_point() else torch.float32
     if r.dim() != 1 or r.numel() == 0:
         raise InputError(f"expected a non-empty 1-D array of per-sequence rewards, got shape {tuple(r.shape)}",
                          field="rewards")
@@ -78,7 +79,7 @@ def _groups(rewards, group_ids):
     sums = torch.zeros(counts.numel(), dtype=torch.float64, device=r.device).index_add_(0, inv, r64)
     n = counts.to(torch.float64)
     mean = sums / n
-    return r, r64, inv, n, mean
+    return out_dtype, r64, inv, n, mean
 
 
 def grpo_advantages(rewards, group_ids=None, *, std_normalize: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -87,7 +88,7 @@ def grpo_advantages(rewards, group_ids=None, *, std_normalize: bool = True, eps:
     ``rewards`` [B] (torch or numpy), ``group_ids`` [B] (None: one group). Computed in float64,
     returned in the rewards' float dtype (float32 for integer/numpy input), no grad.
     """
-    r, r64, inv, n, mean = _groups(rewards, group_ids)
+    out_dtype, r64, inv, n, mean = _groups(rewards, group_ids)
     single = n == 1
     mean = torch.where(single, torch.zeros_like(mean), mean)
     dev = r64 - mean[inv]
@@ -95,15 +96,15 @@ def grpo_advantages(rewards, group_ids=None, *, std_normalize: bool = True, eps:
     std = torch.sqrt(ss / (n - 1).clamp(min=1))
     std = torch.where(single, torch.ones_like(std), std)
     adv = dev / (std[inv] + eps) if std_normalize else dev
-    return adv.to(r.dtype if r.is_floating_point() else torch.float32)
+    return adv.to(out_dtype)
 
 
 def rloo_advantages(rewards, group_ids=None) -> torch.Tensor:
     """RLOO: ``R_i`` minus the mean reward of the other samples of its group (see module doc)."""
-    r, r64, inv, n, mean = _groups(rewards, group_ids)
+    out_dtype, r64, inv, n, mean = _groups(rewards, group_ids)
     ni = n[inv]
     adv = torch.where(ni > 1, (r64 - mean[inv]) * ni / (ni - 1).clamp(min=1), r64)
-    return adv.to(r.dtype if r.is_floating_point() else torch.float32)
+    return adv.to(out_dtype)
 
 
 def compute_advantages(kind: str, rewards, group_ids=None, **kw) -> torch.Tensor:
