@@ -19,6 +19,7 @@ CASES = [
     ("fp8_block", {}), ("fp8_block", {"ue8m0": True}), ("mxfp8", {}), ("mxfp8", {"scale_mode": "rceil"}),
     ("mxfp4", {}), ("nvfp4", {"convention": "vllm"}), ("nvfp4", {"convention": "te"}),
     ("nvfp4", {"convention": "modelopt"}), ("nvfp4", {"convention": "torchao"}),
+    ("nvfp4", {"convention": "compressed_tensors"}),
 ]
 
 

@@ -202,7 +202,7 @@ class QATCheckReport:
 def _code_view(q: QTensor) -> torch.Tensor:
     if q.recipe == "nvfp4":
         c = C.unpack_fp4(q.codes)
-        if q.opts.get("convention") == "modelopt":      # modelopt decodes -0 as +0: compare as values
+        if q.opts.get("convention") in ("modelopt", "compressed_tensors"):   # -0 re-encodes as +0
             c = torch.where(c == 8, 0, c)
         return c
     return q.codes.view(torch.uint8) if q.codes.dtype.itemsize == 1 and q.codes.is_floating_point() else q.codes

@@ -27,14 +27,22 @@ a modelopt checkpoint (``input_scale = g = fl(A/2688)``, ``input_global_scale_in
     g = fl(A / 2688);   s = e4m3(clamp(fl(fl(a / 6) / g), 2^-6, 448))    # block-scale floor 2^-6
     y = e2m1(x / fl(g * s));   x_hat = y * fl(g * s)
 
+``compressed_tensors`` — compressed-tensors ``nvfp4-pack-quantized`` (``generate_gparam``,
+``calculate_qparams``, ``_quantize``, ``_dequantize``), float32 statistics::
+
+    G = fl(2688 / max(A, FLT_MIN)), 1.0 if not finite (weight_global_scale: an *encode* scale)
+    s = e4m3(clamp(fl(G * fl(a / 6)), +-448)), s == 0 -> 0.125 (the FP8 "eps")
+    y = e2m1(clamp(x / fl(s / G), +-6)), -0.0 -> +0;   x_hat = y * fl(s / G)
+
 Differences that matter: vllm multiplies by a reciprocal built from the checkpoint's inverse
 global scale; te multiplies by a reciprocal of the dequantized scale and clips it at FLT_MAX;
 modelopt and torchao divide. Tiny blocks: modelopt and vllm/te let the E4M3 scale fall into its
 subnormals down to 2^-9 (and to 0, giving zero blocks), torchao floors it at 2^-6. Zero blocks:
-modelopt stores scale 1.0, the others 0 (torchao 2^-6).
+modelopt stores scale 1.0, compressed_tensors 0.125, torchao 2^-6, vllm/te 0.
 
 ``global_scale`` in the returned QTensor is what each convention keeps: vllm/modelopt/torchao
-``g = A/2688`` (checkpoint ``weight_scale_2`` / ``input_scale``), te the amax ``A``.
+``g = A/2688`` (checkpoint ``weight_scale_2`` / ``input_scale``), te the amax ``A``,
+compressed_tensors the encode scale ``G``.
 An all-zero tensor (``A = 0``) gives zero codes, zero block scales and ``g = 0`` in every
 convention (the upstream formulas would divide 0/0 there).
 """
@@ -48,7 +56,7 @@ from . import codecs as C
 from .blocks import block_amax, codes_to_blocks, from_blocks, resolve_block, to_blocks
 from .qtensor import QTensor
 
-CONVENTIONS = ("vllm", "te", "modelopt", "torchao")
+CONVENTIONS = ("vllm", "te", "modelopt", "torchao", "compressed_tensors")
 FLT_MAX = torch.finfo(torch.float32).max
 E4M3_TINY = 2.0 ** -6
 F32 = torch.float32
@@ -91,6 +99,9 @@ def _block_scale(conv: str, a: torch.Tensor, glob: torch.Tensor) -> torch.Tensor
     if conv == "modelopt":
         s_hp = a / (6.0 * glob)
         return _e4m3(torch.where(s_hp == 0, 1.0, s_hp))
+    if conv == "compressed_tensors":
+        s = _e4m3((glob * (a / 6.0)).clamp(-448.0, 448.0))
+        return torch.where(s == 0, 0.125, s)
     return _e4m3(((a / 6.0) / glob).clamp(min=E4M3_TINY, max=448.0))
 
 
@@ -106,6 +117,9 @@ def _elements(conv: str, xb: torch.Tensor, s: torch.Tensor, glob: torch.Tensor) 
         y = xb / (s * glob)
         y = torch.where(torch.isnan(y), float("inf"), y)            # searchsorted puts NaN at the top
         y = torch.where(y == 0, torch.zeros_like(y), y)              # sign from (x < 0): -0 -> +0
+    elif conv == "compressed_tensors":
+        y = xb / (s / glob)
+        y = torch.where(y == 0, torch.zeros_like(y), y)              # sign from torch.sign: -0 -> +0
     else:
         y = xb / (glob * s)
     y = torch.where(torch.isnan(s).expand_as(y) | torch.isnan(y), torch.zeros_like(y), y)
@@ -136,7 +150,13 @@ def quantize_nvfp4(x: torch.Tensor, convention: str = "vllm", global_amax=None, 
             raise InputError(f"global_scale must be finite and >= 0, got {float(glob)}", field="global_scale")
     else:
         A = _global_amax(x, global_amax)
-        glob = A if convention == "te" else A / 2688.0
+        if convention == "te":
+            glob = A
+        elif convention == "compressed_tensors":
+            glob = 2688.0 / torch.clamp(A, min=torch.finfo(F32).tiny)
+            glob = torch.where(torch.isfinite(glob), glob, _t(1.0))
+        else:
+            glob = A / 2688.0
     xb, info = to_blocks(x, tile)
     nblocks = (xb.shape[0], xb.shape[2])
     if scale is not None:
@@ -160,7 +180,7 @@ def quantize_nvfp4(x: torch.Tensor, convention: str = "vllm", global_amax=None, 
 
 def dequantize_nvfp4(q: QTensor) -> torch.Tensor:
     """Per convention: vllm ``y * fl(s / fl(1/g))``; te ``y * fl(fl(s*A) * fp32(1/2688))``;
-    modelopt / torchao ``y * fl(s * g)``."""
+    modelopt / torchao ``y * fl(s * g)``; compressed_tensors ``y * fl(s / G)``."""
     conv = q.opts["convention"]
     info = (q.shape, *resolve_block(torch.Size(q.shape), q.block))
     cb = codes_to_blocks(C.unpack_fp4(q.codes), info)
@@ -171,6 +191,8 @@ def dequantize_nvfp4(q: QTensor) -> torch.Tensor:
         f = torch.where(g == 0, torch.zeros_like(s), s / (1.0 / g))
     elif conv == "te":
         f = (s * g) * RCP_2688
+    elif conv == "compressed_tensors":
+        f = s / g
     else:
         f = s * g
     return from_blocks(C.decode(cb, C.E2M1) * f, info)

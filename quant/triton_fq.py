@@ -8,7 +8,8 @@ is the torch reference's, operation for operation, in float32:
 * minifloat rounding is exact and portable: ``e = max(floor_log2(a), emin)`` from the exponent
   bits, ``v = a * 2^(mbits - e)`` (exact), ``rne(v) = (v + 2^23) - 2^23`` (IEEE add rounds to
   nearest even), clamped to the format max; the sign bit is copied so ``-0.0`` survives;
-* divisions are ``tl.math.div_rn`` (IEEE), never the approximate ``div.full``;
+* divisions are ``tl.math.div_rn`` (IEEE), never the approximate ``div.full``, and kernels are
+  launched with ``enable_fp_fusion=False`` so no multiply-add is contracted into an FMA;
 * NVFP4 global scalars are computed on the host with the reference formulas.
 
 The kernels assume finite inputs (NaN/inf handling is the reference's job; see ``codecs``).
@@ -130,7 +131,7 @@ if triton is not None:
     @triton.jit
     def _nvfp4_kernel(x_ptr, out_ptr, mask_ptr, glob_ptr, nblk,
                       BPP: tl.constexpr, CONV: tl.constexpr, WRITE_MASK: tl.constexpr):
-        """CONV: 0 vllm, 1 te, 2 modelopt, 3 torchao. glob_ptr holds [P0, P1, P2] (host-computed)."""
+        """CONV: 0 vllm, 1 te, 2 modelopt, 3 torchao, 4 compressed_tensors. glob_ptr holds [P0, P1, P2] (host-computed)."""
         pid = tl.program_id(0)
         rows = pid * BPP + tl.arange(0, BPP)
         cols = tl.arange(0, 16)
@@ -159,6 +160,12 @@ if triton is not None:
             y = tl.math.div_rn(x, f[:, None])
             y = tl.where(y != y, float("inf"), y)
             y = tl.where(y == 0, 0.0, y)
+        elif CONV == 4:    # compressed_tensors: p0 = G (encode global)
+            s = _round_mag(tl.minimum(p0 * tl.math.div_rn(a, 6.0), 448.0), 3, -6, 448.0)
+            s = tl.where(s == 0, 0.125, s)
+            f = tl.math.div_rn(s, p0)
+            y = tl.math.div_rn(x, f[:, None])
+            y = tl.where(y == 0, 0.0, y)
         else:              # torchao: p1 = g
             r = tl.math.div_rn(tl.math.div_rn(a, 6.0), p1)
             s = _round_mag(tl.minimum(tl.maximum(r, 0.015625), 448.0), 3, -6, 448.0)
@@ -175,13 +182,17 @@ if triton is not None:
 
 SUPPORTED = ("fp8_block", "mxfp8", "mxfp4", "nvfp4")
 _ELEM = {"e4m3fn": (3, -6, 448.0, 8), "e5m2": (2, -14, 57344.0, 15), "e2m1": (1, 0, 6.0, 2)}
-_CONV = {"vllm": 0, "te": 1, "modelopt": 2, "torchao": 3}
+_CONV = {"vllm": 0, "te": 1, "modelopt": 2, "torchao": 3, "compressed_tensors": 4}
 
 
 def _nvfp4_globals(x: torch.Tensor, convention: str, global_amax) -> torch.Tensor | None:
     """[P0, P1, P2] float32 per convention, computed like the reference (None: all-zero output)."""
     from .recipes_nvfp4 import _global_amax, _te_encode_global
     A = _global_amax(x, global_amax)
+    if convention == "compressed_tensors":
+        G = 2688.0 / torch.clamp(A, min=torch.finfo(torch.float32).tiny)
+        G = torch.where(torch.isfinite(G), G, torch.tensor(1.0))
+        return torch.stack([G, G, G]).to(torch.float32).to(x.device)
     if float(A) == 0.0:
         return None
     if convention == "te":
@@ -229,12 +240,14 @@ def fake_quant_triton(x: torch.Tensor, recipe: str, *, clip_mask: bool = False, 
     grid = (triton.cdiv(nblk, bpp),)
     if recipe == "fp8_block":
         _fp8_block_kernel[grid](xk, ok, mask, nblk, float(opts.get("eps", 1e-10)), 1.0 / 448.0,
-                                BLK=128, BPP=bpp, UE8M0=bool(opts.get("ue8m0", False)), WRITE_MASK=clip_mask)
+                                BLK=128, BPP=bpp, UE8M0=bool(opts.get("ue8m0", False)), WRITE_MASK=clip_mask,
+                                enable_fp_fusion=False)
     elif recipe in ("mxfp8", "mxfp4"):
         elem = "e2m1" if recipe == "mxfp4" else opts.get("elem", "e4m3fn")
         mb, emin, maxv, emax = _ELEM[elem]
         _mx_kernel[grid](xk, ok, mask, nblk, BLK=32, BPP=bpp, MBITS=mb, EMIN=emin, MAXV=maxv, EMAX=emax,
-                         RCEIL=opts.get("scale_mode", "floor") == "rceil", WRITE_MASK=clip_mask)
+                         RCEIL=opts.get("scale_mode", "floor") == "rceil", WRITE_MASK=clip_mask,
+                         enable_fp_fusion=False)
     else:
         conv = opts.get("convention", "vllm")
         if conv not in _CONV:
@@ -245,7 +258,8 @@ def fake_quant_triton(x: torch.Tensor, recipe: str, *, clip_mask: bool = False, 
             if clip_mask:
                 mask.fill_(1)
         else:
-            _nvfp4_kernel[grid](xk, ok, mask, glob, nblk, BPP=bpp, CONV=_CONV[conv], WRITE_MASK=clip_mask)
+            _nvfp4_kernel[grid](xk, ok, mask, glob, nblk, BPP=bpp, CONV=_CONV[conv], WRITE_MASK=clip_mask,
+                                enable_fp_fusion=False)
     out = out.view(x.shape)
     return (out, mask.view(x.shape)) if clip_mask else out
 

@@ -14,7 +14,7 @@ CONFIGS = [
     ("mxfp8", {"elem": "e5m2"}), ("mxfp4", {}), ("mxfp4", {"scale_mode": "rceil"}), ("int4_g32", {}),
     ("nvfp4", {"convention": "vllm"}), ("nvfp4", {"convention": "te"}),
     ("nvfp4", {"convention": "modelopt"}), ("nvfp4", {"convention": "torchao"}),
-    ("nvfp4", {"convention": "te", "tile": (16, 16)}),
+    ("nvfp4", {"convention": "te", "tile": (16, 16)}), ("nvfp4", {"convention": "compressed_tensors"}),
 ]
 IDS = [f"{r}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for r, o in CONFIGS]
 
@@ -48,8 +48,8 @@ def test_static_reencode_gives_back_codes(cfg, x):
     recipe, opts = CONFIGS[cfg]
     q = quantize(x, recipe, **opts)
     r = requantize(dequantize(q, torch.float32), q)
-    if opts.get("convention") == "modelopt":
-        # modelopt decodes code 8 (-0) to +0 and encodes zero with sign (x < 0): only -0 moves
+    if opts.get("convention") in ("modelopt", "compressed_tensors"):
+        # modelopt / compressed-tensors encode an exact zero as +0 (sign from x < 0 / torch.sign): -0 moves
         from skyrl_numerics.quant import codecs as C
         canon = lambda c: torch.where(C.unpack_fp4(c) == 8, 0, C.unpack_fp4(c))  # noqa: E731
         assert torch.equal(canon(r.codes), canon(q.codes)) and _equal(r.scales, q.scales)
@@ -70,7 +70,7 @@ def test_fake_quant_idempotent(cfg, x):
     assert torch.equal(y, z)
 
 
-@pytest.mark.parametrize("conv", ["vllm", "te", "modelopt", "torchao"])
+@pytest.mark.parametrize("conv", ["vllm", "te", "modelopt", "torchao", "compressed_tensors"])
 @SETTINGS
 @given(x=tensors(dtype=torch.bfloat16))
 def test_nvfp4_static_global_is_idempotent(conv, x):

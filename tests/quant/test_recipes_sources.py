@@ -106,3 +106,26 @@ def test_int4_matches_compressed_tensors(dtype):
     packed = pack_int4_to_int32(q.codes)
     assert torch.equal(packed, pack_to_int32(q.codes, 4))
     assert torch.equal(unpack_int4_from_int32(packed, 256), q.codes)
+
+
+def test_nvfp4_compressed_tensors_matches_library():
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward_helpers import _dequantize, _quantize
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, calculate_range, generate_gparam
+    x = _x((32, 256), seed=5)
+    x[0, :16] = 0                                             # zero block: scale 0.125
+    x[1, :16] = 1e-7                                          # scale underflows to 0 -> 0.125 too
+    x[2, :4] = torch.tensor([-0.0, -1e-9, 0.0, 1e-9])
+    args = QuantizationArgs(num_bits=4, type="float", symmetric=True, strategy="tensor_group", group_size=16,
+                            scale_dtype=torch.float8_e4m3fn)
+    G = generate_gparam(x.amin(), x.amax())
+    g = x.reshape(32, 16, 16)
+    scale, _ = calculate_qparams(g.amin(-1), g.amax(-1), args, global_scale=G)
+    qmin, qmax = calculate_range(args, x.device)
+    ref_vals = _quantize(g, scale.unsqueeze(-1), None, qmin, qmax, args, global_scale=G).reshape(32, 256)
+    ref_deq = _dequantize(ref_vals.reshape(32, 16, 16), scale.unsqueeze(-1), global_scale=G).reshape(32, 256)
+    q = quantize(x, "nvfp4", convention="compressed_tensors")
+    assert torch.equal(q.global_scale.reshape(1), G)
+    assert torch.equal(C.decode(q.scales.view(torch.uint8), "e4m3fn"), scale.float())
+    assert torch.equal(C.decode(C.unpack_fp4(q.codes), "e2m1"), ref_vals)
+    assert torch.equal(dequantize(q), ref_deq)

@@ -18,7 +18,7 @@ CASES = [
     ("mxfp8", {"elem": "e5m2", "scale_mode": "rceil"}), ("mxfp4", {}), ("mxfp4", {"scale_mode": "rceil"}),
     ("nvfp4", {"convention": "vllm"}), ("nvfp4", {"convention": "te"}),
     ("nvfp4", {"convention": "modelopt"}), ("nvfp4", {"convention": "torchao"}),
-    ("nvfp4", {"convention": "te", "global_amax": 3.0}),
+    ("nvfp4", {"convention": "compressed_tensors"}), ("nvfp4", {"convention": "te", "global_amax": 3.0}),
 ]
 IDS = [f"{r}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for r, o in CASES]
 
@@ -71,7 +71,6 @@ COMPILE = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from skyrl_numerics.quant import triton_fq as K
-    ptr = lambda t: "*" + t
     specs = [
         (K._fp8_block_kernel, {"x_ptr": "*i16", "out_ptr": "*i16", "mask_ptr": "*i8", "nblk": "i32",
                                "eps": "fp32", "rcp448": "fp32", "BLK": "constexpr", "BPP": "constexpr",
@@ -81,16 +80,19 @@ COMPILE = textwrap.dedent("""
                         "BLK": "constexpr", "BPP": "constexpr", "MBITS": "constexpr", "EMIN": "constexpr",
                         "MAXV": "constexpr", "EMAX": "constexpr", "RCEIL": "constexpr", "WRITE_MASK": "constexpr"},
          {"BLK": 32, "BPP": 16, "MBITS": 3, "EMIN": -6, "MAXV": 448.0, "EMAX": 8, "RCEIL": True, "WRITE_MASK": False}),
+    ] + [
         (K._nvfp4_kernel, {"x_ptr": "*i16", "out_ptr": "*i16", "mask_ptr": "*i8", "glob_ptr": "*fp32",
                            "nblk": "i32", "BPP": "constexpr", "CONV": "constexpr", "WRITE_MASK": "constexpr"},
-         {"BPP": 16, "CONV": 1, "WRITE_MASK": True}),
+         {"BPP": 16, "CONV": conv, "WRITE_MASK": True}) for conv in range(5)
     ]
     for arch in (90, 100):
         for fn, sig, cx in specs:
-            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", arch, 32))
+            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", arch, 32),
+                               options={"enable_fp_fusion": False})   # as fake_quant_triton launches them
             ptx = k.asm["ptx"]
             assert f".target sm_{arch}" in ptx, (arch, fn)
-            assert "div.full" not in ptx, "approximate division leaked into the kernel"
+            assert "div.full" not in ptx and "div.approx" not in ptx, "approximate division in the kernel"
+            assert "fma." not in ptx and ".ftz" not in ptx, "contracted FMA or flush-to-zero in the kernel"
             assert len(k.asm["cubin"]) > 0
             print("ok", arch, fn.__name__)
 """)
@@ -101,4 +103,4 @@ def test_kernels_compile_for_sm90_and_sm100():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("ok") == 6
+    assert r.stdout.count("ok") == 14
