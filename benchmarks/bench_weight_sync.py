@@ -13,6 +13,8 @@ optimizer step. Measured in one process:
    ``zstd -1`` decompression of those raw bytes (into a reused buffer). Steady state: the
    publisher and receiver have seen a step before (their buffers are warm), as in an RL loop.
    Ratio = baseline time / ours (> 1: faster than zstd-1 alone).
+3. object-store latency (simulated: 20 ms per payload request): publish + apply of a 64-tensor
+   delta with one request at a time vs ``io_workers=8`` in flight.
 
 Files go to ``/dev/shm`` when it exists, so the file system is not what is timed. The vLLM
 update-vs-restart timing is ``benchmarks/bench_engine_update.py``.
@@ -33,6 +35,7 @@ import torch
 
 from skyrl_numerics.trainer.weight_sync import DeltaPublisher, DeltaReceiver
 from skyrl_numerics.trainer.weight_sync_codec import Zstd, tensor_bytes
+from skyrl_numerics.trainer.weight_sync_store import SyncStore
 
 
 def _best(fn, repeat=3):
@@ -126,6 +129,53 @@ def throughput(n: int, frac: float = 0.01, repeat: int = 3) -> dict:
                 encode_ratio_vs_zstd1=t_zc / t_enc, apply_ratio_vs_zstd1=t_zd / t_app)
 
 
+class _LatencyStore(SyncStore):
+    """A local store that waits ``latency`` seconds per payload request, like an object store's
+    round trip (a simulation: the bytes still come from /dev/shm)."""
+
+    latency = 0.02
+
+    def read(self, rel, **kw):
+        if rel.startswith("payloads/"):
+            time.sleep(self.latency)
+        return super().read(rel, **kw)
+
+    def write(self, rel, data):
+        if rel.startswith("payloads/"):
+            time.sleep(self.latency)
+        super().write(rel, data)
+
+
+def latency_hiding(n_tensors: int = 64, elements: int = 1 << 16, latency: float = 0.02,
+                   workers=(1, 8)) -> dict:
+    """Publish + apply of one 3 % delta over ``n_tensors`` tensors with ``latency`` s per request:
+    ``io_workers=1`` (one request at a time) vs more in flight."""
+    _LatencyStore.latency = latency
+    s0 = {f"layers.{i}.w": weights(elements, seed=i) for i in range(n_tensors)}
+    s1 = {k: training_step(v, 0.03, seed=i) for i, (k, v) in enumerate(s0.items())}
+    out = dict(tensors=n_tensors, latency_s=latency)
+    for w in workers:
+        root = _tmpdir()
+        try:
+            pub = DeltaPublisher(root, io_workers=w)
+            pub.publish(s0)
+            rec = DeltaReceiver(root, io_workers=w)
+            rec.sync()
+            pub.store, rec.store = _LatencyStore(root), _LatencyStore(root)
+            t = time.perf_counter()
+            m = pub.publish(s1)
+            out[f"publish_s_workers{w}"] = time.perf_counter() - t
+            t = time.perf_counter()
+            rec.apply(m.version)
+            out[f"apply_s_workers{w}"] = time.perf_counter() - t
+        finally:
+            shutil.rmtree(root)
+    lo, hi = workers[0], workers[-1]
+    out["publish_speedup"] = out[f"publish_s_workers{lo}"] / out[f"publish_s_workers{hi}"]
+    out["apply_speedup"] = out[f"apply_s_workers{lo}"] / out[f"apply_s_workers{hi}"]
+    return out
+
+
 # ---- pytest-benchmark -----------------------------------------------------------------------
 def test_bench_delta_sizes(benchmark):
     rows = delta_sizes(1 << 20)
@@ -153,6 +203,12 @@ def test_bench_publish_apply_vs_zstd(benchmark):
     benchmark(publish_step)
 
 
+def test_bench_latency_hiding(benchmark):
+    res = latency_hiding(n_tensors=16, latency=0.01)
+    benchmark.extra_info.update(res)
+    benchmark.pedantic(lambda: None, rounds=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="4M elements instead of 32M")
@@ -177,6 +233,13 @@ def main() -> None:
         print(f"| {100 * frac:.0f} % | {r['publish_GBps']:.2f} | {r['zstd1_compress_GBps']:.2f} | "
               f"{r['encode_ratio_vs_zstd1']:.2f} | {r['apply_GBps']:.2f} | "
               f"{r['zstd1_decompress_GBps']:.2f} | {r['apply_ratio_vs_zstd1']:.2f} |")
+    r = latency_hiding()
+    print(f"\n| {r['tensors']} tensors, {1e3 * r['latency_s']:.0f} ms per request (simulated) | "
+          "io_workers=1 | io_workers=8 | speed-up |")
+    print("|---|---|---|---|")
+    for k in ("publish", "apply"):
+        print(f"| {k} | {r[f'{k}_s_workers1']:.2f} s | {r[f'{k}_s_workers8']:.2f} s | "
+              f"{r[f'{k}_speedup']:.1f}x |")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import json
 import os
 import re
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
@@ -222,6 +223,38 @@ def read_manifest(store: SyncStore, version: int) -> Manifest:
     return m
 
 
+class _IOWindow:
+    """At most ``workers`` file reads/writes in flight, results in submission order.
+
+    Object stores answer each request after a round trip (tens of ms); overlapping the requests
+    of one version hides that latency, and the window bounds the bytes held in memory."""
+
+    def __init__(self, workers: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.workers = max(int(workers), 1)
+        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="weight-sync-io")
+        self.pending: deque = deque()
+
+    def submit(self, fn, *args, **kw) -> None:
+        self.pending.append(self.pool.submit(fn, *args, **kw))
+
+    def full(self) -> bool:
+        return len(self.pending) >= self.workers
+
+    def next(self):
+        return self.pending.popleft().result()
+
+    def drain(self) -> None:
+        while self.pending:
+            self.next()
+
+    def close(self) -> None:
+        for f in self.pending:
+            f.cancel()
+        self.pool.shutdown(wait=True)
+
+
 # ---- publisher ------------------------------------------------------------------------------
 class DeltaPublisher:
     """Publishes successive versions of a state dict to ``root`` (path or fsspec URL).
@@ -230,11 +263,12 @@ class DeltaPublisher:
     weights): the XOR base. ``snapshot_every``: a full snapshot when ``version % N == 0``.
     ``checksum``: ``"xxh3-128"`` (default when ``xxhash`` is installed) or ``"blake2b-128"``.
     ``start_version``: default, one after the newest version already in ``root``.
+    ``io_workers``: payload writes in flight at once (object stores: hides per-request latency).
     """
 
     def __init__(self, root: str | os.PathLike, *, snapshot_every: int = 10, level: int = 1,
                  use_shuffle: bool = True, start_version: int | None = None,
-                 checksum: str | None = None):
+                 checksum: str | None = None, io_workers: int = 8):
         if snapshot_every < 1:
             raise InputError(f"snapshot_every must be >= 1, got {snapshot_every}",
                              field="snapshot_every")
@@ -243,6 +277,7 @@ class DeltaPublisher:
             raise InputError(f"checksum {checksum!r} is not one of {CHECKSUM_ALGOS}",
                              field="checksum")
         self.checksum = checksum or DIGEST
+        self.io_workers = io_workers
         self.snapshot_every = snapshot_every
         self.use_shuffle = use_shuffle
         self.zstd = Zstd(level)
@@ -273,22 +308,12 @@ class DeltaPublisher:
             self._check_same_structure(cur)
         filters = (() if full else ("xor",)) + (("shuffle",) if self.use_shuffle else ())
         entries = []
-        for i, (name, (dt, shape, b)) in enumerate(cur.items()):
-            itemsize = _itemsize(dtype_from_name(dt))
-            data = b
-            if not full:
-                data = xor_bytes(b, self._prev[name][2], out=self._scratch.get("xor", b.size))
-                if not data.any():
-                    entries.append(TensorEntry(name, dt, shape, b.size, digest(b, self.checksum),
-                                               None, 0, None))
-                    continue
-            if self.use_shuffle:
-                data = shuffle(data, itemsize, out=self._scratch.get("shuffle", b.size))
-            blob = self.zstd.compress(data)
-            rel = f"{payload_dir(v)}/{i:06d}.zst"
-            self.store.write(rel, blob)
-            entries.append(TensorEntry(name, dt, shape, b.size, digest(b, self.checksum), rel,
-                                       len(blob), digest(blob, self.checksum)))
+        io = _IOWindow(self.io_workers)
+        try:
+            self._encode_all(cur, full, v, entries, io)
+            io.drain()
+        finally:
+            io.close()
         manifest = Manifest(version=v, base_version=None if full else v - 1,
                             tensors=tuple(entries), level=self.zstd.level, filters=filters,
                             created_unix=time.time())
@@ -302,6 +327,27 @@ class DeltaPublisher:
             self._prev = {n: (dt, sh, b.copy()) for n, (dt, sh, b) in cur.items()}
         self.next_version = v + 1
         return manifest
+
+    def _encode_all(self, cur, full: bool, v: int, entries: list, io: "_IOWindow") -> None:
+        """Encode every tensor of version ``v``; payload writes go through ``io``."""
+        for i, (name, (dt, shape, b)) in enumerate(cur.items()):
+            itemsize = _itemsize(dtype_from_name(dt))
+            data = b
+            if not full:
+                data = xor_bytes(b, self._prev[name][2], out=self._scratch.get("xor", b.size))
+                if not data.any():
+                    entries.append(TensorEntry(name, dt, shape, b.size, digest(b, self.checksum),
+                                               None, 0, None))
+                    continue
+            if self.use_shuffle:
+                data = shuffle(data, itemsize, out=self._scratch.get("shuffle", b.size))
+            blob = self.zstd.compress(data)
+            rel = f"{payload_dir(v)}/{i:06d}.zst"
+            if io.full():
+                io.next()  # a failed write raises here: no manifest for this version
+            io.submit(self.store.write, rel, blob)
+            entries.append(TensorEntry(name, dt, shape, b.size, digest(b, self.checksum), rel,
+                                       len(blob), digest(blob, self.checksum)))
 
     def _same_structure(self, cur) -> bool:
         prev = self._prev
@@ -357,12 +403,15 @@ class DeltaReceiver:
     ``target``: ``None`` (the receiver owns its tensors; the first version applied must be a
     full snapshot), a dict of tensors, or a ``torch.nn.Module`` (its ``state_dict`` tensors are
     updated in place, byte for byte). ``version``: the version ``target`` already holds, if any.
+    ``io_workers``: payload reads in flight at once.
     """
 
-    def __init__(self, root: str | os.PathLike, target=None, *, version: int | None = None):
+    def __init__(self, root: str | os.PathLike, target=None, *, version: int | None = None,
+                 io_workers: int = 8):
         import torch
 
         self.store = SyncStore(root)
+        self.io_workers = io_workers
         self.zstd = Zstd()
         self._scratch = Scratch()   # intermediate stages, reused
         self._staging = Scratch()   # per-tensor new bytes until commit, reused across versions
@@ -402,10 +451,20 @@ class DeltaReceiver:
             self._check_names(m, src)
         self._token += 1
         prepared = PreparedUpdate(manifest=m, token=self._token)
-        for e in m.tensors:
-            new = self._decode(m, e, src)
-            if new is not None:
-                prepared.new_bytes[e.name] = new
+        to_fetch = iter([e for e in m.tensors if e.payload is not None])
+        io = _IOWindow(self.io_workers)
+        try:
+            for e in m.tensors:
+                blob = None
+                if e.payload is not None:
+                    while not io.full() and (nxt := next(to_fetch, None)) is not None:
+                        io.submit(self.store.read, nxt.payload, field=nxt.name)
+                    blob = io.next()  # payloads come back in manifest order
+                new = self._decode(m, e, blob, src)
+                if new is not None:
+                    prepared.new_bytes[e.name] = new
+        finally:
+            io.close()
         prepared.fetch_s = time.perf_counter() - t0
         return prepared
 
@@ -447,7 +506,8 @@ class DeltaReceiver:
             raise InputError(f"tensor {missing[0]!r} held by the receiver is missing from the "
                              f"manifest ({len(missing)} missing)", field=missing[0], source=src)
 
-    def _decode(self, m: Manifest, e: TensorEntry, src: str) -> np.ndarray | None:
+    def _decode(self, m: Manifest, e: TensorEntry, blob: bytes | None,
+                src: str) -> np.ndarray | None:
         """The verified new bytes of one tensor, or ``None`` if a delta left it unchanged."""
         if e.payload is None:
             old = tensor_bytes(self._tensors[e.name])
@@ -456,7 +516,6 @@ class DeltaReceiver:
                                  "checksum of an unchanged tensor (receiver is not at the base)",
                                  field=e.name, source=src)
             return None
-        blob = self.store.read(e.payload, field=e.name)
         if len(blob) != e.payload_nbytes or not _verify(blob, e.payload_checksum, e.name, src):
             raise InputError(f"tensor {e.name!r}: payload {e.payload!r} is corrupt (checksum or "
                              f"size mismatch: {len(blob)} bytes, expected {e.payload_nbytes})",

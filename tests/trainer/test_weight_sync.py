@@ -523,3 +523,44 @@ def test_sync_stops_at_a_bad_version_with_the_last_good_weights(tmp_path):
         rec.sync()
     assert rec.version == 1
     assert_same_bytes(states[1], rec.state)
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_payload_io_overlaps_up_to_io_workers(tmp_path, workers):
+    """Object stores answer each request after a round trip: reads and writes of one version are
+    kept in flight together, at most ``io_workers`` at a time, and still land in order."""
+    import time as _time
+
+    class Slow(SyncStore):
+        lock = threading.Lock()
+        now = peak = 0
+
+        def _enter(self):
+            with self.lock:
+                Slow.now += 1
+                Slow.peak = max(Slow.peak, Slow.now)
+            _time.sleep(0.02)
+            with self.lock:
+                Slow.now -= 1
+
+        def read(self, rel, **kw):
+            if rel.startswith("payloads/"):
+                self._enter()
+            return super().read(rel, **kw)
+
+        def write(self, rel, data):
+            if rel.startswith("payloads/"):
+                self._enter()
+            super().write(rel, data)
+
+    state = {f"w{i}": torch.full((16,), float(i)) for i in range(8)}
+    pub = DeltaPublisher(tmp_path, io_workers=workers)
+    pub.store = Slow(tmp_path)
+    pub.publish(state)
+    assert Slow.peak == workers
+    Slow.peak = 0
+    rec = DeltaReceiver(tmp_path, io_workers=workers)
+    rec.store = Slow(tmp_path)
+    rec.sync()
+    assert Slow.peak == workers
+    assert_same_bytes(state, rec.state)
