@@ -107,7 +107,8 @@ def test_mx_e5m2_elements():
 
 
 # ----------------------------------------------------------------------------------------- NVFP4
-@pytest.mark.parametrize("conv,zero_scale", [("vllm", 0.0), ("te", 0.0), ("modelopt", 1.0), ("torchao", 2.0 ** -6)])
+@pytest.mark.parametrize("conv,zero_scale", [("vllm", 0.0), ("te", 0.0), ("modelopt", 1.0), ("torchao", 2.0 ** -6),
+                                             ("compressed_tensors", 0.125)])
 def test_nvfp4_zero_block_per_convention(conv, zero_scale):
     x = torch.zeros(1, 32)
     x[0, 16:] = torch.linspace(-3, 3, 16)
@@ -194,3 +195,16 @@ def test_bad_input_errors_name_the_field():
         quantize(torch.ones(4), "fp8_tensor", scale=-1.0)
     with pytest.raises(InputError, match="even"):
         quantize(torch.ones(3), "mxfp4")
+
+
+@pytest.mark.parametrize("conv,expect", [("vllm", 0.078125), ("te", 0.0703125), ("modelopt", 0.0703125),
+                                         ("torchao", 0.0703125), ("compressed_tensors", 0.0703125)])
+def test_nvfp4_block_amax_on_a_scale_tie_splits_the_conventions(conv, expect):
+    # Global amax 2688 -> every convention's global is exactly 1. Block amax a = 0.44531247f:
+    # fl(a / 6) = 0.074218743 (just below the E4M3 tie 0.07421875 -> 0.0703125), but vLLM's
+    # a * fp32(1/6) = 0.07421875 lands exactly on the tie -> even mantissa -> 0.078125.
+    x = torch.zeros(1, 32)
+    x[0, 0] = 2688.0
+    x[0, 16] = 0.4453124701976776
+    q = quantize(x, "nvfp4", convention=conv)
+    assert C.decode(q.scales.view(torch.uint8), "e4m3fn")[0, 1].item() == expect
