@@ -151,6 +151,9 @@ class PolicyModel(torch.nn.Module):
         with ctx:
             hidden = body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         h = hidden[pos_b, pos_t]
+        if h.shape[0] == 0:  # no response tokens: an empty result still tied to every weight, so
+            z = (h @ weight.T).float().sum(-1)  # backward (and FSDP's gradient reduction) runs as usual
+            return z, (z if with_entropy else None)
         if support is not None:
             from skyrl_numerics.replay import support_logprobs
 

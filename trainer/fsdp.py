@@ -239,6 +239,9 @@ class FSDPTrainer:
         if rewards.shape != (len(rollout),):
             raise InputError(f"expected {len(rollout)} rewards (one per sequence), got shape {rewards.shape}",
                              field="rewards")
+        if len(rollout) < self.world_size:  # checked on every rank alike, before any collective
+            raise InputError(f"the batch has {len(rollout)} sequences for {self.world_size} ranks; every rank "
+                             "needs at least one", field="rows")
         kw = {"std_normalize": cfg.std_normalize, "eps": cfg.adv_eps} if cfg.advantage == "grpo" else {}
         seq_adv = compute_advantages(cfg.advantage, torch.from_numpy(rewards), rollout.group_ids, **kw)
         adv = token_advantages(seq_adv.float(), rollout.response_cu)
@@ -302,18 +305,13 @@ class FSDPTrainer:
                                    eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, aggregation=cfg.aggregation,
                                    cu_seqlens=mb.cu_seqlens, denominator=denom)
                 (pl.loss * self.world_size).backward()
-                n = pl.metrics["n_tokens"]
-                m = pl.metrics
-                stats[:7] += torch.tensor([pl.loss.item(), m["clipfrac_low"] * n, m["clipfrac_high"] * n,
-                                           m["ratio_mean"] * n if n else 0.0,
-                                           float(masked_mean(ent.detach(), keep.to(dev) if keep is not None else None)
-                                                 ) * n if n else 0.0,
-                                           m["ppo_kl"] * n if n else 0.0, n], dtype=torch.float64)
-                if n:
+                m, n = pl.metrics, pl.metrics["n_tokens"]
+                if n:  # metrics are means over kept tokens: carry them as sums
+                    ent_mean = float(masked_mean(ent.detach(), None if keep is None else keep.to(dev)))
+                    stats[:7] += torch.tensor([pl.loss.item(), m["clipfrac_low"] * n, m["clipfrac_high"] * n,
+                                               m["ratio_mean"] * n, ent_mean * n, m["ppo_kl"] * n, n],
+                                              dtype=torch.float64)
                     stats[7] = max(float(stats[7]), m["ratio_max"])
-            if not per_mb and self.sharded:
-                raise InputError(f"rank {self.rank} got no sequences: the batch has {len(rollout)} rows for "
-                                 f"{self.world_size} ranks", field="rows")
         ratio_max = stats[7].clone()
         stats[7] = 0.0
         stats = self._all_reduce(stats)

@@ -152,6 +152,18 @@ def test_step_with_correction_and_old_logprobs(batch):
     assert "correction/mean_weight" in by_name
 
 
+def test_step_with_an_empty_response():
+    """A micro-batch with no response tokens still runs backward (FSDP ranks must all reduce)."""
+    r = Rollout.from_lists([[3, 4, 5], [6, 7], [9, 9]], [[], [8, 9], [10]], [[], [-1.0, -2.0], [-0.5]],
+                           group_ids=[0, 0, 0])
+    t = FSDPTrainer(fp32_model(), TrainerConfig(micro_batch_size=1, grad_clip=None))
+    w0 = weights(t)
+    met = t.step(r, [1.0, 0.0, 0.5])
+    assert met["n_tokens"] == 3 and met["grad_norm"] > 0
+    assert any(not torch.equal(w0[k], v) for k, v in weights(t).items())
+    assert t.logprobs(r).shape == (3,)
+
+
 def test_step_input_errors(batch):
     r, rewards = batch
     t = FSDPTrainer(fp32_model(), TrainerConfig())
@@ -272,6 +284,7 @@ SCEN = {
     "A": dict(lr=1e-3, micro_batch_size=4, grad_clip=None, weight_decay=0.01),
     "B": dict(lr=1e-3, micro_batch_size=2, grad_clip=0.5, advantage="rloo", aggregation="seq_mean_token_mean",
               dual_clip=3.0, correction=functools.partial(correction.masked_is, hi=1.5)),
+    "lora": dict(lr=1e-2, micro_batch_size=4, grad_clip=None, weight_decay=0.0, lora_rank=4),  # as A: bitwise
 }
 
 
@@ -286,6 +299,8 @@ def _worker(rank, world, r, rewards, out_dir):
         t = FSDPTrainer(fp32_model(), TrainerConfig(**kw))
         old = _stale(r) if name == "B" else None
         res[name] = (t.step(r, rewards, old_logprobs=old), weights(t))
+        if name == "lora":
+            res["lora_merged"] = t.full_state_dict()
         if name == "A":  # checkpoint round trip under FSDP2
             t.save(os.path.join(out_dir, "ck"))
             t.step(r, rewards)
@@ -317,12 +332,16 @@ def test_fsdp2_two_processes_equal_single_process(batch, tmp_path):
             assert dmet[k] == pytest.approx(met[k], rel=1e-6, abs=1e-9), (name, k)
         assert dmet["grad_norm"] == pytest.approx(met["grad_norm"], rel=1e-6)
         worst = max(float((ref[k] - dist_w[k]).abs().max()) for k in ref)
-        if name == "A":
-            assert worst == 0.0, f"scenario A: not bitwise, max |Δw| = {worst}"
+        if name != "B":
+            assert worst == 0.0, f"scenario {name}: not bitwise, max |Δw| = {worst}"
         else:
             # the clip, the mask and the grad clip all engaged
             assert met["clipfrac"] > 0 and met["grad_norm"] > 0.5 and 0 < met["n_tokens"] < r.num_response_tokens
             assert worst <= 1e-3 * kw["lr"], f"scenario B: max |Δw| = {worst}"
+        if name == "lora":
+            merged = t.full_state_dict()
+            assert set(merged) == set(got["lora_merged"]) and all(torch.equal(merged[k], v)
+                                                                  for k, v in got["lora_merged"].items())
     # the 2-rank checkpoint loads into a single process
     single = FSDPTrainer(fp32_model(), TrainerConfig(**SCEN["A"]))
     assert single.load(tmp_path / "ck")["world_size"] == 2
