@@ -235,6 +235,9 @@ def update_vllm_weights(llm, named_tensors: Mapping[str, Any] | Iterable[tuple[s
 
     t0 = time.perf_counter()
     engine = _engine_of(llm)
+    if not hasattr(engine, "collective_rpc") or not hasattr(engine, "llm_engine"):
+        raise InputError(f"expected a running vllm.LLM or a VLLMGenerator, got "
+                         f"{type(llm).__name__} (closed?)", field="llm")
     _require_extension(engine)
     items = dict(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
     if not items:

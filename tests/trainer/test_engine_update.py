@@ -41,6 +41,17 @@ def test_blocks():
         check_complete_blocks(["model.layers.7.mlp.gate.weight"], NAMES)
 
 
+def test_update_needs_a_running_engine():
+    from skyrl_numerics.trainer.weight_sync_vllm import update_vllm_weights
+
+    class Closed:  # a VLLMGenerator after close(): .llm is None
+        llm = None
+
+    with pytest.raises(InputError, match="running vllm.LLM") as ei:
+        update_vllm_weights(Closed(), {"lm_head.weight": torch.zeros(2)})
+    assert ei.value.field == "llm"
+
+
 def test_checkpoint_state_dict_is_the_checkpoint(qwen_moe_dir):
     """transformers fuses the experts in memory; the reverted names and bytes are the file's."""
     from safetensors.torch import load_file

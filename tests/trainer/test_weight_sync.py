@@ -256,6 +256,15 @@ def test_fsspec_memory_round_trip(url):
     fs.rm("/skyrl-ws-test", recursive=True)
 
 
+def test_file_url_is_a_local_path(tmp_path):
+    state = make_state(13)
+    DeltaPublisher(f"file://{tmp_path}").publish(state)
+    assert (tmp_path / manifest_path(0)).exists()
+    rec = DeltaReceiver(str(tmp_path))
+    rec.sync()
+    assert_same_bytes(state, rec.state)
+
+
 def test_manifest_is_written_after_its_payloads(tmp_path):
     order = []
 
