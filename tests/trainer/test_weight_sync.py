@@ -573,3 +573,28 @@ def test_payload_io_overlaps_up_to_io_workers(tmp_path, workers):
     rec.sync()
     assert Slow.peak == workers
     assert_same_bytes(state, rec.state)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31), which=st.integers(0, 10**6), pos=st.integers(0, 10**6),
+       bit=st.integers(0, 7))
+def test_any_flipped_payload_bit_is_caught(tmp_path_factory, seed, which, pos, bit):
+    root = tmp_path_factory.mktemp("flip")
+    rng = np.random.default_rng(seed)
+    s0 = make_state(seed)
+    s1 = {k: sparse_update(rng, v, 0.05) for k, v in s0.items()}
+    pub = DeltaPublisher(root)
+    pub.publish(s0)
+    m1 = pub.publish(s1)
+    rec = DeltaReceiver(root)
+    rec.apply(0)
+    with_payload = [e for e in m1.tensors if e.payload]
+    e = with_payload[which % len(with_payload)]
+    p = root / e.payload
+    b = bytearray(p.read_bytes())
+    b[pos % len(b)] ^= 1 << bit
+    p.write_bytes(bytes(b))
+    with pytest.raises(InputError, match="corrupt") as ei:
+        rec.apply(1)
+    assert ei.value.field == e.name and rec.version == 0
+    assert_same_bytes(s0, rec.state)
