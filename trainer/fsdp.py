@@ -27,9 +27,8 @@ around forward and backward), ``use_support`` (top-p/top-k support replay), ``ro
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np

@@ -61,7 +61,8 @@ def test_policy_logprobs_equal_trainer_logprobs_and_have_grad(batch):
     assert m.lm_head.weight.grad is not None and m.model.embed_tokens.weight.grad.abs().sum() > 0
     # rows in any order: outputs follow the rows given
     sub, _ = policy_logprobs(m, r, rows=[5, 1])
-    want = np.concatenate([ref.logprobs[r.response_cu[5]:r.response_cu[6]], ref.logprobs[r.response_cu[1]:r.response_cu[2]]])
+    cu = r.response_cu
+    want = np.concatenate([ref.logprobs[cu[5]:cu[6]], ref.logprobs[cu[1]:cu[2]]])
     np.testing.assert_allclose(sub.detach().numpy(), want, atol=1e-5)
 
 
