@@ -66,7 +66,8 @@ def _cpu_bmm(a, b):
 
 def _cpu_grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
     """aten::_grouped_mm (what transformers' MoE experts call): a (S, K) sorted by group,
-    b (G, K, N), offs (G,) cumulative row ends; or a (G, M, K) @ b (G, K, N) without offs."""
+    b (G, K, N), offs (G,) cumulative row ends; a (G, M, K) @ b (G, K, N) without offs; or, in
+    the backward, a (K, S) @ b (S, N) grouped along S -> (G, K, N)."""
     if a.dim() == 2 and b.dim() == 3 and offs is not None:
         ends = offs.to(torch.int64).cpu()
         full = torch.cat([ends.new_zeros(1), ends])
@@ -75,6 +76,16 @@ def _cpu_grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
         out[:rows] = cpu.grouped_matmul(a[:rows], b, full).to(out.dtype)
     elif a.dim() == 3 and b.dim() == 3 and offs is None:
         out = cpu.bmm(a, b).to(out_dtype or a.dtype)
+    elif a.dim() == 2 and b.dim() == 2 and offs is not None:
+        # the expert-weight gradient: a (K, S) @ b (S, N) per group of the shared S axis
+        # (offs = cumulative ends); out[g] = a[:, s_g:e_g] @ b[s_g:e_g], zeros for empty groups
+        ends = offs.to(torch.int64).cpu().tolist()
+        out = torch.zeros((len(ends), a.shape[0], b.shape[1]), dtype=out_dtype or a.dtype)
+        start = 0
+        for g, end in enumerate(ends):
+            if end > start:
+                out[g] = cpu.matmul_2d(a[:, start:end], b[start:end]).to(out.dtype)
+            start = end
     else:
         raise NotImplementedError(f"batch-invariant _grouped_mm: {a.dim()}D x {b.dim()}D"
                                   f"{' with' if offs is not None else ' without'} offs")

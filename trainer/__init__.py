@@ -1,4 +1,5 @@
-"""skyrl_numerics.trainer: the vLLM generator, trainer-side logprobs, and (later) the thin RL loop.
+"""skyrl_numerics.trainer: the vLLM generator, trainer-side logprobs, the FSDP2 trainer, delta
+weight sync into a running engine, the batch-invariant shared model, and the thin RL loop.
 
 Names load lazily so ``import skyrl_numerics.trainer`` does not import vLLM.
 """
@@ -15,6 +16,28 @@ _EXPORTS = {
     "get_generator": "skyrl_numerics.trainer.generator",
     "trainer_logprobs": "skyrl_numerics.trainer.logprobs",
     "TrainerLogprobs": "skyrl_numerics.trainer.logprobs",
+    "FSDPTrainer": "skyrl_numerics.trainer.fsdp",
+    "TrainerConfig": "skyrl_numerics.trainer.fsdp",
+    "policy_logprobs": "skyrl_numerics.trainer.forward",
+    "PolicyModel": "skyrl_numerics.trainer.forward",
+    "grpo_advantages": "skyrl_numerics.trainer.losses",
+    "rloo_advantages": "skyrl_numerics.trainer.losses",
+    "ppo_clip_loss": "skyrl_numerics.trainer.losses",
+    "kl_estimators": "skyrl_numerics.trainer.losses",
+    "save_checkpoint": "skyrl_numerics.trainer.checkpoint",
+    "load_checkpoint": "skyrl_numerics.trainer.checkpoint",
+    "apply_lora": "skyrl_numerics.trainer.lora",
+    "spawn": "skyrl_numerics.trainer.dist",
+    "init_distributed": "skyrl_numerics.trainer.dist",
+    "DeltaPublisher": "skyrl_numerics.trainer.weight_sync",
+    "DeltaReceiver": "skyrl_numerics.trainer.weight_sync",
+    "Manifest": "skyrl_numerics.trainer.weight_sync",
+    "update_vllm_weights": "skyrl_numerics.trainer.weight_sync_vllm",
+    "checkpoint_state_dict": "skyrl_numerics.trainer.weight_sync_vllm",
+    "engine_weight_digest": "skyrl_numerics.trainer.weight_sync_vllm",
+    "InvariantQwen3Moe": "skyrl_numerics.trainer.invariant_qwen3_moe",
+    "invariant_trainer_logprobs": "skyrl_numerics.trainer.invariant_qwen3_moe",
+    "run_loop": "skyrl_numerics.trainer.loop",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -68,7 +68,7 @@ class TrainerConfig:
     batch_invariant: bool = False
     use_support: bool = False
     route_replay: bool = False
-    qat: str | None = None
+    qat: str | list | None = None        # recipe for the experts, or apply_qat rules
     correction: Callable | str | None = None   # f(trainer_lp, rollout_lp, cu_seqlens=) -> Correction
     # LoRA (rank 0: off)
     lora_rank: int = 0
@@ -109,13 +109,17 @@ def _batch_invariant_context():
     return batch_invariant_mode()
 
 
-def _apply_qat(model, recipe):
-    try:
-        from skyrl_numerics.quant import apply_qat
-    except ImportError:
-        raise InputError(f"qat={recipe!r} but skyrl_numerics.quant.apply_qat is not available", field="qat") from None
-    out = apply_qat(model, recipe)
-    return model if out is None else out
+def _apply_qat(model, qat):
+    """``qat``: a recipe name (applied to the MoE experts, as the serving checkpoint quantizes
+    them) or a list of ``skyrl_numerics.quant.apply_qat`` rules."""
+    from skyrl_numerics.quant import apply_qat
+
+    if isinstance(qat, str):
+        from .serving_checkpoint import qat_rules
+
+        qat = qat_rules(qat)
+    apply_qat(model, qat)
+    return model
 
 
 def _decoder_layers(lm) -> list[torch.nn.Module]:

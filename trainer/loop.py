@@ -85,8 +85,17 @@ class GeneratorWorker:
     def __init__(self, model_dir: str):
         from skyrl_numerics.trainer.generator import get_generator
 
+        self.model_dir = model_dir
         self.gen = get_generator(model_dir, capture_routes=True)
         self.receiver = None
+
+    def restore(self) -> None:
+        """Put the checkpoint's own weights back into the (possibly shared, cached) engine."""
+        from safetensors.torch import load_file
+
+        from skyrl_numerics.trainer.weight_sync_vllm import update_vllm_weights
+
+        update_vllm_weights(self.gen, load_file(str(Path(self.model_dir) / "model.safetensors")))
 
     def attach(self, sync_dir: str) -> dict:
         """Follow a new publisher (a new configuration): load its full snapshot into the engine."""
@@ -176,7 +185,8 @@ def _remote(cls, use_ray: bool):
 def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings | None = None, *,
              task: TargetSetTask | None = None, use_ray: bool = False, work_dir=None,
              progress: bool = True) -> LoopResult:
-    """Run ``settings.steps`` GRPO steps for each configuration; return per-step metrics."""
+    """Run ``settings.steps`` GRPO steps for each configuration; return per-step metrics.
+    The engine gets the checkpoint's weights back at the end (it may be a shared, cached one)."""
     from rich.progress import Progress
 
     from skyrl_numerics.doctor import make_prompts
@@ -200,44 +210,47 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
     sampling = dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                     max_tokens=s.max_tokens, n=s.samples_per_prompt,
                     capture_support=s.top_k > 1)
-    with Progress(disable=not progress) as prog:
-        for cfg in configs:
-            task_id = prog.add_task(f"{cfg.name}", total=s.steps)
-            sync_dir = str(work / f"sync-{cfg.name}")
-            args = (str(model_dir), cfg, sync_dir, s.snapshot_every)
-            trn = Trn.remote(*args) if use_ray else Trn(*args)
-            get(call(gen, "attach", sync_dir))
-            rows = history[cfg.name] = []
-            for step in range(s.steps):
-                prompts = make_prompts(s.prompts_per_step, s.prompt_len, 512, s.seed + step)
-                ro_ref = call(gen, "generate", prompts, seed=s.seed + 1000 * step, **sampling)
-                rollout = get(ro_ref)
-                rewards = task.reward(rollout)
-                old = get(call(trn, "logprobs", ro_ref if use_ray else rollout))
-                g = measure(old, rollout.rollout_logprobs, cu_seqlens=rollout.response_cu)
-                m = get(call(trn, "step", ro_ref if use_ray else rollout, rewards, old))
-                pub = get(call(trn, "publish"))
-                syn = get(call(gen, "sync"))
-                summ = g.summary()
-                rows.append({"step": step, "reward": float(rewards.mean()),
-                             "gap_mean_abs": summ["mean_abs"], "gap_F2": summ["F_2"],
-                             "gap_kl_k3": summ["kl_k3"], "loss": m["loss"],
-                             "clipfrac": m["clipfrac"], "entropy": m["entropy"],
-                             **{k: v for k, v in m.items() if k.startswith("correction/")},
-                             "sync_version": pub["version"], "sync_payload_bytes": pub["payload_bytes"],
-                             "sync_raw_bytes": pub["raw_bytes"],
-                             "engine_update_s": syn["engine_update_s"]})
-                prog.update(task_id, advance=1, description=(
-                    f"{cfg.name}: step {step} reward {rows[-1]['reward']:.3f} "
-                    f"|Δ| {summ['mean_abs']:.2e} sync {pub['payload_bytes'] / 1e3:.0f} kB"))
-            if use_ray:
-                import ray
+    try:
+        with Progress(disable=not progress) as prog:
+            for cfg in configs:
+                task_id = prog.add_task(f"{cfg.name}", total=s.steps)
+                sync_dir = str(work / f"sync-{cfg.name}")
+                args = (str(model_dir), cfg, sync_dir, s.snapshot_every)
+                trn = Trn.remote(*args) if use_ray else Trn(*args)
+                get(call(gen, "attach", sync_dir))
+                rows = history[cfg.name] = []
+                for step in range(s.steps):
+                    prompts = make_prompts(s.prompts_per_step, s.prompt_len, 512, s.seed + step)
+                    ro_ref = call(gen, "generate", prompts, seed=s.seed + 1000 * step, **sampling)
+                    rollout = get(ro_ref)
+                    rewards = task.reward(rollout)
+                    old = get(call(trn, "logprobs", ro_ref if use_ray else rollout))
+                    g = measure(old, rollout.rollout_logprobs, cu_seqlens=rollout.response_cu)
+                    m = get(call(trn, "step", ro_ref if use_ray else rollout, rewards, old))
+                    pub = get(call(trn, "publish"))
+                    syn = get(call(gen, "sync"))
+                    summ = g.summary()
+                    rows.append({"step": step, "reward": float(rewards.mean()),
+                                 "gap_mean_abs": summ["mean_abs"], "gap_F2": summ["F_2"],
+                                 "gap_kl_k3": summ["kl_k3"], "loss": m["loss"],
+                                 "clipfrac": m["clipfrac"], "entropy": m["entropy"],
+                                 **{k: v for k, v in m.items() if k.startswith("correction/")},
+                                 "sync_version": pub["version"], "sync_payload_bytes": pub["payload_bytes"],
+                                 "sync_raw_bytes": pub["raw_bytes"],
+                                 "engine_update_s": syn["engine_update_s"]})
+                    prog.update(task_id, advance=1, description=(
+                        f"{cfg.name}: step {step} reward {rows[-1]['reward']:.3f} "
+                        f"|Δ| {summ['mean_abs']:.2e} sync {pub['payload_bytes'] / 1e3:.0f} kB"))
+                if use_ray:
+                    import ray
 
-                ray.kill(trn)
-    if use_ray:
-        import ray
+                    ray.kill(trn)
+    finally:
+        get(call(gen, "restore"))
+        if use_ray:
+            import ray
 
-        ray.kill(gen)
+            ray.kill(gen)
     return LoopResult(settings={**asdict(s), "task": asdict(task), "use_ray": use_ray,
                                 "configs": [asdict(c) for c in configs]}, history=history)
 

@@ -19,7 +19,13 @@ def _run(tmp_path, *extra):
 
 
 def test_train_plain_vs_aligned(tmp_path, vllm_qwen):
+    probe = [[5, 6, 7, 8, 9]]
+    before = vllm_qwen.generate(probe, max_tokens=8, seed=3)
     res, out = _run(tmp_path)
+    # the shared engine got the checkpoint's weights back: same sampled tokens, same bits
+    after = vllm_qwen.generate(probe, max_tokens=8, seed=3)
+    assert after.response_tokens.tolist() == before.response_tokens.tolist()
+    assert after.rollout_logprobs.tolist() == before.rollout_logprobs.tolist()
     plain, aligned = res["history"]["plain"], res["history"]["aligned"]
     assert len(plain) == len(aligned) == 3
     # top-p/top-k sampling: the plain trainer normalizes over the full vocabulary (gap ~ log of
