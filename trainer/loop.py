@@ -42,7 +42,8 @@ class TargetSetTask:
     def reward(self, rollout: Rollout) -> np.ndarray:
         hit = (rollout.response_tokens < self.limit).astype(np.float64)
         lens = rollout.response_lens
-        sums = np.add.reduceat(hit, rollout.response_cu[:-1]) if len(hit) else np.zeros(len(lens))
+        seq = np.repeat(np.arange(len(lens)), lens)
+        sums = np.bincount(seq, weights=hit, minlength=len(lens))
         return np.where(lens > 0, sums / np.maximum(lens, 1), 0.0)
 
 
@@ -96,6 +97,10 @@ class GeneratorWorker:
         from skyrl_numerics.trainer.weight_sync_vllm import update_vllm_weights
 
         update_vllm_weights(self.gen, load_file(str(Path(self.model_dir) / "model.safetensors")))
+
+    def close(self) -> None:
+        """Shut the engine down (its worker processes would outlive a killed Ray actor)."""
+        self.gen.close()
 
     def attach(self, sync_dir: str) -> dict:
         """Follow a new publisher (a new configuration): load its full snapshot into the engine."""
@@ -196,11 +201,13 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
     task = task or TargetSetTask()
     # absolute: Ray actors do not share the driver's working directory
     work = Path(work_dir or tempfile.mkdtemp(prefix="skyrl_loop_")).resolve()
+    started_ray = False
     if use_ray:
         import ray
 
         if not ray.is_initialized():
             ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            started_ray = True
     Gen, get = _remote(GeneratorWorker, use_ray)
     Trn, _ = _remote(TrainerWorker, use_ray)
     call = (lambda obj, name, *a, **k: getattr(obj, name).remote(*a, **k)) if use_ray else \
@@ -250,7 +257,10 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
         if use_ray:
             import ray
 
+            get(call(gen, "close"))
             ray.kill(gen)
+            if started_ray:  # leave the process as we found it
+                ray.shutdown()
     return LoopResult(settings={**asdict(s), "task": asdict(task), "use_ray": use_ray,
                                 "configs": [asdict(c) for c in configs]}, history=history)
 
