@@ -30,15 +30,21 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 def matmul_2d(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
               out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """a (M, K) @ b (K, N) (+ bias) with a per-row result independent of M."""
+    """a (M, K) @ b (K, N) (+ bias) with a per-row result independent of M.
+
+    Both M and N are padded to at least ``MIN_ROWS``: MKL takes GEMV-like kernels for a skinny
+    side (seen here: N = 1 changed a row's bits between M = 16 and M = 18), and the invariance
+    rests on every call taking the same blocked GEMM."""
     out_dtype = out_dtype or a.dtype
     cd = _compute_dtype(a)
-    M = a.shape[0]
+    M, N = a.shape[0], b.shape[1]
     a32, b32 = a.to(cd), b.to(cd)
     if M < MIN_ROWS:
         a32 = torch.cat([a32, a32.new_zeros(MIN_ROWS - M, a32.shape[1])])
-    out = torch.empty((1, a32.shape[0], b.shape[1]), dtype=cd)
-    out = torch.baddbmm(out, a32.unsqueeze(0), b32.unsqueeze(0), beta=0)[0, :M]
+    if N < MIN_ROWS:
+        b32 = torch.cat([b32, b32.new_zeros(b32.shape[0], MIN_ROWS - N)], dim=1)
+    out = torch.empty((1, a32.shape[0], b32.shape[1]), dtype=cd)
+    out = torch.baddbmm(out, a32.unsqueeze(0), b32.unsqueeze(0), beta=0)[0, :M, :N]
     if bias is not None:
         out = out + bias.to(cd)
     return out.to(out_dtype)
