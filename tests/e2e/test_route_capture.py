@@ -121,7 +121,9 @@ def test_capture_under_chunked_prefill(chunked_engine, hf):
     at near-ties."""
     prompts = make_prompts(5, 150, chunked_engine.vocab_size, seed=9)
     prompts = [p + p[:10 * i] for i, p in enumerate(prompts)]
-    ro = chunked_engine.generate(prompts, max_tokens=12, seed=4)
+    # seed=None: vLLM CPU 0.32 cannot combine per-request seeds with chunked prefill (the runner
+    # rewinds the request's generator offset: "CPU Generator does not use offset")
+    ro = chunked_engine.generate(prompts, max_tokens=12, seed=None)
     np.testing.assert_array_equal(ro.routes.seq_lens, ro.prompt_lens + ro.response_lens - 1)
     flips = total = 0
     for i in range(len(ro)):
