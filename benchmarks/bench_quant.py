@@ -10,7 +10,7 @@ pytest-benchmark (4M bf16 elements by default)::
     .venv/bin/python -m pytest benchmarks/bench_quant.py -o python_files='bench_*.py' \
         --benchmark-only -q
 
-Table for RESULTS_quant.md (size from SKYRL_QUANT_BENCH_N, default 4M)::
+Table for BENCHMARKS.md (size from SKYRL_QUANT_BENCH_N, default 4M)::
 
     SKYRL_QUANT_BENCH_N=67108864 .venv/bin/python benchmarks/bench_quant.py
 """

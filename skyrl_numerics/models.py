@@ -18,10 +18,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from .atomic import atomic_dir
 
 # Bump when the way checkpoints are produced changes, so stale caches are not reused.
 _FORMAT_VERSION = 1
@@ -154,9 +154,7 @@ def build_tiny_model(family: str = "qwen3_moe", *, seed: int = 0, dtype: str = "
                     b.copy_(torch.randn_like(b) * 0.01)
     model = model.to(torch_dtype)
 
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=root))
-    try:
+    with atomic_dir(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         # vLLM reads ``torch_dtype``/``dtype`` from config.json; keep it explicit.
         with open(tmp / "config.json") as f:
@@ -167,13 +165,6 @@ def build_tiny_model(family: str = "qwen3_moe", *, seed: int = 0, dtype: str = "
             json.dump(saved, f, indent=2, sort_keys=True)
         (tmp / "skyrl_numerics.json").write_text(json.dumps(
             {"family": family, "seed": seed, "dtype": dtype, "format": _FORMAT_VERSION}, indent=2))
-        try:
-            os.replace(tmp, out)
-        except OSError:  # another process won the race; its copy is identical
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

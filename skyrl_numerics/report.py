@@ -6,13 +6,13 @@ Files are written to temp names and renamed, so an error never leaves a partial 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .atomic import atomic_file
 
 # (column title, summary key, format)
 COLUMNS = [
@@ -68,16 +68,8 @@ def render_table(rows: list[ReportRow], title: str, console=None) -> None:
 
 
 def _atomic_write(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_file(path) as tmp:
         write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def write_json(path: Path, payload: dict) -> None:

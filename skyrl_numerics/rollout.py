@@ -32,13 +32,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from .atomic import atomic_file
 from .errors import InputError
 
 SCHEMA = "skyrl-numerics/rollout"
@@ -229,16 +229,8 @@ class Rollout:
         else:
             raise InputError(f"unknown rollout file type {path.suffix!r} "
                              "(expected .safetensors or .jsonl)", source=str(path))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        os.close(fd)
-        try:
-            writer(Path(tmp))
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        with atomic_file(path) as tmp:
+            writer(tmp)
         return path
 
     def _arrays(self) -> dict[str, np.ndarray]:

@@ -272,7 +272,7 @@ def write_loop_plot(path, result: LoopResult) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from skyrl_numerics.report import _atomic_write
+    from skyrl_numerics.atomic import atomic_file
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for name, rows in result.history.items():
@@ -285,5 +285,6 @@ def write_loop_plot(path, result: LoopResult) -> None:
     for a in (a1, a2):
         a.legend()
     fig.tight_layout()
-    _atomic_write(Path(path), lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from skyrl_numerics.atomic import atomic_dir
 
 EXPERTS_PATTERN = "*.mlp.experts"
 
@@ -41,16 +41,7 @@ def write_fake_quant_checkpoint(src_dir: str | os.PathLike, recipe: str, *,
         return out
     # checkpoint names of expert matrices: model.layers.<i>.mlp.experts.<e>.<proj>.weight
     match = lambda name: fnmatch.fnmatchcase(name.rsplit(".", 3)[0], pattern)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         if not write_fake_quantized_checkpoint(src, tmp, recipe, match, **opts):
             raise ValueError(f"pattern {pattern!r} matched no weight in {src}")
-        try:
-            os.replace(tmp, out)
-        except OSError:  # another process won the race; its copy is identical
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
