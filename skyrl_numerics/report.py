@@ -90,36 +90,59 @@ def _json_default(o):
 
 
 def write_plot(path: Path, rows: list[ReportRow], title: str) -> None:
-    """Left: histogram of |Δ| (log x). Right: mean |Δ| by response position."""
+    """Top: mean and max |Δ| per configuration (the ablation at a glance; bitwise-equal rows are
+    marked). Bottom left: histogram of non-zero |Δ| (log x). Bottom right: mean |Δ| by position."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = plt.get_cmap("tab20")(np.linspace(0, 1, 20))[: max(len(rows), 1)]
+    fig = plt.figure(figsize=(13, 4 + 0.32 * len(rows) + 4))
+    grid = fig.add_gridspec(2, 2, height_ratios=[0.6 + 0.32 * len(rows), 4])
+    ax0 = fig.add_subplot(grid[0, :])
+    ax1, ax2 = fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])
+
     nz_all = np.concatenate([r.abs_delta[r.abs_delta > 0] for r in rows] + [np.zeros(0)])
     lo = max(nz_all.min() if len(nz_all) else 1e-8, 1e-9)
     hi = max(nz_all.max() if len(nz_all) else 1.0, lo * 10)
+
+    y = np.arange(len(rows))[::-1]
+    means = [r.report.summary()["mean_abs"] for r in rows]
+    maxes = [r.report.summary()["max_abs"] for r in rows]
+    floor = lo / 2  # where a zero gap is drawn on the log axis
+    ax0.barh(y, [max(m, floor) for m in maxes], color=colors, alpha=0.35, label="max |Δ|")
+    ax0.barh(y, [max(m, floor) for m in means], color=colors, label="mean |Δ|")
+    for yi, m in zip(y, maxes):
+        if m == 0:
+            ax0.text(floor * 1.3, yi, "bitwise equal: every token", va="center", fontsize=8,
+                     fontweight="bold")
+    ax0.set_yticks(y, [r.name for r in rows], fontsize=8)
+    ax0.set_xscale("log")
+    ax0.set_xlim(floor, hi * 2)
+    ax0.set_xlabel("|Δ logprob| (bar: mean; pale bar: max)")
+    ax0.set_title("trainer − engine gap per configuration")
+
     bins = np.logspace(np.log10(lo), np.log10(hi), 50)
-    for r in rows:
+    for r, c in zip(rows, colors):
         nz = r.abs_delta[r.abs_delta > 0]
         zero = 1 - len(nz) / max(len(r.abs_delta), 1)
-        ax1.hist(nz, bins=bins, histtype="step", linewidth=1.5,
-                 label=f"{r.name} ({zero:.0%} exactly 0)")
+        if len(nz):
+            ax1.hist(nz, bins=bins, histtype="step", linewidth=1.4, color=c,
+                     label=f"{r.name} ({zero:.0%} exactly 0)")
         curve = r.report.to_dict().get("per_position", {})
         mean = np.asarray(curve.get("mean_abs", []), dtype=float)
         if len(mean):
-            ax2.plot(np.arange(len(mean)), mean, label=r.name, linewidth=1.2)
+            ax2.plot(np.arange(len(mean)), mean, label=r.name, linewidth=1.1, color=c)
     ax1.set_xscale("log")
     ax1.set_xlabel("|Δ logprob| per token (trainer − engine)")
     ax1.set_ylabel("tokens")
     ax1.set_title("distribution of |Δ| (non-zero tokens)")
-    ax1.legend(fontsize=7)
+    ax1.legend(fontsize=6)
     ax2.set_xlabel("response position")
     ax2.set_ylabel("mean |Δ|")
     ax2.set_title("mean |Δ| by position")
     ax2.set_yscale("symlog", linthresh=1e-6)
-    ax2.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
 
