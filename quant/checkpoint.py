@@ -1,14 +1,27 @@
-"""Quantized checkpoints: write them (modelopt NVFP4, compressed-tensors INT4) and check that a
+"""Quantized checkpoints: write them (modelopt NVFP4, compressed-tensors NVFP4 / INT4) and check that a
 trainer reproduces their codes (``qat_check``, the day-0 bring-up check behind
 ``skyrl-numerics qat-check MODEL_DIR``).
 
-Layouts recognised (per quantized weight ``P``, any leading name, 2-D ``[out, in]``):
+Layouts recognised. Every stored tensor is named after the quantized parameter ``P`` plus a
+suffix (``P`` is ``X.weight`` for a Linear, or e.g. ``X.experts.gate_up_proj`` for fused experts):
 
-* modelopt NVFP4: ``P.weight`` uint8 ``[out, in/2]`` (E2M1 packed, low nibble first),
-  ``P.weight_scale`` float8_e4m3fn ``[out, in/16]``, ``P.weight_scale_2`` float32 scalar
-  (``amax/2688``), optional ``P.input_scale``.
-* compressed-tensors pack-quantized INT4: ``P.weight_packed`` int32 ``[out, in/8]``,
-  ``P.weight_scale`` ``[out, in/group]`` (weight dtype), ``P.weight_shape`` int ``[2]``.
+* modelopt NVFP4: ``P`` uint8 ``[out, in/2]`` (E2M1 packed, low nibble first),
+  ``P_scale`` float8_e4m3fn ``[out, in/16]``, ``P_scale_2`` float32 scalar ``g = amax/2688``
+  (a *decode* scale), optional ``X.input_scale``.
+* compressed-tensors ``nvfp4-pack-quantized``: ``P_packed`` uint8 ``[out, in/2]`` (same packing),
+  ``P_scale`` float8_e4m3fn ``[out, in/16]``, ``P_global_scale`` float32 ``[1]``
+  ``G = 2688/amax`` (an *encode* scale, the reciprocal of modelopt's ``weight_scale_2``:
+  compressed-tensors' modelopt converter stores ``1 / weight_scale_2`` there); dequant
+  ``y * fl(s / G)``.
+* compressed-tensors ``pack-quantized`` INT4: ``P_packed`` int32 ``[out, in/8]``,
+  ``P_scale`` ``[out, in/group]`` (weight dtype), ``P_shape`` int ``[2]``.
+
+Fused 3-D experts (``P`` of shape ``[E, out, in]``, as transformers >= 5 holds
+``experts.gate_up_proj [E, 2I, H]`` / ``experts.down_proj [E, H, I]``) are quantized per expert
+matrix and stored stacked: codes ``[E, out, in/2]`` (``[E, out, in/8]`` int32 for INT4), scales
+``[E, out, in/16]``, one global per expert (``P_scale_2`` / ``P_global_scale`` of shape ``[E]``),
+``P_shape = [E, out, in]``. They are read back as one :class:`QTensor` per expert, keyed
+``P[e]``.
 
 ``qat_check`` rebuilds each :class:`QTensor`, dequantizes it to the training dtype (what a trainer
 holds), and re-encodes it two ways:
@@ -36,7 +49,9 @@ from .api import dequantize, quantize, requantize
 from .qtensor import QTensor
 from .recipes_int4 import pack_int4_to_int32, unpack_int4_from_int32
 
-FORMATS = ("modelopt_nvfp4", "ct_int4")
+FORMATS = ("modelopt_nvfp4", "ct_nvfp4", "ct_int4")
+#: what the formats append to a quantized parameter's name for its stored tensors
+QUANT_SUFFIXES = ("", "_scale", "_scale_2", "_packed", "_global_scale", "_shape")
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -58,49 +73,87 @@ def _atomic_json(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def quantize_weight_tensors(name: str, w: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
-    """The checkpoint tensors for one 2-D weight ``name`` (ending in ``.weight``) in ``fmt``."""
-    if not name.endswith(".weight") or w.dim() != 2:
-        raise InputError(f"expected a 2-D '*.weight' tensor, got {name} with shape {tuple(w.shape)}", field=name)
-    prefix = name[: -len(".weight")]
+def _quantize_matrix(w: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
+    """``{suffix: tensor}`` for one 2-D matrix in ``fmt`` (suffixes appended to the param name)."""
     if fmt == "modelopt_nvfp4":
         q = quantize(w, "nvfp4", convention="modelopt")
-        return {f"{prefix}.weight": q.codes, f"{prefix}.weight_scale": q.scales,
-                f"{prefix}.weight_scale_2": q.global_scale.reshape(())}
+        return {"": q.codes, "_scale": q.scales, "_scale_2": q.global_scale.reshape(())}
+    if fmt == "ct_nvfp4":
+        q = quantize(w, "nvfp4", convention="compressed_tensors")
+        return {"_packed": q.codes, "_scale": q.scales, "_global_scale": q.global_scale.reshape(1)}
     if fmt == "ct_int4":
         q = quantize(w, "int4_g32")
-        return {f"{prefix}.weight_packed": pack_int4_to_int32(q.codes), f"{prefix}.weight_scale": q.scales,
-                f"{prefix}.weight_shape": torch.tensor(list(w.shape), dtype=torch.int64)}
+        return {"_packed": pack_int4_to_int32(q.codes), "_scale": q.scales,
+                "_shape": torch.tensor(list(w.shape), dtype=torch.int64)}
     raise InputError(f"unknown checkpoint format {fmt!r}; expected one of {FORMATS}", field="fmt")
 
 
+def quantize_weight_tensors(name: str, w: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors for one weight ``name`` in ``fmt``: a 2-D ``*.weight`` matrix, or a
+    3-D ``[E, out, in]`` stack of expert matrices (each quantized on its own, results stacked;
+    per-expert globals ``[E]``)."""
+    if fmt not in FORMATS:
+        raise InputError(f"unknown checkpoint format {fmt!r}; expected one of {FORMATS}", field="fmt")
+    if w.dim() == 2 and name.endswith(".weight"):
+        return {name + k: v for k, v in _quantize_matrix(w, fmt).items()}
+    if w.dim() != 3:
+        raise InputError(f"expected a 2-D '*.weight' tensor or a 3-D [E, out, in] expert stack, got {name} "
+                         f"with shape {tuple(w.shape)}", field=name)
+    per = [_quantize_matrix(w[e], fmt) for e in range(w.shape[0])]
+    out = {}
+    for k in per[0]:
+        if k == "_shape":
+            out[name + k] = torch.tensor(list(w.shape), dtype=torch.int64)
+        elif k in ("_scale_2", "_global_scale"):
+            out[name + k] = torch.stack([p[k].reshape(()) for p in per])
+        else:
+            out[name + k] = torch.stack([p[k] for p in per])
+    return out
+
+
+def _quantization_config(fmt: str) -> dict:
+    if fmt == "modelopt_nvfp4":
+        return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
+    if fmt == "ct_nvfp4":
+        weights = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16,
+                   "strategy": "tensor_group", "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"}
+        return {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+                "quantization_status": "compressed",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                              "format": "nvfp4-pack-quantized"}}}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"],
+                                          "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                      "strategy": "group", "group_size": 32}}}}
+
+
 def write_quantized_checkpoint(src_dir, out_dir, fmt: str, should_quantize) -> list[str]:
-    """Copy an HF safetensors checkpoint, storing the 2-D weights for which
-    ``should_quantize(name)`` is true in ``fmt``. Returns the quantized names. Writes each file to
-    a temp name then renames; ``config.json`` gets a ``quantization_config``."""
+    """Copy an HF safetensors checkpoint, storing the floating-point 2-D ``*.weight`` tensors and
+    3-D expert stacks for which ``should_quantize(name)`` is true in ``fmt`` (one of
+    :data:`FORMATS`). Returns the quantized names. Writes each file to a temp name then renames;
+    ``config.json`` gets a ``quantization_config``."""
     from safetensors.torch import load_file
+    if fmt not in FORMATS:
+        raise InputError(f"unknown checkpoint format {fmt!r}; expected one of {FORMATS}", field="fmt")
     src, out = Path(src_dir), Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    done = []
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise InputError(f"no *.safetensors files in {src}", field="src_dir")
+    out.mkdir(parents=True, exist_ok=True)
+    done = []
     for f in files:
         tensors = load_file(str(f))
         new: dict[str, torch.Tensor] = {}
         for k, v in tensors.items():
-            if v.dim() == 2 and k.endswith(".weight") and should_quantize(k):
+            shaped = (v.dim() == 2 and k.endswith(".weight")) or v.dim() == 3
+            if shaped and v.is_floating_point() and should_quantize(k):
                 new.update(quantize_weight_tensors(k, v, fmt))
                 done.append(k)
             else:
                 new[k] = v
         _atomic_save(new, out / f.name)
     cfg = json.loads((src / "config.json").read_text()) if (src / "config.json").exists() else {}
-    cfg["quantization_config"] = (
-        {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16} if fmt == "modelopt_nvfp4"
-        else {"quant_method": "compressed-tensors", "format": "pack-quantized",
-              "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int", "symmetric": True,
-                                                        "strategy": "group", "group_size": 32}}}})
+    cfg["quantization_config"] = _quantization_config(fmt)
     _atomic_json(cfg, out / "config.json")
     return done
 
@@ -135,8 +188,50 @@ def write_fake_quantized_checkpoint(src_dir, out_dir, recipe: str, should_quanti
     return done
 
 
+def _nvfp4_qtensors(n: str, codes, scales, glob, convention: str, dtype, gname: str) -> dict[str, QTensor]:
+    """QTensors of one stored NVFP4 parameter ``n`` (2-D, or 3-D stacked experts -> ``n[e]``)."""
+    if codes.dtype != torch.uint8 or scales.dtype != torch.float8_e4m3fn:
+        raise InputError(f"NVFP4 weight {n}: expected uint8 codes and float8_e4m3fn scales, "
+                         f"got {codes.dtype} and {scales.dtype}", field=n)
+    if codes.dim() not in (2, 3):
+        raise InputError(f"NVFP4 weight {n}: codes must be 2-D or 3-D (stacked experts), got shape "
+                         f"{tuple(codes.shape)}", field=n)
+    cols = codes.shape[-1] * 2
+    want = (*codes.shape[:-1], -(-cols // 16))
+    if tuple(scales.shape) != want:
+        raise InputError(f"NVFP4 weight {n}: scale shape {tuple(scales.shape)} does not match {want}", field=n)
+    n_glob = codes.shape[0] if codes.dim() == 3 else 1
+    if glob.numel() != n_glob:
+        raise InputError(f"NVFP4 weight {n}: {gname} has {glob.numel()} values, expected {n_glob} "
+                         f"(one per {'expert matrix' if codes.dim() == 3 else 'tensor'})", field=gname)
+    glob = glob.float().reshape(-1)
+    opts = {"convention": convention, "tile": (1, 16)}
+    if codes.dim() == 2:
+        return {n: QTensor("nvfp4", codes, scales, glob.reshape(()), (1, 16), (codes.shape[0], cols), dtype, opts)}
+    return {f"{n}[{e}]": QTensor("nvfp4", codes[e], scales[e], glob[e].reshape(()), (1, 16),
+                                 (codes.shape[1], cols), dtype, dict(opts)) for e in range(codes.shape[0])}
+
+
+def _int4_qtensors(n: str, packed, scales, shape, dtype) -> dict[str, QTensor]:
+    shape = tuple(int(s) for s in shape.tolist())
+    if len(shape) not in (2, 3) or tuple(packed.shape) != (*shape[:-1], -(-shape[-1] // 8)) \
+            or scales.shape[:-1] != packed.shape[:-1] or shape[-1] % scales.shape[-1]:
+        raise InputError(f"INT4 weight {n}: packed {tuple(packed.shape)} / scale {tuple(scales.shape)} do not "
+                         f"match weight_shape {shape}", field=n)
+    group = shape[-1] // scales.shape[-1]
+
+    def one(p, s):
+        return QTensor("int4_g32", unpack_int4_from_int32(p, shape[-1]), s, None, (1, group), tuple(shape[-2:]),
+                       dtype, {"group": group, "scale_dtype": s.dtype})
+    if len(shape) == 2:
+        return {n: one(packed, scales)}
+    return {f"{n}[{e}]": one(packed[e], scales[e]) for e in range(shape[0])}
+
+
 def load_qtensors(model_dir, dtype: torch.dtype = torch.bfloat16) -> dict[str, QTensor]:
-    """Every quantized weight of a checkpoint as a :class:`QTensor` (keys: ``P.weight``)."""
+    """Every quantized weight of a checkpoint as a :class:`QTensor` (keys: the parameter name
+    ``P``, e.g. ``X.weight``; for a 3-D stacked expert tensor one entry per expert, ``P[e]``).
+    Codes and scales are kept as stored (no dequantization)."""
     from safetensors import safe_open
     d = Path(model_dir)
     files = sorted(d.glob("*.safetensors"))
@@ -149,26 +244,17 @@ def load_qtensors(model_dir, dtype: torch.dtype = torch.bfloat16) -> dict[str, Q
                 tensors[k] = fh.get_tensor(k)
     out: dict[str, QTensor] = {}
     for k, v in tensors.items():
-        if not k.endswith(".weight_scale"):
+        if not k.endswith("_scale"):
             continue
-        p = k[: -len(".weight_scale")]
-        if f"{p}.weight_scale_2" in tensors and f"{p}.weight" in tensors:
-            codes = tensors[f"{p}.weight"]
-            if codes.dtype != torch.uint8 or v.dtype != torch.float8_e4m3fn:
-                raise InputError(f"NVFP4 weight {p}: expected uint8 codes and float8_e4m3fn scales, "
-                                 f"got {codes.dtype} and {v.dtype}", field=p)
-            shape = (codes.shape[0], codes.shape[1] * 2)
-            if v.shape != (shape[0], shape[1] // 16):
-                raise InputError(f"NVFP4 weight {p}: scale shape {tuple(v.shape)} does not match "
-                                 f"{(shape[0], shape[1] // 16)}", field=p)
-            out[f"{p}.weight"] = QTensor("nvfp4", codes, v, tensors[f"{p}.weight_scale_2"].float().reshape(()),
-                                         (1, 16), shape, dtype, {"convention": "modelopt", "tile": (1, 16)})
-        elif f"{p}.weight_packed" in tensors:
-            shape = tuple(int(s) for s in tensors[f"{p}.weight_shape"].tolist())
-            group = shape[1] // v.shape[1]
-            q = unpack_int4_from_int32(tensors[f"{p}.weight_packed"], shape[1])
-            out[f"{p}.weight"] = QTensor("int4_g32", q, v, None, (1, group), shape, dtype,
-                                         {"group": group, "scale_dtype": v.dtype})
+        n = k[: -len("_scale")]
+        if f"{n}_scale_2" in tensors and n in tensors:                       # modelopt NVFP4
+            out.update(_nvfp4_qtensors(n, tensors[n], v, tensors[f"{n}_scale_2"], "modelopt", dtype,
+                                       f"{n}_scale_2"))
+        elif f"{n}_global_scale" in tensors and f"{n}_packed" in tensors:   # compressed-tensors NVFP4
+            out.update(_nvfp4_qtensors(n, tensors[f"{n}_packed"], v, tensors[f"{n}_global_scale"],
+                                       "compressed_tensors", dtype, f"{n}_global_scale"))
+        elif f"{n}_packed" in tensors and f"{n}_shape" in tensors:          # compressed-tensors INT4
+            out.update(_int4_qtensors(n, tensors[f"{n}_packed"], v, tensors[f"{n}_shape"], dtype))
     return out
 
 
@@ -217,7 +303,7 @@ def qat_check(model_dir, dtype: torch.dtype = torch.bfloat16) -> QATCheckReport:
     """Check that a quantized checkpoint round-trips through a trainer holding ``dtype`` weights."""
     qts = load_qtensors(model_dir, dtype)
     if not qts:
-        raise InputError(f"no quantized weights (modelopt NVFP4 or compressed-tensors INT4) in {model_dir}",
+        raise InputError(f"no quantized weights (modelopt NVFP4, compressed-tensors NVFP4 or INT4) in {model_dir}",
                          field="model_dir")
     rep = QATCheckReport(str(model_dir))
     for name, q in sorted(qts.items()):

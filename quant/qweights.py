@@ -1,12 +1,14 @@
 """Run a model from a quantized checkpoint keeping only codes + scales in memory.
 
 ``load_quantized_weights(model, model_dir)`` reads a checkpoint written in modelopt NVFP4 or
-compressed-tensors INT4 (see ``checkpoint``), loads its plain tensors into ``model`` and, for every
+compressed-tensors NVFP4 / INT4 (see ``checkpoint``), loads its plain tensors into ``model`` and, for every
 quantized weight, replaces the parameter by a parametrization that holds the stored codes and
 scales as buffers and dequantizes them on each access. The base weights are frozen (they have no
 full-precision copy), so adapters (LoRA) train on top of exactly the weights the server uses —
 the Mistral-Large / Kimi INT4 path. Fused MoE experts (transformers 5 ``[E, out, in]``
-parameters) are assembled from the checkpoint's per-expert ``experts.{e}.{gate,up,down}_proj``.
+parameters) are taken from the checkpoint's stacked 3-D tensor of the same name (one quantized
+matrix per expert) when it has one, else assembled from its per-expert
+``experts.{e}.{gate,up,down}_proj``.
 
 Wrap forwards in ``torch.nn.utils.parametrize.cached()`` to dequantize each weight once per step.
 """
@@ -19,7 +21,7 @@ from torch.nn.utils import parametrize
 from skyrl_numerics.errors import InputError
 
 from .api import dequantize
-from .checkpoint import load_qtensors
+from .checkpoint import QUANT_SUFFIXES, load_qtensors
 from .qtensor import QTensor
 
 
@@ -60,6 +62,11 @@ class DequantWeight(nn.Module):
             return torch.stack(w)
 
 
+def _stored_part_of(key: str, qparams: set[str]) -> bool:
+    """Whether checkpoint tensor ``key`` is one of a quantized parameter's stored pieces."""
+    return any(key.endswith(suf) and key[: len(key) - len(suf)] in qparams for suf in QUANT_SUFFIXES)
+
+
 def _attach(module: nn.Module, pname: str, pieces: list[QTensor], layout: str, dtype: torch.dtype) -> None:
     old = getattr(module, pname)
     setattr(module, pname, nn.Parameter(torch.empty(0, dtype=dtype, device=old.device), requires_grad=False))
@@ -90,7 +97,10 @@ def load_quantized_weights(model: nn.Module, model_dir, dtype: torch.dtype = tor
             if p.dim() != 3:
                 continue
             E = p.shape[0]
-            if pname == "gate_up_proj":
+            if f"{mname}.{pname}[0]" in qts:                  # stored stacked: one matrix per expert
+                keys = [f"{mname}.{pname}[{e}]" for e in range(E)]
+                layout = "experts"
+            elif pname == "gate_up_proj":
                 keys = [f"{mname}.{e}.{k}_proj.weight" for e in range(E) for k in ("gate", "up")]
                 layout = "gate_up"
             else:
@@ -103,12 +113,12 @@ def load_quantized_weights(model: nn.Module, model_dir, dtype: torch.dtype = tor
     # plain tensors: everything in the checkpoint that the model has under the same name
     state = model.state_dict()
     n_plain, unused = 0, []
-    qprefixes = {k[: -len(".weight")] for k in qts}
+    qparams = {k.split("[")[0] for k in qts}
+    qprefixes = {k[: -len(".weight")] for k in qparams if k.endswith(".weight")}
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(f), "pt") as fh:
             for k in fh.keys():
-                base = k.rsplit(".", 1)[0]
-                if base in qprefixes:
+                if k.rsplit(".", 1)[0] in qprefixes or _stored_part_of(k, qparams):
                     continue
                 if k in state and tuple(state[k].shape) == tuple(fh.get_slice(k).get_shape()):
                     with torch.no_grad():

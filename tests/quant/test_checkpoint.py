@@ -19,8 +19,28 @@ def bf16_ckpt(tmp_path_factory):
     return d, m
 
 
-@pytest.mark.parametrize("fmt,recipe", [("modelopt_nvfp4", "nvfp4"), ("ct_int4", "int4_g32")])
-def test_qat_check_on_written_checkpoint(bf16_ckpt, tmp_path, fmt, recipe):
+@pytest.fixture(scope="module")
+def fused_ckpt(tmp_path_factory):
+    """A checkpoint that stores the MoE experts fused, as transformers >= 5 holds them in memory:
+    ``mlp.experts.gate_up_proj [E, 2I, H]`` and ``mlp.experts.down_proj [E, H, I]``."""
+    from safetensors.torch import save_file
+    d = tmp_path_factory.mktemp("fused")
+    m = tiny_qwen3_moe().to(torch.bfloat16)
+    sd = {k: v.contiguous() for k, v in m.state_dict().items()}
+    assert sd["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 128, 128)
+    assert sd["model.layers.0.mlp.experts.down_proj"].shape == (8, 128, 64)
+    save_file(sd, str(d / "model.safetensors"))
+    m.config.to_json_file(str(d / "config.json"))
+    return d, m
+
+
+FMTS = [("modelopt_nvfp4", "nvfp4", {"convention": "modelopt"}),
+        ("ct_nvfp4", "nvfp4", {"convention": "compressed_tensors"}),
+        ("ct_int4", "int4_g32", {})]
+
+
+@pytest.mark.parametrize("fmt,recipe,opts", FMTS)
+def test_qat_check_on_written_checkpoint(bf16_ckpt, tmp_path, fmt, recipe, opts):
     src, model = bf16_ckpt
     names = write_quantized_checkpoint(src, tmp_path, fmt, lambda k: ".mlp.experts." in k)
     assert len(names) == 2 * 8 * 3
@@ -33,16 +53,16 @@ def test_qat_check_on_written_checkpoint(bf16_ckpt, tmp_path, fmt, recipe):
     qts = load_qtensors(tmp_path)
     w = model.model.layers[1].mlp.experts.gate_up_proj[3].detach()
     gate = w.chunk(2, 0)[0]
-    opts = {"convention": "modelopt"} if recipe == "nvfp4" else {}
     assert torch.equal(quantize(gate, recipe, **opts).codes, qts["model.layers.1.mlp.experts.3.gate_proj.weight"].codes)
     if recipe == "int4_g32":   # dynamic re-encoding of INT4 is not exact: +7.5 maxima saturate to 7
         assert rep.summary()["dynamic_exact"] < 48
 
 
-def test_qat_check_detects_corrupted_codes(bf16_ckpt, tmp_path):
+@pytest.mark.parametrize("fmt", ["modelopt_nvfp4", "ct_nvfp4"])
+def test_qat_check_detects_corrupted_scale(bf16_ckpt, tmp_path, fmt):
     from safetensors.torch import load_file, save_file
     src, _ = bf16_ckpt
-    write_quantized_checkpoint(src, tmp_path, "modelopt_nvfp4", lambda k: k.endswith("experts.0.down_proj.weight"))
+    write_quantized_checkpoint(src, tmp_path, fmt, lambda k: k.endswith("experts.0.down_proj.weight"))
     f = tmp_path / "model.safetensors"
     t = load_file(str(f))
     k = "model.layers.0.mlp.experts.0.down_proj.weight_scale"
@@ -78,3 +98,93 @@ def test_fake_quantized_checkpoint_matches_apply_qat(bf16_ckpt, tmp_path):
     ids = torch.randint(0, 512, (2, 10), generator=torch.Generator().manual_seed(0))
     with parametrize.cached():
         assert torch.equal(trained(ids).logits, served(ids).logits)
+
+
+def test_ct_nvfp4_tensors_match_compressed_tensors_compressor():
+    """Our ct_nvfp4 tensors are what compressed-tensors' own NVFP4PackedCompressor writes for the
+    same weight and qparams (computed by its generate_gparam / calculate_qparams on float32
+    statistics), bit for bit; its decompress equals our dequantize of the stored tensors."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import NVFP4A16
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+
+    from skyrl_numerics.quant import codecs as C
+    from skyrl_numerics.quant import dequantize
+    from skyrl_numerics.quant.checkpoint import quantize_weight_tensors
+    g = torch.Generator().manual_seed(7)
+    w = (torch.randn(64, 256, generator=g) * torch.exp(torch.randn(64, 1, generator=g) * 2)).to(torch.bfloat16)
+    w[0, :16] = 0                                                # zero block: scale 0.125
+    w[1, :16] = -0.0
+    ours = quantize_weight_tensors("x.weight", w, "ct_nvfp4")
+    assert sorted(ours) == ["x.weight_global_scale", "x.weight_packed", "x.weight_scale"]
+
+    scheme = QuantizationScheme(targets=["Linear"], **NVFP4A16)
+    wf = w.float()
+    G = generate_gparam(wf.amin(), wf.amax())
+    blocks = wf.reshape(64, 16, 16)
+    scale, _ = calculate_qparams(blocks.amin(-1), blocks.amax(-1), scheme.weights, global_scale=G)
+    ref = NVFP4PackedCompressor.compress({"weight": w, "weight_scale": scale, "weight_global_scale": G}, scheme)
+    assert ours["x.weight_global_scale"].dtype == ref["weight_global_scale"].dtype == torch.float32
+    assert torch.equal(ours["x.weight_global_scale"], ref["weight_global_scale"])   # G = 2688/amax (encode)
+    assert ours["x.weight_scale"].dtype == ref["weight_scale"].dtype == torch.float8_e4m3fn
+    assert torch.equal(ours["x.weight_scale"].view(torch.uint8), ref["weight_scale"].view(torch.uint8))
+    assert ours["x.weight_packed"].dtype == ref["weight_packed"].dtype == torch.uint8
+    assert torch.equal(ours["x.weight_packed"], ref["weight_packed"])
+    assert torch.equal(C.decode(C.unpack_fp4(ours["x.weight_packed"]), "e2m1"),
+                       unpack_fp4_from_uint8(ref["weight_packed"], 64, 256, dtype=torch.float32))
+
+    dec = NVFP4PackedCompressor.decompress(dict(ref), scheme)["weight"]
+    q = _nvfp4_from(ours, "x.weight")
+    assert dec.dtype == torch.bfloat16 and torch.equal(dequantize(q, torch.bfloat16), dec)
+
+
+def _nvfp4_from(tensors, name):
+    from skyrl_numerics.quant.checkpoint import _nvfp4_qtensors
+    return _nvfp4_qtensors(name, tensors[f"{name}_packed"], tensors[f"{name}_scale"],
+                           tensors[f"{name}_global_scale"], "compressed_tensors", torch.bfloat16,
+                           f"{name}_global_scale")[name]
+
+
+@pytest.mark.parametrize("fmt,recipe,opts", FMTS)
+def test_qat_check_on_fused_3d_experts(fused_ckpt, tmp_path, fmt, recipe, opts):
+    src, model = fused_ckpt
+    names = write_quantized_checkpoint(src, tmp_path, fmt, lambda k: ".mlp.experts." in k)
+    assert sorted(names) == [f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("down_proj", "gate_up_proj")]
+    rep = qat_check(tmp_path)
+    assert rep.ok and rep.summary()["tensors"] == 2 * 2 * 8, rep.to_text()
+    qts = load_qtensors(tmp_path)
+    assert "model.layers.1.mlp.experts.down_proj[7]" in qts
+    for pname in ("gate_up_proj", "down_proj"):
+        w = getattr(model.model.layers[1].mlp.experts, pname).detach()
+        for e in (0, 5):
+            q = qts[f"model.layers.1.mlp.experts.{pname}[{e}]"]
+            ref = quantize(w[e], recipe, **opts)      # each expert matrix quantized on its own
+            assert q.shape == tuple(w[e].shape) and torch.equal(q.codes, ref.codes)
+            assert torch.equal(q.scales.view(torch.uint8) if q.scales.dtype.itemsize == 1 else q.scales,
+                               ref.scales.view(torch.uint8) if ref.scales.dtype.itemsize == 1 else ref.scales)
+            if ref.global_scale is not None:
+                assert torch.equal(q.global_scale, ref.global_scale)
+
+
+def test_fused_3d_corrupted_and_malformed(fused_ckpt, tmp_path):
+    from safetensors.torch import load_file, save_file
+    src, _ = fused_ckpt
+    write_quantized_checkpoint(src, tmp_path, "ct_nvfp4", lambda k: k.endswith("layers.0.mlp.experts.down_proj"))
+    f = tmp_path / "model.safetensors"
+    t = load_file(str(f))
+    k = "model.layers.0.mlp.experts.down_proj_scale"
+    assert t[k].shape == (8, 128, 4) and t["model.layers.0.mlp.experts.down_proj_global_scale"].shape == (8,)
+    s = t[k].view(torch.uint8).clone()
+    s[3, 0, 0] = 0x7F                                     # NaN block scale in expert 3 only
+    t[k] = s.view(torch.float8_e4m3fn)
+    save_file(t, str(f))
+    rep = qat_check(tmp_path)
+    assert not rep.ok and [r["name"] for r in rep.rows if not r["static_exact"]] == \
+        ["model.layers.0.mlp.experts.down_proj[3]"]
+    t["model.layers.0.mlp.experts.down_proj_global_scale"] = torch.ones(7)   # one global per expert needed
+    save_file(t, str(f))
+    with pytest.raises(InputError, match="expected 8"):
+        load_qtensors(tmp_path)
