@@ -70,7 +70,7 @@ def test_gap_missing_file(tmp_path, capsys):
     assert "file not found" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("fmt", ["modelopt_nvfp4", "ct_int4"])
+@pytest.mark.parametrize("fmt", ["modelopt_nvfp4", "ct_nvfp4", "ct_int4"])
 def test_qat_check_cli_on_a_written_checkpoint(tmp_path, fmt, capsys):
     from skyrl_numerics.models import build_tiny_model
     from skyrl_numerics.quant import write_quantized_checkpoint
