@@ -58,12 +58,18 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a (B, M, K) @ b (B, K, N): one invariant 2-D GEMM per batch entry.
-
-    Not one batched GEMM: with B > 1, MKL's batched kernel changed a row's bits with M and B
-    (seen here: B=2, M=17/21, K=8), while the single-matrix path of :func:`matmul_2d` keeps them."""
-    return torch.stack([matmul_2d(a[i], b[i]) for i in range(a.shape[0])]) if a.shape[0] else \
-        a.new_zeros((0, a.shape[1], b.shape[2]))
+    """a (B, M, K) @ b (B, K, N): one batched fp32 GEMM with M and N padded to ``MIN_ROWS``
+    (as :func:`matmul_2d`: MKL's skinny paths — seen here for N = 5, 6 — break row invariance)."""
+    cd = _compute_dtype(a)
+    B, M, K = a.shape
+    N = b.shape[2]
+    a32, b32 = a.to(cd), b.to(cd)
+    if M < MIN_ROWS:
+        a32 = torch.cat([a32, a32.new_zeros(B, MIN_ROWS - M, K)], dim=1)
+    if N < MIN_ROWS:
+        b32 = torch.cat([b32, b32.new_zeros(B, K, MIN_ROWS - N)], dim=2)
+    out = torch.empty((B, a32.shape[1], b32.shape[2]), dtype=cd)
+    return torch.baddbmm(out, a32, b32, beta=0)[:, :M, :N].to(a.dtype)
 
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
