@@ -205,18 +205,28 @@ def rms_norm_backward(g, x, w, rstd, rows_per_block: int = 256):
     return dx, dw.to(w.dtype)
 
 
-def attention(q, k, v, causal: bool = True, scale: float | None = None, block_n: int = 64):
+def attention(q, k, v, causal: bool = True, scale: float | None = None, block_n: int = 64,
+              kv_lens: torch.Tensor | None = None):
     """Online softmax over fixed key blocks [0, block_n), [block_n, 2 block_n), ... in order;
     every product through :func:`bmm` (invariant in the number of queries), so token-by-token
-    decode over a KV cache equals full prefill bit for bit."""
+    decode over a KV cache equals full prefill bit for bit.
+
+    ``kv_lens`` (B,): sequence b has only its first ``kv_lens[b]`` keys (the rest is padding) and
+    its queries sit at the end of those. Blocks past a sequence's end are fully masked and leave
+    (m, l, acc) exactly unchanged (alpha = 1, p = 0), so a padded batch gives every sequence the
+    bits it gets alone."""
     B, H, Sq, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
+    if kv_lens is None:
+        kv_lens = torch.full((B,), Skv, dtype=torch.long)
+    kv_lens = torch.as_tensor(kv_lens, dtype=torch.long).reshape(B)
+    lens = kv_lens.repeat_interleave(Hkv)[:, None, None]           # (B*Hkv, 1, 1)
     scale = D ** -0.5 if scale is None else float(scale)
     g = H // Hkv
     qf = q.float().reshape(B * Hkv, g * Sq, D)        # queries of one KV head share the GEMMs
     kf = k.float().reshape(B * Hkv, Skv, D)
     vf = v.float().reshape(B * Hkv, Skv, D)
-    qpos = (torch.arange(Sq) + (Skv - Sq)).repeat(g)  # (g*Sq,)
+    qpos = torch.arange(Sq).repeat(g)[None, :, None] + (lens - Sq)  # (B*Hkv, g*Sq, 1)
     m = torch.full((B * Hkv, g * Sq), float("-inf"))
     l_ = torch.zeros(B * Hkv, g * Sq)
     acc = torch.zeros(B * Hkv, g * Sq, D)
@@ -227,9 +237,9 @@ def attention(q, k, v, causal: bool = True, scale: float | None = None, block_n:
             kb = torch.nn.functional.pad(kb, (0, 0, 0, block_n - kb.shape[1]))
             vb = torch.nn.functional.pad(vb, (0, 0, 0, block_n - vb.shape[1]))
         s = bmm(qf, kb.transpose(1, 2).contiguous()) * scale
-        invalid = (kpos >= Skv)[None, None, :]
+        invalid = kpos[None, None, :] >= lens
         if causal:
-            invalid = invalid | (kpos[None, None, :] > qpos[None, :, None])
+            invalid = invalid | (kpos[None, None, :] > qpos)
         s = s.masked_fill(invalid, float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)

@@ -244,7 +244,8 @@ def mean(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype=None,
 
 # ---------------------------------------------------------------- attention
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-              scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+              scale: float | None = None, backend: str = "auto",
+              kv_lens: torch.Tensor | None = None) -> torch.Tensor:
     """Causal (grouped-query) attention, q (B, H, Sq, D), k/v (B, Hkv, Skv, D), queries at the
     end of the keys. Prefill (Sq = Skv) and token-by-token decode over a KV cache (Sq = 1,
     Skv = t + 1) give the same bits for every query. Forward only."""
@@ -261,6 +262,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if Sq > k.shape[2]:
         raise InputError(f"more queries ({Sq}) than keys ({k.shape[2]})", field="q")
     be = resolve_backend(backend, q)
+    if kv_lens is not None:
+        # right-padded batch of sequences with their own key counts (CPU path only)
+        if be != "cpu":
+            raise InputError(f"kv_lens is supported by the cpu backend only, not {be!r}",
+                             field="kv_lens")
+        kl = torch.as_tensor(kv_lens).reshape(-1)
+        if kl.numel() != B or int(kl.min()) < Sq or int(kl.max()) > k.shape[2]:
+            raise InputError(f"kv_lens must hold {B} values in [{Sq}, {k.shape[2]}]",
+                             field="kv_lens")
+        return cpu.attention(q, k, v, causal, scale, kv_lens=kl)
     if be == "triton":
         if D & (D - 1) or D < 16:
             raise InputError(f"head dim must be a power of two >= 16 for Triton, got {D}", field="q")

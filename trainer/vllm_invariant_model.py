@@ -19,6 +19,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from skyrl_numerics.kernels import attention as inv_attention
+
 from .invariant_qwen3_moe import Dims, InvariantQwen3Moe, attend_one_sequence
 
 ARCH = "SkyrlInvariantQwen3MoeForCausalLM"
@@ -69,16 +71,31 @@ class SkyrlInvariantQwen3MoeForCausalLM(nn.Module):
         seq_lens = meta.seq_lens.tolist()
         out = torch.zeros_like(q)
         bs = self.block_size
+        # Requests with the same number of queries this step (all decodes: 1) share one call over
+        # a right-padded batch; kv_lens keeps each request's bits what they are alone (tested).
+        # (The padded batch is the CPU path's; on GPU each request runs alone.)
+        batched = q.device.type == "cpu"
+        by_len: dict[int, list[int]] = {}
         for r in range(len(qsl) - 1):
-            a, b = qsl[r], qsl[r + 1]
-            if b <= a:
-                continue
-            L = seq_lens[r]
-            nblk = -(-L // bs)
-            blocks = meta.block_table[r, :nblk].long()
-            idx = (blocks[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1)[:L]
-            out[a:b] = attend_one_sequence(q[a:b], cache[0, idx].to(q.dtype),
-                                           cache[1, idx].to(q.dtype), self.scale)
+            if qsl[r + 1] > qsl[r]:
+                by_len.setdefault(qsl[r + 1] - qsl[r] if batched else -r, []).append(r)
+        for reqs in by_len.values():
+            lens = [seq_lens[r] for r in reqs]
+            L = max(lens)
+            K = q.new_zeros((len(reqs), L, self.dims.kv_heads, self.dims.head_dim))
+            V = torch.zeros_like(K)
+            for j, r in enumerate(reqs):
+                nblk = -(-lens[j] // bs)
+                blocks = meta.block_table[r, :nblk].long()
+                idx = (blocks[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1)[:lens[j]]
+                K[j, :lens[j]] = cache[0, idx].to(q.dtype)
+                V[j, :lens[j]] = cache[1, idx].to(q.dtype)
+            Q = torch.stack([q[qsl[r]:qsl[r + 1]] for r in reqs])          # (n, sq, H, D)
+            o = inv_attention(Q.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2),
+                              causal=True, scale=self.scale,
+                              kv_lens=torch.tensor(lens) if len(reqs) > 1 else None)
+            for j, r in enumerate(reqs):
+                out[qsl[r]:qsl[r + 1]] = o[j].transpose(0, 1)
         return out
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
