@@ -10,7 +10,6 @@ Bad input prints one line ``error: <where>: <what>`` and exits with code 2, writ
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
