@@ -186,7 +186,7 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
     model_dir = build_tiny_model(family, seed=seed)
     ctx = DoctorContext(model_dir=model_dir, family=family)
     scenarios = list(dict.fromkeys(r.scenario for r in selected))
-    out_rows, rollouts = [], {}
+    out_rows, rollouts, scored = [], {}, {}
     with Progress(disable=not progress, transient=True) as prog:
         task = prog.add_task("starting vLLM engine", total=len(scenarios) + len(selected))
         gen = None
@@ -216,6 +216,11 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
             extra = {"scenario": row.scenario, "note": row.note,
                      "vLLM tok/s": ro.meta.get("tokens_per_s")}
             out_rows.append(ReportRow(row.name, report, np.abs(lp - ro.rollout_logprobs), extra))
+            # each scenario's rollout is kept with its first row's trainer logprobs, so the
+            # written file is a complete dump for `skyrl-numerics gap FILE`
+            if row.scenario not in scored:
+                scored[row.scenario] = ro.with_trainer_logprobs(lp)
+                scored[row.scenario].meta = {**ro.meta, "trainer": row.name}
             prog.advance(task)
     settings = dict(family=family, n_prompts=n_prompts, prompt_len=prompt_len,
                     max_tokens=max_tokens, seed=seed,
@@ -223,4 +228,4 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
                                    "description": SCENARIOS[s].description}
                                for s in scenarios})
     info = gen.info if gen is not None else info
-    return DoctorResult(out_rows, rollouts, info.name, info.version, model_dir, settings)
+    return DoctorResult(out_rows, scored, info.name, info.version, model_dir, settings)

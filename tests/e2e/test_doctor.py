@@ -31,6 +31,11 @@ def test_doctor_writes_ablation_report(tmp_path, vllm_qwen, capsys):
     replay = rows["top-p/top-k: + support replay"]["summary"]
     assert replay["mean_abs"] < 5 * base["mean_abs"] and replay["F_2"] == 0.0
     assert (out / "gap.png").read_bytes()[:4] == b"\x89PNG"
+    # the written rollout is a complete dump: `gap FILE` reproduces the baseline row
+    assert main(["gap", str(out / "rollout-full.safetensors"), "--out", str(tmp_path / "g")]) == 0
+    again = json.loads((tmp_path / "g" / "report.json").read_text())
+    assert again["engine_version"] == "0.32.0"
+    assert again["summary"]["mean_abs"] == base["mean_abs"]
 
 
 def test_doctor_fake_quant_rows(tmp_path, vllm_qwen, capsys):
