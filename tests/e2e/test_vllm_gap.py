@@ -86,3 +86,18 @@ def test_trainer_batch_split_changes_only_padded_rows(rollout, hf):
                 np.testing.assert_array_equal(a[s], b[s], err_msg=f"row {i}, batch size {bs}")
             moved += int((a[s] != b[s]).sum())
     assert moved > 0, "padding never changed a logprob: stock CPU kernels were invariant here"
+
+
+def test_generator_rejects_bad_input_before_the_engine(vllm_qwen):
+    from skyrl_numerics.errors import InputError
+
+    with pytest.raises(InputError, match="row 1, field 'prompts'.*outside the vocabulary"):
+        vllm_qwen.generate([[3, 4], [5, 512]], max_tokens=4)
+    with pytest.raises(InputError, match="row 0, field 'prompts': empty prompt"):
+        vllm_qwen.generate([[]], max_tokens=4)
+    with pytest.raises(InputError, match="exceeds max_model_len"):
+        vllm_qwen.generate([[3] * 1000], max_tokens=100)
+    with pytest.raises(InputError, match="top_k"):
+        vllm_qwen.generate([[3, 4]], max_tokens=4, capture_support=True)
+    with pytest.raises(InputError, match="no prompts"):
+        vllm_qwen.generate([], max_tokens=4)
