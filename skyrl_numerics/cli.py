@@ -86,7 +86,7 @@ def _cmd_train(args) -> int:
                          field="configs")
     settings = LoopSettings(steps=args.steps, prompts_per_step=args.prompts,
                             samples_per_prompt=args.samples, max_tokens=args.max_tokens,
-                            seed=args.seed)
+                            seed=args.seed, off_policy=1 if args.async_ else 0)
     out = Path(args.out)
     res = run_loop(build_tiny_model("qwen3_moe", seed=args.seed), [CONFIGS[n] for n in names],
                    settings, use_ray=args.ray, work_dir=out / "sync",
@@ -161,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-tokens", type=int, default=16)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--ray", action="store_true", help="generator and trainer as Ray actors")
+    t.add_argument("--async", dest="async_", action="store_true",
+                   help="one-step off-policy: generate step s+1 while step s trains")
     t.add_argument("--out", default="artifacts/train")
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(func=_cmd_train)

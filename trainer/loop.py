@@ -76,6 +76,10 @@ class LoopSettings:
     top_k: int = 16
     seed: int = 0
     snapshot_every: int = 10
+    # 0: on-policy (each rollout uses the weights of the step before). 1: the next rollout is
+    # generated while the trainer updates (with Ray, concurrently), so it lags one version —
+    # the asynchronous setup where off-policy corrections earn their keep.
+    off_policy: int = 0
 
 
 # ---- workers (plain classes; Ray actors when use_ray) ----------------------------------------
@@ -190,7 +194,8 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
              task: TargetSetTask | None = None, use_ray: bool = False, work_dir=None,
              progress: bool = True) -> LoopResult:
     """Run ``settings.steps`` GRPO steps for each configuration; return per-step metrics.
-    The engine gets the checkpoint's weights back at the end (it may be a shared, cached one)."""
+    The engine gets the checkpoint's weights back at the end (it may be a shared, cached one).
+    ``settings.off_policy = 1`` overlaps generation of step s+1 with the update of step s."""
     from rich.progress import Progress
 
     from skyrl_numerics.doctor import make_prompts
@@ -225,9 +230,18 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
                 trn = Trn.remote(*args) if use_ray else Trn(*args)
                 get(call(gen, "attach", sync_dir))
                 rows = history[cfg.name] = []
-                for step in range(s.steps):
+
+                def launch(step):
                     prompts = make_prompts(s.prompts_per_step, s.prompt_len, 512, s.seed + step)
-                    ro_ref = call(gen, "generate", prompts, seed=s.seed + 1000 * step, **sampling)
+                    return call(gen, "generate", prompts, seed=s.seed + 1000 * step, **sampling)
+
+                pending = launch(0)
+                for step in range(s.steps):
+                    ro_ref = pending
+                    if s.off_policy and step + 1 < s.steps:
+                        # queued on the generator before this step's sync: it samples with the
+                        # current (soon stale) weights while the trainer works
+                        pending = launch(step + 1)
                     rollout = get(ro_ref)
                     rewards = task.reward(rollout)
                     old = get(call(trn, "logprobs", ro_ref if use_ray else rollout))
@@ -235,8 +249,11 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
                     m = get(call(trn, "step", ro_ref if use_ray else rollout, rewards, old))
                     pub = get(call(trn, "publish"))
                     syn = get(call(gen, "sync"))
+                    if not s.off_policy and step + 1 < s.steps:
+                        pending = launch(step + 1)
                     summ = g.summary()
                     rows.append({"step": step, "reward": float(rewards.mean()),
+                                 "rollout_lag": s.off_policy if step else 0,
                                  "gap_mean_abs": summ["mean_abs"], "gap_F2": summ["F_2"],
                                  "gap_kl_k3": summ["kl_k3"], "loss": m["loss"],
                                  "clipfrac": m["clipfrac"], "entropy": m["entropy"],
