@@ -40,7 +40,20 @@ def representable_range(q: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
     return dequantize(_filled(q, 1), torch.float32), dequantize(_filled(q, 0), torch.float32)
 
 
-class _FakeQuantSTE(torch.autograd.Function):
+class STEFunction(torch.autograd.Function):
+    """Straight-through backward shared by the torch and Triton fake-quant functions: the
+    gradient passes unchanged, or (``ctx.clip``) only where ``x`` was inside the representable
+    range (the mask ``forward`` saved)."""
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.clip:
+            (mask,) = ctx.saved_tensors
+            g = g * mask.to(g.dtype)
+        return g, None, None, None
+
+
+class _FakeQuantSTE(STEFunction):
     @staticmethod
     def forward(ctx, x, recipe, clip, opts):
         q = quantize(x, recipe, **opts)
@@ -50,13 +63,6 @@ class _FakeQuantSTE(torch.autograd.Function):
             ctx.save_for_backward((xf >= lo) & (xf <= hi))
         ctx.clip = clip
         return dequantize(q, x.dtype)
-
-    @staticmethod
-    def backward(ctx, g):
-        if ctx.clip:
-            (mask,) = ctx.saved_tensors
-            g = g * mask.to(g.dtype)
-        return g, None, None, None
 
 
 def ste_fake_quant(x: torch.Tensor, recipe: str, clip: bool = False, **opts) -> torch.Tensor:

@@ -22,6 +22,8 @@ import torch
 
 from skyrl_numerics.errors import InputError
 
+from .ste import STEFunction
+
 try:  # triton is optional: the reference recipes never need it
     import triton
     import triton.language as tl
@@ -264,7 +266,7 @@ def fake_quant_triton(x: torch.Tensor, recipe: str, *, clip_mask: bool = False, 
     return (out, mask.view(x.shape)) if clip_mask else out
 
 
-class _TritonSTE(torch.autograd.Function):
+class _TritonSTE(STEFunction):
     @staticmethod
     def forward(ctx, x, recipe, clip, opts):
         if clip:
@@ -274,13 +276,6 @@ class _TritonSTE(torch.autograd.Function):
             y = fake_quant_triton(x.detach(), recipe, **opts)
         ctx.clip = clip
         return y
-
-    @staticmethod
-    def backward(ctx, g):
-        if ctx.clip:
-            (mask,) = ctx.saved_tensors
-            g = g * mask.to(g.dtype)
-        return g, None, None, None
 
 
 def ste_fake_quant_triton(x: torch.Tensor, recipe: str, clip: bool = False, **opts) -> torch.Tensor:

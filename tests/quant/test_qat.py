@@ -4,7 +4,7 @@ import torch
 from torch.nn.utils import parametrize
 
 from skyrl_numerics.errors import InputError
-from qmodels import tiny_qwen3_moe
+from qmodels import fake_quant_experts_, tiny_qwen3_moe
 
 from skyrl_numerics.quant import QATRule, apply_qat, fake_quant, remove_qat, ste_fake_quant
 
@@ -42,15 +42,10 @@ def _manual_copy(model):
     by explicit hooks — what apply_qat must reproduce bit for bit."""
     ref = tiny_qwen3_moe()
     ref.load_state_dict(model.state_dict())
+    fake_quant_experts_(ref, "nvfp4", convention="te")
     with torch.no_grad():
         for name, mod in ref.named_modules():
-            if name.endswith("mlp.experts"):
-                for pname in ("gate_up_proj", "down_proj"):
-                    p = getattr(mod, pname)
-                    for e in range(p.shape[0]):
-                        halves = p[e].chunk(2, 0) if pname == "gate_up_proj" else (p[e],)
-                        p[e] = torch.cat([fake_quant(h, "nvfp4", convention="te") for h in halves], 0)
-            elif name.endswith("_proj") and ".self_attn." in name:
+            if name.endswith("_proj") and ".self_attn." in name:
                 mod.weight.copy_(fake_quant(mod.weight, "fp8_block", block=(128, 128)))
                 mod.register_forward_pre_hook(lambda m, a: (ste_fake_quant(a[0], "fp8_block"),))
     return ref

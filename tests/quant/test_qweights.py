@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.nn.utils import parametrize
 
-from qmodels import tiny_qwen3_moe
+from qmodels import fake_quant_experts_, tiny_qwen3_moe
 from skyrl_numerics.quant import fake_quant
 from skyrl_numerics.quant.checkpoint import write_quantized_checkpoint
 from skyrl_numerics.quant.qweights import load_quantized_weights
@@ -22,15 +22,10 @@ def test_run_from_quantized_checkpoint(tmp_path, fmt, recipe, opts):
 
     ref = tiny_qwen3_moe().to(torch.bfloat16)
     ref.load_state_dict(src.state_dict())
+    fake_quant_experts_(ref, recipe, **opts)
     with torch.no_grad():
         for name, mod in ref.named_modules():
-            if name.endswith("mlp.experts"):
-                for pname in ("gate_up_proj", "down_proj"):
-                    p = getattr(mod, pname)
-                    for e in range(p.shape[0]):
-                        halves = p[e].chunk(2, 0) if pname == "gate_up_proj" else (p[e],)
-                        p[e] = torch.cat([fake_quant(h, recipe, **opts) for h in halves], 0)
-            elif name.endswith("self_attn.q_proj"):
+            if name.endswith("self_attn.q_proj"):
                 mod.weight.copy_(fake_quant(mod.weight, recipe, **opts))
 
     model = tiny_qwen3_moe(seed=123).to(torch.bfloat16)          # different random init
