@@ -27,7 +27,7 @@ def main() -> None:
     from skyrl_numerics.doctor import make_prompts
     from skyrl_numerics.models import build_tiny_model, load_hf_model
     from skyrl_numerics.trainer import VLLMGenerator, trainer_logprobs
-    from skyrl_numerics.trainer.invariant_qwen3_moe import (InvariantQwen3Moe,
+    from skyrl_numerics.trainer.invariant.qwen3_moe import (InvariantQwen3Moe,
                                                             invariant_trainer_logprobs)
 
     model_dir = build_tiny_model("qwen3_moe")

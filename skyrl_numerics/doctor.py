@@ -32,7 +32,7 @@ class Scenario:
 
 def _fake_quant_serving(recipe: str):
     def serve(model_dir: Path) -> Path:
-        from skyrl_numerics.trainer.serving_checkpoint import write_fake_quant_checkpoint
+        from skyrl_numerics.trainer.engine.serving_checkpoint import write_fake_quant_checkpoint
 
         return write_fake_quant_checkpoint(model_dir, recipe)
     return serve
@@ -68,7 +68,7 @@ class DoctorContext:
             model = load_hf_model(self.model_dir, dtype=dtype)
             if qat is not None:
                 from skyrl_numerics.quant import apply_qat
-                from skyrl_numerics.trainer.serving_checkpoint import qat_rules
+                from skyrl_numerics.trainer.engine.serving_checkpoint import qat_rules
 
                 apply_qat(model, qat_rules(qat))
             self._models[key] = model
@@ -122,7 +122,7 @@ register_row(Row("top-p/top-k: + support replay + R3", "top-p/top-k",
                  _plain_trainer(None, use_support=True, use_routes=True),
                  note="both replays"))
 def _invariant_trainer(ctx: DoctorContext, rollout: Rollout) -> np.ndarray:
-    from skyrl_numerics.trainer.invariant_qwen3_moe import (InvariantQwen3Moe,
+    from skyrl_numerics.trainer.invariant.qwen3_moe import (InvariantQwen3Moe,
                                                             invariant_trainer_logprobs)
 
     if "invariant" not in ctx._models:
@@ -174,7 +174,7 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
     from skyrl_numerics.gap import measure
     from skyrl_numerics.models import build_tiny_model
     from skyrl_numerics.report import ReportRow
-    from skyrl_numerics.trainer.generator import VLLMGenerator, get_generator
+    from skyrl_numerics.trainer.engine.generator import VLLMGenerator, get_generator
 
     selected = [r for r in ROWS if (r.name in rows if rows else r.default)
                 and family in r.families]

@@ -87,7 +87,7 @@ class GeneratorWorker:
     """Owns the vLLM engine and a delta receiver; applies new versions to the engine in place."""
 
     def __init__(self, model_dir: str):
-        from skyrl_numerics.trainer.generator import get_generator
+        from skyrl_numerics.trainer.engine.generator import get_generator
 
         self.model_dir = model_dir
         self.gen = get_generator(model_dir, capture_routes=True)
@@ -97,7 +97,7 @@ class GeneratorWorker:
         """Put the checkpoint's own weights back into the (possibly shared, cached) engine."""
         from safetensors.torch import load_file
 
-        from skyrl_numerics.trainer.weight_sync_vllm import update_vllm_weights
+        from skyrl_numerics.trainer.sync.vllm import update_vllm_weights
 
         update_vllm_weights(self.gen, load_file(str(Path(self.model_dir) / "model.safetensors")))
 
@@ -107,8 +107,8 @@ class GeneratorWorker:
 
     def attach(self, sync_dir: str) -> dict:
         """Follow a new publisher (a new configuration): load its full snapshot into the engine."""
-        from skyrl_numerics.trainer.weight_sync import DeltaReceiver
-        from skyrl_numerics.trainer.weight_sync_vllm import update_vllm_weights
+        from skyrl_numerics.trainer.sync.weight_sync import DeltaReceiver
+        from skyrl_numerics.trainer.sync.vllm import update_vllm_weights
 
         self.receiver = DeltaReceiver(sync_dir)
         applied = self.receiver.sync()
@@ -117,7 +117,7 @@ class GeneratorWorker:
                 "engine_update_s": up.total_s}
 
     def sync(self) -> dict:
-        from skyrl_numerics.trainer.weight_sync_vllm import update_vllm_weights
+        from skyrl_numerics.trainer.sync.vllm import update_vllm_weights
 
         applied = self.receiver.sync()
         changed = sorted({n for m in applied for n in m.changed})
@@ -139,8 +139,8 @@ class TrainerWorker:
 
         from skyrl_numerics import correction as corr
         from skyrl_numerics.models import load_hf_model
-        from skyrl_numerics.trainer.fsdp import FSDPTrainer, TrainerConfig
-        from skyrl_numerics.trainer.weight_sync import DeltaPublisher
+        from skyrl_numerics.trainer.fsdp.trainer import FSDPTrainer, TrainerConfig
+        from skyrl_numerics.trainer.sync.weight_sync import DeltaPublisher
 
         fn = None
         if config.correction:
@@ -155,7 +155,7 @@ class TrainerWorker:
         """The weights as the engine serves them: checkpoint names, bf16."""
         import torch
 
-        from skyrl_numerics.trainer.weight_sync_vllm import checkpoint_state_dict
+        from skyrl_numerics.trainer.sync.vllm import checkpoint_state_dict
 
         sd = checkpoint_state_dict(self.trainer.model)
         return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in sd.items()}

@@ -1,6 +1,6 @@
 """Bitwise-identical logprobs between the real vLLM CPU engine and the trainer, every token.
 
-Both run ``trainer/invariant_qwen3_moe.py``: vLLM as an out-of-tree model over its paged KV cache
+Both run ``trainer/invariant/qwen3_moe.py``: vLLM as an out-of-tree model over its paged KV cache
 (continuous batching, prefill + token-by-token decode, prefix caching on), the trainer as packed
 full-sequence forwards. Nothing is mocked.
 """
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from skyrl_numerics.doctor import make_prompts
-from skyrl_numerics.trainer.invariant_qwen3_moe import (InvariantQwen3Moe,
+from skyrl_numerics.trainer.invariant.qwen3_moe import (InvariantQwen3Moe,
                                                         invariant_trainer_logprobs)
 
 pytestmark = pytest.mark.vllm

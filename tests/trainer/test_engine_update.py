@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from skyrl_numerics.errors import InputError
-from skyrl_numerics.trainer.weight_sync_vllm import (
+from skyrl_numerics.trainer.sync.vllm import (
     _block_of,
     check_complete_blocks,
     checkpoint_names,
@@ -42,7 +42,7 @@ def test_blocks():
 
 
 def test_update_needs_a_running_engine():
-    from skyrl_numerics.trainer.weight_sync_vllm import update_vllm_weights
+    from skyrl_numerics.trainer.sync.vllm import update_vllm_weights
 
     class Closed:  # a VLLMGenerator after close(): .llm is None
         llm = None
@@ -79,8 +79,8 @@ def _perturbed(model, scale=0.01, seed=0):
 def test_engine_picks_up_synced_weights(vllm_qwen, qwen_moe_dir, tmp_path):
     from skyrl_numerics.models import load_hf_model
     from skyrl_numerics.trainer.logprobs import trainer_logprobs
-    from skyrl_numerics.trainer.weight_sync import DeltaPublisher, DeltaReceiver
-    from skyrl_numerics.trainer.weight_sync_vllm import engine_weight_digest, update_vllm_weights
+    from skyrl_numerics.trainer.sync.weight_sync import DeltaPublisher, DeltaReceiver
+    from skyrl_numerics.trainer.sync.vllm import engine_weight_digest, update_vllm_weights
 
     gen = vllm_qwen
     try:

@@ -13,11 +13,11 @@ from skyrl_numerics import correction
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.models import build_tiny_model, load_hf_model
 from skyrl_numerics.rollout import Rollout
-from skyrl_numerics.trainer.checkpoint import load_checkpoint, save_checkpoint
-from skyrl_numerics.trainer.forward import policy_logprobs
-from skyrl_numerics.trainer.fsdp import FSDPTrainer, TrainerConfig
+from skyrl_numerics.trainer.fsdp.checkpoint import load_checkpoint, save_checkpoint
+from skyrl_numerics.trainer.fsdp.forward import policy_logprobs
+from skyrl_numerics.trainer.fsdp.trainer import FSDPTrainer, TrainerConfig
 from skyrl_numerics.trainer.logprobs import trainer_logprobs
-from skyrl_numerics.trainer.lora import apply_lora, merge_lora_state_dict
+from skyrl_numerics.trainer.fsdp.lora import apply_lora, merge_lora_state_dict
 
 LENS = [5, 9, 3, 7, 6, 4, 8, 2]
 

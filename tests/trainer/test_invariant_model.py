@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from skyrl_numerics.models import load_hf_model
-from skyrl_numerics.trainer.invariant_qwen3_moe import InvariantQwen3Moe, attend_one_sequence
+from skyrl_numerics.trainer.invariant.qwen3_moe import InvariantQwen3Moe, attend_one_sequence
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 
 from skyrl_numerics.models import build_tiny_model, load_hf_model
 from skyrl_numerics.quant import apply_qat, fake_quant
-from skyrl_numerics.trainer.serving_checkpoint import qat_rules, write_fake_quant_checkpoint
+from skyrl_numerics.trainer.engine.serving_checkpoint import qat_rules, write_fake_quant_checkpoint
 
 
 @pytest.mark.parametrize("recipe", ["nvfp4", "int4_g32"])

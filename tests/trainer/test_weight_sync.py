@@ -13,14 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from skyrl_numerics.errors import InputError
-from skyrl_numerics.trainer.weight_sync import (
+from skyrl_numerics.trainer.sync.weight_sync import (
     DeltaPublisher,
     DeltaReceiver,
     Manifest,
     list_versions,
     manifest_path,
 )
-from skyrl_numerics.trainer.weight_sync_codec import (
+from skyrl_numerics.trainer.sync.codec import (
     Zstd,
     digest,
     shuffle,
@@ -29,7 +29,7 @@ from skyrl_numerics.trainer.weight_sync_codec import (
     xor_bytes,
     xor_reference,
 )
-from skyrl_numerics.trainer.weight_sync_store import SyncStore
+from skyrl_numerics.trainer.sync.store import SyncStore
 
 DTYPES = [torch.bfloat16, torch.float32, torch.float8_e4m3fn]
 

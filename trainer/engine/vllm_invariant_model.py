@@ -1,10 +1,10 @@
 """The batch-invariant Qwen3-MoE as a vLLM out-of-tree model (``SkyrlInvariantQwen3MoeForCausalLM``).
 
-Registered by the ``vllm.general_plugins`` entry point (``skyrl_numerics.trainer.vllm_plugin``)
+Registered by the ``vllm.general_plugins`` entry point (``skyrl_numerics.trainer.engine.vllm_plugin``)
 and selected per engine with ``hf_overrides={"architectures": [ARCH]}``, so the checkpoint stays
 a plain HF Qwen3-MoE. vLLM keeps doing what it is good at — scheduling, continuous batching,
 prefix caching, the paged KV cache, sampling — while every number of the forward comes from
-:mod:`skyrl_numerics.trainer.invariant_qwen3_moe`, the function the trainer runs.
+:mod:`skyrl_numerics.trainer.invariant.qwen3_moe`, the function the trainer runs.
 
 Attention: vLLM's ``Attention`` layers are created only so vLLM allocates and binds a KV cache
 per layer and builds the per-step metadata. This model writes K/V into that cache itself
@@ -21,7 +21,7 @@ from torch import nn
 
 from skyrl_numerics.kernels import attention as inv_attention
 
-from .invariant_qwen3_moe import Dims, InvariantQwen3Moe, attend_one_sequence
+from ..invariant.qwen3_moe import Dims, InvariantQwen3Moe, attend_one_sequence
 
 ARCH = "SkyrlInvariantQwen3MoeForCausalLM"
 

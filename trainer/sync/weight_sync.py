@@ -34,7 +34,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from skyrl_numerics.errors import InputError
-from skyrl_numerics.trainer.weight_sync_codec import (
+from skyrl_numerics.trainer.sync.codec import (
     DIGEST,
     Scratch,
     Zstd,
@@ -48,7 +48,7 @@ from skyrl_numerics.trainer.weight_sync_codec import (
     verify,
     xor_bytes,
 )
-from skyrl_numerics.trainer.weight_sync_store import SyncStore
+from skyrl_numerics.trainer.sync.store import SyncStore
 
 FORMAT = "skyrl-numerics.weight-sync"
 FORMAT_VERSION = 1

@@ -50,7 +50,7 @@ from typing import Any, Iterable, Mapping
 
 from skyrl_numerics.errors import InputError
 
-WORKER_EXTENSION = "skyrl_numerics.trainer.weight_sync_vllm.WeightSyncWorkerExtension"
+WORKER_EXTENSION = "skyrl_numerics.trainer.sync.vllm.WeightSyncWorkerExtension"
 _STAGING_FILE = "model.safetensors"
 
 

@@ -37,9 +37,9 @@ import torch
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.rollout import Rollout
 
-from .dist import rank_and_world, shard_rows
+from ..dist import rank_and_world, shard_rows
 from .forward import PolicyModel, make_micro_batch
-from .losses import AGGREGATIONS, compute_advantages, masked_mean, ppo_clip_loss, token_advantages
+from ..losses import AGGREGATIONS, compute_advantages, masked_mean, ppo_clip_loss, token_advantages
 
 __all__ = ["TrainerConfig", "FSDPTrainer"]
 
@@ -115,7 +115,7 @@ def _apply_qat(model, qat):
     from skyrl_numerics.quant import apply_qat
 
     if isinstance(qat, str):
-        from .serving_checkpoint import qat_rules
+        from ..engine.serving_checkpoint import qat_rules
 
         qat = qat_rules(qat)
     apply_qat(model, qat)

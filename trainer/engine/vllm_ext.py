@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .weight_sync_vllm import WeightSyncWorkerExtension
+from ..sync.vllm import WeightSyncWorkerExtension
 
 
 class _RouteStore:
@@ -147,7 +147,7 @@ class _RouteStore:
 
 class SkyrlWorkerExtension(WeightSyncWorkerExtension):
     """Methods vLLM mixes into its worker (``worker_extension_cls``): route capture here, in-place
-    weight loading from :class:`~skyrl_numerics.trainer.weight_sync_vllm.WeightSyncWorkerExtension`
+    weight loading from :class:`~skyrl_numerics.trainer.sync.vllm.WeightSyncWorkerExtension`
     (vLLM takes one extension class per engine)."""
 
     def skyrl_route_capture_start(self) -> dict:

@@ -29,7 +29,7 @@ import torch
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.rollout import Rollout
 
-from .logprobs import _decoder_and_head, token_logprobs_from_hidden
+from ..logprobs import _decoder_and_head, token_logprobs_from_hidden
 
 __all__ = ["PolicyModel", "MicroBatch", "make_micro_batch", "policy_logprobs", "support_subset"]
 

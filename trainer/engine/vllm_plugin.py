@@ -10,4 +10,4 @@ def register() -> None:
 
     if ARCH not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(
-            ARCH, "skyrl_numerics.trainer.vllm_invariant_model:SkyrlInvariantQwen3MoeForCausalLM")
+            ARCH, "skyrl_numerics.trainer.engine.vllm_invariant_model:SkyrlInvariantQwen3MoeForCausalLM")

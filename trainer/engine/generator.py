@@ -21,7 +21,7 @@ import numpy as np
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.rollout import Rollout
 
-WORKER_EXTENSION = "skyrl_numerics.trainer.vllm_ext.SkyrlWorkerExtension"
+WORKER_EXTENSION = "skyrl_numerics.trainer.engine.vllm_ext.SkyrlWorkerExtension"
 
 
 def _on_gpu() -> bool:
@@ -60,7 +60,7 @@ class VLLMGenerator:
         self.model_dir = str(model_dir)
         self.batch_invariant = batch_invariant
         if batch_invariant:
-            # The same invariant forward the trainer runs (trainer/invariant_qwen3_moe.py),
+            # The same invariant forward the trainer runs (trainer/invariant/qwen3_moe.py),
             # as an out-of-tree model registered by our vllm.general_plugins entry point.
             from .vllm_invariant_model import ARCH
 
@@ -69,7 +69,7 @@ class VLLMGenerator:
                                  "engine's routing is the trainer's, bit for bit")
             engine_kwargs.setdefault("hf_overrides", {})["architectures"] = [ARCH]
         # GPU vLLM returns routed experts itself (V2 model runner); vLLM CPU does not, so there
-        # the worker extension captures them (trainer/vllm_ext.py).
+        # the worker extension captures them (trainer/engine/vllm_ext.py).
         self.native_routes = bool(capture_routes) and _on_gpu()
         if self.native_routes:
             engine_kwargs["enable_return_routed_experts"] = True

@@ -1,0 +1,1 @@
+"""The FSDP2 trainer: policy forward over HF models, the training step, LoRA, checkpoints."""
