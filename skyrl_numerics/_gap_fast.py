@@ -323,7 +323,11 @@ def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK, threads: int
     if sa_ is None or sd_ is None:
         return None
     p50, p99 = (_lerp(sa_[lo], sa_[hi], g) for lo, hi, g in qa)
-    r1_, r99 = (_lerp(math.exp(sd_[lo]), math.exp(sd_[hi]), g) for lo, hi, g in qd)
+    # r = e^d through numpy's exp ufunc (as the reference does over the whole array): libm's
+    # math.exp can differ from numpy's SIMD exp in the last ulp
+    ks = sorted(sd_)
+    ex = dict(zip(ks, np.exp(np.array([sd_[k] for k in ks], np.float64)).tolist()))
+    r1_, r99 = (_lerp(ex[lo], ex[hi], g) for lo, hi, g in qd)
     return {
         "n": n, "sum_abs": sum_abs, "max_abs": max(d_max, -d_min),
         "p50_abs": p50, "p99_abs": p99, "ratio_p1": r1_, "ratio_p99": r99,
