@@ -12,7 +12,7 @@ tokens. All bounds are inclusive, all comparisons are done on logs (no overflow)
 
 ==================  ========================================================================
 ``token_tis``       w_t = min(r_t, C)                                    (truncated IS)
-``sequence_tis``    w_t = min(Π r, C) = exp(min(S_i, ln C)) on every token of sequence i
+``sequence_tis``    w_t = min(Π r, C) = min(exp(S_i), C) on every token of sequence i
 ``geometric_mask``  keep sequence i iff lo ≤ exp(S_i / L_i) ≤ hi         (geo-mean ratio)
 ``product_mask``    keep sequence i iff lo ≤ exp(S_i) ≤ hi               (sequence RS)
 ``outlier_veto``    drop sequence i iff some token has r_t < lo or r_t > hi
@@ -24,7 +24,11 @@ How to use the result: ``loss = Σ (loss_weights · ℓ_t) / Σ mask`` where ``l
 weights · mask``. For MIS this is the decoupled form of slime PR #657 / verl #3915 (IS weights
 and rejection mask kept apart so rejected tokens leave the denominator too); C defaults to hi,
 where truncation is a no-op on kept tokens. ``combine`` chains corrections (weights multiply,
-masks AND), e.g. token TIS + geometric mask + veto, the SkyRL recipe.
+masks AND), e.g. token TIS + geometric mask + veto. ``order="skyrl"`` (default) runs the
+parts as SkyRL does: veto → token mask → TIS → sequence mask, each re-computed on the mask
+left by the previous step; ``order="verl"`` computes every part on the original mask (verl's
+rollout correction) and then multiplies / ANDs. Clipped weights are exactly C (``min(r, C)``
+in float64; a float32 output is never rounded above C).
 
 Metrics (floats): ``n_tokens`` / ``n_seqs`` (valid tokens, sequences with ≥ 1 valid token),
 ``frac_tokens_masked`` (valid tokens removed), ``frac_seqs_masked`` (sequences left with no
@@ -55,6 +59,7 @@ class Correction:
     mask: object
     metrics: dict
     _state: tuple = field(default=None, repr=False, compare=False)  # padded (batch, w, keep)
+    _recipe: object = field(default=None, repr=False, compare=False)  # batch -> (w, keep, clipped, extra)
 
     @property
     def loss_weights(self):
@@ -157,6 +162,17 @@ class _Batch:
             if bool(bad.any()):
                 self._raise_at(bad, fld, "not finite", values=x)
 
+    def restrict(self, keep) -> "_Batch":
+        """The same batch with ``valid`` narrowed to ``keep`` (d zeroed elsewhere)."""
+        import copy
+
+        import torch
+
+        b = copy.copy(self)
+        b.valid = keep & self.valid
+        b.d = torch.where(b.valid, self.d, torch.zeros((), dtype=self.d.dtype, device=self.d.device))
+        return b
+
     def out(self, x):
         """Padded [B, T] tensor -> the input's layout and kind."""
         if self.cu is not None:
@@ -186,16 +202,39 @@ def _metrics(batch: _Batch, w, keep, clipped) -> dict:
     }
 
 
-def _finish(name, batch: _Batch, logw, keep, clipped, extra=None) -> Correction:
-    """Build the Correction from padded log-weights, keep mask and clipped mask."""
+def _capped(w, cap):
+    """``min(w, cap)`` that never exceeds ``cap`` (``exp(min(d, ln C))`` can: ``C = 3`` gives
+    3.0000000000000004 in float64)."""
+    import torch
+
+    return torch.clamp(w, max=cap)
+
+
+def _finish(name, batch: _Batch, w, keep, clipped, extra=None, *, cap=None, recipe=None) -> Correction:
+    """Build the Correction from padded weights, keep mask and clipped mask."""
     import torch
 
     valid = batch.valid
     keep = keep & valid
-    w = torch.where(valid, torch.exp(logw), torch.zeros((), dtype=torch.float64, device=valid.device))
+    w = torch.where(valid, w, torch.zeros((), dtype=torch.float64, device=valid.device))
     metrics = _metrics(batch, w, keep, clipped)
     metrics.update(extra or {})
-    return Correction(name, batch.out(w), batch.out(keep), metrics, _state=(batch, w, keep))
+    out_w = batch.out(w)
+    if cap is not None:
+        out_w = _below_cap(out_w, cap)
+    return Correction(name, out_w, batch.out(keep), metrics, _state=(batch, w, keep), _recipe=recipe)
+
+
+def _below_cap(x, cap):
+    """A float32 output whose rounding went above ``cap`` steps one ulp down (weights ≤ C exactly)."""
+    import torch
+
+    if isinstance(x, np.ndarray) or x.dtype == torch.float64:
+        return x
+    over = x.double() > cap
+    if bool(over.any()):
+        x = torch.where(over, torch.nextafter(x, torch.zeros((), dtype=x.dtype, device=x.device)), x)
+    return x
 
 
 def _log_bound(x, default=None):
@@ -222,27 +261,54 @@ def _seq_sum(batch):
 
 
 # -- corrections ------------------------------------------------------------------------------
+# Each method is a function of the batch (its d and its valid mask), so combine(order="skyrl") can
+# re-run it on the mask left by the previous step. Stages give SkyRL's order.
+_STAGE = {"outlier_veto": 0, "token_mask": 1, "masked_is": 1, "token_tis": 2, "sequence_tis": 2,
+          "geometric_mask": 3, "product_mask": 3}
+
+
+def _run(name, b, compute, cap=None) -> Correction:
+    w, keep, clipped, extra = compute(b)
+    return _finish(name, b, w, keep, clipped, extra, cap=cap, recipe=compute)
+
+
+def _ones(b):
+    import torch
+
+    return torch.ones_like(b.d)
+
+
 def token_tis(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, cap: float = 2.0) -> Correction:
-    """Token truncated IS: ``w_t = min(r_t, C)``; nothing masked. (SkyRL ML4 recipe: C = 2.)"""
+    """Token truncated IS: ``w_t = min(r_t, C)`` (never above C); nothing masked. (SkyRL ML4 recipe: C = 2.)"""
     import torch
 
     b = _Batch(trainer_logprobs, rollout_logprobs, mask, cu_seqlens)
-    lc = _log_bound(cap)
-    return _finish("token_tis", b, torch.clamp(b.d, max=lc), b.valid, b.d > lc)
+    _log_bound(cap)
+    c = float(cap)
+
+    def compute(b):
+        r = torch.exp(b.d)
+        return _capped(r, c), b.valid, r > c, {}
+    return _run("token_tis", b, compute, cap=c)
 
 
 def sequence_tis(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, cap: float = 5.0) -> Correction:
-    """Sequence truncated IS: ``w_i = min(Π_t r_t, C) = exp(min(S_i, ln C))`` on all tokens of i."""
-    import torch
-
+    """Sequence truncated IS: ``w_i = min(Π_t r_t, C) = min(exp(S_i), C)`` on all tokens of i."""
     b = _Batch(trainer_logprobs, rollout_logprobs, mask, cu_seqlens)
-    lc = _log_bound(cap)
-    s = _seq_sum(b)
-    clipped_seq = (s > lc) & b.valid.any(dim=1)
-    logw = torch.clamp(s, max=lc)[:, None].expand_as(b.d)
-    n_seq = max(int(b.valid.any(dim=1).sum()), 1)
-    return _finish("sequence_tis", b, logw, b.valid, clipped_seq[:, None].expand_as(b.d),
-                   {"frac_seqs_clipped": int(clipped_seq.sum()) / n_seq})
+    _log_bound(cap)
+    c = float(cap)
+
+    def compute(b):
+        import torch
+
+        with torch.no_grad():
+            ps = torch.exp(_seq_sum(b))            # may be inf: min(inf, C) = C
+        has = b.valid.any(dim=1)
+        clipped_seq = (ps > c) & has
+        w = _capped(ps, c)[:, None].expand_as(b.d)
+        n_seq = max(int(has.sum()), 1)
+        return w, b.valid, clipped_seq[:, None].expand_as(b.d), {"frac_seqs_clipped": int(clipped_seq.sum()) / n_seq}
+    return _run("sequence_tis", b, compute, cap=c)
 
 
 def geometric_mask(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, lo: float | None = None,
@@ -252,10 +318,13 @@ def geometric_mask(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=
 
     b = _Batch(trainer_logprobs, rollout_logprobs, mask, cu_seqlens)
     llo, lhi = _bounds(lo, hi)
-    n = b.valid.sum(dim=1)
-    g = _seq_sum(b) / n.clamp(min=1)
-    keep = ((g >= llo) & (g <= lhi))[:, None].expand_as(b.d)
-    return _finish("geometric_mask", b, torch.zeros_like(b.d), keep, torch.zeros_like(b.valid))
+
+    def compute(b):
+        n = b.valid.sum(dim=1)
+        g = _seq_sum(b) / n.clamp(min=1)
+        keep = ((g >= llo) & (g <= lhi))[:, None].expand_as(b.d)
+        return _ones(b), keep, torch.zeros_like(b.valid), {}
+    return _run("geometric_mask", b, compute)
 
 
 def product_mask(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, lo: float | None = None,
@@ -265,9 +334,12 @@ def product_mask(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=No
 
     b = _Batch(trainer_logprobs, rollout_logprobs, mask, cu_seqlens)
     llo, lhi = _bounds(lo, hi)
-    s = _seq_sum(b)
-    keep = ((s >= llo) & (s <= lhi))[:, None].expand_as(b.d)
-    return _finish("product_mask", b, torch.zeros_like(b.d), keep, torch.zeros_like(b.valid))
+
+    def compute(b):
+        s = _seq_sum(b)
+        keep = ((s >= llo) & (s <= lhi))[:, None].expand_as(b.d)
+        return _ones(b), keep, torch.zeros_like(b.valid), {}
+    return _run("product_mask", b, compute)
 
 
 def outlier_veto(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, lo: float | None = 1e-4,
@@ -282,10 +354,13 @@ def outlier_veto(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=No
     b = _Batch(trainer_logprobs, rollout_logprobs, mask, cu_seqlens)
     llo = _log_bound(lo, -math.inf)
     lhi = _log_bound(hi, math.inf)
-    bad = ((b.d < llo) | (b.d > lhi)) & b.valid
-    keep = (~bad.any(dim=1))[:, None].expand_as(b.d)
-    return _finish("outlier_veto", b, torch.zeros_like(b.d), keep, torch.zeros_like(b.valid),
-                   {"frac_tokens_outlier": int(bad.sum()) / max(int(b.valid.sum()), 1)})
+
+    def compute(b):
+        bad = ((b.d < llo) | (b.d > lhi)) & b.valid
+        keep = (~bad.any(dim=1))[:, None].expand_as(b.d)
+        return _ones(b), keep, torch.zeros_like(b.valid), \
+            {"frac_tokens_outlier": int(bad.sum()) / max(int(b.valid.sum()), 1)}
+    return _run("outlier_veto", b, compute)
 
 
 def token_mask(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, lo: float | None = None,
@@ -295,8 +370,11 @@ def token_mask(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None
 
     b = _Batch(trainer_logprobs, rollout_logprobs, mask, cu_seqlens)
     llo, lhi = _bounds(lo, hi)
-    keep = (b.d >= llo) & (b.d <= lhi)
-    return _finish("token_mask", b, torch.zeros_like(b.d), keep, torch.zeros_like(b.valid))
+
+    def compute(b):
+        keep = (b.d >= llo) & (b.d <= lhi)
+        return _ones(b), keep, torch.zeros_like(b.valid), {}
+    return _run("token_mask", b, compute)
 
 
 def masked_is(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, lo: float | None = None,
@@ -310,29 +388,72 @@ def masked_is(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None,
 
     b = _Batch(trainer_logprobs, rollout_logprobs, mask, cu_seqlens)
     llo, lhi = _bounds(lo, hi)
-    lc = lhi if cap is None else _log_bound(cap)
-    keep = (b.d >= llo) & (b.d <= lhi)
-    return _finish("masked_is", b, torch.clamp(b.d, max=lc), keep, (b.d > lc) & keep)
+    if cap is not None:
+        _log_bound(cap)
+    c = float(hi if cap is None else cap)
+
+    def compute(b):
+        r = torch.exp(b.d)
+        keep = (b.d >= llo) & (b.d <= lhi)
+        return _capped(r, c), keep, (r > c) & keep, {}
+    return _run("masked_is", b, compute, cap=c)
 
 
-def combine(*corrections: Correction) -> Correction:
+ORDERS = ("skyrl", "verl")
+
+
+def combine(*corrections: Correction, order: str = "skyrl") -> Correction:
     """Chain corrections computed on the same batch: weights multiply, masks AND.
 
+    ``order="skyrl"`` (default): SkyRL's pipeline. The parts run in the order veto
+    (``outlier_veto``) → token mask (``token_mask``, ``masked_is``) → TIS (``token_tis``,
+    ``sequence_tis``) → sequence mask (``geometric_mask``, ``product_mask``), parts of one stage
+    in argument order, and each part is re-computed on the mask left by the previous ones: a
+    sequence's S_i, L_i (sequence TIS, geometric/product masks) sum over its tokens that are
+    still kept. Weights are 0 on tokens an earlier step removed.
+
+    ``order="verl"``: verl's rollout correction. Every part is computed on the original mask
+    (as passed), then weights multiply and masks AND.
+
     Metrics: the combined ones (same definitions; ``frac_tokens_clipped`` is left out) plus each
-    part's metrics prefixed ``<name>/``.
+    part's metrics prefixed ``<name>/`` (under "skyrl", the re-computed part's).
     """
     import torch
 
+    if order not in ORDERS:
+        raise InputError(f"order {order!r}, expected one of {ORDERS}", field="order")
     if not corrections:
         raise InputError("combine() needs at least one Correction", field="corrections")
-    batch, w, keep = corrections[0]._state
+    for i, c in enumerate(corrections):
+        if not isinstance(c, Correction) or c._state is None:
+            raise InputError(f"expected a Correction, got {type(c).__name__}", field="corrections", index=i)
+    batch = corrections[0]._state[0]
     for i, c in enumerate(corrections[1:], 1):
-        b2, w2, k2 = c._state
-        if w2.shape != w.shape or not torch.equal(b2.valid, batch.valid):
+        b2 = c._state[0]
+        if b2.d.shape != batch.d.shape or not torch.equal(b2.valid, batch.valid) or not torch.equal(b2.d, batch.d):
             raise InputError("corrections were computed on different batches", field="corrections", index=i)
-        w, keep = w * w2, keep & k2
+    if order == "verl":
+        parts = list(corrections)
+        _, w, keep = parts[0]._state
+        for c in parts[1:]:
+            w, keep = w * c._state[1], keep & c._state[2]
+    else:
+        ranked = sorted(range(len(corrections)), key=lambda i: _STAGE.get(corrections[i].name, 2))
+        keep = batch.valid
+        w = torch.where(batch.valid, 1.0, 0.0).to(torch.float64)
+        parts = []
+        for i in ranked:
+            c = corrections[i]
+            if c._recipe is None:
+                raise InputError(f"{c.name} cannot be re-run on a new mask (order='skyrl')",
+                                 field="corrections", index=i)
+            sub = batch.restrict(keep)
+            part = _run(c.name, sub, c._recipe)
+            parts.append(part)
+            _, pw, pk = part._state
+            w, keep = w * pw, keep & pk
     metrics = _metrics(batch, w, keep, torch.zeros_like(keep))
     del metrics["frac_tokens_clipped"]
-    metrics.update({f"{c.name}/{k}": v for c in corrections for k, v in c.metrics.items()})
-    name = "+".join(c.name for c in corrections)
+    metrics.update({f"{c.name}/{k}": v for c in parts for k, v in c.metrics.items()})
+    name = "+".join(c.name for c in parts)
     return Correction(name, batch.out(w), batch.out(keep), metrics, _state=(batch, w, keep))

@@ -92,17 +92,78 @@ def test_token_mask_and_mis_hand():
 
 
 def test_combine_hand():
-    c = C.combine(C.token_tis(TRAIN, ROLL, MASK, cap=2.0), C.geometric_mask(TRAIN, ROLL, MASK, lo=0.6, hi=1.5),
-                  C.outlier_veto(TRAIN, ROLL, MASK))
-    assert c.name == "token_tis+geometric_mask+outlier_veto"
-    assert _m(c) == KEEP_SEQ0
-    np.testing.assert_allclose(_w(c), [[2, 0.6, 1.5], [0.25, 1.2, 0]], rtol=1e-15)
-    assert c.metrics["mean_weight"] == pytest.approx(4.1 / 3, rel=1e-15, abs=0)
-    assert c.metrics["frac_tokens_masked"] == 0.4 and c.metrics["frac_seqs_masked"] == 0.5
-    assert c.metrics["token_tis/frac_tokens_clipped"] == 0.2
+    parts = (C.token_tis(TRAIN, ROLL, MASK, cap=2.0), C.geometric_mask(TRAIN, ROLL, MASK, lo=0.6, hi=1.5),
+             C.outlier_veto(TRAIN, ROLL, MASK))
+    for order in ("verl", "skyrl"):          # here the veto removes nothing: both orders agree
+        c = C.combine(*parts, order=order)
+        assert _m(c) == KEEP_SEQ0
+        assert c.metrics["mean_weight"] == pytest.approx(4.1 / 3, rel=1e-15, abs=0)
+        assert c.metrics["frac_tokens_masked"] == 0.4 and c.metrics["frac_seqs_masked"] == 0.5
+        assert c.metrics["token_tis/frac_tokens_clipped"] == 0.2
+    assert C.combine(*parts, order="verl").name == "token_tis+geometric_mask+outlier_veto"
+    assert C.combine(*parts).name == "outlier_veto+token_tis+geometric_mask"      # skyrl: veto first
+    np.testing.assert_allclose(_w(C.combine(*parts, order="verl")), [[2, 0.6, 1.5], [0.25, 1.2, 0]], rtol=1e-15)
     other = C.token_tis(TRAIN[:1], ROLL[:1], MASK[:1])
     with pytest.raises(InputError):
-        C.combine(c, other)
+        C.combine(C.combine(*parts), other)
+    with pytest.raises(InputError) as e:
+        C.combine(*parts, order="megatron")
+    assert e.value.field == "order"
+
+
+def test_combine_orders_differ_hand():
+    """token mask keep r in [0.5, 2] -> seq 0 keeps {0.6, 1.5}, seq 1 keeps {1.2}.
+
+    skyrl: sequence TIS and the geometric mask see only the kept tokens:
+      Π = 0.9 and 1.2; geo-means sqrt(0.9) = 0.949 and 1.2, both inside [0.6, 1.5].
+    verl: both see the original mask: Π = 2.7 and 0.3; geo-means 1.39 (in) and 0.548 (out).
+    """
+    parts = (C.sequence_tis(TRAIN, ROLL, MASK, cap=10.0), C.geometric_mask(TRAIN, ROLL, MASK, lo=0.6, hi=1.5),
+             C.token_mask(TRAIN, ROLL, MASK, hi=2.0))
+    sky = C.combine(*parts, order="skyrl")
+    assert sky.name == "token_mask+sequence_tis+geometric_mask"
+    assert _m(sky) == [[0, 1, 1], [0, 1, 0]]
+    np.testing.assert_allclose(_w(sky), [[0, 0.9, 0.9], [0, 1.2, 0]], rtol=1e-14)
+    assert sky.metrics["mean_weight"] == pytest.approx(3.0 / 3, rel=1e-14, abs=0)
+    assert sky.metrics["sequence_tis/n_tokens"] == 3.0          # the part saw the 3 kept tokens
+    verl = C.combine(*parts, order="verl")
+    assert _m(verl) == [[0, 1, 1], [0, 0, 0]]
+    np.testing.assert_allclose(_w(verl), [[2.7, 2.7, 2.7], [0.3, 0.3, 0]], rtol=1e-14)
+    assert verl.metrics["mean_weight"] == pytest.approx(2.7, rel=1e-14, abs=0)
+    assert verl.metrics["sequence_tis/n_tokens"] == 5.0
+
+    # product mask [0.5, 2] after the token mask: 0.9 and 1.2 pass (skyrl); 2.7 and 0.3 fail (verl)
+    pm = (C.token_tis(TRAIN, ROLL, MASK, cap=2.0), C.product_mask(TRAIN, ROLL, MASK),
+          C.token_mask(TRAIN, ROLL, MASK, hi=2.0))
+    assert _m(C.combine(*pm, order="skyrl")) == [[0, 1, 1], [0, 1, 0]]
+    np.testing.assert_allclose(np.asarray(C.combine(*pm, order="skyrl").loss_weights),
+                               [[0, 0.6, 1.5], [0, 1.2, 0]], rtol=1e-15)
+    assert _m(C.combine(*pm, order="verl")) == [[0, 0, 0], [0, 0, 0]]
+
+    # veto first (skyrl): seq 1 vetoed (0.25 < 0.3) before the sequence TIS, whose metric then
+    # counts 1 of 1 remaining sequences clipped (2.7 > 2); verl counts 1 of 2
+    vt = (C.sequence_tis(TRAIN, ROLL, MASK, cap=2.0), C.outlier_veto(TRAIN, ROLL, MASK, lo=0.3))
+    assert C.combine(*vt, order="skyrl").metrics["sequence_tis/frac_seqs_clipped"] == 1.0
+    assert C.combine(*vt, order="verl").metrics["sequence_tis/frac_seqs_clipped"] == 0.5
+    for order in ("skyrl", "verl"):
+        assert _m(C.combine(*vt, order=order)) == KEEP_SEQ0
+
+
+@pytest.mark.parametrize("cap", [3.0, 2.0, 1.1, 5.0, 7.0, 0.3])
+def test_clipped_weights_are_exactly_the_cap(cap):
+    """exp(min(d, ln C)) is not C in float64 (C = 3 gives 3.0000000000000004): the weight must be C."""
+    tr = torch.tensor([[10.0, math.log(cap), math.log(cap) + 1e-15, -1.0]], dtype=torch.float64)
+    roll = torch.zeros_like(tr)
+    for c in (C.token_tis(tr, roll, cap=cap), C.masked_is(tr, roll, hi=100.0, cap=cap),
+              C.sequence_tis(tr, roll, cap=cap)):
+        w = np.asarray(c.weights)
+        assert w.max() == cap, (c.name, w.max())
+        assert (w <= cap).all()
+    assert np.asarray(C.token_tis(tr, roll, cap=cap).weights)[0, 0] == cap
+    for dt in (torch.float32, torch.bfloat16):                  # float32 out: never rounded above C
+        w32 = C.token_tis(tr.to(dt), roll.to(dt), cap=cap).weights
+        assert w32.dtype == torch.float32 and (w32.double() <= cap).all()
+        np.testing.assert_allclose(w32[0, 0].item(), cap, rtol=2 ** -23)
 
 
 ALL = [lambda *a, **k: C.token_tis(*a, **k), C.sequence_tis, C.geometric_mask, C.product_mask,
@@ -168,11 +229,11 @@ def test_caps_and_masks_properties(batch, cap):
     tr = roll + d
     r = np.exp(tr - roll)
     tis = C.token_tis(tr, roll, m, cap=cap)
-    assert (tis.weights <= cap * (1 + 1e-12)).all()
+    assert (tis.weights <= cap).all()                              # exactly, no tolerance
     np.testing.assert_allclose(tis.weights[m], np.minimum(r, cap)[m], rtol=1e-12)
     assert (tis.weights[~m] == 0).all() and (tis.mask == m).all()
     seq = C.sequence_tis(tr, roll, m, cap=cap)
-    assert (seq.weights <= cap * (1 + 1e-12)).all()
+    assert (seq.weights <= cap).all()
     for i in range(d.shape[0]):
         w = seq.weights[i][m[i]]
         assert (w == w[:1]).all()                                  # one weight per sequence
@@ -192,6 +253,51 @@ def test_caps_and_masks_properties(batch, cap):
     tm = C.token_mask(tr, roll, m, lo=1 / cap, hi=cap)
     for i in range(d.shape[0]):                                    # veto = "token mask drops none"
         assert veto.mask[i].any() == (m[i].any() and (tm.mask[i] == m[i]).all())
+
+
+def _skyrl_reference(d, m, veto_lo, tm_hi, cap, geo_hi):
+    """SkyRL's pipeline written out per sequence: veto -> token mask -> sequence TIS -> geo mask."""
+    w, keep = np.zeros_like(d), np.zeros_like(m)
+    for i in range(d.shape[0]):
+        v = m[i].copy()
+        if (d[i][v] < math.log(veto_lo)).any():
+            v[:] = False
+        v &= (d[i] >= -math.log(tm_hi)) & (d[i] <= math.log(tm_hi))
+        s, n = d[i][v].sum(), v.sum()
+        w[i][v] = min(math.exp(s), cap)
+        g = s / max(n, 1)
+        if -math.log(geo_hi) <= g <= math.log(geo_hi):
+            keep[i] = v
+    return w, keep
+
+
+def _verl_reference(d, m, veto_lo, tm_hi, cap, geo_hi):
+    """verl: every part on the original mask, then multiply / AND."""
+    w, keep = np.zeros_like(d), np.zeros_like(m)
+    for i in range(d.shape[0]):
+        v = m[i]
+        s, n = d[i][v].sum(), v.sum()
+        w[i][v] = min(math.exp(s), cap)
+        ok = not (d[i][v] < math.log(veto_lo)).any() and -math.log(geo_hi) <= s / max(n, 1) <= math.log(geo_hi)
+        keep[i] = v & (d[i] >= -math.log(tm_hi)) & (d[i] <= math.log(tm_hi)) & ok
+    return w, keep
+
+
+@settings(max_examples=40, deadline=None)
+@given(padded_batches(), st.floats(1.5, 20), st.floats(1.5, 10), st.floats(1.01, 10))
+def test_combine_orders_match_written_out_pipelines(batch, tm_hi, cap, geo_hi):
+    d, m = batch
+    roll = np.zeros_like(d) - 1.0
+    tr = roll + d
+    d = tr - roll
+    parts = (C.geometric_mask(tr, roll, m, hi=geo_hi), C.sequence_tis(tr, roll, m, cap=cap),
+             C.token_mask(tr, roll, m, hi=tm_hi), C.outlier_veto(tr, roll, m, lo=0.05))
+    for order, ref in (("skyrl", _skyrl_reference), ("verl", _verl_reference)):
+        c = C.combine(*parts, order=order)
+        w, keep = ref(d, m, 0.05, tm_hi, cap, geo_hi)
+        assert (np.asarray(c.mask) == keep).all(), order
+        np.testing.assert_allclose(np.asarray(c.loss_weights), w * keep, rtol=1e-12, atol=0)
+        assert (np.asarray(c.weights) <= cap).all()
 
 
 def test_errors():
