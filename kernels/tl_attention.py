@@ -166,8 +166,11 @@ def attn_combine_kernel(m_ptr, l_ptr, a_ptr, o_ptr, Sq, H, NUM_SPLITS,
 
 
 def attention(q, k, v, causal: bool = True, scale: float | None = None, mode: str = "auto",
-              split: int = SPLIT, block_m: int = BLOCK_M, block_n: int = BLOCK_N):
-    """q (B, H, Sq, D), k/v (B, Hkv, Skv, D) with unit stride on D. mode: auto|prefill|decode."""
+              split: int = SPLIT, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
+              portable: bool | None = None):
+    """q (B, H, Sq, D), k/v (B, Hkv, Skv, D) with unit stride on D. mode: auto|prefill|decode.
+    ``portable``: None = the interpreter's explicit multiply-sum only when interpreting;
+    False forces the ``tl.dot`` (GPU) branch (see ``tl_matmul._portable``)."""
     B, H, Sq, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
     scale = D ** -0.5 if scale is None else float(scale)
@@ -182,7 +185,7 @@ def attention(q, k, v, causal: bool = True, scale: float | None = None, mode: st
     if mode == "auto":
         mode = "decode" if Sq <= 16 else "prefill"
     common = dict(SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, CAUSAL=causal, IEEE=ieee,
-                  PORTABLE=interpreting())
+                  PORTABLE=interpreting() if portable is None else bool(portable))
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2))
     tiles = triton.cdiv(Sq, block_m)

@@ -147,7 +147,15 @@ def _prep(dtype: torch.dtype, config):
     return cfg, compute, compute == torch.float32
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, config=None):
+def _portable(portable: bool | None) -> bool:
+    """The explicit multiply-sum instead of ``tl.dot``: under the interpreter by default (see
+    ``tl_common``); ``portable=False`` forces the ``tl.dot`` (GPU) branch, e.g. to run its
+    indexing and masks in the interpreter with fp32 inputs."""
+    return interpreting() if portable is None else bool(portable)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, config=None,
+           portable: bool | None = None):
     """a (M, K) @ b (K, N) (+ bias (N,)), output dtype = a.dtype."""
     (BM, BN, BK, GM, warps, stages), compute, ieee = _prep(a.dtype, config)
     M, K = a.shape
@@ -163,11 +171,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, c
     matmul_kernel[(progs,)](a, b, c, bias_arg, M, N, K, a.stride(0), a.stride(1),
                             b.stride(0), b.stride(1), c.stride(0), c.stride(1),
                             BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GM, NUM_PROGRAMS=progs,
-                            HAS_BIAS=bias is not None, IEEE=ieee, PORTABLE=interpreting(), num_warps=warps, num_stages=stages)
+                            HAS_BIAS=bias is not None, IEEE=ieee, PORTABLE=_portable(portable), num_warps=warps, num_stages=stages)
     return c.to(out_dtype)
 
 
-def bmm(a: torch.Tensor, b: torch.Tensor, config=None):
+def bmm(a: torch.Tensor, b: torch.Tensor, config=None, portable: bool | None = None):
     """a (B, M, K) @ b (B, K, N)."""
     (BM, BN, BK, GM, warps, stages), compute, ieee = _prep(a.dtype, config)
     Bt, M, K = a.shape
@@ -180,12 +188,13 @@ def bmm(a: torch.Tensor, b: torch.Tensor, config=None):
     grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN), Bt)
     bmm_kernel[grid](a, b, c, M, N, K, a.stride(0), a.stride(1), a.stride(2),
                      b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1), c.stride(2),
-                     BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GM, IEEE=ieee, PORTABLE=interpreting(),
+                     BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GM, IEEE=ieee, PORTABLE=_portable(portable),
                      num_warps=warps, num_stages=stages)
     return c.to(out_dtype)
 
 
-def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, config=None):
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, config=None,
+                   portable: bool | None = None):
     """x (T, K) sorted by expert, w (E, K, N), offsets (E+1,) -> (T, N)."""
     (BM, BN, BK, _, warps, stages), compute, ieee = _prep(x.dtype, config)
     T, K = x.shape
@@ -199,7 +208,7 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, conf
     grid = (triton.cdiv(T, BM), triton.cdiv(N, BN))
     grouped_matmul_kernel[grid](x, w, c, offs, T, N, K, E, x.stride(0), x.stride(1),
                                 w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
-                                BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, IEEE=ieee, PORTABLE=interpreting(),
+                                BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, IEEE=ieee, PORTABLE=_portable(portable),
                                 num_warps=warps, num_stages=stages)
     return c.to(out_dtype)
 
