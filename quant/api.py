@@ -10,7 +10,7 @@ fp8_block      E4M3, 1x128 / 128x128 blocks; DeepSeek-V3 / vLLM group quant, opt
 mxfp8          E4M3 or E5M2, 1x32 blocks, E8M0 scale; ``scale_mode`` floor (OCP) | rceil (TE)
 mxfp4          E2M1, 1x32 blocks, E8M0 scale
 nvfp4          E2M1, 1x16 (or 16x16) blocks, E4M3 scale, FP32 global; ``convention``
-               vllm | te | modelopt | torchao
+               vllm | te | modelopt | torchao | compressed_tensors | modelopt<0.45 | torchao<0.17
 int4_g32       INT4 symmetric groups of 32, scale in the weight dtype; compressed-tensors W4A16
 =============  =============================================================================
 """

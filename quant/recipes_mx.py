@@ -5,7 +5,13 @@ Two ways to pick the shared power-of-two scale ``X = 2^(b - 127)`` of a block wi
 ``floor`` (OCP MX v1.0 section 6.3, torchao ``ScaleCalculationMode.FLOOR``)::
 
     b = clamp(E(a) - 127 - emax_elem, -127, 128) + 127        # E(a): a's fp32 biased exponent field
-    y = clamp(x / max(X, 2^-126), -max_elem, max_elem)        # torchao floors X at the fp32 min normal
+    y = clamp(x / X, -max_elem, max_elem)                     # X = 2^(b - 127); b = 0: X = 2^-127
+
+The same ``X`` encodes and decodes (OCP MX v1.0 6.3). torchao's FLOOR path (0.18) encodes with
+``max(X, 2^-126)`` (``F32_MIN_NORMAL``, a Triton workaround) but decodes with ``2^-127``, so its
+blocks with ``b = 0`` (amax below ``2^(emax_elem - 126)``, zero blocks aside) come back at half
+their value; this module follows the spec there (tests/quant/test_vendor_conventions.py shows the
+difference).
 
 with ``emax_elem`` = 8 (E4M3), 15 (E5M2), 2 (E2M1). ``a / X`` lies in [2^emax, 2^(emax+1)), so the
 top of the block can exceed ``max_elem`` and saturates (E2M1: values in (6, 8) -> 6). ``E(a)`` is
@@ -74,7 +80,7 @@ def quantize_mx(x: torch.Tensor, elem: str = "e4m3fn", scale_mode: str = "floor"
         b = sc.view(torch.uint8).to(torch.int32).reshape(nb[0], 1, nb[1], 1)
     if scale_mode == "floor":
         b = _floor_code(amax, EMAX[elem]) if scale is None else b
-        X = (b.clamp(max=255) << 23).view(torch.float32).clamp(min=torch.finfo(torch.float32).tiny)
+        X = C.decode_e8m0(b.clamp(max=254).to(torch.uint8))        # exact 2^(b-127), b = 0 -> 2^-127
         y = xb / X
     else:
         b = _rceil_code(amax, fmt.max_finite) if scale is None else b

