@@ -11,6 +11,7 @@ class InputError(ValueError):
 
     def __init__(self, message: str, *, row: int | None = None, field: str | None = None,
                  index: int | None = None, source: str | None = None):
+        message = " ".join(str(message).split()) if ("\n" in str(message) or "\r" in str(message)) else str(message)
         self.message = message
         self.row, self.field, self.index, self.source = row, field, index, source
         where = []
@@ -23,7 +24,8 @@ class InputError(ValueError):
         if index is not None:
             where.append(f"index {index}")
         prefix = ", ".join(where)
-        super().__init__(f"{prefix}: {message}" if prefix else message)
+        line = f"{prefix}: {message}" if prefix else message
+        super().__init__(line.replace("\r", "\\r").replace("\n", "\\n"))
 
     def with_source(self, source: str) -> "InputError":
         """The same error, naming the file (or other source) it came from."""

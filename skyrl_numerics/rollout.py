@@ -24,8 +24,13 @@ File formats (see README "File formats"):
   ``trainer_logprobs``, ``group_id``, ``support`` (list of lists of token ids, one per response
   token).
 
-Loading validates everything and raises :class:`~skyrl_numerics.errors.InputError` naming the first
-bad row and field. Saving writes to a temp file and renames it, so a failure leaves no partial file.
+Loading validates everything and raises :class:`~skyrl_numerics.errors.InputError` (one line) naming
+the file and the first bad row, field and index. Strict: token ids are integers in ``[0, 2**31)``
+(and ``< vocab_size`` when known); no float or bool is truncated into an id, a ``cu`` array or a
+group id; every array is 1-D; ``cu`` arrays start at 0 and never decrease; ``schema`` and
+``schema_version`` must match; unknown keys, fields and arrays are refused; logprobs must fit
+float32. In ``.safetensors`` files the arrays have exactly the dtypes above. Saving writes to a
+temp file and renames it, so a failure leaves no partial file.
 """
 from __future__ import annotations
 
@@ -54,6 +59,143 @@ def _cu(lengths: Iterable[int]) -> np.ndarray:
     return out
 
 
+ID_MAX = 2 ** 31 - 1           # token ids are int32 and >= 0
+_I64_MAX = 2 ** 63 - 1
+_F32_MAX = float(np.finfo(np.float32).max)
+ROW_KEYS = ("prompt_ids", "response_ids", "logprobs", "trainer_logprobs", "group_id", "support")
+HEADER_KEYS = ("schema", "schema_version", "engine", "engine_version", "sampling", "meta", "vocab_size",
+               "digest")
+_JSONL_NAMES = {"prompt_tokens": "prompt_ids", "response_tokens": "response_ids",
+                "rollout_logprobs": "logprobs", "group_ids": "group_id"}
+FILE_DTYPES = {"prompt_tokens": np.int32, "prompt_cu": np.int64, "response_tokens": np.int32,
+               "response_cu": np.int64, "rollout_logprobs": np.float32, "trainer_logprobs": np.float32,
+               "group_ids": np.int64}
+
+
+def _hasher(algo: str):
+    if algo == "xxh3-128":
+        import xxhash
+
+        return xxhash.xxh3_128()
+    if algo == "blake2b-128":
+        import hashlib
+
+        return hashlib.blake2b(digest_size=16)
+    raise InputError(f"unknown digest algorithm {algo!r}", field="digest")
+
+
+def _default_algo() -> str:
+    try:
+        import xxhash  # noqa: F401
+
+        return "xxh3-128"
+    except ImportError:  # pragma: no cover - xxhash is in the extras
+        return "blake2b-128"
+
+
+def _header_bytes(header: dict) -> bytes:
+    h = {k: v for k, v in header.items() if k != "digest"}
+    return json.dumps(h, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _arrays_digest(arrays: dict, header: dict, algo: str | None = None) -> str:
+    """Digest of a .safetensors rollout: every array's name, dtype, shape and bytes, and the header."""
+    algo = algo or _default_algo()
+    h = _hasher(algo)
+    h.update(_header_bytes(header))
+    for k in sorted(arrays):
+        a = np.ascontiguousarray(arrays[k])
+        h.update(f"\n{k}|{a.dtype.str}|{a.shape}\n".encode())
+        h.update(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
+    return f"{algo}:{h.hexdigest()}"
+
+
+def _text_digest(header: dict, body: bytes, algo: str | None = None) -> str:
+    """Digest of a .jsonl rollout: the header (canonical JSON, without 'digest') and the row lines."""
+    algo = algo or _default_algo()
+    h = _hasher(algo)
+    h.update(_header_bytes(header))
+    h.update(b"\n")
+    h.update(body)
+    return f"{algo}:{h.hexdigest()}"
+
+
+def _check_digest(stored, actual_fn) -> None:
+    if not isinstance(stored, str) or ":" not in stored:
+        raise InputError(f"'digest' is {stored!r}, expected '<algo>:<hex>'", field="digest")
+    algo = stored.split(":", 1)[0]
+    actual = actual_fn(algo)
+    if actual != stored:
+        raise InputError(f"content digest {actual} does not match the stored {stored}: the file changed "
+                         "after it was written (remove the 'digest' key to load an edited file)", field="digest")
+
+
+def _numpy(x):
+    """numpy view of an array-like (torch tensors included, bf16 upcast exactly)."""
+    if hasattr(x, "detach") and hasattr(x, "cpu"):
+        t = x.detach().cpu()
+        if str(t.dtype) == "torch.bfloat16":
+            t = t.float()
+        return t.numpy()
+    return np.asarray(x)
+
+
+def _first(bad: np.ndarray) -> int:
+    return int(np.flatnonzero(bad.reshape(-1))[0])
+
+
+def _int_array(x, name: str, lo: int, hi: int, dtype) -> np.ndarray:
+    """1-D integer array in [lo, hi] as ``dtype``; refuses floats, bools and values that would wrap."""
+    arr = _numpy(x)
+    if arr.ndim != 1:
+        raise InputError(f"expected a 1-D array, got shape {arr.shape}", field=name)
+    if arr.dtype.kind not in "iu":
+        if arr.size == 0 and arr.dtype.kind == "f":
+            return np.zeros(0, dtype)
+        raise InputError(f"dtype {arr.dtype} is not an integer type (floats and bools are not "
+                         "truncated into integers)", field=name)
+    if arr.size:
+        # compare in the array's own kind so nothing wraps (uint64 > 2**63 included)
+        if arr.dtype.kind == "i" and int(arr.min()) < lo:
+            i = _first(arr < lo)
+            raise InputError(f"value {int(arr[i])} < {lo}", field=name, index=i)
+        if int(arr.max()) > hi:
+            i = _first(arr > hi)
+            raise InputError(f"value {int(arr[i])} > {hi} (does not fit {np.dtype(dtype).name})",
+                             field=name, index=i)
+    return np.ascontiguousarray(arr, dtype=dtype)
+
+
+def _float_array(x, name: str) -> np.ndarray:
+    """1-D real array as float32; refuses bools, complex, objects and finite values outside float32."""
+    arr = _numpy(x)
+    if arr.ndim != 1:
+        raise InputError(f"expected a 1-D array, got shape {arr.shape}", field=name)
+    if arr.dtype.kind not in "fiu":
+        raise InputError(f"dtype {arr.dtype} is not a real number type", field=name)
+    if arr.dtype != np.float32 and arr.size:
+        a64 = arr.astype(np.float64) if arr.dtype.kind == "f" else None
+        if a64 is None:
+            big = np.abs(arr.astype(np.float64)) > _F32_MAX
+        else:
+            with np.errstate(invalid="ignore"):
+                big = np.isfinite(a64) & (np.abs(a64) > _F32_MAX)
+        if big.any():
+            i = _first(big)
+            raise InputError(f"value {arr[i].item()!r} does not fit float32", field=name, index=i)
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def _monotone(cu: np.ndarray) -> bool:
+    return cu.ndim == 1 and cu.size >= 1 and cu[0] == 0 and bool((np.diff(cu) >= 0).all())
+
+
+def _locate(cu: np.ndarray, i: int) -> tuple[int, int]:
+    """(row, index in row) of flat position i under prefix sums cu."""
+    row = int(np.searchsorted(cu, i, side="right") - 1)
+    return row, int(i - cu[row])
+
+
 @dataclass
 class Rollout:
     prompt_tokens: np.ndarray
@@ -69,18 +211,39 @@ class Rollout:
     engine: str = "unknown"
     engine_version: str = "unknown"
     meta: dict = field(default_factory=dict)
+    vocab_size: int | None = None      # when known, every token id must be < vocab_size
 
     def __post_init__(self):
-        self.prompt_tokens = np.ascontiguousarray(self.prompt_tokens, dtype=np.int32)
-        self.response_tokens = np.ascontiguousarray(self.response_tokens, dtype=np.int32)
-        self.prompt_cu = np.ascontiguousarray(self.prompt_cu, dtype=np.int64)
-        self.response_cu = np.ascontiguousarray(self.response_cu, dtype=np.int64)
-        self.rollout_logprobs = np.ascontiguousarray(self.rollout_logprobs, dtype=np.float32)
-        if self.trainer_logprobs is not None:
-            self.trainer_logprobs = np.ascontiguousarray(self.trainer_logprobs, dtype=np.float32)
+        self.prompt_cu = _int_array(self.prompt_cu, "prompt_cu", 0, _I64_MAX, np.int64)
+        self.response_cu = _int_array(self.response_cu, "response_cu", 0, _I64_MAX, np.int64)
+        for name, cu in (("prompt_tokens", self.prompt_cu), ("response_tokens", self.response_cu)):
+            try:
+                setattr(self, name, _int_array(getattr(self, name), name, 0, ID_MAX, np.int32))
+            except InputError as e:
+                if e.index is not None and _monotone(cu) and e.index < cu[-1]:
+                    row, j = _locate(cu, e.index)
+                    raise InputError(e.message, row=row, field=name, index=j) from None
+                raise
+        for name in ("rollout_logprobs", "trainer_logprobs"):
+            if getattr(self, name) is not None:
+                try:
+                    setattr(self, name, _float_array(getattr(self, name), name))
+                except InputError as e:
+                    if e.index is not None and _monotone(self.response_cu) and e.index < self.response_cu[-1]:
+                        row, j = _locate(self.response_cu, e.index)
+                        raise InputError(e.message, row=row, field=name, index=j) from None
+                    raise
         if self.group_ids is None:
-            self.group_ids = np.arange(len(self.prompt_cu) - 1, dtype=np.int64)
-        self.group_ids = np.ascontiguousarray(self.group_ids, dtype=np.int64)
+            self.group_ids = np.arange(max(len(self.prompt_cu) - 1, 0), dtype=np.int64)
+        try:
+            self.group_ids = _int_array(self.group_ids, "group_ids", -_I64_MAX - 1, _I64_MAX, np.int64)
+        except InputError as e:
+            raise InputError(e.message, row=e.index, field="group_ids") from None
+        if self.vocab_size is not None:
+            v = self.vocab_size
+            if isinstance(v, (bool, float)) or not isinstance(v, (int, np.integer)) or not 1 <= int(v) <= ID_MAX + 1:
+                raise InputError(f"vocab_size {v!r} is not an integer in [1, 2**31]", field="vocab_size")
+            self.vocab_size = int(v)
         self.validate()
 
     # ---- construction -------------------------------------------------------------------
@@ -95,18 +258,37 @@ class Rollout:
             if len(r) != len(lp):
                 raise InputError(f"{len(lp)} logprobs for {len(r)} response tokens",
                                  row=i, field="logprobs")
-        cat = lambda seqs, dt: (np.concatenate([np.asarray(s, dtype=dt) for s in seqs])
-                                if len(seqs) and sum(len(s) for s in seqs) else np.zeros(0, dt))
+        def cat(seqs, name):
+            # no dtype forced: floats / bools / strings stay what they are and are refused by
+            # the constructor instead of being truncated into integers
+            try:
+                for i, s in enumerate(seqs):
+                    if isinstance(s, (list, tuple)):
+                        for j, x in enumerate(s):
+                            if type(x) is bool or isinstance(x, np.bool_):
+                                raise InputError(f"value {x!r} is a bool", row=i, field=name, index=j)
+                parts = [np.asarray(s) for s in seqs]
+                for i, a in enumerate(parts):
+                    if a.ndim != 1:
+                        raise InputError(f"expected a flat list, got shape {a.shape}", row=i, field=name)
+                parts = [a for a in parts if a.size]
+                return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+            except (ValueError, TypeError) as e:
+                raise InputError(f"not a list of numbers ({' '.join(str(e).split())[:120]})", field=name) from None
+
         tl = None
         if trainer_logprobs is not None:
+            if len(trainer_logprobs) != len(responses):
+                raise InputError(f"{len(trainer_logprobs)} trainer logprob rows for {len(responses)} responses",
+                                 field="trainer_logprobs")
             for i, (r, lp) in enumerate(zip(responses, trainer_logprobs)):
                 if len(r) != len(lp):
                     raise InputError(f"{len(lp)} trainer logprobs for {len(r)} response tokens",
                                      row=i, field="trainer_logprobs")
-            tl = cat(trainer_logprobs, np.float32)
-        return cls(prompt_tokens=cat(prompts, np.int64), prompt_cu=_cu(map(len, prompts)),
-                   response_tokens=cat(responses, np.int64), response_cu=_cu(map(len, responses)),
-                   rollout_logprobs=cat(logprobs, np.float64), trainer_logprobs=tl, **kw)
+            tl = cat(trainer_logprobs, "trainer_logprobs")
+        return cls(prompt_tokens=cat(prompts, "prompt_tokens"), prompt_cu=_cu(map(len, prompts)),
+                   response_tokens=cat(responses, "response_tokens"), response_cu=_cu(map(len, responses)),
+                   rollout_logprobs=cat(logprobs, "rollout_logprobs"), trainer_logprobs=tl, **kw)
 
     # ---- views --------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -136,7 +318,7 @@ class Rollout:
     def with_trainer_logprobs(self, trainer_logprobs) -> "Rollout":
         """A copy sharing all arrays, with ``trainer_logprobs`` set (flat, one per response token)."""
         d = {f: getattr(self, f) for f in self.__dataclass_fields__}
-        d["trainer_logprobs"] = np.asarray(trainer_logprobs, dtype=np.float32).reshape(-1)
+        d["trainer_logprobs"] = _numpy(trainer_logprobs).reshape(-1)
         return Rollout(**d)
 
     # ---- validation ---------------------------------------------------------------------
@@ -145,14 +327,20 @@ class Rollout:
         def err(msg, **kw):
             return InputError(msg, source=source, **kw)
 
+        for name, dt in (("prompt_cu", np.int64), ("response_cu", np.int64), ("prompt_tokens", np.int32),
+                         ("response_tokens", np.int32), ("group_ids", np.int64)):
+            a = getattr(self, name)
+            if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype != dt:
+                raise err(f"expected a 1-D {np.dtype(dt).name} array, got "
+                          f"{getattr(a, 'dtype', type(a).__name__)} of shape {getattr(a, 'shape', None)}", field=name)
         for name in ("prompt_cu", "response_cu"):
             cu = getattr(self, name)
-            if cu.ndim != 1 or len(cu) < 1 or cu[0] != 0:
-                raise err("must be a 1-D prefix sum starting at 0", field=name)
+            if len(cu) < 1 or cu[0] != 0:
+                raise err("must be a 1-D prefix sum starting at 0", field=name, index=0)
             bad = np.flatnonzero(np.diff(cu) < 0)
             if len(bad):
                 raise err(f"decreases at index {bad[0] + 1} ({cu[bad[0]]} -> {cu[bad[0] + 1]})",
-                          field=name, row=int(bad[0]))
+                          field=name, row=int(bad[0]), index=int(bad[0]) + 1)
         b = len(self.prompt_cu) - 1
         if b == 0:
             raise err("empty rollout (no sequences)", field="rows")
@@ -160,11 +348,11 @@ class Rollout:
             raise err(f"{len(self.response_cu) - 1} responses for {b} prompts", field="response_cu")
         if self.prompt_cu[-1] != len(self.prompt_tokens):
             raise err(f"prompt_cu ends at {self.prompt_cu[-1]} but there are "
-                      f"{len(self.prompt_tokens)} prompt tokens", field="prompt_cu")
+                      f"{len(self.prompt_tokens)} prompt tokens", field="prompt_cu", index=b)
         n = int(self.response_cu[-1])
         if n != len(self.response_tokens):
             raise err(f"response_cu ends at {n} but there are {len(self.response_tokens)} "
-                      "response tokens", field="response_cu")
+                      "response tokens", field="response_cu", index=b)
         empty_prompt = np.flatnonzero(np.diff(self.prompt_cu) == 0)
         if len(empty_prompt):
             raise err("empty prompt", row=int(empty_prompt[0]), field="prompt_ids")
@@ -172,20 +360,30 @@ class Rollout:
             lp = getattr(self, name)
             if lp is None:
                 continue
-            if lp.shape != (n,):
-                raise err(f"expected {n} values (one per response token), got shape {lp.shape}",
+            if not isinstance(lp, np.ndarray) or lp.dtype != np.float32 or lp.shape != (n,):
+                raise err(f"expected {n} float32 values (one per response token), got "
+                          f"{getattr(lp, 'dtype', type(lp).__name__)} of shape {getattr(lp, 'shape', None)}",
                           field=name)
             self._check_logprob_values(lp, name, err)
+        V = self.vocab_size
+        if V is not None and self.support is not None and getattr(self.support, "vocab_size", None) not in (None, V):
+            raise err(f"support vocab_size {self.support.vocab_size} != rollout vocab_size {V}", field="vocab_size")
+        if V is None and self.support is not None:
+            V = getattr(self.support, "vocab_size", None)
         for name in ("prompt_tokens", "response_tokens"):
             t = getattr(self, name)
+            cu = self.prompt_cu if name == "prompt_tokens" else self.response_cu
             if len(t) and t.min() < 0:
-                i = int(np.flatnonzero(t < 0)[0])
-                cu = self.prompt_cu if name == "prompt_tokens" else self.response_cu
-                row = int(np.searchsorted(cu, i, side="right") - 1)
-                raise err(f"negative token id {int(t[i])}", row=row, field=name,
-                          index=int(i - cu[row]))
+                row, j = _locate(cu, _first(t < 0))
+                raise err(f"negative token id {int(t[cu[row] + j])}", row=row, field=name, index=j)
+            if V is not None and len(t) and int(t.max()) >= V:
+                row, j = _locate(cu, _first(t >= V))
+                raise err(f"token id {int(t[cu[row] + j])} >= vocab_size {V}", row=row, field=name, index=j)
         if self.group_ids.shape != (b,):
             raise err(f"expected {b} group ids, got shape {self.group_ids.shape}", field="group_ids")
+        for name, typ in (("engine", str), ("engine_version", str), ("sampling", dict), ("meta", dict)):
+            if not isinstance(getattr(self, name), typ):
+                raise err(f"expected {typ.__name__}, got {type(getattr(self, name)).__name__}", field=name)
         if self.routes is not None:
             seq = np.asarray(self.routes.seq_lens)
             total = self.prompt_lens + self.response_lens
@@ -216,8 +414,11 @@ class Rollout:
 
     # ---- IO -----------------------------------------------------------------------------
     def _header(self) -> dict:
-        return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "engine": self.engine,
-                "engine_version": self.engine_version, "sampling": self.sampling, "meta": self.meta}
+        h = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "engine": self.engine,
+             "engine_version": self.engine_version, "sampling": self.sampling, "meta": self.meta}
+        if self.vocab_size is not None:
+            h["vocab_size"] = self.vocab_size
+        return h
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write ``.safetensors`` or ``.jsonl`` (by suffix) atomically."""
@@ -249,39 +450,84 @@ class Rollout:
         from safetensors.numpy import save_file
 
         h = self._header()
+        arrays = self._arrays()
         meta = {k: (v if isinstance(v, str) else json.dumps(v)) for k, v in h.items()}
-        save_file(self._arrays(), str(path), metadata=meta)
+        meta["digest"] = _arrays_digest(arrays, meta)
+        save_file(arrays, str(path), metadata=meta)
 
     def _write_jsonl(self, path: Path) -> None:
         if self.routes is not None:
             raise InputError("routes cannot be written to .jsonl (too large); use .safetensors",
                              field="routes")
-        with open(path, "w") as f:
-            f.write(json.dumps(self._header()) + "\n")
-            for i in range(len(self)):
-                row = {"prompt_ids": self.prompt(i).tolist(),
-                       "response_ids": self.response(i).tolist(),
-                       "logprobs": self.logprobs(i).tolist(),
-                       "group_id": int(self.group_ids[i])}
-                a, b = self.response_cu[i], self.response_cu[i + 1]
-                if self.trainer_logprobs is not None:
-                    row["trainer_logprobs"] = self.trainer_logprobs[a:b].tolist()
-                if self.support is not None:
-                    row["support"] = [self.support.row(int(t)).tolist() for t in range(a, b)]
-                f.write(json.dumps(row) + "\n")
+        lines = []
+        for i in range(len(self)):
+            row = {"prompt_ids": self.prompt(i).tolist(),
+                   "response_ids": self.response(i).tolist(),
+                   "logprobs": self.logprobs(i).tolist(),
+                   "group_id": int(self.group_ids[i])}
+            a, b = self.response_cu[i], self.response_cu[i + 1]
+            if self.trainer_logprobs is not None:
+                row["trainer_logprobs"] = self.trainer_logprobs[a:b].tolist()
+            if self.support is not None:
+                row["support"] = [self.support.row(int(t)).tolist() for t in range(a, b)]
+            lines.append(json.dumps(row))
+        body = "\n".join(lines)
+        header = json.loads(json.dumps(self._header()))        # the values as they read back
+        header["digest"] = _text_digest(header, body.encode())
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(json.dumps(header) + "\n" + body + "\n")
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Rollout":
-        """Read a rollout file; raise InputError naming the first bad row/field."""
+    def load(cls, path: str | os.PathLike, *, vocab_size: int | None = None) -> "Rollout":
+        """Read a rollout file; raise InputError naming the file and the first bad row/field/index.
+
+        ``vocab_size``: when given (or stored in the file), every token id must be below it.
+        """
         path = Path(path)
+        src = str(path)
         if not path.exists():
-            raise InputError("file not found", source=str(path))
-        if path.suffix == ".safetensors":
-            return cls._read_safetensors(path)
-        if path.suffix == ".jsonl":
-            return cls._read_jsonl(path)
-        raise InputError(f"unknown rollout file type {path.suffix!r} "
-                         "(expected .safetensors or .jsonl)", source=str(path))
+            raise InputError("file not found", source=src)
+        if not path.is_file():
+            raise InputError("not a regular file", source=src)
+        try:
+            if path.suffix == ".safetensors":
+                ro = cls._read_safetensors(path)
+            elif path.suffix == ".jsonl":
+                ro = cls._read_jsonl(path)
+            else:
+                raise InputError(f"unknown rollout file type {path.suffix!r} "
+                                 "(expected .safetensors or .jsonl)")
+            if vocab_size is not None:
+                if ro.vocab_size is not None and ro.vocab_size != vocab_size:
+                    raise InputError(f"file says vocab_size {ro.vocab_size}, caller {vocab_size}",
+                                     field="vocab_size")
+                d = {f: getattr(ro, f) for f in ro.__dataclass_fields__}
+                d["vocab_size"] = vocab_size
+                ro = cls(**d)
+            return ro
+        except InputError as e:
+            raise (e if e.source is not None else e.with_source(src)) from None
+        except OSError as e:
+            raise InputError(f"cannot read ({e.strerror or e})", source=src) from None
+
+    @staticmethod
+    def _check_version(v, where: str) -> None:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise InputError(f"{where} 'schema_version' is {v!r}, expected the integer {SCHEMA_VERSION}",
+                             field="schema_version")
+        if v != SCHEMA_VERSION:
+            newer = " (written by a newer version of skyrl-numerics)" if v > SCHEMA_VERSION else ""
+            raise InputError(f"{where} 'schema_version' is {v}, this library reads {SCHEMA_VERSION}{newer}",
+                             field="schema_version")
+
+    @staticmethod
+    def _check_vocab(v, where: str):
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= ID_MAX + 1:
+            raise InputError(f"{where} 'vocab_size' is {v!r}, expected an integer in [1, 2**31]",
+                             field="vocab_size")
+        return v
 
     @classmethod
     def _read_safetensors(cls, path: Path) -> "Rollout":
@@ -292,120 +538,208 @@ class Rollout:
                 meta = f.metadata() or {}
                 arrays = {k: f.get_tensor(k) for k in f.keys()}
         except Exception as e:  # safetensors raises several types for a corrupt header
-            raise InputError(f"not a readable safetensors file ({e})", source=str(path)) from None
+            msg = " ".join(str(e).split())[:200]
+            raise InputError(f"not a readable safetensors file ({type(e).__name__}: {msg})") from None
         if meta.get("schema") != SCHEMA:
             raise InputError(f"metadata 'schema' is {meta.get('schema')!r}, expected {SCHEMA!r}",
-                             source=str(path), field="schema")
-        required = ["prompt_tokens", "prompt_cu", "response_tokens", "response_cu",
-                    "rollout_logprobs"]
-        for k in required:
-            if k not in arrays:
-                raise InputError("missing array", source=str(path), field=k)
+                             field="schema")
+        known_meta = set(HEADER_KEYS)
+        for k in meta:
+            if k not in known_meta:
+                raise InputError(f"unknown metadata key {k!r}", field=k)
 
         def js(key, default):
+            if key not in meta:
+                return default
             try:
-                return json.loads(meta[key]) if key in meta else default
-            except json.JSONDecodeError:
-                raise InputError("metadata is not valid JSON", source=str(path), field=key) from None
+                return json.loads(meta[key])
+            except (ValueError, RecursionError):
+                raise InputError("metadata is not valid JSON", field=key) from None
 
+        if "digest" in meta:
+            _check_digest(meta["digest"], lambda algo: _arrays_digest(arrays, meta, algo))
+        if "schema_version" not in meta:
+            raise InputError("metadata 'schema_version' is missing", field="schema_version")
+        sv = meta["schema_version"]
+        cls._check_version(int(sv) if sv.isdigit() and len(sv) < 10 else sv, "metadata")
+        sampling, m = js("sampling", {}), js("meta", {})
+        for key, v in (("sampling", sampling), ("meta", m)):
+            if not isinstance(v, dict):
+                raise InputError(f"expected a JSON object, got {type(v).__name__}", field=key)
+        vocab = cls._check_vocab(js("vocab_size", None), "metadata")
+        required = ["prompt_tokens", "prompt_cu", "response_tokens", "response_cu", "rollout_logprobs"]
+        for k in required:
+            if k not in arrays:
+                raise InputError("missing array", field=k)
+        for k, v in arrays.items():
+            if k.startswith(("routes.", "support.")):
+                continue
+            if k not in FILE_DTYPES:
+                raise InputError(f"unknown array {k!r}", field=k)
+            if v.dtype != FILE_DTYPES[k] or v.ndim != 1:
+                raise InputError(f"expected 1-D {np.dtype(FILE_DTYPES[k]).name}, got {v.dtype} of shape {v.shape}",
+                                 field=k)
         routes = support = None
         route_arrays = {k[len("routes."):]: v for k, v in arrays.items() if k.startswith("routes.")}
         support_arrays = {k[len("support."):]: v for k, v in arrays.items()
                           if k.startswith("support.")}
-        if route_arrays:
-            from skyrl_numerics.replay import PackedRoutes
-            routes = PackedRoutes.from_arrays(route_arrays)
-        if support_arrays:
-            from skyrl_numerics.replay import PackedSupport
-            support = PackedSupport.from_arrays(support_arrays)
         try:
-            return cls(prompt_tokens=arrays["prompt_tokens"], prompt_cu=arrays["prompt_cu"],
-                       response_tokens=arrays["response_tokens"], response_cu=arrays["response_cu"],
-                       rollout_logprobs=arrays["rollout_logprobs"],
-                       trainer_logprobs=arrays.get("trainer_logprobs"),
-                       group_ids=arrays.get("group_ids"), routes=routes, support=support,
-                       sampling=js("sampling", {}), meta=js("meta", {}),
-                       engine=meta.get("engine", "unknown"),
-                       engine_version=meta.get("engine_version", "unknown"))
+            if route_arrays:
+                from skyrl_numerics.replay import PackedRoutes
+                routes = PackedRoutes.from_arrays(route_arrays)
         except InputError as e:
-            raise e.with_source(str(path)) from None
+            raise InputError(e.message, row=e.row, field=f"routes.{e.field or 'values'}", index=e.index) from None
+        try:
+            if support_arrays:
+                from skyrl_numerics.replay import PackedSupport
+                support = PackedSupport.from_arrays(support_arrays)
+        except InputError as e:
+            raise InputError(e.message, row=e.row, field=f"support.{e.field or 'token_ids'}", index=e.index) from None
+        return cls(prompt_tokens=arrays["prompt_tokens"], prompt_cu=arrays["prompt_cu"],
+                   response_tokens=arrays["response_tokens"], response_cu=arrays["response_cu"],
+                   rollout_logprobs=arrays["rollout_logprobs"],
+                   trainer_logprobs=arrays.get("trainer_logprobs"),
+                   group_ids=arrays.get("group_ids"), routes=routes, support=support,
+                   sampling=sampling, meta=m, engine=meta.get("engine", "unknown"),
+                   engine_version=meta.get("engine_version", "unknown"), vocab_size=vocab)
+
+    @staticmethod
+    def _ids_field(v, row: int, key: str) -> list:
+        if not isinstance(v, list):
+            raise InputError(f"expected a list, got {type(v).__name__}", row=row, field=key)
+        for j, t in enumerate(v):
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise InputError(f"token id {t!r} is not an integer", row=row, field=key, index=j)
+            if not 0 <= t <= ID_MAX:
+                raise InputError(f"token id {t} outside [0, 2**31)", row=row, field=key, index=j)
+        return v
+
+    @staticmethod
+    def _values_field(v, row: int, key: str) -> list:
+        if not isinstance(v, list):
+            raise InputError(f"expected a list, got {type(v).__name__}", row=row, field=key)
+        for j, x in enumerate(v):
+            if not isinstance(x, (int, float)) or isinstance(x, bool):
+                raise InputError(f"value {x!r} is not a number", row=row, field=key, index=j)
+            if isinstance(x, int):
+                if abs(x) > _F32_MAX:
+                    raise InputError(f"value {x} does not fit float32", row=row, field=key, index=j)
+            elif not math.isfinite(x):
+                raise InputError(f"value {x!r} is not finite", row=row, field=key, index=j)
+            elif abs(x) > _F32_MAX:
+                raise InputError(f"value {x!r} does not fit float32", row=row, field=key, index=j)
+        return v
 
     @classmethod
     def _read_jsonl(cls, path: Path) -> "Rollout":
         header: dict = {}
         prompts, responses, lps, tlps, groups, supports = [], [], [], [], [], []
-        src = str(path)
-        with open(path) as f:
-            lines = [ln for ln in f.read().splitlines()]
+        try:
+            with open(path, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        except UnicodeDecodeError as e:
+            raise InputError(f"not UTF-8 text (byte {e.start})") from None
         row = -1
+        seen_row = False
+        header_line = None
         for lineno, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise InputError(f"line {lineno} is not valid JSON ({e.msg})", source=src) from None
+                raise InputError(f"line {lineno} is not valid JSON ({e.msg})") from None
+            except (ValueError, RecursionError) as e:   # int digit limit, nesting depth
+                what = "nested too deeply" if isinstance(e, RecursionError) else " ".join(str(e).split())[:120]
+                raise InputError(f"line {lineno} is not valid JSON ({what})") from None
             if not isinstance(obj, dict):
-                raise InputError(f"line {lineno} is not a JSON object", source=src)
-            if "schema" in obj and row == -1 and not prompts:
+                raise InputError(f"line {lineno} is not a JSON object")
+            if "schema" in obj and not seen_row and not header:
                 if obj["schema"] != SCHEMA:
                     raise InputError(f"header 'schema' is {obj['schema']!r}, expected {SCHEMA!r}",
-                                     source=src, field="schema")
+                                     field="schema")
+                for k in obj:
+                    if k not in HEADER_KEYS:
+                        raise InputError(f"unknown header key {k!r} (line {lineno})", field=k)
+                if "schema_version" not in obj:
+                    raise InputError("header 'schema_version' is missing", field="schema_version")
+                cls._check_version(obj["schema_version"], "header")
+                for k, typ in (("engine", str), ("engine_version", str), ("sampling", dict), ("meta", dict)):
+                    if k in obj and not isinstance(obj[k], typ):
+                        raise InputError(f"header '{k}' is {type(obj[k]).__name__}, expected {typ.__name__}",
+                                         field=k)
+                cls._check_vocab(obj.get("vocab_size"), "header")
                 header = obj
+                header_line = lineno
+                if "digest" in obj:
+                    body = "\n".join(lines[lineno:]).rstrip("\n").encode()
+                    _check_digest(obj["digest"], lambda algo: _text_digest(obj, body, algo))
                 continue
+            seen_row = True
             row += 1
+            for k in obj:
+                if k not in ROW_KEYS:
+                    raise InputError(f"unknown field {k!r}", row=row, field=k)
             for key in ("prompt_ids", "response_ids", "logprobs"):
                 if key not in obj:
-                    raise InputError("missing field", source=src, row=row, field=key)
-                if not isinstance(obj[key], list):
-                    raise InputError(f"expected a list, got {type(obj[key]).__name__}",
-                                     source=src, row=row, field=key)
-            for key in ("prompt_ids", "response_ids"):
-                for j, t in enumerate(obj[key]):
-                    if not isinstance(t, int) or isinstance(t, bool):
-                        raise InputError(f"token id {t!r} is not an integer", source=src,
-                                         row=row, field=key, index=j)
+                    raise InputError("missing field", row=row, field=key)
+            cls._ids_field(obj["prompt_ids"], row, "prompt_ids")
+            cls._ids_field(obj["response_ids"], row, "response_ids")
+            n = len(obj["response_ids"])
             for key in ("logprobs", "trainer_logprobs"):
                 if key not in obj:
                     continue
-                for j, v in enumerate(obj[key]):
-                    if not isinstance(v, (int, float)) or isinstance(v, bool):
-                        raise InputError(f"value {v!r} is not a number", source=src, row=row,
-                                         field=key, index=j)
-                    if not math.isfinite(v):
-                        raise InputError(f"value {v!r} is not finite", source=src, row=row,
-                                         field=key, index=j)
-                if len(obj[key]) != len(obj["response_ids"]):
-                    raise InputError(f"{len(obj[key])} values for {len(obj['response_ids'])} "
-                                     "response tokens", source=src, row=row, field=key)
+                cls._values_field(obj[key], row, key)
+                if len(obj[key]) != n:
+                    raise InputError(f"{len(obj[key])} values for {n} response tokens", row=row, field=key)
+            g = obj.get("group_id", row)
+            if isinstance(g, bool) or not isinstance(g, int) or not -_I64_MAX - 1 <= g <= _I64_MAX:
+                raise InputError(f"group id {g!r} is not an int64 integer", row=row, field="group_id")
+            sup = obj.get("support")
+            if sup is not None:
+                if not isinstance(sup, list):
+                    raise InputError(f"expected a list of lists, got {type(sup).__name__}", row=row, field="support")
+                if len(sup) != n:
+                    raise InputError(f"{len(sup)} support sets for {n} response tokens", row=row, field="support")
+                for j, ids in enumerate(sup):
+                    try:
+                        cls._ids_field(ids, row, "support")
+                    except InputError as e:
+                        raise InputError(f"support set {j}: {e.message}", row=row, field="support", index=j) from None
+                    if not ids:
+                        raise InputError("empty support set", row=row, field="support", index=j)
+                    if len(set(ids)) != len(ids):
+                        raise InputError("duplicate token id in a support set", row=row, field="support", index=j)
             prompts.append(obj["prompt_ids"])
             responses.append(obj["response_ids"])
             lps.append(obj["logprobs"])
             tlps.append(obj.get("trainer_logprobs"))
-            groups.append(obj.get("group_id", row))
-            supports.append(obj.get("support"))
+            groups.append(g)
+            supports.append(sup)
         if not prompts:
-            raise InputError("no rows", source=src, field="rows")
+            raise InputError("no rows", field="rows")
         have_t = [t is not None for t in tlps]
         if any(have_t) and not all(have_t):
             i = have_t.index(False)
             raise InputError("'trainer_logprobs' present in some rows but not this one",
-                             source=src, row=i, field="trainer_logprobs")
+                             row=i, field="trainer_logprobs")
         support = None
+        vocab = header.get("vocab_size")
         have_s = [s is not None for s in supports]
         if any(have_s):
             if not all(have_s):
-                raise InputError("'support' present in some rows but not this one", source=src,
+                raise InputError("'support' present in some rows but not this one",
                                  row=have_s.index(False), field="support")
             from skyrl_numerics.replay import PackedSupport
             per_token = [s for seq in supports for s in seq]
-            support = PackedSupport.from_sets(per_token)
+            support = PackedSupport.from_sets(per_token, vocab)
         try:
             return cls.from_lists(prompts, responses, lps,
                                   trainer_logprobs=tlps if all(have_t) else None,
                                   group_ids=np.asarray(groups, dtype=np.int64), support=support,
                                   sampling=header.get("sampling", {}), meta=header.get("meta", {}),
                                   engine=header.get("engine", "unknown"),
-                                  engine_version=header.get("engine_version", "unknown"))
-        except InputError as e:
-            raise e.with_source(src) from None
+                                  engine_version=header.get("engine_version", "unknown"), vocab_size=vocab)
+        except InputError as e:     # name the field as the file spells it
+            f = _JSONL_NAMES.get(e.field, e.field)
+            raise InputError(e.message, row=e.row, field=f, index=e.index) from None

@@ -96,7 +96,7 @@ GOOD = {"prompt_ids": [1, 2], "response_ids": [3, 4], "logprobs": [-0.1, -0.2]}
     ({**GOOD, "logprobs": [-0.1, "x"]}, "logprobs", 1),
     ({"prompt_ids": [1], "logprobs": []}, "response_ids", 1),
     ({**GOOD, "response_ids": [3, 4.5]}, "response_ids", 1),
-    ({**GOOD, "logprobs": [-0.1, 0.3]}, "rollout_logprobs", 1),
+    ({**GOOD, "logprobs": [-0.1, 0.3]}, "logprobs", 1),
 ])
 def test_jsonl_errors_name_second_row(tmp_path, bad, field, row):
     p = _write_jsonl(tmp_path / "x.jsonl", [GOOD, bad])
@@ -135,3 +135,295 @@ def test_save_is_atomic_on_failure(tmp_path):
     with pytest.raises(RuntimeError):
         r.save(target)
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- strict IO (issue 13) ---------------------------------------------------------------------
+import math
+import warnings
+
+from skyrl_numerics.cli import main as cli_main
+from skyrl_numerics.replay import PackedSupport
+
+
+def _full(tmp_path=None):
+    r = small().with_trainer_logprobs(np.float32([-0.4, -0.6, -0.7, -1, -2, -3]))
+    r.group_ids = np.array([0, 0, 1], np.int64)
+    return r
+
+
+def _same(a: Rollout, b: Rollout):
+    for f in ("prompt_tokens", "prompt_cu", "response_tokens", "response_cu", "rollout_logprobs",
+              "trainer_logprobs", "group_ids"):
+        x, y = getattr(a, f), getattr(b, f)
+        assert (x is None) == (y is None), f
+        if x is not None:
+            assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), f
+    assert (a.sampling, a.meta, a.engine, a.engine_version, a.vocab_size) == \
+        (b.sampling, b.meta, b.engine, b.engine_version, b.vocab_size)
+    assert (a.support is None) == (b.support is None) and (a.support is None or a.support == b.support)
+
+
+@pytest.mark.parametrize("kw,field,row,index", [
+    (dict(response_tokens=np.array([11, 2 ** 32 + 4, 12, 13, 14, 15])), "response_tokens", 1, 0),  # no wrap to 4
+    (dict(response_tokens=np.array([11, 12, 13, 14, 15, -1])), "response_tokens", 2, 2),
+    (dict(prompt_tokens=np.array([5, 6, 7, 8, 9, 10.0])), "prompt_tokens", None, None),         # float ids
+    (dict(prompt_tokens=np.array([True] * 6)), "prompt_tokens", None, None),                  # bool ids
+    (dict(prompt_cu=np.array([0, 2, 3, 6.0])), "prompt_cu", None, None),                      # float cu
+    (dict(response_cu=np.array([0, 1, 3, 6], np.uint64) + np.uint64(2 ** 63)), "response_cu", None, 0),
+    (dict(group_ids=np.array([0.0, 1.0, 2.0])), "group_ids", None, None),
+    (dict(group_ids=np.array([True, False, True])), "group_ids", None, None),
+    (dict(prompt_tokens=np.array([[5, 6, 7], [8, 9, 10]])), "prompt_tokens", None, None),      # 2-D
+    (dict(rollout_logprobs=np.array([-0.5, -1e300, -0.6, -0.7, -0.8, -0.9])), "rollout_logprobs", 1, 0),
+    (dict(prompt_cu=np.array([1, 2, 3, 6])), "prompt_cu", None, 0),
+    (dict(prompt_cu=np.array([0, 4, 3, 6])), "prompt_cu", 1, 2),
+    (dict(vocab_size=12), "response_tokens", 1, 1),
+    (dict(vocab_size=True), "vocab_size", None, None),
+])
+def test_constructor_is_strict(kw, field, row, index):
+    d = {f: getattr(small(), f) for f in Rollout.__dataclass_fields__}
+    d.update(kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                    # no numpy cast/overflow warnings either
+        with pytest.raises(InputError) as e:
+            Rollout(**d)
+    assert e.value.field == field, str(e.value)
+    if row is not None:
+        assert e.value.row == row, str(e.value)
+    if index is not None:
+        assert e.value.index == index, str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_from_lists_does_not_truncate():
+    with pytest.raises(InputError) as e:
+        Rollout.from_lists([[1, 2.5]], [[3]], [[-1.0]])
+    assert e.value.field == "prompt_tokens"
+    with pytest.raises(InputError):
+        Rollout.from_lists([[1, True]], [[3]], [[-1.0]])
+    with pytest.raises(InputError):
+        Rollout.from_lists([[1]], [[3]], [["x"]])
+    with pytest.raises(InputError) as e:
+        Rollout.from_lists([[1]], [[2 ** 31]], [[-1.0]])
+    assert (e.value.field, e.value.row, e.value.index) == ("response_tokens", 0, 0)
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".jsonl"])
+def test_vocab_and_support_round_trip(tmp_path, suffix):
+    r = _full()
+    r.support = PackedSupport.from_sets([[11, 50], [12], [13, 14], [1, 14], [15], [16, 17]], vocab_size=100)
+    r.vocab_size = 100
+    r.validate()
+    q = Rollout.load(r.save(tmp_path / f"v{suffix}"))
+    _same(q, r)
+    with pytest.raises(InputError) as e:
+        Rollout.load(tmp_path / f"v{suffix}", vocab_size=50)
+    assert e.value.field == "vocab_size" and f"v{suffix}" in str(e.value)
+    small().save(tmp_path / f"w{suffix}")
+    with pytest.raises(InputError) as e:
+        Rollout.load(tmp_path / f"w{suffix}", vocab_size=12)      # response id 12 >= 12
+    assert (e.value.field, e.value.row, e.value.index) == ("response_tokens", 1, 1)
+    assert f"w{suffix}" in str(e.value)
+
+
+def _hdr(**kw):
+    return json.dumps({"schema": "skyrl-numerics/rollout", "schema_version": 1, **kw})
+
+
+@pytest.mark.parametrize("lines,field,row,index", [
+    ([_hdr(), {**GOOD, "response_ids": [3, 2 ** 32 + 4]}], "response_ids", 0, 1),
+    ([_hdr(), {**GOOD, "response_ids": [3, -4]}], "response_ids", 0, 1),
+    ([_hdr(), {**GOOD, "response_ids": [3, True]}], "response_ids", 0, 1),
+    ([_hdr(), {**GOOD, "prompt_ids": [1, 2.0]}], "prompt_ids", 0, 1),
+    ([_hdr(), {**GOOD, "prompt_ids": "12"}], "prompt_ids", 0, None),
+    ([_hdr(), {**GOOD, "group_id": 1.0}], "group_id", 0, None),
+    ([_hdr(), {**GOOD, "group_id": True}], "group_id", 0, None),
+    ([_hdr(), {**GOOD, "group_id": 2 ** 64}], "group_id", 0, None),
+    ([_hdr(), {**GOOD, "trainer_logprobs": 5}], "trainer_logprobs", 0, None),
+    ([_hdr(), {**GOOD, "support": 3}], "support", 0, None),
+    ([_hdr(), {**GOOD, "support": [[3], [4, 4]]}], "support", 0, 1),
+    ([_hdr(), {**GOOD, "support": [[3], []]}], "support", 0, 1),
+    ([_hdr(), {**GOOD, "support": [[3], [4.0]]}], "support", 0, 1),
+    ([_hdr(), {**GOOD, "support": [[3]]}], "support", 0, None),
+    ([_hdr(), {**GOOD, "logprobs": [-0.1, -1e39]}], "logprobs", 0, 1),             # overflows float32
+    ([_hdr(), {**GOOD, "logprobs": [-0.1, -10 ** 400]}], "logprobs", 0, 1),
+    ([_hdr(), '{"prompt_ids": [1], "response_ids": [3], "logprobs": [-Infinity]}'], "logprobs", 0, 0),
+    ([_hdr(), {**GOOD, "extra": 1}], "extra", 0, None),
+    ([_hdr(schema_version=2), GOOD], "schema_version", None, None),
+    ([_hdr(schema_version="1"), GOOD], "schema_version", None, None),
+    ([_hdr(schema_version=True), GOOD], "schema_version", None, None),
+    ([json.dumps({"schema": "skyrl-numerics/rollout"}), GOOD], "schema_version", None, None),
+    ([_hdr(sampling=[1]), GOOD], "sampling", None, None),
+    ([_hdr(engine=3), GOOD], "engine", None, None),
+    ([_hdr(vocab_size=2.0), GOOD], "vocab_size", None, None),
+    ([_hdr(vocab_size=4), GOOD], "response_ids", 0, 1),
+    ([_hdr(enginee="x"), GOOD], "enginee", None, None),
+])
+def test_jsonl_strict(tmp_path, lines, field, row, index):
+    p = tmp_path / "s.jsonl"
+    p.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(InputError) as e:
+            Rollout.load(p)
+    assert "s.jsonl" in str(e.value) and "\n" not in str(e.value)
+    assert e.value.field == field, str(e.value)
+    assert e.value.row == row, str(e.value)
+    if index is not None:
+        assert e.value.index == index, str(e.value)
+
+
+@pytest.mark.parametrize("text", [
+    "[" * 100_000 + "]" * 100_000,                          # nesting: RecursionError inside json
+    '{"prompt_ids": [1' + "1" * 5000 + '], "response_ids": [], "logprobs": []}',   # int digit limit
+])
+def test_jsonl_pathological_json(tmp_path, text):
+    p = tmp_path / "x.jsonl"
+    p.write_text(text + "\n")
+    with pytest.raises(InputError, match="line 1 is not valid JSON"):
+        Rollout.load(p)
+
+
+def test_not_a_file_and_not_utf8(tmp_path):
+    (tmp_path / "d.jsonl").mkdir()
+    with pytest.raises(InputError, match="not a regular file"):
+        Rollout.load(tmp_path / "d.jsonl")
+    (tmp_path / "b.jsonl").write_bytes(b"\xff\xfe{}\n")
+    with pytest.raises(InputError, match="UTF-8"):
+        Rollout.load(tmp_path / "b.jsonl")
+
+
+def _rewrite_safetensors(path, arrays=None, meta=None, drop_digest=True):
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+    with safe_open(str(path), "np") as f:
+        m = dict(f.metadata())
+        a = {k: f.get_tensor(k) for k in f.keys()}
+    if drop_digest:
+        m.pop("digest", None)
+    a.update(arrays or {})
+    a = {k: v for k, v in a.items() if v is not None}
+    m.update(meta or {})
+    m = {k: v for k, v in m.items() if v is not None}
+    save_file(a, str(path), metadata=m)
+
+
+@pytest.mark.parametrize("arrays,meta,field", [
+    ({"response_tokens": np.array([11, 12, 13, 14, 15, 16], np.int64)}, None, "response_tokens"),  # dtype
+    ({"rollout_logprobs": np.zeros(6, np.float64) - 1}, None, "rollout_logprobs"),
+    ({"group_ids": np.zeros((3, 1), np.int64)}, None, "group_ids"),
+    ({"extra": np.zeros(1, np.int64)}, None, "extra"),
+    ({"routes.values": np.zeros((1, 1, 1), np.uint8)}, None, "routes.cu_seqlens"),
+    ({"support.token_ids": np.zeros(6, np.float32), "support.offsets": np.arange(7, dtype=np.int64)},
+     None, "support.token_ids"),
+    (None, {"schema_version": "2"}, "schema_version"),
+    (None, {"schema_version": None}, "schema_version"),
+    (None, {"schema_version": "01x"}, "schema_version"),
+    (None, {"sampling": "[1, 2]"}, "sampling"),
+    (None, {"meta": "{"}, "meta"),
+    (None, {"vocab_size": "1.5"}, "vocab_size"),
+    (None, {"whatever": "1"}, "whatever"),
+])
+def test_safetensors_strict(tmp_path, arrays, meta, field):
+    p = small().save(tmp_path / "r.safetensors")
+    _rewrite_safetensors(p, arrays, meta)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(InputError) as e:
+            Rollout.load(p)
+    assert "r.safetensors" in str(e.value) and e.value.field == field, str(e.value)
+
+
+def test_safetensors_without_digest_still_loads(tmp_path):
+    r = _full()
+    p = r.save(tmp_path / "r.safetensors")
+    _rewrite_safetensors(p)
+    _same(Rollout.load(p), r)
+
+
+def test_gap_cli_exit_2_one_line_no_warnings(tmp_path, capfd):
+    rows = [_hdr(), {**GOOD, "trainer_logprobs": [-0.1, -0.2]},
+            {**GOOD, "trainer_logprobs": [-0.1, -1e300]}]
+    p = tmp_path / "g.jsonl"
+    p.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in rows) + "\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cli_main(["gap", str(p)]) == 2
+    err = capfd.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    assert "g.jsonl, row 1, field 'trainer_logprobs', index 1" in err, err
+    p.write_text("[" * 50_000 + "\n")
+    assert cli_main(["gap", str(p)]) == 2
+    err = capfd.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not valid JSON" in err
+
+
+# ---- any single edit or bit flip: refused with InputError, or bitwise the same data ------------
+def _reference_file(tmp_path, suffix):
+    r = _full()
+    r.support = PackedSupport.from_sets([[11, 50], [12], [13, 14], [1, 14], [15], [16, 17]], vocab_size=100)
+    r.vocab_size = 100
+    r.sampling = {"temperature": 0.7, "top_k": 4}
+    r.validate()
+    return r, r.save(tmp_path / f"ref{suffix}")
+
+
+def _load_or_refuse(p, ref):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        try:
+            q = Rollout.load(p)
+        except InputError as e:
+            assert "\n" not in str(e) and str(p.name) in str(e)
+            return False
+    _same(q, ref)
+    return True
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from([".safetensors", ".jsonl"]), st.data())
+def test_bit_flip_refused_or_identical(tmp_path_factory, suffix, data):
+    tmp = tmp_path_factory.mktemp("flip")
+    ref, p = _reference_file(tmp, suffix)
+    raw = bytearray(p.read_bytes())
+    pos = data.draw(st.integers(0, len(raw) - 1))
+    bit = data.draw(st.integers(0, 7))
+    raw[pos] ^= 1 << bit
+    p.write_bytes(bytes(raw))
+    _load_or_refuse(p, ref)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_jsonl_field_edit_refused_or_identical(tmp_path_factory, data):
+    """Edit one JSON value (any row or the header) to another value of any type."""
+    tmp = tmp_path_factory.mktemp("edit")
+    ref, p = _reference_file(tmp, ".jsonl")
+    lines = p.read_text().splitlines()
+    li = data.draw(st.integers(0, len(lines) - 1))
+    obj = json.loads(lines[li])
+    key = data.draw(st.sampled_from(sorted(obj)))
+    new = data.draw(st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70),
+                              st.floats(allow_nan=True), st.text(max_size=5),
+                              st.lists(st.integers(-3, 2 ** 33), max_size=4),
+                              st.lists(st.floats(), max_size=4)))
+    drop_digest = data.draw(st.booleans())
+    obj[key] = new
+    lines[li] = json.dumps(obj)
+    if drop_digest:
+        h = json.loads(lines[0])
+        h.pop("digest", None)
+        lines[0] = json.dumps(h)
+    p.write_text("\n".join(lines) + "\n")
+    ok = _load_or_refuse_any(p)
+    if ok is not None and not drop_digest:
+        pytest.fail("an edited file with its digest loaded")
+
+
+def _load_or_refuse_any(p):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        try:
+            return Rollout.load(p)
+        except InputError as e:
+            assert "\n" not in str(e) and p.name in str(e)
+            return None
