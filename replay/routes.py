@@ -17,7 +17,12 @@ uses is computed with the engine's routes. A capture that records ``n`` rows (e.
 on the trainer itself) is accepted as well; replay then uses all of them.
 
 Serialized form (``to_buffer``): one uint8 array, a 64-byte header, then ``cu_seqlens`` and ``values``,
-each starting on a 64-byte boundary. ``from_buffer`` returns numpy views on that memory (zero-copy;
+each starting on a 64-byte boundary. The header (format version 2) holds magic, version, flags, id
+itemsize, bit width, E, L, k, B, T, the value byte count and an xxh3-64 digest of the whole buffer
+(header with the digest field zeroed, cu_seqlens, padding, values). ``from_buffer`` checks every
+field against the others (itemsize = that of E's id dtype; bit width ``ceil(log2 E)`` when
+bit-packed, 0 otherwise; sizes; buffer length exact) and the digest before it returns anything,
+so a flipped bit is an :class:`~skyrl_numerics.errors.InputError`, never other routes. ``from_buffer`` returns numpy views on that memory (zero-copy;
 also through the Ray object store, whose ``ray.get`` maps the buffer read-only). An optional bit-packed
 form stores ``ceil(log2 E)`` bits per id; loading it unpacks (one copy).
 
@@ -37,11 +42,48 @@ from skyrl_numerics.errors import InputError
 from .bitpack import bits_for, pack_bits, packed_nbytes, unpack_bits
 
 MAGIC = b"SKRNRT01"
-_HEADER = struct.Struct("<8sHHBBHIIIQQQ")  # magic, version, flags, itemsize, bits, pad, E, L, k, B, T, nbytes
+# magic, version, flags, itemsize, bits, pad, E, L, k, B, T, nbytes, digest (xxh3-64)
+_HEADER = struct.Struct("<8sHHBBHIIIQQQQ")
+_DIGEST_AT = _HEADER.size - 8
 HEADER_BYTES = 64
 ALIGN = 64
-VERSION = 1
+VERSION = 2
 FLAG_BITPACKED = 1
+ARRAYS_VERSION = 1          # to_arrays(): version of the {"values", "cu_seqlens", ...} form
+_MAX_ELEMS = 1 << 40        # refuse absurd header sizes before allocating or slicing
+
+
+def _xxh3(*parts) -> int:
+    """xxh3-64 of the concatenated byte-like parts (numpy arrays without a copy)."""
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    for p in parts:
+        if isinstance(p, np.ndarray):
+            p = memoryview(np.ascontiguousarray(p).reshape(-1).view(np.uint8)) if p.size else b""
+        h.update(p)
+    return h.intdigest()
+
+
+def _buffer_digest(arr: np.ndarray) -> int:
+    head = bytearray(arr[:HEADER_BYTES].tobytes())
+    head[_DIGEST_AT:_DIGEST_AT + 8] = bytes(8)
+    return _xxh3(bytes(head), arr[HEADER_BYTES:])
+
+
+def _arrays_digest(values: np.ndarray, cu: np.ndarray, num_experts: int) -> int:
+    meta = f"PackedRoutes|{ARRAYS_VERSION}|{num_experts}|{values.dtype.str}|{values.shape}|{cu.dtype.str}|{cu.shape}"
+    return _xxh3(meta.encode(), cu, values)
+
+
+def _int_scalar(x, field: str, lo: int, hi: int) -> int:
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu" or a.size != 1:
+        raise InputError(f"expected one integer, got {a.dtype} of shape {a.shape}", field=field)
+    v = int(a.reshape(-1)[0])
+    if not lo <= v <= hi:
+        raise InputError(f"value {v} outside [{lo}, {hi}]", field=field)
+    return v
 
 
 def id_dtype(num_experts: int) -> np.dtype:
@@ -85,13 +127,13 @@ class PackedRoutes:
     __slots__ = ("values", "cu_seqlens", "num_experts", "_buffer")
 
     def __init__(self, values: np.ndarray, cu_seqlens: np.ndarray, num_experts: int, *, validate: bool = True):
-        num_experts = int(num_experts)
+        num_experts = _int_scalar(num_experts, "num_experts", 1, (1 << 32) - 1)
         dt = id_dtype(num_experts)
         values = np.asarray(values)
         if values.ndim != 3:
             raise InputError(f"expected shape [tokens, layers, k], got {values.shape}", field="values")
         if values.dtype != dt:
-            if values.size and (values.dtype.kind not in "ui"):
+            if values.dtype.kind not in "ui":
                 raise InputError(f"expert ids must be integers, got dtype {values.dtype}", field="values")
             if values.size and values.dtype.kind == "i" and int(values.min()) < 0:
                 raise InputError(f"negative expert id {int(values.min())}", field="values",
@@ -100,8 +142,14 @@ class PackedRoutes:
             values = values.astype(dt)
         cu = np.asarray(cu_seqlens)
         if cu.dtype != np.int32:
+            if cu.dtype.kind not in "iu":
+                raise InputError(f"must be integers, got dtype {cu.dtype} (not truncated)", field="cu_seqlens")
+            if cu.ndim != 1:
+                raise InputError(f"must be 1-D, got shape {cu.shape}", field="cu_seqlens")
             if cu.size and cu.max() >= 2 ** 31:
-                raise InputError("total tokens exceed int32", field="cu_seqlens")
+                raise InputError("total tokens exceed int32", field="cu_seqlens", index=int(np.argmax(cu >= 2 ** 31)))
+            if cu.size and cu.dtype.kind == "i" and cu.min() < 0:
+                raise InputError(f"negative entry {int(cu.min())}", field="cu_seqlens", index=int(np.argmin(cu)))
             cu = cu.astype(np.int32)
         self.values, self.cu_seqlens, self.num_experts = values, cu, num_experts
         self._buffer = None
@@ -259,26 +307,53 @@ class PackedRoutes:
 
     # ---- arrays (safetensors) -----------------------------------------------------------------------
     def to_arrays(self) -> dict[str, np.ndarray]:
-        """``{"values", "cu_seqlens", "num_experts"}`` (the last as int64 shape [1]); no copies."""
+        """``{"values", "cu_seqlens", "num_experts", "version", "digest"}`` (the last three int64 /
+        uint64 shape [1]; ``digest`` is xxh3-64 of version, E, dtypes, shapes and both arrays);
+        no copies of the arrays."""
         return {"values": self.values, "cu_seqlens": self.cu_seqlens,
-                "num_experts": np.array([self.num_experts], dtype=np.int64)}
+                "num_experts": np.array([self.num_experts], dtype=np.int64),
+                "version": np.array([ARRAYS_VERSION], dtype=np.int64),
+                "digest": np.array([_arrays_digest(self.values, self.cu_seqlens, self.num_experts)], dtype=np.uint64)}
 
     @classmethod
     def from_arrays(cls, d: dict[str, np.ndarray]) -> "PackedRoutes":
+        """Inverse of :meth:`to_arrays`: exact dtypes (``values`` = E's id dtype, ``cu_seqlens`` int32),
+        no unknown keys; ``version`` and ``digest`` checked when present (both or neither)."""
+        known = ("values", "cu_seqlens", "num_experts", "version", "digest")
+        for key in d:
+            if key not in known:
+                raise InputError(f"unknown array {key!r}", field=key)
         for key in ("values", "cu_seqlens", "num_experts"):
             if key not in d:
                 raise InputError(f"missing array '{key}'", field=key)
-        ne = np.asarray(d["num_experts"]).reshape(-1)
-        if ne.size != 1:
-            raise InputError(f"expected one value, got shape {np.asarray(d['num_experts']).shape}", field="num_experts")
-        return cls(d["values"], d["cu_seqlens"], int(ne[0]))
+        E = _int_scalar(d["num_experts"], "num_experts", 1, (1 << 32) - 1)
+        values, cu = np.asarray(d["values"]), np.asarray(d["cu_seqlens"])
+        if values.dtype != id_dtype(E):
+            raise InputError(f"dtype {values.dtype}, expected {id_dtype(E)} for {E} experts", field="values")
+        if cu.dtype != np.int32:
+            raise InputError(f"dtype {cu.dtype}, expected int32", field="cu_seqlens")
+        if ("version" in d) != ("digest" in d):
+            raise InputError("'version' and 'digest' come together", field="version" if "version" not in d else "digest")
+        if "version" in d:
+            v = _int_scalar(d["version"], "version", 0, 1 << 62)
+            if v != ARRAYS_VERSION:
+                raise InputError(f"unsupported version {v}, expected {ARRAYS_VERSION}", field="version")
+            dg = np.asarray(d["digest"])
+            if dg.dtype != np.uint64 or dg.shape != (1,):
+                raise InputError(f"expected uint64 [1], got {dg.dtype} {dg.shape}", field="digest")
+            if values.ndim == 3 and int(dg[0]) != _arrays_digest(values, cu, E):
+                raise InputError("digest does not match the arrays (corrupt or edited)", field="digest")
+        return cls(values, cu, E)
 
     # ---- buffer -------------------------------------------------------------------------------------
     def to_buffer(self, *, bitpack: bool = False) -> np.ndarray:
         """One contiguous uint8 array (header + cu_seqlens + values). Returns the backing buffer itself
         (no copy) when the routes already live in one, e.g. after :meth:`empty`/:meth:`from_buffer`."""
         if not bitpack and self._buffer is not None:
-            return self._buffer
+            buf = self._buffer
+            if buf.flags.writeable:            # values may have been written in place since
+                _seal(buf)
+            return buf
         dt = self.values.dtype
         bits = bits_for(self.num_experts) if bitpack else 0
         nvals = self.values.size
@@ -291,6 +366,7 @@ class PackedRoutes:
             val_view[...] = self.values
         _write_header(buf, self.num_experts, self.num_layers, self.k, self.num_seqs, self.num_tokens, dt.itemsize,
                       bits, vbytes)
+        _seal(buf)
         if not bitpack:
             self.values, self.cu_seqlens, self._buffer = val_view, cu_view, buf
         return buf
@@ -300,27 +376,49 @@ class PackedRoutes:
 
     @classmethod
     def from_buffer(cls, buf, *, validate: bool = True) -> "PackedRoutes":
-        """Views on ``buf`` (bytes, bytearray, memoryview, uint8 ndarray): zero-copy unless bit-packed."""
-        arr = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf.reshape(-1)
+        """Views on ``buf`` (bytes, bytearray, memoryview, uint8 ndarray): zero-copy unless bit-packed.
+
+        The header fields, the buffer length and the digest are always checked; ``validate``
+        adds the value checks (cu_seqlens monotone, ids < E)."""
+        try:
+            arr = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf.reshape(-1)
+        except (TypeError, ValueError) as e:
+            raise InputError(f"not a byte buffer ({type(buf).__name__}: {e})", field="buffer") from None
         if arr.dtype != np.uint8:
             arr = arr.view(np.uint8)
         if arr.size < HEADER_BYTES:
             raise InputError(f"buffer has {arr.size} bytes, header needs {HEADER_BYTES}", field="buffer")
-        magic, version, flags, itemsize, bits, _, E, L, k, B, T, vbytes = _HEADER.unpack_from(arr[:HEADER_BYTES])
+        magic, version, flags, itemsize, bits, pad, E, L, k, B, T, vbytes, dg = _HEADER.unpack_from(arr[:HEADER_BYTES])
         if magic != MAGIC:
             raise InputError(f"bad magic {magic!r}, expected {MAGIC!r}", field="buffer")
         if version != VERSION:
-            raise InputError(f"unsupported version {version}, expected {VERSION}", field="buffer")
+            raise InputError(f"unsupported version {version}, expected {VERSION}", field="version")
+        if flags & ~FLAG_BITPACKED:
+            raise InputError(f"unknown flags {flags:#x}", field="flags")
+        if pad != 0 or any(arr[_HEADER.size:HEADER_BYTES]):
+            raise InputError("reserved header bytes are not zero", field="buffer")
+        if E < 1:
+            raise InputError(f"num_experts {E} < 1", field="num_experts")
         dt = id_dtype(E)
         if itemsize != dt.itemsize:
-            raise InputError(f"id itemsize {itemsize} does not match {E} experts ({dt})", field="buffer")
+            raise InputError(f"id itemsize {itemsize} does not match {E} experts ({dt})", field="itemsize")
+        bitpacked = bool(flags & FLAG_BITPACKED)
+        want_bits = bits_for(E) if bitpacked else 0
+        if bits != want_bits:
+            raise InputError(f"bit width {bits}, expected {want_bits} for {E} experts "
+                             f"({'ceil(log2 E)' if bitpacked else 'not bit-packed'})", field="bits")
+        if k < 1:
+            raise InputError(f"k = {k}, expected >= 1", field="k")
+        if B + 1 > _MAX_ELEMS or T >= 2 ** 31 or T * L * k > _MAX_ELEMS:
+            raise InputError(f"absurd sizes in header: {B} seqs, {T} tokens, {L} layers, k={k}", field="buffer")
         cu_off = HEADER_BYTES
         v_off = _align(cu_off + 4 * (B + 1))
-        bitpacked = bool(flags & FLAG_BITPACKED)
         expect_v = packed_nbytes(T * L * k, bits) if bitpacked else T * L * k * itemsize
-        if vbytes != expect_v or arr.size < v_off + vbytes:
+        if vbytes != expect_v or arr.size != v_off + vbytes:
             raise InputError(f"buffer of {arr.size} bytes is truncated or inconsistent: header says {B} seqs, "
                              f"{T} tokens, {L} layers, k={k}, {vbytes} value bytes", field="buffer")
+        if _buffer_digest(arr) != dg:
+            raise InputError("digest does not match header + payload (corrupt buffer)", field="digest")
         cu = arr[cu_off:cu_off + 4 * (B + 1)].view(np.int32)
         raw = arr[v_off:v_off + vbytes]
         if bitpacked:
@@ -329,7 +427,7 @@ class PackedRoutes:
             values = raw.view(dt).reshape(T, L, k)
         out = cls.__new__(cls)
         out.values, out.cu_seqlens, out.num_experts = values, cu, int(E)
-        out._buffer = None if bitpacked else arr[:v_off + vbytes]
+        out._buffer = None if bitpacked else arr
         if validate:
             out.validate()
         return out
@@ -363,4 +461,10 @@ def _allocate(B: int, T: int, L: int, k: int, dt: np.dtype, bits: int, vbytes: i
 
 def _write_header(buf, E, L, k, B, T, itemsize, bits, vbytes):
     flags = FLAG_BITPACKED if bits else 0
-    _HEADER.pack_into(buf, 0, MAGIC, VERSION, flags, itemsize, bits, 0, E, L, k, B, T, vbytes)
+    _HEADER.pack_into(buf, 0, MAGIC, VERSION, flags, itemsize, bits, 0, E, L, k, B, T, vbytes, 0)
+
+
+def _seal(buf: np.ndarray) -> None:
+    """Write the digest of header + payload into the header."""
+    struct.pack_into("<Q", buf, _DIGEST_AT, 0)
+    struct.pack_into("<Q", buf, _DIGEST_AT, _buffer_digest(buf))

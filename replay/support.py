@@ -40,17 +40,30 @@ class PackedSupport:
                  validate: bool = True):
         self.token_ids = np.asarray(token_ids)
         self.offsets = np.asarray(offsets)
+        for name in ("token_ids", "offsets"):
+            a = getattr(self, name)
+            if a.ndim != 1:
+                raise InputError(f"must be 1-D, got shape {a.shape}", field=name)
         if self.token_ids.dtype != np.int32:
             if self.token_ids.dtype.kind not in "ui":
-                raise InputError(f"must be integers, got dtype {self.token_ids.dtype}", field="token_ids")
+                raise InputError(f"must be integers, got dtype {self.token_ids.dtype} (not truncated)",
+                                 field="token_ids")
             if self.token_ids.size and (self.token_ids.min() < 0 or self.token_ids.max() >= 2 ** 31):
-                raise InputError("token id outside [0, 2**31)", field="token_ids")
+                bad = (self.token_ids < 0) | (self.token_ids >= 2 ** 31)
+                raise InputError("token id outside [0, 2**31)", field="token_ids", index=int(np.argmax(bad)))
             self.token_ids = self.token_ids.astype(np.int32)
         if self.offsets.dtype != np.int64:
             if self.offsets.dtype.kind not in "ui":
-                raise InputError(f"must be integers, got dtype {self.offsets.dtype}", field="offsets")
+                raise InputError(f"must be integers, got dtype {self.offsets.dtype} (not truncated)",
+                                 field="offsets")
+            if self.offsets.size and self.offsets.max() > 2 ** 63 - 1:
+                raise InputError("offset exceeds int64", field="offsets", index=int(np.argmax(self.offsets > 2 ** 63 - 1)))
             self.offsets = self.offsets.astype(np.int64)
-        self.vocab_size = None if vocab_size is None else int(vocab_size)
+        if vocab_size is not None:
+            from .routes import _int_scalar
+
+            vocab_size = _int_scalar(vocab_size, "vocab_size", 1, 2 ** 31)
+        self.vocab_size = vocab_size
         if validate:
             self.validate()
 
@@ -188,16 +201,53 @@ class PackedSupport:
 
     # ---- arrays -------------------------------------------------------------------------------------
     def to_arrays(self) -> dict[str, np.ndarray]:
-        """``{"token_ids", "offsets"}`` plus ``"vocab_size"`` (int64 [1]) when known; no copies."""
+        """``{"token_ids", "offsets"}`` plus ``"vocab_size"`` (int64 [1]) when known, ``"version"``
+        (int64 [1]) and ``"digest"`` (uint64 [1], xxh3-64 of version, vocab size, dtypes, shapes and
+        both arrays); no copies of the arrays."""
         d = {"token_ids": self.token_ids, "offsets": self.offsets}
         if self.vocab_size is not None:
             d["vocab_size"] = np.array([self.vocab_size], dtype=np.int64)
+        d["version"] = np.array([ARRAYS_VERSION], dtype=np.int64)
+        d["digest"] = np.array([_arrays_digest(self.token_ids, self.offsets, self.vocab_size)], dtype=np.uint64)
         return d
 
     @classmethod
     def from_arrays(cls, d: Mapping[str, np.ndarray]) -> "PackedSupport":
+        """Inverse of :meth:`to_arrays`: exact dtypes (int32 ids, int64 offsets), no unknown keys;
+        ``version`` and ``digest`` checked when present (both or neither)."""
+        from .routes import _int_scalar
+
+        for key in d:
+            if key not in ("token_ids", "offsets", "vocab_size", "version", "digest"):
+                raise InputError(f"unknown array {key!r}", field=key)
         for key in ("token_ids", "offsets"):
             if key not in d:
                 raise InputError(f"missing array '{key}'", field=key)
-        v = d.get("vocab_size")
-        return cls(d["token_ids"], d["offsets"], None if v is None else int(np.asarray(v).reshape(-1)[0]))
+        ids, off = np.asarray(d["token_ids"]), np.asarray(d["offsets"])
+        if ids.dtype != np.int32 or ids.ndim != 1:
+            raise InputError(f"expected 1-D int32, got {ids.dtype} of shape {ids.shape}", field="token_ids")
+        if off.dtype != np.int64 or off.ndim != 1:
+            raise InputError(f"expected 1-D int64, got {off.dtype} of shape {off.shape}", field="offsets")
+        V = None if d.get("vocab_size") is None else _int_scalar(d["vocab_size"], "vocab_size", 1, 2 ** 31)
+        if ("version" in d) != ("digest" in d):
+            raise InputError("'version' and 'digest' come together", field="version" if "version" not in d else "digest")
+        if "version" in d:
+            v = _int_scalar(d["version"], "version", 0, 1 << 62)
+            if v != ARRAYS_VERSION:
+                raise InputError(f"unsupported version {v}, expected {ARRAYS_VERSION}", field="version")
+            dg = np.asarray(d["digest"])
+            if dg.dtype != np.uint64 or dg.shape != (1,):
+                raise InputError(f"expected uint64 [1], got {dg.dtype} {dg.shape}", field="digest")
+            if int(dg[0]) != _arrays_digest(ids, off, V):
+                raise InputError("digest does not match the arrays (corrupt or edited)", field="digest")
+        return cls(ids, off, V)
+
+
+ARRAYS_VERSION = 1
+
+
+def _arrays_digest(ids: np.ndarray, off: np.ndarray, vocab_size) -> int:
+    from .routes import _xxh3
+
+    meta = f"PackedSupport|{ARRAYS_VERSION}|{vocab_size}|{ids.dtype.str}|{ids.shape}|{off.dtype.str}|{off.shape}"
+    return _xxh3(meta.encode(), off, ids)

@@ -96,8 +96,10 @@ def test_pickle_roundtrip_and_arrays():
     r = PackedRoutes.from_sequences(_rand_seqs(np.random.default_rng(1), [4, 0, 2], 3, 2, 64), 64)
     assert pickle.loads(pickle.dumps(r, protocol=5)) == r
     d = r.to_arrays()
-    assert set(d) == {"values", "cu_seqlens", "num_experts"}
+    assert set(d) == {"values", "cu_seqlens", "num_experts", "version", "digest"}
     assert PackedRoutes.from_arrays(d) == r
+    legacy = {k: d[k] for k in ("values", "cu_seqlens", "num_experts")}     # no version/digest: accepted
+    assert PackedRoutes.from_arrays(legacy) == r
 
 
 def test_safetensors_roundtrip(tmp_path):
@@ -171,6 +173,137 @@ def test_error_corrupt_buffer():
     with pytest.raises(InputError, match="bad magic"):
         PackedRoutes.from_buffer(bad)
     bad = buf.copy()
-    bad[buf.size - 1] = 9  # id 9 with 8 experts
+    bad[buf.size - 1] = 9  # id 9 with 8 experts: the digest catches it
+    with pytest.raises(InputError, match="digest"):
+        PackedRoutes.from_buffer(bad)
+    _reseal(bad)           # re-sealed (a buggy writer): the id check still refuses it
     with pytest.raises(InputError, match="expert id 9 >= num_experts 8"):
         PackedRoutes.from_buffer(bad)
+
+
+# ---- hardening (issue 13): checksummed header, exact fields, strict from_arrays -----------------
+import struct
+
+from skyrl_numerics.replay import routes as R
+
+
+def _reseal(buf):
+    R._seal(buf)
+
+
+def _routes(E=8, bitpack=False):
+    r = PackedRoutes.from_sequences(_rand_seqs(np.random.default_rng(E), [3, 0, 2], 2, 2, E), E)
+    return r, r.to_buffer(bitpack=bitpack).copy()
+
+
+@pytest.mark.parametrize("E", [2, 3, 8, 9, 300])
+@pytest.mark.parametrize("bitpack", [False, True])
+def test_every_single_bit_flip_is_refused(E, bitpack):
+    """Exhaustive: every bit of header + payload; the digest covers all of it."""
+    r, buf = _routes(E, bitpack)
+    for pos in range(buf.size):
+        for bit in range(8):
+            bad = buf.copy()
+            bad[pos] ^= 1 << bit
+            with pytest.raises(InputError):
+                PackedRoutes.from_buffer(bad)
+    assert PackedRoutes.from_buffer(buf) == r
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("bits", 4, "bit width 4, expected 3"),        # E = 8 bit-packed: ceil(log2 8) = 3
+    ("E", 9, "bit width 3, expected 4"),           # E edited: no longer consistent with the bit width
+    ("E", 300, "itemsize"),
+    ("itemsize", 2, "itemsize"),
+    ("flags", 2, "unknown flags"),
+    ("version", 1, "unsupported version"),
+    ("k", 0, "k = 0"),
+    ("T", 2 ** 40, "absurd"),
+])
+def test_edited_header_fields_refused_even_when_resealed(field, value, match):
+    r, buf = _routes(8, bitpack=True)
+    names = ["magic", "version", "flags", "itemsize", "bits", "pad", "E", "L", "k", "B", "T", "nbytes", "digest"]
+    vals = list(R._HEADER.unpack_from(buf[:R.HEADER_BYTES]))
+    vals[names.index(field)] = value
+    R._HEADER.pack_into(buf, 0, *vals)
+    _reseal(buf)
+    with pytest.raises(InputError, match=match):
+        PackedRoutes.from_buffer(buf)
+
+
+def test_buffer_length_exact_and_non_buffers():
+    r, buf = _routes()
+    with pytest.raises(InputError, match="truncated or inconsistent"):
+        PackedRoutes.from_buffer(np.concatenate([buf, np.zeros(1, np.uint8)]))
+    with pytest.raises(InputError):
+        PackedRoutes.from_buffer(12345)
+
+
+def test_in_place_capture_is_resealed():
+    r = PackedRoutes.empty([2], num_layers=1, k=1, num_experts=4)
+    buf = r.to_buffer()
+    r.seq(0)[...] = 3                         # written after a first to_buffer()
+    assert PackedRoutes.from_buffer(r.to_buffer()).seq(0).tolist() == [[[3]], [[3]]]
+
+
+@pytest.mark.parametrize("d,field", [
+    (dict(cu_seqlens=np.array([0.0, 3.0, 3.0, 5.0])), "cu_seqlens"),                   # float cu
+    (dict(cu_seqlens=np.array([0, 3, 3, 5 + 2 ** 32], np.int64)), "cu_seqlens"),       # would wrap to 5
+    (dict(cu_seqlens=np.array([0, 3, 3, 5], np.int64)), "cu_seqlens"),                 # not int32 on the wire
+    (dict(num_experts=np.array([8.0])), "num_experts"),
+    (dict(num_experts=np.array([8, 8])), "num_experts"),
+    (dict(num_experts=np.array([2 ** 40])), "num_experts"),
+    (dict(values=None), "values"),
+    (dict(extra=np.zeros(1)), "extra"),
+    (dict(version=np.array([2], np.int64)), "version"),
+    (dict(digest=np.array([1], np.uint64)), "digest"),
+    (dict(digest=None), "digest"),
+])
+def test_from_arrays_strict(d, field):
+    r, _ = _routes()
+    a = dict(r.to_arrays())
+    for k, v in d.items():
+        if v is None:
+            a.pop(k)
+        else:
+            a[k] = v
+    with pytest.raises(InputError) as e:
+        PackedRoutes.from_arrays(a)
+    assert e.value.field == field, str(e.value)
+
+
+def test_constructor_refuses_float_cu_and_num_experts():
+    v = np.zeros((3, 1, 1), np.uint8)
+    with pytest.raises(InputError, match="integers"):
+        PackedRoutes(v, np.array([0, 1.9, 3]), 4)
+    with pytest.raises(InputError):
+        PackedRoutes(v, np.array([0, 3]), 4.5)
+    with pytest.raises(InputError):
+        PackedRoutes(v.astype(np.float32), np.array([0, 3]), 4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 600), st.booleans(), st.data())
+def test_flip_property_refused_or_identical(E, bitpack, data):
+    lens = data.draw(st.lists(st.integers(0, 5), min_size=1, max_size=4))
+    rng = np.random.default_rng(E)
+    r = PackedRoutes.from_sequences(_rand_seqs(rng, lens, 2, 2, E), E)
+    buf = r.to_buffer(bitpack=bitpack).copy()
+    pos = data.draw(st.integers(0, buf.size - 1))
+    buf[pos] ^= 1 << data.draw(st.integers(0, 7))
+    try:
+        back = PackedRoutes.from_buffer(buf)
+    except InputError:
+        return
+    assert back == r           # (only possible if the flip hit nothing that matters)
+
+
+def test_digest_cost_is_small():
+    """xxh3 over a realistic buffer; record the bandwidth (no timing assertion)."""
+    import time
+    r = PackedRoutes.from_sequences([np.random.default_rng(0).integers(0, 64, (1 << 16, 48, 8))], 64)
+    buf = r.to_buffer()
+    t = time.perf_counter()
+    PackedRoutes.from_buffer(buf, validate=False)
+    dt = time.perf_counter() - t
+    print(f"from_buffer (digest check) of {buf.nbytes / 2**20:.0f} MiB: {buf.nbytes / dt / 1e9:.1f} GB/s")

@@ -149,3 +149,72 @@ def test_errors():
         support_logprobs(hidden, W, torch.tensor([0, 0, 0, 50]), None)
     with pytest.raises(InputError, match="token id .* >= vocab_size 20"):
         support_logprobs(hidden, W[:20], torch.arange(4), PackedSupport.from_sets([[0], [1], [2, 25], [3]]))
+
+
+# ---- hardening (issue 13) --------------------------------------------------------------------
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+def _sup():
+    return PackedSupport.from_sets([[5, 1, 3], [7], [0, 9], [2, 4, 6, 8]], vocab_size=10)
+
+
+@pytest.mark.parametrize("key,value", [
+    ("token_ids", np.array([1, 3, 5, 7, 0, 9, 2, 4, 6, 8], np.float32)),      # floats: not truncated
+    ("token_ids", np.array([1, 3, 5, 7, 0, 9, 2, 4, 6, 8], np.int64)),        # wire dtype is int32
+    ("offsets", np.array([0, 3, 4, 6, 10], np.float64)),
+    ("offsets", np.array([0, 3, 4, 6, 10], np.uint64)),
+    ("vocab_size", np.array([10.0])),
+    ("vocab_size", np.array([10, 10])),
+    ("vocab_size", np.array([0])),
+    ("version", np.array([2], np.int64)),
+    ("digest", np.array([7], np.uint64)),
+    ("digest", np.array([7], np.int64)),
+    ("extra", np.zeros(1)),
+])
+def test_from_arrays_strict(key, value):
+    d = dict(_sup().to_arrays())
+    d[key] = value
+    with pytest.raises(InputError) as e:
+        PackedSupport.from_arrays(d)
+    assert e.value.field == key, str(e.value)
+
+
+def test_from_arrays_legacy_and_edits():
+    s = _sup()
+    d = s.to_arrays()
+    assert set(d) == {"token_ids", "offsets", "vocab_size", "version", "digest"}
+    legacy = {k: d[k] for k in ("token_ids", "offsets", "vocab_size")}
+    assert PackedSupport.from_arrays(legacy) == s
+    edited = dict(d)
+    edited["token_ids"] = d["token_ids"].copy()
+    edited["token_ids"][0] = 2                                  # still valid, but not what was written
+    with pytest.raises(InputError, match="digest"):
+        PackedSupport.from_arrays(edited)
+    edited = dict(d)
+    edited["vocab_size"] = np.array([11], np.int64)
+    with pytest.raises(InputError, match="digest"):
+        PackedSupport.from_arrays(edited)
+    with pytest.raises(InputError):
+        PackedSupport(np.array([1.5]), np.array([0, 1]))
+    with pytest.raises(InputError):
+        PackedSupport(np.array([1]), np.array([0, 1]), vocab_size=10.5)
+    with pytest.raises(InputError):
+        PackedSupport(np.array([[1]]), np.array([0, 1]))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_array_bit_flip_refused_or_identical(data):
+    s = _sup()
+    d = {k: v.copy() for k, v in s.to_arrays().items()}
+    key = data.draw(st.sampled_from(sorted(d)))
+    raw = d[key].view(np.uint8).reshape(-1)
+    pos = data.draw(st.integers(0, raw.size - 1))
+    raw[pos] ^= 1 << data.draw(st.integers(0, 7))
+    try:
+        back = PackedSupport.from_arrays(d)
+    except InputError:
+        return
+    assert back == s and back.vocab_size == s.vocab_size
