@@ -49,9 +49,10 @@ from .api import dequantize, quantize, requantize
 from .qtensor import QTensor
 from .recipes_int4 import pack_int4_to_int32, unpack_int4_from_int32
 
-FORMATS = ("modelopt_nvfp4", "ct_nvfp4", "ct_int4")
+FORMATS = ("modelopt_nvfp4", "ct_nvfp4", "ct_int4", "ct_int4_g128", "ct_fp8_channel", "ct_fp8_block",
+           "modelopt_fp8", "deepseek_fp8")
 #: what the formats append to a quantized parameter's name for its stored tensors
-QUANT_SUFFIXES = ("", "_scale", "_scale_2", "_packed", "_global_scale", "_shape")
+QUANT_SUFFIXES = ("", "_scale", "_scale_2", "_packed", "_global_scale", "_shape", "_scale_inv")
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -81,10 +82,18 @@ def _quantize_matrix(w: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
     if fmt == "ct_nvfp4":
         q = quantize(w, "nvfp4", convention="compressed_tensors")
         return {"_packed": q.codes, "_scale": q.scales, "_global_scale": q.global_scale.reshape(1)}
-    if fmt == "ct_int4":
-        q = quantize(w, "int4_g32")
+    if fmt in ("ct_int4", "ct_int4_g128"):
+        q = quantize(w, "int4_g32", group=128 if fmt == "ct_int4_g128" else 32)
         return {"_packed": pack_int4_to_int32(q.codes), "_scale": q.scales,
                 "_shape": torch.tensor(list(w.shape), dtype=torch.int64)}
+    if fmt in ("ct_fp8_channel", "ct_fp8_block", "modelopt_fp8"):
+        block = {"ct_fp8_channel": (1, -1), "ct_fp8_block": (128, 128), "modelopt_fp8": (-1, -1)}[fmt]
+        sd = torch.float32 if fmt == "modelopt_fp8" else w.dtype      # ct: observer (= scale) dtype
+        q = quantize(w, "fp8_channel", block=block, scale_dtype=sd)
+        return {"": q.codes, "_scale": q.scales.reshape(()) if fmt == "modelopt_fp8" else q.scales}
+    if fmt == "deepseek_fp8":
+        q = quantize(w, "fp8_block", block=(128, 128))
+        return {"": q.codes, "_scale_inv": q.scales}
     raise InputError(f"unknown checkpoint format {fmt!r}; expected one of {FORMATS}", field="fmt")
 
 
@@ -104,7 +113,7 @@ def quantize_weight_tensors(name: str, w: torch.Tensor, fmt: str) -> dict[str, t
     for k in per[0]:
         if k == "_shape":
             out[name + k] = torch.tensor(list(w.shape), dtype=torch.int64)
-        elif k in ("_scale_2", "_global_scale"):
+        elif k in ("_scale_2", "_global_scale") or (k == "_scale" and per[0][k].dim() == 0):
             out[name + k] = torch.stack([p[k].reshape(()) for p in per])
         else:
             out[name + k] = torch.stack([p[k] for p in per])
@@ -121,10 +130,22 @@ def _quantization_config(fmt: str) -> dict:
                 "quantization_status": "compressed",
                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
                                               "format": "nvfp4-pack-quantized"}}}
+    if fmt == "modelopt_fp8":
+        return {"quant_method": "modelopt", "quant_algo": "FP8"}
+    if fmt == "deepseek_fp8":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    if fmt in ("ct_fp8_channel", "ct_fp8_block"):
+        w = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+             "strategy": "channel" if fmt == "ct_fp8_channel" else "block"}
+        if fmt == "ct_fp8_block":
+            w["block_structure"] = [128, 128]
+        return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": w, "format": "float-quantized"}}}
     return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"],
                                           "weights": {"num_bits": 4, "type": "int", "symmetric": True,
-                                                      "strategy": "group", "group_size": 32}}}}
+                                                      "strategy": "group",
+                                                      "group_size": 128 if fmt == "ct_int4_g128" else 32}}}}
 
 
 def write_quantized_checkpoint(src_dir, out_dir, fmt: str, should_quantize) -> list[str]:

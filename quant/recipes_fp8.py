@@ -87,20 +87,28 @@ def quantize_fp8_token(x: torch.Tensor, scale_ub=None, scale=None) -> QTensor:
     return _vllm_fp8("fp8_token", x, (1, -1), scale, scale_ub)
 
 
-def quantize_fp8_channel(x: torch.Tensor, scale=None) -> QTensor:
-    """Per-output-channel FP8 weights (compressed-tensors ``channel`` strategy, one scale per row).
+def quantize_fp8_channel(x: torch.Tensor, scale=None, block=(1, -1), scale_dtype: torch.dtype | None = None) -> QTensor:
+    """Per-output-channel FP8 weights (compressed-tensors ``channel`` strategy, one scale per row);
+    ``block=(128, 128)`` gives its ``block`` strategy, ``block=(-1, -1)`` one scale per tensor
+    (compressed-tensors ``tensor``, modelopt FP8 weights: ``amax / 448``).
 
-    ``s = amax(|w_row|) / 448`` (float32; an all-zero row gets ``s = float32 eps`` as
+    ``s = amax(|w_blk|) / 448`` (an all-zero block gets ``s = eps(scale dtype)`` as
     compressed-tensors does), ``y = e4m3_rne(clamp(w / s, -448, 448))`` (true division),
-    ``w_hat = y * s``.
+    ``w_hat = y * s``. ``scale_dtype``: the dtype the statistics and the division are computed in
+    (compressed-tensors computes them in its observer's dtype, which is the stored
+    ``weight_scale`` dtype; a bf16 scale means ``w / s`` rounds in bf16 before the FP8 cast);
+    default float32.
     """
-    xb, info = to_blocks(x, (1, -1))
+    sd = scale_dtype or torch.float32
+    xb, info = to_blocks(x, tuple(block), dtype=torch.float32 if sd == torch.float32 else x.dtype)
     if scale is None:
-        s = block_amax(xb) / FP8_MAX
-        s = torch.where(s == 0, torch.finfo(torch.float32).eps, s)
+        s = block_amax(xb).to(sd) / FP8_MAX
+        s = torch.where(s == 0, torch.tensor(torch.finfo(sd).eps, dtype=sd), s)
     else:
-        s = _static_scale(scale, (xb.shape[0], xb.shape[2]))
-    return _pack("fp8_channel", x, _encode_e4m3(xb / s), s, info, {})
+        s = _static_scale(scale, (xb.shape[0], xb.shape[2])).to(sd)
+    y = (xb / s).float()
+    q = _pack("fp8_channel", x, _encode_e4m3(y), s, info, {"block": tuple(block), "scale_dtype": sd})
+    return q
 
 
 def ceil_pow2(s: torch.Tensor) -> torch.Tensor:

@@ -101,7 +101,7 @@ def _te_encode_global(A: torch.Tensor) -> torch.Tensor:
     return torch.where((A == 0) | (S == 0), _t(1.0), S)
 
 
-def _block_scale(conv: str, a: torch.Tensor, glob: torch.Tensor) -> torch.Tensor:
+def _block_scale(conv: str, a: torch.Tensor, glob: torch.Tensor, stats_dtype=None) -> torch.Tensor:
     """E4M3 block scale (as float32 values) from block amax ``a`` and the convention's global."""
     if conv == "vllm":
         G = 1.0 / glob
@@ -114,7 +114,8 @@ def _block_scale(conv: str, a: torch.Tensor, glob: torch.Tensor) -> torch.Tensor
         s_hp = torch.where(s_hp == 0, 1.0, s_hp)
         return _e4m3(s_hp.clamp(E4M3_MIN_SUB, 448.0) if conv == "modelopt" else s_hp)
     if conv == "compressed_tensors":
-        s = _e4m3((glob * (a / 6.0)).clamp(-448.0, 448.0))
+        a6 = (a / 6.0) if stats_dtype in (None, F32) else (a.to(stats_dtype) / 6.0).to(F32)
+        s = _e4m3((glob * a6).clamp(-448.0, 448.0))
         return torch.where(s == 0, 0.125, s)
     return _e4m3(((a / 6.0) / glob).clamp(min=E4M3_TINY, max=448.0))
 
@@ -143,16 +144,23 @@ def _elements(conv: str, xb: torch.Tensor, s: torch.Tensor, glob: torch.Tensor) 
 
 
 def quantize_nvfp4(x: torch.Tensor, convention: str = "vllm", global_amax=None, tile=(1, 16),
-                   global_scale=None, scale=None) -> QTensor:
+                   global_scale=None, scale=None, stats_dtype=None) -> QTensor:
     """NVFP4 in a named convention (formulas in the module doc). ``tile=(16, 16)`` gives the 2-D
     weight blocks of NVIDIA's NVFP4 training recipe (one scale per 16x16 tile of a 2-D weight).
 
     Static quantization: ``global_amax`` (calibrated amax) or ``global_scale`` (the convention's
     stored global, e.g. a checkpoint's ``weight_scale_2``), and ``scale`` (stored E4M3 block
-    scales, shape ``[R/br, C/bc]``) re-encode with those scales held fixed."""
+    scales, shape ``[R/br, C/bc]``) re-encode with those scales held fixed.
+
+    ``stats_dtype`` (compressed_tensors only): the dtype its observer computed the block
+    statistic ``a / 6`` in. llm-compressor observes the weight in its own dtype, so a bf16
+    weight gets ``s = e4m3(clamp(fl(G * bf16(a / 6))))``; default float32."""
     if convention not in CONVENTIONS:
         raise InputError(f"unknown nvfp4 convention {convention!r}; expected one of {CONVENTIONS}",
                          field="convention")
+    if stats_dtype is not None and convention != "compressed_tensors":
+        raise InputError(f"stats_dtype applies to the compressed_tensors convention only, not {convention!r}",
+                         field="stats_dtype")
     tile = tuple(tile)
     if tile not in ((1, 16), (16, 16)):
         raise InputError(f"nvfp4 tiles are (1, 16) or (16, 16), got {tile}", field="tile")
@@ -186,12 +194,14 @@ def quantize_nvfp4(x: torch.Tensor, convention: str = "vllm", global_amax=None, 
         codes_b = torch.zeros(xb.shape, dtype=torch.uint8)
     else:
         if scale is None:
-            s = _block_scale(convention, block_amax(xb), glob)
+            s = _block_scale(convention, block_amax(xb), glob, stats_dtype)
         codes_b = _elements(convention, xb, s, glob)
     codes = C.pack_fp4(from_blocks(codes_b, info))
     scales = C.encode(s.reshape(nblocks), C.E4M3).view(torch.float8_e4m3fn)
-    return QTensor("nvfp4", codes, scales, glob.reshape(()).to(F32), tile, tuple(x.shape), x.dtype,
-                   {"convention": convention, "tile": tile})
+    opts = {"convention": convention, "tile": tile}
+    if stats_dtype is not None:
+        opts["stats_dtype"] = stats_dtype
+    return QTensor("nvfp4", codes, scales, glob.reshape(()).to(F32), tile, tuple(x.shape), x.dtype, opts)
 
 
 def dequantize_nvfp4(q: QTensor) -> torch.Tensor:
