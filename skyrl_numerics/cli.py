@@ -2,7 +2,7 @@
 
     skyrl-numerics doctor [--family qwen3_moe] [--prompts 8] [--max-tokens 64] [--out DIR]
     skyrl-numerics gap FILE [--out DIR]
-    skyrl-numerics qat-check MODEL_DIR [--json FILE]
+    skyrl-numerics qat-check QUANT_DIR [--base BASE_DIR] [--json FILE]
     skyrl-numerics train [--configs plain,aligned] [--steps 5] [--ray]
 
 Bad input prints one line ``error: <where>: <what>`` and exits with code 2, writing nothing.
@@ -111,10 +111,20 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_qat_check(args) -> int:
-    """Day-0 bring-up: re-encode the dequantized weights of a quantized checkpoint and report
-    per tensor whether the stored codes come back exactly. Exit 1 on any mismatch."""
-    from skyrl_numerics.quant import qat_check
+    """Day-0 bring-up. With ``--base``: fake-quantize the bf16 base weights with the scheme the
+    quantized checkpoint's config names and compare codes and scales bitwise (exit 1 naming the
+    first mismatching tensor). Without: re-encode the checkpoint's own dequantized weights."""
     from skyrl_numerics.report import write_json
+
+    if args.base is not None:
+        from skyrl_numerics.quant import qat_check_base
+
+        rep = qat_check_base(args.model_dir, args.base, observer=args.observer)
+        print(rep.to_text())
+        if args.json:
+            write_json(Path(args.json), rep.to_dict())
+        return 0 if rep.ok else 1
+    from skyrl_numerics.quant import qat_check
 
     rep = qat_check(args.model_dir)
     print(rep.to_text())
@@ -145,9 +155,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", default=None, help="also write report.json and gap.png here")
     g.set_defaults(func=_cmd_gap)
 
-    q = sub.add_parser("qat-check", help="do a quantized checkpoint's stored codes re-encode "
-                                         "exactly? (NVFP4 modelopt, INT4 compressed-tensors)")
-    q.add_argument("model_dir")
+    q = sub.add_parser(
+        "qat-check", help="does fake-quant of the base weights give the checkpoint's codes and scales?",
+        description="With --base BASE_DIR: detect the scheme from QUANT_DIR's config (compressed-tensors "
+                    "INT4 / NVFP4 / FP8 channel or block, modelopt NVFP4 / FP8, DeepSeek-V3 FP8 blocks), "
+                    "fake-quantize each matching bf16 tensor of BASE_DIR with it (NVFP4 global scales taken "
+                    "from the checkpoint) and compare codes and scales bitwise; exit 1 names the first "
+                    "mismatching tensor. Without --base: a self-consistency check only (dequantize each "
+                    "stored tensor, re-encode it with its stored scales): it cannot detect scales or codes "
+                    "that are consistent but wrong (a block scale edited to another finite value, weights "
+                    "from another base), because dequantize -> re-encode is a fixed point. Bad input exits 2.")
+    q.add_argument("model_dir", metavar="QUANT_DIR")
+    q.add_argument("--base", default=None, metavar="BASE_DIR",
+                   help="the bf16 checkpoint the quantized one was made from")
+    q.add_argument("--observer", default="auto", choices=["auto", "weight", "float32"],
+                   help="compressed-tensors NVFP4: dtype of its block statistics (auto tries the weight dtype, "
+                        "then float32)")
     q.add_argument("--json", default=None, help="also write the per-tensor report here")
     q.set_defaults(func=_cmd_qat_check)
 
