@@ -24,6 +24,7 @@ from skyrl_numerics.rollout import Rollout
 class TrainerLogprobs:
     logprobs: np.ndarray  # float32 [Σ response_len]
     entropy: np.ndarray   # float32 [Σ response_len]
+    routes: object = None  # PackedRoutes the trainer's routers chose, where asked for
 
 
 def token_logprobs_from_hidden(hidden, lm_head_weight, targets, *, temperature: float = 1.0,

@@ -49,7 +49,7 @@ class VLLMGenerator:
     def __init__(self, model_dir: str | os.PathLike, *, dtype: str = "bfloat16", seed: int = 0,
                  max_model_len: int = 1024, gpu_memory_utilization: float | None = None,
                  enforce_eager: bool = True, max_logprobs: int = 64, capture_routes: bool = False,
-                 batch_invariant: bool = False, **engine_kwargs: Any):
+                 batch_invariant: bool = False, kv_cache=None, **engine_kwargs: Any):
         from vllm import LLM
 
         import vllm
@@ -60,17 +60,25 @@ class VLLMGenerator:
         self.model_dir = str(model_dir)
         self.batch_invariant = batch_invariant
         if batch_invariant:
-            # The same invariant forward the trainer runs (trainer/invariant/qwen3_moe.py),
-            # as an out-of-tree model registered by our vllm.general_plugins entry point.
-            from .vllm_invariant_model import ARCH
+            # The same invariant forward the trainer runs (skyrl_numerics.trainer.invariant), as
+            # an out-of-tree model registered by our vllm.general_plugins entry point. An
+            # architecture or config field the family cannot reproduce fails here, before vLLM
+            # starts. ``kv_cache`` ("fp8", "fp8_ds_mla", or a dict with scales) is the format the
+            # model stores its cache rows in (the trainer applies the same one).
+            import json
 
-            if capture_routes:
-                raise ValueError("capture_routes is not needed with batch_invariant=True: the "
-                                 "engine's routing is the trainer's, bit for bit")
-            engine_kwargs.setdefault("hf_overrides", {})["architectures"] = [ARCH]
+            from .vllm_invariant_model import engine_overrides
+
+            with open(os.path.join(self.model_dir, "config.json")) as f:
+                hf_cfg = json.load(f)
+            engine_kwargs.setdefault("hf_overrides", {}).update(engine_overrides(hf_cfg, kv_cache))
+        elif kv_cache is not None:
+            raise ValueError("kv_cache= selects the invariant model's cache format; it needs "
+                             "batch_invariant=True (for vLLM's own FP8 cache pass kv_cache_dtype)")
+        self.kv_cache = kv_cache
         # GPU vLLM returns routed experts itself (V2 model runner); vLLM CPU does not, so there
         # the worker extension captures them (trainer/engine/vllm_ext.py).
-        self.native_routes = bool(capture_routes) and _on_gpu()
+        self.native_routes = bool(capture_routes) and _on_gpu() and not batch_invariant
         if self.native_routes:
             engine_kwargs["enable_return_routed_experts"] = True
         # route capture + in-place weight loading live in one worker extension

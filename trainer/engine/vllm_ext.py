@@ -27,12 +27,11 @@ from ..sync.vllm import WeightSyncWorkerExtension
 
 
 class _RouteStore:
-    def __init__(self, runner, moe_modules):
+    def __init__(self, runner, num_layers: int, k: int, num_experts: int):
         self.runner = runner
-        self.layers = moe_modules
-        self.L = len(moe_modules)
-        self.k = int(moe_modules[0].router.top_k)
-        self.num_experts = int(moe_modules[0].router.global_num_experts)
+        self.L = int(num_layers)
+        self.k = int(k)
+        self.num_experts = int(num_experts)
         self.dtype = np.uint8 if self.num_experts <= 256 else np.uint16
         self.per_req: dict[str, np.ndarray] = {}     # internal req id -> [cap, L, k]
         self.filled: dict[str, np.ndarray] = {}      # internal req id -> [cap, L] bool
@@ -151,10 +150,21 @@ class SkyrlWorkerExtension(WeightSyncWorkerExtension):
     (vLLM takes one extension class per engine)."""
 
     def skyrl_route_capture_start(self) -> dict:
+        model = self.model_runner.get_model()
+        core = getattr(model, "core", None)
+        if core is not None and hasattr(core, "route_info"):
+            # the batch-invariant model: its own routers report through route_hook, the same
+            # ids the trainer's invariant forward computes
+            info = core.route_info()
+            store = _RouteStore(self.model_runner, info["layers"], info["k"], info["num_experts"])
+            core.route_hook = store.capture
+            self._skyrl_routes, self._skyrl_route_unhook = store, lambda: setattr(core, "route_hook", None)
+            return {"layers": store.L, "k": store.k, "num_experts": store.num_experts,
+                    "layer_ids": list(range(store.L)), "invariant": True}
+
         from vllm.model_executor.layers.fused_moe.layer import MoERunner
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
-        model = self.model_runner.get_model()
         mods = [m for m in model.modules() if isinstance(m, MoERunner)]
         mods.sort(key=lambda m: m.layer_id)
         if not mods:
@@ -163,10 +173,15 @@ class SkyrlWorkerExtension(WeightSyncWorkerExtension):
             if not isinstance(m.router, BaseRouter):
                 raise RuntimeError(f"route capture: router {type(m.router).__name__} has no "
                                    "capture hook")
-        store = _RouteStore(self.model_runner, mods)
+        store = _RouteStore(self.model_runner, len(mods), mods[0].router.top_k,
+                            mods[0].router.global_num_experts)
         for i, m in enumerate(mods):
             m.router.set_capture_fn(lambda ids, _i=i: store.capture(_i, ids))
-        self._skyrl_routes = store
+
+        def unhook():
+            for m in mods:
+                m.router.set_capture_fn(None)
+        self._skyrl_routes, self._skyrl_route_unhook = store, unhook
         return {"layers": store.L, "k": store.k, "num_experts": store.num_experts,
                 "layer_ids": [int(m.layer_id) for m in mods]}
 
@@ -179,9 +194,7 @@ class SkyrlWorkerExtension(WeightSyncWorkerExtension):
         return out
 
     def skyrl_route_capture_stop(self) -> None:
-        store = getattr(self, "_skyrl_routes", None)
-        if store is None:
+        if getattr(self, "_skyrl_routes", None) is None:
             return
-        for m in store.layers:
-            m.router.set_capture_fn(None)
+        self._skyrl_route_unhook()
         self._skyrl_routes = None

@@ -1,75 +1,114 @@
-"""The batch-invariant Qwen3-MoE as a vLLM out-of-tree model (``SkyrlInvariantQwen3MoeForCausalLM``).
+"""The batch-invariant families as vLLM out-of-tree models (``SkyrlInvariant<Family>ForCausalLM``).
 
 Registered by the ``vllm.general_plugins`` entry point (``skyrl_numerics.trainer.engine.vllm_plugin``)
-and selected per engine with ``hf_overrides={"architectures": [ARCH]}``, so the checkpoint stays
-a plain HF Qwen3-MoE. vLLM keeps doing what it is good at — scheduling, continuous batching,
-prefix caching, the paged KV cache, sampling — while every number of the forward comes from
-:mod:`skyrl_numerics.trainer.invariant.qwen3_moe`, the function the trainer runs.
+and selected per engine with ``hf_overrides`` (:func:`engine_overrides`), so the checkpoint stays
+a plain HF checkpoint. vLLM keeps doing what it is good at — scheduling, continuous batching,
+chunked prefill, prefix caching, the paged KV cache, sampling — while every number of the
+forward comes from :mod:`skyrl_numerics.trainer.invariant`, the code the trainer runs.
 
-Attention: vLLM's ``Attention`` layers are created only so vLLM allocates and binds a KV cache
-per layer and builds the per-step metadata. This model writes K/V into that cache itself
-(``slot_mapping``) and reads each request's keys back through its block table, then calls the
-same invariant attention as the trainer. The cache tensor is used as a flat
-``[2, slots, kv_heads, head_dim]`` store; nothing else reads it.
+KV cache: vLLM's ``Attention`` layers are created only so vLLM allocates and binds a cache per
+layer and builds the per-step metadata; nothing of vLLM reads it. Each layer's cache is used as
+raw bytes, one slot (``block * block_size + offset``) per token holding that token's row in the
+family's :class:`~skyrl_numerics.trainer.invariant.kv_format.KVFormat` (K/V for GQA, the
+``kv_lora_rank + rope`` latent for MLA; bf16, FP8 or ``fp8_ds_mla``). The layers are sized as
+``num_kv_heads = ceil(row_bytes / (2 · 64 · itemsize))`` heads of 64 so a slot holds a row. Per
+step this model writes the new rows at ``slot_mapping`` (``encode``), reads each request's rows
+back through its block table (``decode``), and calls the family's ``attn_core`` — the trainer
+calls the same ``attn_core`` on the same decoded rows.
+
+MLA checkpoints are handed to vLLM with ``model_type`` overridden (``skyrl_invariant_<type>``):
+for a DeepSeek ``model_type`` vLLM would switch to its own MLA cache handling, and on CPU without
+AMX it also turns chunked prefill and prefix caching off. This model manages its latent cache
+itself, so vLLM must treat it as an ordinary decoder.
 """
 from __future__ import annotations
 
+import json
 from typing import Iterable
 
 import torch
 from torch import nn
 
-from skyrl_numerics.kernels import attention as inv_attention
+from skyrl_numerics.trainer.invariant import FAMILIES, family_class
 
-from ..invariant.qwen3_moe import Dims, InvariantQwen3Moe, attend_one_sequence
+SLOT_HEAD = 64
+# HF architecture -> the architecture name vLLM knows our invariant model by
+ARCHS = {hf: f"SkyrlInvariant{hf}" for hf in FAMILIES}
+ARCH = ARCHS["Qwen3MoeForCausalLM"]     # kept for callers of the Qwen3-MoE-only API
 
-ARCH = "SkyrlInvariantQwen3MoeForCausalLM"
+
+def engine_overrides(hf_config: dict, kv_cache=None) -> dict:
+    """``hf_overrides`` that make vLLM run the invariant model for this checkpoint config
+    (``config.json`` as a dict). Errors name the config field the family cannot reproduce."""
+    from types import SimpleNamespace
+
+    from skyrl_numerics.errors import InputError
+    from skyrl_numerics.trainer.invariant.kv_format import parse_kv_spec
+
+    archs = hf_config.get("architectures") or []
+    if len(archs) != 1 or archs[0] not in ARCHS:
+        raise InputError(f"no batch-invariant family for architectures {archs} "
+                         f"(supported: {sorted(ARCHS)})", field="architectures")
+    spec = parse_kv_spec(kv_cache)
+    # build the family's dims now: an unsupported field fails here, before any engine starts
+    cfg = SimpleNamespace(**hf_config)
+    family_class(archs[0]).config_parts(cfg, kv_cache=spec)
+    over = {"architectures": [ARCHS[archs[0]]], "skyrl_base_arch": archs[0],
+            "skyrl_kv_cache": json.dumps(spec)}
+    if hf_config.get("kv_lora_rank") is not None:
+        over["model_type"] = f"skyrl_invariant_{hf_config.get('model_type', 'mla')}"
+    return over
 
 
-class SkyrlInvariantQwen3MoeForCausalLM(nn.Module):
+class _SkyrlInvariantForCausalLM(nn.Module):
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__()
         from vllm.model_executor.layers.attention import Attention
 
         cfg = vllm_config.model_config.hf_config
-        self.dims = d = Dims.from_config(cfg)
-        self.core = InvariantQwen3Moe(d, dtype=vllm_config.model_config.dtype)
+        base = getattr(cfg, "skyrl_base_arch", None) or self.hf_arch
+        spec = json.loads(getattr(cfg, "skyrl_kv_cache", None) or '{"format": "auto"}')
+        self.core = family_class(base).from_config(cfg, dtype=vllm_config.model_config.dtype,
+                                                   kv_cache=spec)
+        self.kv = self.core.kv
         self.block_size = vllm_config.cache_config.block_size
-        self.scale = d.head_dim ** -0.5
+        self.layers = self.core.dims.layers
+        item = torch.finfo(vllm_config.model_config.dtype).bits // 8
+        heads = -(-self.kv.row_bytes // (2 * SLOT_HEAD * item))
         self.attn = nn.ModuleList([
-            Attention(d.heads, d.head_dim, self.scale, num_kv_heads=d.kv_heads,
+            Attention(heads, SLOT_HEAD, 1.0, num_kv_heads=heads,
                       cache_config=vllm_config.cache_config,
                       prefix=f"model.layers.{i}.self_attn.attn")
-            for i in range(d.layers)])
+            for i in range(self.layers)])
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.core.embed(input_ids)
 
-    # ---- attention over the paged cache ---------------------------------------------------
-    def _cache(self, i: int) -> torch.Tensor:
+    # ---- the paged cache as bytes ---------------------------------------------------------
+    def _slots(self, i: int) -> torch.Tensor:
         kv = self.attn[i].kv_cache
         if isinstance(kv, (list, tuple)):
             from vllm.forward_context import get_forward_context
 
             kv = kv[get_forward_context().virtual_engine]
-        return kv.view(2, -1, self.dims.kv_heads, self.dims.head_dim)
+        flat = kv.view(-1).view(torch.uint8)          # raises rather than copy if not contiguous
+        per_slot = 2 * self.attn[i].num_kv_heads * SLOT_HEAD * kv.element_size()
+        return flat.view(-1, per_slot)[:, :self.kv.row_bytes]
 
-    def _attend(self, i: int, q, k, v):
+    def _attend(self, i: int, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         from vllm.forward_context import get_forward_context
 
         meta = get_forward_context().attn_metadata
         if isinstance(meta, dict):
             meta = meta.get(self.attn[i].layer_name)
         if meta is None:  # profiling / dummy run: no cache, one causal sequence
-            return attend_one_sequence(q, k, v, self.scale)
+            return self.core._own_sequence_attend(i, q, rows)
         n = int(meta.num_actual_tokens)
-        cache = self._cache(i)
-        slots = meta.slot_mapping[:n].long()
-        cache[0, slots] = k[:n].to(cache.dtype)
-        cache[1, slots] = v[:n].to(cache.dtype)
+        cache = self._slots(i)
+        cache[meta.slot_mapping[:n].long()] = self.kv.encode(i, rows[:n])
         qsl = meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens.tolist()
-        out = torch.zeros_like(q)
+        out = None
         bs = self.block_size
         # Requests with the same number of queries this step (all decodes: 1) share one call over
         # a right-padded batch; kv_lens keeps each request's bits what they are alone (tested).
@@ -82,20 +121,24 @@ class SkyrlInvariantQwen3MoeForCausalLM(nn.Module):
         for reqs in by_len.values():
             lens = [seq_lens[r] for r in reqs]
             L = max(lens)
-            K = q.new_zeros((len(reqs), L, self.dims.kv_heads, self.dims.head_dim))
-            V = torch.zeros_like(K)
+            data = cache.new_zeros((len(reqs), L, self.kv.row_bytes))
             for j, r in enumerate(reqs):
                 nblk = -(-lens[j] // bs)
                 blocks = meta.block_table[r, :nblk].long()
                 idx = (blocks[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1)[:lens[j]]
-                K[j, :lens[j]] = cache[0, idx].to(q.dtype)
-                V[j, :lens[j]] = cache[1, idx].to(q.dtype)
-            Q = torch.stack([q[qsl[r]:qsl[r + 1]] for r in reqs])          # (n, sq, H, D)
-            o = inv_attention(Q.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2),
-                              causal=True, scale=self.scale,
-                              kv_lens=torch.tensor(lens) if len(reqs) > 1 else None)
+                data[j, :lens[j]] = cache[idx]
+            R = self.kv.decode(i, data)
+            if lens != [L] * len(lens):   # zero bytes of the padding may decode to NaN: clear
+                for j, ln in enumerate(lens):
+                    R[j, ln:] = 0
+            Q = torch.stack([q[qsl[r]:qsl[r + 1]] for r in reqs])
+            o = self.core.attn_core(i, Q, R, torch.tensor(lens) if len(reqs) > 1 else None)
+            if out is None:
+                out = q.new_zeros((q.shape[0],) + tuple(o.shape[2:]))
             for j, r in enumerate(reqs):
-                out[qsl[r]:qsl[r + 1]] = o[j].transpose(0, 1)
+                out[qsl[r]:qsl[r + 1]] = o[j]
+        if out is None:
+            return self.core._own_sequence_attend(i, q, rows)
         return out
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -106,5 +149,14 @@ class SkyrlInvariantQwen3MoeForCausalLM(nn.Module):
         return self.core.logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded = self.core.load_named(weights)
+        kept = ((n, t) for n, t in weights if not self.core.ignored_weight(n))
+        loaded = self.core.load_named(kept)
         return {f"core.params.{self.core._names[n]}" for n in loaded}
+
+
+def _make(hf_arch: str):
+    return type(ARCHS[hf_arch], (_SkyrlInvariantForCausalLM,), {"hf_arch": hf_arch})
+
+
+SkyrlInvariantQwen3MoeForCausalLM = _make("Qwen3MoeForCausalLM")
+SkyrlInvariantDeepseekV3ForCausalLM = _make("DeepseekV3ForCausalLM")

@@ -1,13 +1,16 @@
 """vLLM general plugin (entry point ``vllm.general_plugins``): registers the batch-invariant
-Qwen3-MoE architecture in every vLLM process. Registration is by import path, so nothing heavy is
-imported until an engine actually selects the architecture."""
+architectures (one per family in ``skyrl_numerics.trainer.invariant.FAMILIES``) in every vLLM
+process. Registration is by import path, so nothing heavy is imported until an engine actually
+selects one."""
 
 
 def register() -> None:
     from vllm import ModelRegistry
 
-    from .vllm_invariant_model import ARCH
+    from .vllm_invariant_model import ARCHS
 
-    if ARCH not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(
-            ARCH, "skyrl_numerics.trainer.engine.vllm_invariant_model:SkyrlInvariantQwen3MoeForCausalLM")
+    known = ModelRegistry.get_supported_archs()
+    for arch in ARCHS.values():
+        if arch not in known:
+            ModelRegistry.register_model(
+                arch, f"skyrl_numerics.trainer.engine.vllm_invariant_model:{arch}")

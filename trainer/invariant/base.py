@@ -1,0 +1,223 @@
+"""What every invariant family shares: weights under HF names, the KV-cache row contract, the
+trainer-side sequence forwards and the trainer logprobs.
+
+A family module subclasses :class:`InvariantCausalLM` and defines ``__init__`` (its parameters),
+``forward_tokens(ids, positions, attend)``, ``attn_core`` and ``kv`` (a
+:class:`~skyrl_numerics.trainer.invariant.kv_format.KVFormat`). Attention is split so that both
+callers run the same numbers:
+
+    the family computes per token:  q [T, H, Dq]  and its cache row  r [T, W]  (model dtype)
+    attend(layer, q, r)   trainer: rows of the token's own sequence, each sent through the cache
+                                   format (``kv.roundtrip``)
+                          vLLM:    rows written into the paged cache as bytes (``kv.encode``),
+                                   each request's rows read back through its block table
+                                   (``kv.decode``)
+    both then call  attn_core(layer, q [n, Sq, H, Dq], rows [n, L, W], kv_lens) -> [n, Sq, H, Do]
+
+``attn_core`` is built on :func:`skyrl_numerics.kernels.attention`, whose result for a query does
+not depend on Sq (prefill vs decode) nor on padding to other requests' lengths (``kv_lens``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from skyrl_numerics.errors import InputError
+
+# attend(layer, q [T, H, Dq], rows [T, W]) -> out [T, H, Do]
+Attend = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def load_checkpoint_tensors(model_dir) -> dict[str, torch.Tensor]:
+    """All tensors of an HF checkpoint directory (one ``model.safetensors`` or shards)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise InputError(f"{model_dir}: no *.safetensors files", field="model_dir")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+class InvariantCausalLM(nn.Module):
+    """Parameters under HF names (``add``/``w``), loading, and the trainer-side forwards."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+        self.params = nn.ParameterDict()
+        self._names: dict[str, str] = {}
+        self.route_hook: Callable[[int, torch.Tensor], None] | None = None
+
+    # ---- weights --------------------------------------------------------------------------
+    def add(self, name: str, *shape: int, dtype: torch.dtype | None = None) -> None:
+        key = name.replace(".", "__")
+        self.params[key] = nn.Parameter(torch.empty(*shape, dtype=dtype or self.dtype),
+                                        requires_grad=False)
+        self._names[name] = key
+
+    def w(self, name: str) -> torch.Tensor:
+        return self.params[self._names[name]]
+
+    def hf_names(self) -> list[str]:
+        return list(self._names)
+
+    def load_named(self, named) -> set[str]:
+        """Copy ``(hf_name, tensor)`` pairs in; unknown names and other shapes are an error."""
+        loaded = set()
+        with torch.no_grad():
+            for name, t in named:
+                if name not in self._names:
+                    raise InputError(f"unexpected weight {name!r} for {type(self).__name__}",
+                                     field=name)
+                dst = self.w(name)
+                if tuple(t.shape) != tuple(dst.shape):
+                    raise InputError(f"shape {tuple(t.shape)}, expected {tuple(dst.shape)}",
+                                     field=name)
+                dst.copy_(t.to(dst.dtype))
+                loaded.add(name)
+        return loaded
+
+    @classmethod
+    def config_parts(cls, cfg, dtype: torch.dtype = torch.bfloat16, kv_cache=None) -> dict:
+        raise NotImplementedError
+
+    @classmethod
+    def from_config(cls, cfg, dtype: torch.dtype = torch.bfloat16, kv_cache=None):
+        """An empty model (weights to be loaded) for an HF config."""
+        return cls(**cls.config_parts(cfg, dtype=dtype, kv_cache=kv_cache))
+
+    @classmethod
+    def from_checkpoint(cls, model_dir, *, kv_cache=None, dtype: torch.dtype = torch.bfloat16):
+        """Build from an HF checkpoint directory; ``kv_cache`` as in
+        :func:`~skyrl_numerics.trainer.invariant.kv_format.parse_kv_spec` (the engine's)."""
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(str(model_dir))
+        model = cls.from_config(cfg, dtype=dtype, kv_cache=kv_cache)
+        tensors = load_checkpoint_tensors(model_dir)
+        missing = set(model.hf_names()) - set(tensors)
+        if missing:
+            raise InputError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}",
+                             source=str(model_dir), field=sorted(missing)[0])
+        extra = sorted(k for k in tensors if k not in model._names and not model.ignored_weight(k))
+        if extra:
+            raise InputError(f"checkpoint has {len(extra)} weights the invariant "
+                             f"{type(model).__name__} does not use (it would not reproduce "
+                             f"them), e.g. {extra[:3]}", source=str(model_dir), field=extra[0])
+        model.load_named((k, v) for k, v in tensors.items() if k in model._names)
+        return model.eval()
+
+    def ignored_weight(self, name: str) -> bool:
+        """Checkpoint tensors the engine does not run either (e.g. MTP draft layers)."""
+        return False
+
+    # ---- to be provided by the family -----------------------------------------------------
+    kv = None   # KVFormat
+
+    def forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       attend: Attend) -> torch.Tensor:
+        raise NotImplementedError
+
+    def attn_core(self, layer: int, q: torch.Tensor, rows: torch.Tensor,
+                  kv_lens: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.w("model.embed_tokens.weight")[input_ids]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm-head in the model dtype, as vLLM computes logits."""
+        from .blocks import linear
+
+        return linear(hidden, self.w("lm_head.weight"))
+
+    def route_info(self) -> dict:
+        """``{"layers", "k", "num_experts"}`` of the MoE layers (for route capture)."""
+        raise NotImplementedError
+
+    def _route(self, moe_layer: int, ids: torch.Tensor) -> None:
+        if self.route_hook is not None:
+            self.route_hook(moe_layer, ids)
+
+    # ---- trainer side ---------------------------------------------------------------------
+    def _own_sequence_attend(self, layer: int, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        rows = self.kv.roundtrip(layer, rows)
+        return self.attn_core(layer, q[None], rows[None], None)[0]
+
+    def sequence_hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states of one whole sequence (prefill over itself)."""
+        return self.forward_tokens(ids, torch.arange(ids.shape[0]), self._own_sequence_attend)
+
+    def packed_hidden(self, seqs: list[torch.Tensor]) -> torch.Tensor:
+        """Several whole sequences back to back in one forward (attention stays within each
+        sequence). Row for row equal to :meth:`sequence_hidden`."""
+        lens = [len(s) for s in seqs]
+        bounds = np.concatenate([[0], np.cumsum(lens)]).tolist()
+        positions = torch.cat([torch.arange(n) for n in lens])
+
+        def attend(layer, q, rows):
+            return torch.cat([self._own_sequence_attend(layer, q[a:b], rows[a:b])
+                              for a, b in zip(bounds[:-1], bounds[1:])])
+        return self.forward_tokens(torch.cat(seqs), positions, attend)
+
+
+def invariant_trainer_logprobs(model: InvariantCausalLM, rollout, *, batch_size: int = 4,
+                               temperature: float | None = None, return_routes: bool = False):
+    """Response-token logprobs with the invariant forward (packed batches, no padding), fp32
+    log-softmax of the model-dtype logits at the rollout's temperature — vLLM's processed
+    logprobs, computed the same way.
+
+    ``return_routes=True`` also returns the experts the invariant routers chose, as a
+    :class:`~skyrl_numerics.replay.PackedRoutes` in the engine's convention (positions
+    ``0 .. len(prompt) + len(response) - 2`` of each row), in ``.routes``."""
+    from skyrl_numerics.trainer.logprobs import TrainerLogprobs
+
+    if temperature is None:
+        temperature = float(rollout.sampling.get("temperature", 1.0) or 1.0)
+    lp_out = np.empty(rollout.num_response_tokens, dtype=np.float32)
+    ent_out = np.empty(rollout.num_response_tokens, dtype=np.float32)
+    route_rows: list[np.ndarray] = [None] * len(rollout)   # type: ignore[list-item]
+    info = model.route_info() if return_routes else None
+    captured: dict[int, torch.Tensor] = {}
+    if return_routes:
+        model.route_hook = lambda layer, ids: captured.__setitem__(layer, ids.clone())
+    try:
+        with torch.no_grad():
+            for start in range(0, len(rollout), batch_size):
+                rows = list(range(start, min(start + batch_size, len(rollout))))
+                seqs = [torch.from_numpy(np.concatenate([rollout.prompt(i), rollout.response(i)])
+                                         .astype(np.int64)) for i in rows]
+                captured.clear()
+                h = model.packed_hidden(seqs)
+                off = 0
+                for i, s in zip(rows, seqs):
+                    p, r = int(rollout.prompt_lens[i]), int(rollout.response_lens[i])
+                    z = model.logits(h[off + p - 1: off + p + r - 1]).float()
+                    if temperature != 1.0:
+                        z = z / temperature
+                    logp = torch.log_softmax(z, dim=-1)
+                    tg = torch.from_numpy(rollout.response(i).astype(np.int64))
+                    a, b = rollout.response_cu[i], rollout.response_cu[i + 1]
+                    lp_out[a:b] = logp.gather(-1, tg[:, None]).squeeze(-1).numpy()
+                    ent_out[a:b] = (-(logp.exp() * logp).sum(-1)).numpy()
+                    if return_routes:
+                        n = len(s) - 1
+                        route_rows[i] = torch.stack(
+                            [captured[m][off:off + n] for m in range(info["layers"])],
+                            dim=1).numpy()
+                    off += len(s)
+    finally:
+        model.route_hook = None
+    routes = None
+    if return_routes:
+        from skyrl_numerics.replay import PackedRoutes
+
+        routes = PackedRoutes.from_sequences(route_rows, info["num_experts"])
+    return TrainerLogprobs(logprobs=lp_out, entropy=ent_out, routes=routes)
