@@ -19,6 +19,7 @@ from skyrl_numerics.trainer.sync.weight_sync import (
     Manifest,
     list_versions,
     manifest_path,
+    seal,
 )
 from skyrl_numerics.trainer.sync.codec import (
     Zstd,
@@ -332,10 +333,14 @@ def expect_kept(rec, s0, match, field=None, version=1):
     return ei.value
 
 
-def edit_manifest(root, version, fn):
+def edit_manifest(root, version, fn, reseal=True, key=None):
+    """Edit a manifest; ``reseal``: recompute its digest (a buggy writer, or a forger without the
+    key) so the checks behind the digest are reached."""
     p = root / manifest_path(version)
     d = json.loads(p.read_text())
     fn(d)
+    if reseal:
+        seal(d, key)
     p.write_text(json.dumps(d))
 
 
@@ -598,3 +603,246 @@ def test_any_flipped_payload_bit_is_caught(tmp_path_factory, seed, which, pos, b
         rec.apply(1)
     assert ei.value.field == e.name and rec.version == 0
     assert_same_bytes(s0, rec.state)
+
+
+# ---- hardening (issue 13): manifest digest, strict fields, HMAC, checks before touching -------
+@pytest.fixture(autouse=True)
+def _no_env_key(monkeypatch):
+    monkeypatch.delenv("SKYRL_NUMERICS_SYNC_KEY", raising=False)
+
+
+def _swap_same_shape(d):
+    """Swap the names of two same-shape entries (build a state where that exists)."""
+    ts = d["tensors"]
+    a, b = [i for i, t in enumerate(ts) if t["shape"] == ts[0]["shape"] and t["dtype"] == ts[0]["dtype"]][:2]
+    ts[a]["name"], ts[b]["name"] = ts[b]["name"], ts[a]["name"]
+
+
+def _twin_state(seed):
+    rng = np.random.default_rng(seed)
+    return {n: random_tensor(rng, torch.bfloat16, (8, 4)) for n in ("a", "b", "c")} | \
+        {"d": random_tensor(rng, torch.float32, (5,))}
+
+
+UNSEALED_EDITS = [
+    ("rename", lambda d: d["tensors"][0].update(name="zzz")),
+    ("drop", lambda d: d["tensors"].pop(1)),
+    ("add", lambda d: d["tensors"].append(dict(d["tensors"][0], name="extra"))),
+    ("transpose", lambda d: d["tensors"][0].update(shape=d["tensors"][0]["shape"][::-1])),
+    ("dtype", lambda d: d["tensors"][0].update(dtype="float16")),
+    ("empty names", lambda d: d.update(tensors=[])),
+    ("swap", _swap_same_shape),
+    ("version", lambda d: d.update(created_unix=d["created_unix"] + 1)),
+]
+
+
+@pytest.mark.parametrize("what,fn", UNSEALED_EDITS)
+@pytest.mark.parametrize("holding", [False, True])
+def test_unsealed_manifest_edits_refused(tmp_path, what, fn, holding):
+    s0 = _twin_state(1)
+    pub = DeltaPublisher(tmp_path)
+    pub.publish(s0)
+    edit_manifest(tmp_path, 0, fn, reseal=False)
+    target = {k: v.clone() for k, v in s0.items()} if holding else None
+    before = {k: v.clone() for k, v in target.items()} if holding else None
+    rec = DeltaReceiver(tmp_path, target)
+    with pytest.raises(InputError, match="digest") as ei:
+        rec.apply(0)
+    assert ei.value.field == "manifest_digest" and "000000000000" in str(ei.value)
+    assert rec.version is None
+    if holding:
+        assert_same_bytes(before, rec.state)
+    else:
+        assert rec.state == {}
+
+
+def test_resealed_edits_still_refused_before_touching(tmp_path):
+    """Forged digests (no key): the receiver's own checks against the model still refuse them."""
+    rng = np.random.default_rng(2)
+    s0 = _twin_state(2)
+    s1 = {k: sparse_update(rng, v, 0.3) for k, v in s0.items()}
+    pub = DeltaPublisher(tmp_path)
+    pub.publish(s0)
+    pub.publish(s1)
+    good = (tmp_path / manifest_path(1)).read_text()
+    held = {k: v.clone() for k, v in s0.items()}
+    rec = DeltaReceiver(tmp_path, held, version=0)
+    for fn, match in [(lambda d: d["tensors"][0].update(name="zzz"), "unknown tensor"),
+                      (lambda d: d["tensors"].pop(1), "missing from the manifest"),
+                      (lambda d: d["tensors"][0].update(shape=[4, 8], ), "shape"),
+                      (lambda d: d["tensors"][3].update(dtype="int32"), "dtype"),
+                      (lambda d: d.update(tensors=[]), "no tensors"),
+                      (_swap_same_shape, "checksum mismatch")]:      # delta: XOR against the wrong base
+        (tmp_path / manifest_path(1)).write_text(good)
+        edit_manifest(tmp_path, 1, fn)
+        with pytest.raises(InputError, match=match):
+            rec.apply(1)
+        assert rec.version == 0
+        assert_same_bytes(s0, rec.state)
+    # a fresh receiver told what to expect checks the first snapshot too
+    pub.publish(s1, full=True)                                         # version 2
+    edit_manifest(tmp_path, 2, lambda d: d["tensors"][0].update(name="zzz"))
+    fresh = DeltaReceiver(tmp_path, expect=s0)
+    with pytest.raises(InputError, match="unknown tensor"):
+        fresh.apply(2)
+    assert fresh.state == {} and fresh.version is None
+
+
+MALFORMED = [
+    (lambda d: d["tensors"][0].update(shape="abc"), "shape"),
+    (lambda d: d["tensors"][0].update(shape=[1e300]), "shape"),
+    (lambda d: d["tensors"][0].update(shape=[True, 2]), "shape"),
+    (lambda d: d["tensors"][0].update(shape=[2 ** 40, 2 ** 40]), "shape|nbytes"),
+    (lambda d: d["tensors"][0].update(shape=[2 ** 20, 2 ** 20], nbytes=2 ** 41), "nbytes"),
+    (lambda d: d["tensors"][0].update(nbytes="5"), "nbytes"),
+    (lambda d: d["tensors"][0].update(nbytes=None), "nbytes"),
+    (lambda d: d["tensors"][0].update(dtype=["bfloat16"]), "dtype"),
+    (lambda d: d["tensors"][0].update(name=""), "name"),
+    (lambda d: d["tensors"][0].update(name=7), "name"),
+    (lambda d: d["tensors"][0].update(payload="../../etc/passwd"), "payload"),
+    (lambda d: d["tensors"][0].update(payload=7), "payload"),
+    (lambda d: d["tensors"][0].update(payload_nbytes=-1), "payload_nbytes"),
+    (lambda d: d["tensors"][0].update(payload_checksum=None), "payload_checksum"),
+    (lambda d: d["tensors"][0].update(extra=1), "unknown field"),
+    (lambda d: d.update(level="x"), "level"),
+    (lambda d: d.update(level=1.5), "level"),
+    (lambda d: d.update(created_unix=float("nan")), "created_unix"),
+    (lambda d: d.update(created_unix="now"), "created_unix"),
+    (lambda d: d.update(version=True), "version"),
+    (lambda d: d.update(version=2 ** 80), "version"),
+    (lambda d: d.update(base_version=0.0), "base_version"),
+    (lambda d: d.update(filters="xor"), "filters"),
+    (lambda d: d.update(filters=["xor", "xor", "shuffle"]), "filters"),
+    (lambda d: d.update(tensors={"a": 1}), "tensors"),
+    (lambda d: d["tensors"].__setitem__(0, [1, 2]), "name"),
+    (lambda d: d.update(extra=[[[[1]]]]), "unknown field"),
+]
+
+
+@pytest.mark.parametrize("fn,match", MALFORMED)
+def test_malformed_fields_are_input_errors(synced, fn, match):
+    root, _, rec, s0, _, _ = synced
+    edit_manifest(root, 1, fn)
+    err = expect_kept(rec, s0, match)
+    assert "000000000001" in str(err) and "\n" not in str(err)
+
+
+def test_deep_nesting_non_finite_and_directory_payload(synced):
+    root, _, rec, s0, _, m1 = synced
+    good = (root / manifest_path(1)).read_text()
+    (root / manifest_path(1)).write_text("[" * 100_000 + "]" * 100_000)
+    expect_kept(rec, s0, "not valid JSON")
+    (root / manifest_path(1)).write_text(good.replace('"level": 1', '"level": 1e999'))
+    expect_kept(rec, s0, "digest|level")
+    (root / manifest_path(1)).write_text(good)
+    p = root / m1.tensors[0].payload
+    p.unlink()
+    p.mkdir()
+    expect_kept(rec, s0, "directory", field=m1.tensors[0].name)
+
+
+def test_hmac_signing(tmp_path, monkeypatch):
+    s0 = make_state(3)
+    pub = DeltaPublisher(tmp_path, key=b"shared secret")
+    m = pub.publish(s0)
+    d = json.loads((tmp_path / manifest_path(0)).read_text())
+    assert d["signature"].startswith("hmac-sha256:") and d["manifest_digest"].startswith(("xxh3", "blake2b"))
+    rec = DeltaReceiver(tmp_path, key="shared secret")
+    rec.sync()
+    assert_same_bytes(s0, rec.state)
+    with pytest.raises(InputError, match="signature does not verify") as ei:
+        DeltaReceiver(tmp_path, key=b"other").apply(0)
+    assert ei.value.field == "signature"
+    # an edit resealed without the key (digest right, signature stale or dropped): refused
+    edit_manifest(tmp_path, 0, _swap_names_any, reseal=True)          # seal(d, None) drops the signature
+    with pytest.raises(InputError, match="not signed"):
+        DeltaReceiver(tmp_path, key=b"shared secret").apply(0)
+    # unsigned manifests are refused when the key comes from the environment
+    unsigned = tmp_path / "u"
+    DeltaPublisher(unsigned).publish(s0)
+    monkeypatch.setenv("SKYRL_NUMERICS_SYNC_KEY", "shared secret")
+    held = {k: v.clone() for k, v in s0.items()}
+    rec2 = DeltaReceiver(unsigned, held, version=None)
+    with pytest.raises(InputError, match="not signed"):
+        rec2.apply(0)
+    assert_same_bytes(s0, rec2.state)
+    signed = tmp_path / "s"
+    DeltaPublisher(signed).publish(s0)                                 # env key: signed
+    assert DeltaReceiver(signed).apply(0).version == 0
+    with pytest.raises(InputError, match="key"):
+        DeltaPublisher(tmp_path / "x", key=b"")
+
+
+def _swap_names_any(d):
+    ts = d["tensors"]
+    ts[0]["name"], ts[1]["name"] = ts[1]["name"], ts[0]["name"]
+
+
+def test_max_bytes(synced):
+    root, _, rec, s0, _, _ = synced
+    with pytest.raises(InputError, match="max_bytes"):
+        DeltaReceiver(root, max_bytes=10).apply(0)
+
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats()
+                           | st.text(max_size=6), lambda c: st.lists(c, max_size=3)
+                           | st.dictionaries(st.text(max_size=4), c, max_size=2), max_leaves=6)
+
+
+@settings(max_examples=120, deadline=None)
+@given(data=st.data(), reseal=st.booleans(), full=st.booleans())
+def test_any_single_field_edit_refused_or_bitwise_correct(tmp_path_factory, data, reseal, full):
+    root = tmp_path_factory.mktemp("edit")
+    rng = np.random.default_rng(5)
+    s0 = make_state(5)
+    s1 = {k: sparse_update(rng, v, 0.2) for k, v in s0.items()}
+    pub = DeltaPublisher(root)
+    pub.publish(s0)
+    pub.publish(s1, full=full)
+    d = json.loads((root / manifest_path(1)).read_text())
+    if data.draw(st.booleans()):
+        i = data.draw(st.integers(0, len(d["tensors"]) - 1))
+        obj = d["tensors"][i]
+    else:
+        obj = d
+    key = data.draw(st.sampled_from(sorted(obj)))
+    obj[key] = data.draw(JSON_VALUES)
+    if reseal:
+        seal(d)
+    (root / manifest_path(1)).write_text(json.dumps(d))
+    held = {k: v.clone() for k, v in s0.items()}
+    rec = DeltaReceiver(root, held, version=0)
+    try:
+        rec.apply(1)
+    except InputError as e:
+        assert "\n" not in str(e)
+        assert rec.version == 0
+        assert_same_bytes(s0, rec.state)
+        return
+    assert rec.version == 1
+    assert_same_bytes(s1, rec.state)                 # accepted: then it is exactly version 1
+
+
+@settings(max_examples=80, deadline=None)
+@given(pos=st.integers(0, 10 ** 6), bit=st.integers(0, 7))
+def test_any_manifest_bit_flip_refused_or_bitwise_correct(tmp_path_factory, pos, bit):
+    root = tmp_path_factory.mktemp("mflip")
+    rng = np.random.default_rng(6)
+    s0 = make_state(6)
+    s1 = {k: sparse_update(rng, v, 0.2) for k, v in s0.items()}
+    pub = DeltaPublisher(root)
+    pub.publish(s0)
+    pub.publish(s1)
+    p = root / manifest_path(1)
+    b = bytearray(p.read_bytes())
+    b[pos % len(b)] ^= 1 << bit
+    p.write_bytes(bytes(b))
+    rec = DeltaReceiver(root)
+    rec.apply(0)
+    try:
+        rec.apply(1)
+    except InputError:
+        assert rec.version == 0
+        assert_same_bytes(s0, rec.state)
+        return
+    assert_same_bytes(s1, rec.state)

@@ -67,6 +67,10 @@ class SyncStore:
             return self.fs.cat_file(path)
         except FileNotFoundError:
             raise InputError(f"file {rel!r} is missing under {self.url}", field=field) from None
+        except IsADirectoryError:
+            raise InputError(f"{rel!r} under {self.url} is a directory, not a file", field=field) from None
+        except OSError as e:
+            raise InputError(f"cannot read {rel!r} under {self.url} ({e.strerror or e})", field=field) from None
 
     def exists(self, rel: str) -> bool:
         path = self._path(rel)

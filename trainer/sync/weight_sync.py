@@ -19,11 +19,19 @@ then copies the new bytes in. A bad manifest raises ``InputError`` naming the te
 leaves the last good weights in place. ``prepare`` can run in a thread while the engine generates
 (SkyRL overlaps the fetch with generation); ``commit`` is a memcpy per changed tensor.
 
-Manifest schema: see ``docs/weight_sync.md``.
+Manifest schema: see ``docs/weight_sync.md``. Every manifest carries ``manifest_digest``, the
+digest of its canonical JSON (every other field: names, dtypes, shapes, sizes, versions, payload
+paths and digests), checked before anything else is read. With a shared key
+(``DeltaPublisher(..., key=...)`` / ``DeltaReceiver(..., key=...)`` or the environment variable
+``SKYRL_NUMERICS_SYNC_KEY``) the publisher adds ``signature`` = HMAC-SHA256 of the same bytes, and a
+receiver with a key refuses unsigned or wrongly signed manifests.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import math
 import os
 import re
 import time
@@ -51,9 +59,67 @@ from skyrl_numerics.trainer.sync.codec import (
 from skyrl_numerics.trainer.sync.store import SyncStore
 
 FORMAT = "skyrl-numerics.weight-sync"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2            # 2: manifest_digest (+ optional HMAC signature), strict field types
 _MANIFEST_RE = re.compile(r"^(\d{12})\.json$")
 CHECKSUM_ALGOS = ("xxh3-128", "blake2b-128")
+KEY_ENV = "SKYRL_NUMERICS_SYNC_KEY"
+SIGNATURE_ALGO = "hmac-sha256"
+MAX_TENSOR_BYTES = 1 << 40    # refuse absurd sizes before allocating anything
+MAX_DIMS = 32
+MAX_TENSORS = 1 << 20
+_TOP_KEYS = ("version", "base_version", "tensors", "codec", "level", "filters", "created_unix",
+             "format", "format_version", "manifest_digest", "signature")
+_ENTRY_KEYS = ("name", "dtype", "shape", "nbytes", "checksum", "payload", "payload_nbytes",
+               "payload_checksum")
+_HEX_LEN = {"xxh3-128": 32, "blake2b-128": 32}
+
+
+def _key_bytes(key) -> bytes | None:
+    """The shared signing key: ``key`` (bytes or str) or the ``SKYRL_NUMERICS_SYNC_KEY`` env var."""
+    if key is None:
+        key = os.environ.get(KEY_ENV) or None
+    if key is None:
+        return None
+    if isinstance(key, str):
+        key = key.encode()
+    if not isinstance(key, (bytes, bytearray)) or len(key) == 0:
+        raise InputError("signing key must be non-empty bytes or str", field="key")
+    return bytes(key)
+
+
+def _canonical(d: dict) -> bytes:
+    """The signed/digested bytes: every field except the digest and signature, canonical JSON."""
+    body = {k: v for k, v in d.items() if k not in ("manifest_digest", "signature")}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def manifest_digest(d: dict, algo: str | None = None) -> str:
+    return digest(_canonical(d), algo)
+
+
+def manifest_signature(d: dict, key: bytes) -> str:
+    return f"{SIGNATURE_ALGO}:{hmac.new(key, _canonical(d), hashlib.sha256).hexdigest()}"
+
+
+def seal(d: dict, key=None) -> dict:
+    """Set ``manifest_digest`` (and ``signature`` with a key) of a manifest dict, in place."""
+    d.pop("signature", None)
+    d["manifest_digest"] = manifest_digest(d)
+    k = _key_bytes(key)
+    if k is not None:
+        d["signature"] = manifest_signature(d, k)
+    return d
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_checksum(x) -> bool:
+    if not isinstance(x, str):
+        return False
+    algo, sep, hx = x.partition(":")
+    return bool(sep) and algo in _HEX_LEN and len(hx) == _HEX_LEN[algo] and all(c in "0123456789abcdef" for c in hx)
 
 
 def manifest_path(version: int) -> str:
@@ -107,88 +173,142 @@ class Manifest:
         """Names with a payload (all of them in a full snapshot)."""
         return [t.name for t in self.tensors if t.payload is not None]
 
-    def to_json(self) -> bytes:
+    def to_json(self, key=None) -> bytes:
+        """Canonical manifest JSON with ``manifest_digest`` (and ``signature`` given a key)."""
         d = asdict(self)
         d["tensors"] = [dict(asdict(t), shape=list(t.shape)) for t in self.tensors]
         d["filters"] = list(self.filters)
+        seal(d, key)
         return json.dumps(d, indent=1).encode()
 
     @classmethod
-    def from_json(cls, data: bytes, *, source: str = "manifest") -> "Manifest":
-        """Parse and schema-check a manifest; ``InputError`` naming the bad field."""
+    def from_json(cls, data: bytes, *, source: str = "manifest", key=None) -> "Manifest":
+        """Parse, authenticate and schema-check a manifest; ``InputError`` naming the version,
+        tensor and field. The digest (and, with a key, the signature) is checked before any
+        field is interpreted."""
+        def bad(msg, field=None, index=None):
+            return InputError(msg, field=field, index=index, source=source)
+
         try:
             d = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise InputError(f"not valid JSON ({e})", source=source) from None
+        except json.JSONDecodeError as e:
+            raise bad(f"not valid JSON ({e.msg} at {e.pos})") from None
+        except (ValueError, RecursionError) as e:     # bad UTF-8, int digit limit, nesting
+            what = "nested too deeply" if isinstance(e, RecursionError) else " ".join(str(e).split())[:120]
+            raise bad(f"not valid JSON ({what})") from None
         if not isinstance(d, dict):
-            raise InputError("manifest is not a JSON object", source=source)
-        if d.get("format") != FORMAT or d.get("format_version") != FORMAT_VERSION:
-            raise InputError(f"format {d.get('format')!r} v{d.get('format_version')!r}, expected "
-                             f"{FORMAT!r} v{FORMAT_VERSION}", field="format", source=source)
+            raise bad("manifest is not a JSON object")
+        if d.get("format") != FORMAT or not _is_int(d.get("format_version")) or d["format_version"] != FORMAT_VERSION:
+            raise bad(f"format {d.get('format')!r} v{d.get('format_version')!r}, expected "
+                      f"{FORMAT!r} v{FORMAT_VERSION}", field="format")
+        for k in d:
+            if k not in _TOP_KEYS:
+                raise bad(f"unknown field {k!r}", field=k)
+        md = d.get("manifest_digest")
+        if not _is_checksum(md):
+            raise bad(f"manifest_digest {md!r} is missing or not <algo>:<hex>", field="manifest_digest")
+        if not _verify(_canonical(d), md, "manifest", source):
+            raise bad("manifest digest mismatch: names, dtypes, shapes, versions or payload digests "
+                      "were changed after publishing", field="manifest_digest")
+        k = _key_bytes(key)
+        if k is not None:
+            sig = d.get("signature")
+            if sig is None:
+                raise bad("manifest is not signed and this receiver requires a signature", field="signature")
+            if not isinstance(sig, str) or not hmac.compare_digest(sig, manifest_signature(d, k)):
+                raise bad("manifest signature does not verify with the shared key", field="signature")
+        elif "signature" in d and not isinstance(d["signature"], str):
+            raise bad("signature is not a string", field="signature")
         v, b = d.get("version"), d.get("base_version")
-        if not isinstance(v, int) or v < 0:
-            raise InputError(f"version {v!r} is not a non-negative integer", field="version",
-                             source=source)
-        if b is not None and (not isinstance(b, int) or not 0 <= b < v):
-            raise InputError(f"base_version {b!r} is not an integer in [0, {v})",
-                             field="base_version", source=source)
+        if not _is_int(v) or not 0 <= v < 1 << 62:
+            raise bad(f"version {v!r} is not a non-negative integer", field="version")
+        if b is not None and (not _is_int(b) or not 0 <= b < v):
+            raise bad(f"version {v}: base_version {b!r} is not an integer in [0, {v})", field="base_version")
         if d.get("codec") != "zstd":
-            raise InputError(f"codec {d.get('codec')!r}, expected 'zstd'", field="codec",
-                             source=source)
-        filters = tuple(d.get("filters", ()))
-        if not set(filters) <= {"xor", "shuffle"} or (("xor" in filters) != (b is not None)):
-            raise InputError(f"filters {list(filters)} do not fit a "
-                             f"{'full snapshot' if b is None else 'delta'}", field="filters",
-                             source=source)
+            raise bad(f"version {v}: codec {d.get('codec')!r}, expected 'zstd'", field="codec")
+        level = d.get("level", 1)
+        if not _is_int(level) or not -131072 <= level <= 22:
+            raise bad(f"version {v}: level {level!r} is not a zstd level", field="level")
+        created = d.get("created_unix", 0.0)
+        if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created):
+            raise bad(f"version {v}: created_unix {created!r} is not a finite number", field="created_unix")
+        filters = d.get("filters", [])
+        if not isinstance(filters, list) or not all(isinstance(f, str) for f in filters):
+            raise bad(f"version {v}: filters {filters!r} is not a list of names", field="filters")
+        filters = tuple(filters)
+        if (not set(filters) <= {"xor", "shuffle"} or len(set(filters)) != len(filters)
+                or (("xor" in filters) != (b is not None))):
+            raise bad(f"version {v}: filters {list(filters)} do not fit a "
+                      f"{'full snapshot' if b is None else 'delta'}", field="filters")
         raw = d.get("tensors")
         if not isinstance(raw, list):
-            raise InputError("'tensors' is not a list", field="tensors", source=source)
+            raise bad(f"version {v}: 'tensors' is not a list", field="tensors")
+        if not raw:
+            raise bad(f"version {v}: no tensors", field="tensors")
+        if len(raw) > MAX_TENSORS:
+            raise bad(f"version {v}: {len(raw)} tensors (more than {MAX_TENSORS})", field="tensors")
         entries, seen = [], set()
         for i, t in enumerate(raw):
-            entries.append(_parse_entry(t, i, source, delta=b is not None))
+            entries.append(_parse_entry(t, i, source, delta=b is not None, version=v))
             if entries[-1].name in seen:
-                raise InputError(f"tensor {entries[-1].name!r} listed twice", field="tensors",
-                                 index=i, source=source)
+                raise bad(f"version {v}: tensor {entries[-1].name!r} listed twice", field="tensors", index=i)
             seen.add(entries[-1].name)
         return cls(version=v, base_version=b, tensors=tuple(entries), codec="zstd",
-                   level=int(d.get("level", 1)), filters=filters,
-                   created_unix=float(d.get("created_unix", 0.0)))
+                   level=level, filters=filters, created_unix=float(created))
 
 
-def _parse_entry(t: Any, i: int, source: str, *, delta: bool) -> TensorEntry:
-    if not isinstance(t, dict) or not isinstance(t.get("name"), str):
-        raise InputError("entry has no string 'name'", field="tensors", index=i, source=source)
+_PAYLOAD_RE = re.compile(r"^payloads/(\d{12})/\d{6}\.zst$")
+
+
+def _parse_entry(t: Any, i: int, source: str, *, delta: bool, version: int) -> TensorEntry:
+    if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
+        raise InputError(f"version {version}: entry {i} has no non-empty string 'name'", field="tensors",
+                         index=i, source=source)
     name = t["name"]
-    try:
-        shape = tuple(int(s) for s in t["shape"])
-        nbytes, pn = int(t["nbytes"]), int(t["payload_nbytes"])
-        entry = TensorEntry(name=name, dtype=str(t["dtype"]), shape=shape, nbytes=nbytes,
-                            checksum=str(t["checksum"]), payload=t["payload"],
-                            payload_nbytes=pn, payload_checksum=t["payload_checksum"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise InputError(f"tensor {name!r}: bad or missing field ({e!r})", field=name,
-                         index=i, source=source) from None
-    dt = dtype_from_name(entry.dtype)
+
+    def bad(key, msg):
+        return InputError(f"version {version}, tensor {name!r}, field '{key}': {msg}", field=name,
+                          index=i, source=source)
+
+    for key in _ENTRY_KEYS:
+        if key not in t:
+            raise bad(key, "missing field")
+    for key in t:
+        if key not in _ENTRY_KEYS:
+            raise bad(key, "unknown field")
+    if not isinstance(t["dtype"], str):
+        raise bad("dtype", f"{t['dtype']!r} is not a string")
+    dt = dtype_from_name(t["dtype"])
     if dt is None:
-        raise InputError(f"tensor {name!r}: unknown dtype {entry.dtype!r}", field=name,
-                         index=i, source=source)
-    expect = int(np.prod(shape, dtype=np.int64)) * _itemsize(dt)
-    if any(s < 0 for s in shape) or nbytes != expect:
-        raise InputError(f"tensor {name!r}: nbytes {nbytes} does not match {entry.dtype}"
-                         f"{list(shape)} ({expect})", field=name, index=i, source=source)
-    for key in ("checksum", "payload_checksum"):
-        val = getattr(entry, key)
-        if val is not None and str(val).partition(":")[0] not in CHECKSUM_ALGOS:
-            raise InputError(f"tensor {name!r}: {key} {val!r} is not one of "
-                             f"{'/'.join(CHECKSUM_ALGOS)}:<hex>", field=name, index=i,
-                             source=source)
-    if entry.payload is None and not delta:
-        raise InputError(f"tensor {name!r}: a full snapshot needs a payload", field=name,
-                         index=i, source=source)
-    if entry.payload is not None and not isinstance(entry.payload_checksum, str):
-        raise InputError(f"tensor {name!r}: payload without payload_checksum", field=name,
-                         index=i, source=source)
-    return entry
+        raise bad("dtype", f"unknown dtype {t['dtype']!r}")
+    shape = t["shape"]
+    if (not isinstance(shape, list) or len(shape) > MAX_DIMS
+            or not all(_is_int(s) and 0 <= s <= MAX_TENSOR_BYTES for s in shape)):
+        raise bad("shape", f"{shape!r} is not a list of at most {MAX_DIMS} non-negative integers")
+    nbytes = t["nbytes"]
+    expect = math.prod(shape) * _itemsize(dt)          # Python ints: no overflow
+    if not _is_int(nbytes) or nbytes != expect:
+        raise bad("nbytes", f"nbytes {nbytes!r} does not match {t['dtype']}{list(shape)} ({expect})")
+    if expect > MAX_TENSOR_BYTES:
+        raise bad("nbytes", f"{expect} bytes is more than the {MAX_TENSOR_BYTES} allowed")
+    if not _is_checksum(t["checksum"]):
+        raise bad("checksum", f"checksum {t['checksum']!r} is not one of {'/'.join(CHECKSUM_ALGOS)}:<hex>")
+    payload, pn, pc = t["payload"], t["payload_nbytes"], t["payload_checksum"]
+    if payload is None:
+        if not delta:
+            raise bad("payload", "a full snapshot needs a payload")
+        if pn != 0 or isinstance(pn, bool) or pc is not None:
+            raise bad("payload_nbytes", "no payload: payload_nbytes must be 0 and payload_checksum null")
+    else:
+        m = _PAYLOAD_RE.match(payload) if isinstance(payload, str) else None
+        if m is None or int(m.group(1)) != version:
+            raise bad("payload", f"{payload!r} is not payloads/{version:012d}/<index>.zst")
+        if not _is_int(pn) or not 0 < pn <= MAX_TENSOR_BYTES:
+            raise bad("payload_nbytes", f"{pn!r} is not a positive integer <= {MAX_TENSOR_BYTES}")
+        if not _is_checksum(pc):
+            raise bad("payload_checksum", f"payload_checksum {pc!r} is not one of {'/'.join(CHECKSUM_ALGOS)}:<hex>")
+    return TensorEntry(name=name, dtype=t["dtype"], shape=tuple(shape), nbytes=nbytes, checksum=t["checksum"],
+                       payload=payload, payload_nbytes=pn, payload_checksum=pc)
 
 
 def _verify(buf, checksum: str, name: str, src: str) -> bool:
@@ -215,9 +335,9 @@ def list_versions(store: SyncStore) -> list[int]:
     return sorted(out)
 
 
-def read_manifest(store: SyncStore, version: int) -> Manifest:
+def read_manifest(store: SyncStore, version: int, *, key=None) -> Manifest:
     rel = manifest_path(version)
-    m = Manifest.from_json(store.read(rel, field="manifest"), source=rel)
+    m = Manifest.from_json(store.read(rel, field="manifest"), source=rel, key=key)
     if m.version != version:
         raise InputError(f"file says version {m.version}", field="version", source=rel)
     return m
@@ -264,11 +384,14 @@ class DeltaPublisher:
     ``checksum``: ``"xxh3-128"`` (default when ``xxhash`` is installed) or ``"blake2b-128"``.
     ``start_version``: default, one after the newest version already in ``root``.
     ``io_workers``: payload writes in flight at once (object stores: hides per-request latency).
+    ``key``: shared HMAC-SHA256 key (bytes/str; default ``$SKYRL_NUMERICS_SYNC_KEY``): manifests
+    are signed with it.
     """
 
     def __init__(self, root: str | os.PathLike, *, snapshot_every: int = 10, level: int = 1,
                  use_shuffle: bool = True, start_version: int | None = None,
-                 checksum: str | None = None, io_workers: int = 8):
+                 checksum: str | None = None, io_workers: int = 8, key=None):
+        self.key = _key_bytes(key)
         if snapshot_every < 1:
             raise InputError(f"snapshot_every must be >= 1, got {snapshot_every}",
                              field="snapshot_every")
@@ -317,7 +440,7 @@ class DeltaPublisher:
         manifest = Manifest(version=v, base_version=None if full else v - 1,
                             tensors=tuple(entries), level=self.zstd.level, filters=filters,
                             created_unix=time.time())
-        self.store.write(manifest_path(v), manifest.to_json())  # last: payloads are in place
+        self.store.write(manifest_path(v), manifest.to_json(self.key))  # last: payloads are in place
         # Only now does this version become the XOR base: a publish that failed above leaves the
         # previous base (and the previous manifest) as they were.
         if self._same_structure(cur):
@@ -361,7 +484,7 @@ class DeltaPublisher:
         if not vs:
             return []
         cutoff = vs[-1] - max(keep_last, 1) + 1
-        fulls = [v for v in vs if v <= cutoff and read_manifest(self.store, v).is_full]
+        fulls = [v for v in vs if v <= cutoff and read_manifest(self.store, v, key=self.key).is_full]
         if not fulls:
             return []
         gone = [v for v in vs if v < fulls[-1]]
@@ -404,12 +527,22 @@ class DeltaReceiver:
     full snapshot), a dict of tensors, or a ``torch.nn.Module`` (its ``state_dict`` tensors are
     updated in place, byte for byte). ``version``: the version ``target`` already holds, if any.
     ``io_workers``: payload reads in flight at once.
+    ``key``: shared HMAC-SHA256 key (default ``$SKYRL_NUMERICS_SYNC_KEY``): when set, unsigned or
+    wrongly signed manifests are refused. ``expect``: for a receiver without ``target``, a module or
+    state dict whose names, dtypes and shapes the first snapshot must match (it is not written).
+    ``max_bytes``: refuse a version whose tensors total more raw bytes than this.
     """
 
     def __init__(self, root: str | os.PathLike, target=None, *, version: int | None = None,
-                 io_workers: int = 8):
+                 io_workers: int = 8, key=None, expect=None, max_bytes: int | None = None):
         import torch
 
+        self.key = _key_bytes(key)
+        self.max_bytes = max_bytes
+        self._expect = None
+        if expect is not None:
+            sd = expect.state_dict() if isinstance(expect, torch.nn.Module) else dict(expect)
+            self._expect = {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in sd.items()}
         self.store = SyncStore(root)
         self.io_workers = io_workers
         self.zstd = Zstd()
@@ -444,11 +577,17 @@ class DeltaReceiver:
     def prepare(self, version: int) -> PreparedUpdate:
         """Read and verify ``version`` against the held weights; touches nothing."""
         t0 = time.perf_counter()
-        m = read_manifest(self.store, version)
+        m = read_manifest(self.store, version, key=self.key)
         src = manifest_path(version)
         self._check_order(m, src)
+        total = m.raw_nbytes
+        if self.max_bytes is not None and total > self.max_bytes:
+            raise InputError(f"version {m.version}: {total} raw bytes, more than max_bytes={self.max_bytes}",
+                             field="tensors", source=src)
         if self._tensors:
             self._check_names(m, src)
+        elif self._expect is not None:
+            self._check_names(m, src, held=self._expect)
         self._token += 1
         prepared = PreparedUpdate(manifest=m, token=self._token)
         to_fetch = iter([e for e in m.tensors if e.payload is not None])
@@ -487,23 +626,26 @@ class DeltaReceiver:
                              f"{m.base_version}, receiver holds {cur}", field="base_version",
                              source=src)
 
-    def _check_names(self, m: Manifest, src: str) -> None:
-        held = self._tensors
+    def _check_names(self, m: Manifest, src: str, held=None) -> None:
+        """Names, dtypes and shapes of the manifest against the held (or expected) weights."""
+        if held is None:
+            held = {k: (dtype_name(t.dtype), tuple(t.shape)) for k, t in self._tensors.items()}
+        v = m.version
         for e in m.tensors:
-            t = held.get(e.name)
-            if t is None:
-                raise InputError(f"unknown tensor {e.name!r} (the receiver does not hold it)",
+            h = held.get(e.name)
+            if h is None:
+                raise InputError(f"version {v}: unknown tensor {e.name!r} (the receiver does not hold it)",
                                  field=e.name, source=src)
-            if dtype_name(t.dtype) != e.dtype:
-                raise InputError(f"tensor {e.name!r}: dtype {e.dtype}, receiver holds "
-                                 f"{dtype_name(t.dtype)}", field=e.name, source=src)
-            if tuple(t.shape) != e.shape:
-                raise InputError(f"tensor {e.name!r}: shape {list(e.shape)}, receiver holds "
-                                 f"{list(t.shape)}", field=e.name, source=src)
+            if h[0] != e.dtype:
+                raise InputError(f"version {v}, tensor {e.name!r}, field 'dtype': dtype {e.dtype}, receiver "
+                                 f"holds {h[0]}", field=e.name, source=src)
+            if h[1] != e.shape:
+                raise InputError(f"version {v}, tensor {e.name!r}, field 'shape': shape {list(e.shape)}, "
+                                 f"receiver holds {list(h[1])}", field=e.name, source=src)
         names = {e.name for e in m.tensors}
         missing = [n for n in held if n not in names]
         if missing:
-            raise InputError(f"tensor {missing[0]!r} held by the receiver is missing from the "
+            raise InputError(f"version {v}: tensor {missing[0]!r} held by the receiver is missing from the "
                              f"manifest ({len(missing)} missing)", field=missing[0], source=src)
 
     def _decode(self, m: Manifest, e: TensorEntry, blob: bytes | None,
@@ -582,7 +724,7 @@ class DeltaReceiver:
                 applied.append(self.apply(cur + 1))
                 continue
             fulls = [v for v in versions
-                     if (cur is None or v > cur) and read_manifest(self.store, v).is_full]
+                     if (cur is None or v > cur) and read_manifest(self.store, v, key=self.key).is_full]
             if not fulls:
                 return applied
             applied.append(self.apply(fulls[-1]))
