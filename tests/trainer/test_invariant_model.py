@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from skyrl_numerics.errors import InputError
 from skyrl_numerics.models import load_hf_model
 from skyrl_numerics.trainer.invariant.qwen3_moe import InvariantQwen3Moe, attend_one_sequence
 
@@ -23,13 +24,11 @@ def _ids(n, seed):
 
 def test_prefill_then_decode_equals_full_prefill(model):
     ids = _ids(37, 0)
-    scale = model.dims.head_dim ** -0.5
     cache = {}
 
-    def attend(i, q, k, v):
-        K, V = cache.get(i, (k[:0], v[:0]))
-        cache[i] = (torch.cat([K, k]), torch.cat([V, v]))
-        return attend_one_sequence(q, *cache[i], scale)
+    def attend(i, q, rows):
+        cache[i] = torch.cat([cache.get(i, rows[:0]), rows])
+        return model.attn_core(i, q[None], cache[i][None], None)[0]
 
     with torch.no_grad():
         full = model.sequence_hidden(ids)
@@ -37,6 +36,18 @@ def test_prefill_then_decode_equals_full_prefill(model):
         parts += [model.forward_tokens(ids[t:t + 1], torch.tensor([t]), attend)
                   for t in range(20, 37)]
     assert torch.equal(torch.cat(parts), full)
+
+
+def test_attend_one_sequence_is_the_family_attention(model):
+    """The K/V helper kept for callers computes what ``attn_core`` computes on the cache row."""
+    g = torch.Generator().manual_seed(0)
+    d = model.dims
+    q = torch.randn(9, d.heads, d.head_dim, generator=g).bfloat16()
+    k = torch.randn(9, d.kv_heads, d.head_dim, generator=g).bfloat16()
+    v = torch.randn(9, d.kv_heads, d.head_dim, generator=g).bfloat16()
+    rows = torch.cat([k.reshape(9, -1), v.reshape(9, -1)], -1)
+    assert torch.equal(attend_one_sequence(q, k, v, model.scale),
+                       model.attn_core(0, q[None], rows[None], None)[0])
 
 
 def test_packed_batch_equals_each_sequence_alone(model):
@@ -66,5 +77,5 @@ def test_close_to_hf_transformers(model, qwen_moe_dir):
 
 
 def test_unknown_weight_is_an_error(model):
-    with pytest.raises(KeyError, match="unexpected weight"):
+    with pytest.raises(InputError, match="unexpected weight"):
         model.load_named([("model.layers.9.mlp.gate.weight", torch.zeros(1))])
