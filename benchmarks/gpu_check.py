@@ -806,6 +806,7 @@ def section_matmul_perf(sec: Section, ctx: Ctx):
                 ours_tflops=flops / ours / 1e9, base_tflops=flops / base / 1e9,
                 frac_of_base=base / ours, baseline=baseline, ok=None)
 
+    blas = "cuBLAS" if dev == "cuda" else "CPU BLAS"
     Mmax = max(S["perf_ms"])
     for K in S["perf_kn"]:
         a_all = rnd(Mmax, K)
@@ -817,14 +818,14 @@ def section_matmul_perf(sec: Section, ctx: Ctx):
                 a = a_all[:M]
                 ours = ctx.time_ms(lambda: ops.matmul(a, b, **T))
                 base = ctx.time_ms(lambda: torch.matmul(a, b))
-                add("matmul", 2 * M * K * N, ours, base, "torch.matmul (cuBLAS)", M=M, K=K, N=N)
+                add("matmul", 2 * M * K * N, ours, base, f"torch.matmul ({blas})", M=M, K=K, N=N)
     for B, M, K, N in S["perf_bmm"]:
         if sec.out_of_time(f"bmm B={B} M={M} K={K} N={N}"):
             return
         a, b = rnd(B, M, K), rnd(B, K, N)
         ours = ctx.time_ms(lambda: ops.bmm(a, b, **T))
         base = ctx.time_ms(lambda: torch.bmm(a, b))
-        add("bmm", 2 * B * M * K * N, ours, base, "torch.bmm (cuBLAS)", B=B, M=M, K=K, N=N)
+        add("bmm", 2 * B * M * K * N, ours, base, f"torch.bmm ({blas})", B=B, M=M, K=K, N=N)
     for E, Tn, K, N in S["perf_grouped"]:
         if sec.out_of_time(f"grouped E={E} T={Tn} K={K} N={N}"):
             return
@@ -907,7 +908,8 @@ _MD_COLS = {
 
 def to_markdown(res: dict) -> str:
     env = res["env"]
-    lines = [f"### GPU check: {env.get('device_name') or env.get('device')}"
+    title = env.get("device_name") or ("CPU" if res["dry_run"] else "no CUDA device")
+    lines = [f"### GPU check: {title}"
              f"{' (DRY RUN: CPU, Triton interpreter, tiny shapes; timings meaningless)' if res['dry_run'] else ''}",
              "",
              f"Command: `{res['command']}`  ",
@@ -935,7 +937,7 @@ def to_markdown(res: dict) -> str:
                     cells[0] = f"({cells[0]}, contrast)"
                 lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n"
 
 
 def _atomic_write(path: Path, text: str):
