@@ -1041,8 +1041,16 @@ def main(argv=None) -> int:
     import_mode = ensure_importable(args.import_mode)
     import warnings
     warnings.filterwarnings("ignore", message="invalid value encountered", category=RuntimeWarning)
-    import torch
     cmd = "python benchmarks/gpu_check.py " + " ".join(argv)
+    try:
+        import torch
+    except Exception:  # noqa: BLE001 - nothing can run; still leave a gpu.json that says why
+        _atomic_write(out / "gpu.json", json.dumps(dict(
+            schema=SCHEMA, tool="benchmarks/gpu_check.py", command=cmd.strip(), dry_run=args.dry_run,
+            exit_code=2, env=dict(python=platform.python_version(), import_mode=import_mode),
+            error="import torch failed", traceback=traceback.format_exc(), sections={}), indent=1))
+        print(f"gpu_check: import torch failed; wrote {out / 'gpu.json'}", file=sys.stderr)
+        return 2
     header = dict(schema=SCHEMA, tool="benchmarks/gpu_check.py", command=cmd.strip(), dry_run=args.dry_run,
                   started_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                   budget_s=args.budget, wall_s=0.0, exit_code=None,
@@ -1075,7 +1083,7 @@ def main(argv=None) -> int:
         finally:
             print(f"gpu_check: watchdog exit after {time.monotonic() - t_start:.0f} s", file=sys.stderr, flush=True)
             os._exit(1)
-    dog = threading.Timer(args.budget + args.grace, on_timeout)
+    dog = threading.Timer(max(budget.left(), 0.0) + args.grace, on_timeout)   # budget + grace from start
     dog.daemon = True
     dog.start()
 
