@@ -1,0 +1,331 @@
+"""CPU compatibility for megatron-core 0.16.1 — the one place that patches megatron-core/torch, and only
+when CUDA is absent (``torch.cuda.is_available()`` is False; with CUDA :func:`install` does nothing).
+
+megatron-core's GPT/MoE path assumes a CUDA device in a handful of calls. Each patch below replaces one of
+them with its CPU meaning, for as long as the compatibility is installed (:func:`cpu_compat` context
+manager, or :func:`install` / :func:`uninstall`, reference-counted). :func:`uninstall` puts every original
+object back (tested: ``tests/trainer/test_megatron_compat.py``). Nothing else in the project patches
+megatron-core. A model built under the compatibility must also *run* under it (its dispatcher holds a
+stand-in stream).
+
+What is covered, who calls it, and why:
+
+``torch.cuda.current_device`` -> ``torch.device("cpu")``
+    ``TopKRouter.gating`` moves the router weight/bias to it on every forward
+    (``moe/router.py``); ``DotProductAttention`` allocates the softmax offset on it;
+    ``tensor_parallel.mappings`` (sequence-parallel gather / reduce-scatter buffers) and
+    ``tensor_parallel.layers`` (weight allocation without ``use_cpu_initialization``, the
+    sequence-parallel all-gather buffer in the linear's autograd function), ``GroupedMLP`` /
+    ``SequentialMLP`` allocations; router aux-loss buffers. On CPU the "current device" is the CPU.
+``torch.cuda.Stream``, ``torch.cuda.current_stream``, ``torch.cuda.stream``, ``torch.cuda.Event``
+    ``MoEAlltoAllTokenDispatcher.__init__`` creates a side stream (class attribute
+    ``cuda_dtoh_stream``) and ``_maybe_dtoh_and_synchronize`` waits on / switches to / records events
+    on it to overlap device-to-host copies of the split sizes. CPU work is synchronous: a stand-in
+    stream whose waits, records and synchronizes are no-ops is exact. The class attribute is reset
+    on uninstall.
+``torch.cuda.synchronize``
+    no-op (CPU work is synchronous).
+``torch.cuda.get_rng_state``, ``torch.cuda.manual_seed``,
+``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``
+    the ``CudaRNGStatesTracker`` (``model_parallel_cuda_manual_seed``, ``get_cuda_rng_tracker().fork()``,
+    entered by ``DotProductAttention`` around attention dropout and by weight initialization) saves,
+    seeds and restores *the CUDA generator*. The generator that drives CPU tensors is the CPU default
+    generator, so these read/seed/set that one. Semantics kept: each tracked state (data-, tensor-,
+    expert-parallel) is its own stream and ``fork`` restores the outer state on exit.
+``fused_softmax.get_default_causal_mask`` / ``get_sliding_window_causal_mask``
+    the un-fused softmax builds its causal mask with ``device="cuda"`` (``transformer/utils.py``); the
+    CPU versions build the same boolean masks on the CPU.
+``moe_utils.te_general_gemm`` -> ``None``
+    not CUDA, but a CPU-only fact: without Transformer Engine (a CUDA package) megatron-core 0.16.1
+    never binds this name, and ``RouterGatingLinearFunction`` raises ``NameError`` on it; ``None``
+    selects megatron's own ``torch.mm`` branch.
+``grouped_gemm_util.grouped_gemm`` / ``.ops`` (only where the ``grouped_gemm`` CUDA extension is
+absent)
+    the legacy ``GroupedMLP`` (``moe_grouped_gemm=True`` without Transformer Engine) calls
+    ``grouped_gemm.ops.gmm(x, w, tokens_per_expert, trans_b)``, a CUDA-only extension. The stand-in
+    computes each expert's rows with one ``torch.mm`` (the same products, in expert order).
+``torch.distributed.reduce_scatter_tensor`` (gloo only)
+    gloo has no reduce-scatter; sequence parallelism (needed with TP and EP together) reduce-scatters
+    in every RowParallelLinear. The stand-in all-reduces the full tensor and keeps this rank's slice:
+    the same sum (gloo's all-reduce order), more traffic. Other backends pass through untouched.
+
+What this does not do: CUDA graphs, Transformer Engine layers, fused kernels (apex, ``moe_permute_fusion``,
+``bias_activation_fusion``, ``masked_softmax_fusion``, ``apply_rope_fusion``, flash attention) — keep those
+off in the config (:func:`skyrl_numerics.trainer.megatron.model.transformer_config` does).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import Counter
+
+import torch
+
+__all__ = ["cpu_compat", "install", "uninstall", "installed", "needed", "calls"]
+
+_lock = threading.RLock()
+_depth = 0
+_saved: list[tuple[object, str, object, bool]] = []  # (owner, attribute, original, had_attribute)
+_calls: Counter = Counter()
+
+
+class _CpuEvent:
+    """A CUDA event on a synchronous device: complete when recorded."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        _calls["Event.record"] += 1
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        _calls["Event.synchronize"] += 1
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+class _CpuStream:
+    """A CUDA stream on a synchronous device: every wait / record / synchronize is a no-op."""
+
+    def __init__(self, *args, **kwargs):
+        _calls["Stream"] += 1
+
+    def wait_stream(self, other):
+        _calls["Stream.wait_stream"] += 1
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        _calls["Stream.record_event"] += 1
+        return event if event is not None else _CpuEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    # one device, one queue: every stand-in stream is "the same" stream
+    def __eq__(self, other):
+        return isinstance(other, _CpuStream)
+
+    def __hash__(self):
+        return hash(_CpuStream)
+
+
+_DEFAULT_STREAM = _CpuStream.__new__(_CpuStream)
+
+
+def _current_device():
+    _calls["current_device"] += 1
+    return torch.device("cpu")
+
+
+def _current_stream(device=None):
+    _calls["current_stream"] += 1
+    return _DEFAULT_STREAM
+
+
+def _stream(stream=None):
+    _calls["stream"] += 1
+    return contextlib.nullcontext(stream)
+
+
+def _synchronize(device=None):
+    _calls["synchronize"] += 1
+
+
+def _get_rng_state(device="cuda"):
+    _calls["get_rng_state"] += 1
+    return torch.get_rng_state()
+
+
+def _manual_seed(seed):
+    _calls["manual_seed"] += 1
+    torch.manual_seed(int(seed))
+
+
+def _mc_get_cuda_rng_state(device="cuda", clone=False, graph_safe=False):
+    _calls["_get_cuda_rng_state"] += 1
+    if graph_safe:
+        raise RuntimeError("graph-safe (CUDA-graph) RNG states have no CPU equivalent")
+    return torch.get_rng_state()
+
+
+def _mc_set_cuda_rng_state(new_state, device=-1, graph_safe=False):
+    _calls["_set_cuda_rng_state"] += 1
+    if graph_safe:
+        raise RuntimeError("graph-safe (CUDA-graph) RNG states have no CPU equivalent")
+    torch.set_rng_state(new_state)
+
+
+def _causal_mask(sq: int) -> torch.Tensor:
+    _calls["get_default_causal_mask"] += 1
+    return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+
+def _sliding_window_mask(sq, skv, window_size):
+    _calls["get_sliding_window_causal_mask"] += 1
+    m = torch.ones(sq, skv, dtype=torch.bool)
+    mu = torch.triu(m, diagonal=skv - sq - window_size[0])
+    return ~torch.tril(mu, diagonal=skv - sq + window_size[1])
+
+
+class _GroupedGemmOps:
+    """``grouped_gemm.ops`` on CPU: ``gmm(a [T, K], b [E, K, N] (or [E, N, K] with trans_b), batch_sizes [E])``."""
+
+    @staticmethod
+    def gmm(a, b, batch_sizes, trans_b=False):
+        _calls["gmm"] += 1
+        sizes = [int(s) for s in torch.as_tensor(batch_sizes).tolist()]
+        outs, start = [], 0
+        for e, n in enumerate(sizes):
+            w = b[e].t() if trans_b else b[e]
+            outs.append(a[start:start + n] @ w)
+            start += n
+        if not outs:
+            return a.new_zeros(0, b.shape[-2] if trans_b else b.shape[-1])
+        return torch.cat(outs, dim=0)
+
+
+class _GroupedGemmModule:
+    ops = _GroupedGemmOps
+
+
+def _make_reduce_scatter(original):
+    import torch.distributed as dist
+
+    def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if dist.get_backend(group) != "gloo":
+            return original(output, input, op=op, group=group, async_op=async_op)
+        _calls["reduce_scatter_tensor"] += 1
+        full = input.clone()
+        dist.all_reduce(full, op=op, group=group)
+        rank = dist.get_rank(group)
+        n = output.shape[0]
+        output.copy_(full[rank * n:(rank + 1) * n])
+        if async_op:
+            class _Done:
+                def wait(self):
+                    return True
+
+                def is_completed(self):
+                    return True
+
+            return _Done()
+        return None
+
+    return reduce_scatter_tensor
+
+
+def needed() -> bool:
+    """True when the compatibility applies (no CUDA in this torch / on this machine)."""
+    return not torch.cuda.is_available()
+
+
+def installed() -> bool:
+    return _depth > 0
+
+
+def calls() -> dict[str, int]:
+    """How often each stand-in ran since the last :func:`install` from depth 0 (for tests / debugging)."""
+    return dict(_calls)
+
+
+def _set(owner, name, value):
+    had = name in vars(owner) if isinstance(owner, type) else hasattr(owner, name)
+    _saved.append((owner, name, getattr(owner, name, None), had))
+    setattr(owner, name, value)
+
+
+def _apply():
+    import torch.distributed as dist
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.tensor_parallel.random as mc_random
+    import megatron.core.transformer.moe.grouped_gemm_util as gg
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    cuda = torch.cuda
+    _set(cuda, "current_device", _current_device)
+    _set(cuda, "Stream", _CpuStream)
+    _set(cuda, "Event", _CpuEvent)
+    _set(cuda, "current_stream", _current_stream)
+    _set(cuda, "stream", _stream)
+    _set(cuda, "synchronize", _synchronize)
+    _set(cuda, "get_rng_state", _get_rng_state)
+    _set(cuda, "manual_seed", _manual_seed)
+    _set(mc_random, "_get_cuda_rng_state", _mc_get_cuda_rng_state)
+    _set(mc_random, "_set_cuda_rng_state", _mc_set_cuda_rng_state)
+    _set(fused_softmax, "get_default_causal_mask", _causal_mask)
+    _set(fused_softmax, "get_sliding_window_causal_mask", _sliding_window_mask)
+    if getattr(moe_utils, "te_general_gemm", None) is None:
+        _set(moe_utils, "te_general_gemm", None)
+    if gg.grouped_gemm is None:
+        _set(gg, "grouped_gemm", _GroupedGemmModule)
+        _set(gg, "ops", _GroupedGemmOps)
+    _set(token_dispatcher.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", None)
+    _set(dist, "reduce_scatter_tensor", _make_reduce_scatter(dist.reduce_scatter_tensor))
+
+
+def _restore():
+    while _saved:
+        owner, name, original, had = _saved.pop()
+        if had:
+            setattr(owner, name, original)
+        else:
+            try:
+                delattr(owner, name)
+            except AttributeError:
+                pass
+
+
+def install() -> bool:
+    """Install the CPU compatibility (reference-counted); returns whether it is active.
+
+    A no-op returning False when CUDA is available. Every :func:`install` that returned True needs one
+    :func:`uninstall`.
+    """
+    global _depth
+    if not needed():
+        return False
+    with _lock:
+        if _depth == 0:
+            _calls.clear()
+            try:
+                _apply()
+            except BaseException:
+                _restore()
+                raise
+        _depth += 1
+    return True
+
+
+def uninstall() -> None:
+    """Undo one :func:`install`; the last one restores every original object."""
+    global _depth
+    with _lock:
+        if _depth == 0:
+            return
+        _depth -= 1
+        if _depth == 0:
+            _restore()
+
+
+@contextlib.contextmanager
+def cpu_compat():
+    """``with cpu_compat(): build and run a megatron-core model on CPU`` (nothing happens with CUDA)."""
+    active = install()
+    try:
+        yield active
+    finally:
+        if active:
+            uninstall()

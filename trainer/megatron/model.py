@@ -1,0 +1,195 @@
+"""A megatron-core 0.16.1 ``GPTModel`` (MoE layers) built from an HF Qwen3-MoE config, with TP / EP.
+
+Layout: ``tensor_model_parallel_size = tp`` for attention, embedding and lm-head;
+``expert_model_parallel_size = ep`` with ``expert_tensor_parallel_size = 1`` (whole experts per rank), so
+``tp * ep`` ranks can share the same processes (world size ``max(tp, ep)`` with TP and EP over the same
+ranks, e.g. TP 2 and EP 2 on 2 processes). With ``tp > 1`` sequence parallelism is on (megatron-core needs
+it with MoE and TP): the decoder's hidden states are split along the sequence over the TP ranks.
+
+Qwen3-MoE in megatron-core terms: RMSNorm, per-head q/k RMSNorm (``qk_layernorm``), GQA
+(``num_query_groups``), RoPE (non-interleaved = HF's rotate_half), SwiGLU experts (``gated_linear_unit``),
+softmax router with top-k then renormalize (``moe_router_pre_softmax=False`` — the same as HF's
+``norm_topk_prob=True``: softmax over all experts, top-k, divide by their sum), no biases, untied lm-head.
+Local (non-Transformer-Engine) layer spec; experts are ``SequentialMLP`` (one ColumnParallel/RowParallel
+MLP per expert) or, with ``grouped_experts=True``, the legacy ``GroupedMLP`` (``weight1``/``weight2``;
+megatron-core requires ``bf16`` for it).
+
+:func:`check_parallel_config` validates the layout against the model config and raises
+:class:`~skyrl_numerics.errors.InputError` naming the field; call it before any process group starts
+(:func:`skyrl_numerics.trainer.megatron.trainer.spawn_megatron` does).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from skyrl_numerics.errors import InputError
+
+__all__ = ["ParallelConfig", "hf_config_dict", "check_parallel_config", "transformer_config", "init_parallel",
+           "build_gpt_model", "destroy_parallel", "tp_group", "tp_rank_size"]
+
+SUPPORTED = ("qwen3_moe",)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = 1   # tensor parallel (attention heads, vocabulary)
+    ep: int = 1   # expert parallel (whole experts per rank)
+
+    @property
+    def world_size(self) -> int:
+        return max(self.tp, self.ep)
+
+
+def hf_config_dict(config) -> dict:
+    """An HF model config as a dict: a model directory, a ``config.json`` path, a dict or a PretrainedConfig."""
+    if isinstance(config, dict):
+        return dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        p = Path(config)
+        p = p / "config.json" if p.is_dir() else p
+        if not p.is_file():
+            raise InputError(f"{p}: no such config file", field="config")
+        try:
+            return json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise InputError(f"{p}: not JSON ({e})", field="config") from None
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    raise InputError(f"cannot read a model config from {type(config).__name__}", field="config")
+
+
+def _int(cfg: dict, key: str) -> int:
+    v = cfg.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise InputError(f"model config field {key!r} must be a positive int, got {v!r}", field=key)
+    return v
+
+
+def check_parallel_config(config, tp: int = 1, ep: int = 1, *, world_size: int | None = None) -> dict:
+    """Raise InputError unless ``tp`` / ``ep`` fit the model (and ``world_size``); returns the config dict.
+
+    TP must divide the attention heads, the KV heads (query groups) and the vocabulary; EP must divide the
+    experts; the world size must be ``max(tp, ep)`` with the smaller dividing the larger.
+    """
+    cfg = hf_config_dict(config)
+    mt = cfg.get("model_type")
+    if mt not in SUPPORTED:
+        raise InputError(f"model_type {mt!r} is not supported by the megatron trainer (supported: {SUPPORTED})",
+                         field="model_type")
+    for name, v in (("tp", tp), ("ep", ep)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise InputError(f"{name} must be a positive int, got {v!r}", field=name)
+    heads, kv = _int(cfg, "num_attention_heads"), _int(cfg, "num_key_value_heads")
+    vocab, experts = _int(cfg, "vocab_size"), _int(cfg, "num_experts")
+    k = _int(cfg, "num_experts_per_tok")
+    if heads % tp:
+        raise InputError(f"tp={tp} does not divide num_attention_heads={heads}", field="tp")
+    if kv % tp:
+        raise InputError(f"tp={tp} does not divide num_key_value_heads={kv} (query groups)", field="tp")
+    if vocab % tp:
+        raise InputError(f"tp={tp} does not divide vocab_size={vocab}", field="tp")
+    if experts % ep:
+        raise InputError(f"ep={ep} does not divide num_experts={experts}", field="ep")
+    if k > experts:
+        raise InputError(f"num_experts_per_tok={k} > num_experts={experts}", field="num_experts_per_tok")
+    if max(tp, ep) % min(tp, ep):
+        raise InputError(f"tp={tp} and ep={ep}: the smaller must divide the larger", field="ep")
+    if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1) or 1) != 1:
+        raise InputError("dense (mlp_only) layers are not mapped yet: every layer must be MoE",
+                         field="mlp_only_layers")
+    if cfg.get("tie_word_embeddings"):
+        raise InputError("tied embeddings are not supported (the tiny Qwen3-MoE is untied)",
+                         field="tie_word_embeddings")
+    if world_size is not None and world_size != max(tp, ep):
+        raise InputError(f"world_size={world_size}, but tp={tp} / ep={ep} need {max(tp, ep)} ranks",
+                         field="world_size")
+    return cfg
+
+
+def transformer_config(config, *, tp: int = 1, ep: int = 1, dtype: torch.dtype = torch.float32,
+                       grouped_experts: bool = False, route_replay: bool = True):
+    """The megatron-core ``TransformerConfig`` of an HF Qwen3-MoE config (fusions off: they need CUDA)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = check_parallel_config(config, tp, ep)
+    H = cfg["hidden_size"]
+    return TransformerConfig(
+        num_layers=cfg["num_hidden_layers"], hidden_size=H, num_attention_heads=cfg["num_attention_heads"],
+        num_query_groups=cfg["num_key_value_heads"], kv_channels=cfg.get("head_dim") or H // cfg["num_attention_heads"],
+        ffn_hidden_size=cfg.get("intermediate_size", 4 * H), moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+        num_moe_experts=cfg["num_experts"], moe_router_topk=cfg["num_experts_per_tok"],
+        moe_router_pre_softmax=not cfg.get("norm_topk_prob", True), moe_router_score_function="softmax",
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=grouped_experts, moe_enable_routing_replay=route_replay, moe_permute_fusion=False,
+        normalization="RMSNorm", layernorm_epsilon=cfg.get("rms_norm_eps", 1e-6), qk_layernorm=True,
+        add_bias_linear=False, add_qkv_bias=bool(cfg.get("attention_bias", False)), gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
+        sequence_parallel=tp > 1, params_dtype=dtype, bf16=dtype == torch.bfloat16 or grouped_experts,
+        use_cpu_initialization=True, perform_initialization=False, bias_activation_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, cross_entropy_loss_fusion=False,
+    )
+
+
+def init_parallel(tp: int = 1, ep: int = 1, *, seed: int = 0) -> None:
+    """megatron-core's model-parallel groups on the default process group (which must exist), + RNG tracker."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if not dist.is_initialized():
+        raise InputError("init_parallel needs the default process group (dist.init_process_group)", field="dist")
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=1)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_parallel() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+
+
+def tp_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_group()
+
+
+def tp_rank_size() -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
+def build_gpt_model(config, *, tp: int = 1, ep: int = 1, dtype: torch.dtype = torch.float32,
+                    grouped_experts: bool = False, route_replay: bool = True):
+    """An (uninitialized-weight) megatron-core GPTModel for the HF config; parallel groups must exist.
+
+    On CPU, build and run it inside :func:`skyrl_numerics.trainer.megatron.compat.cpu_compat`.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    cfg = hf_config_dict(config)
+    tc = transformer_config(cfg, tp=tp, ep=ep, dtype=dtype, grouped_experts=grouped_experts,
+                            route_replay=route_replay)
+    spec = get_gpt_layer_local_spec(num_experts=cfg["num_experts"], moe_grouped_gemm=grouped_experts,
+                                    qk_layernorm=True, normalization="RMSNorm")
+    if route_replay:  # one RouterReplay per TopKRouter, in layer order: start from none
+        RouterReplay.clear_global_router_replay_instances()
+    rope = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    model = GPTModel(config=tc, transformer_layer_spec=spec, vocab_size=cfg["vocab_size"],
+                     max_sequence_length=cfg.get("max_position_embeddings", 4096), position_embedding_type="rope",
+                     rotary_base=rope, share_embeddings_and_output_weights=False, parallel_output=True)
+    return model.to(dtype)
