@@ -3,7 +3,7 @@
     skyrl-numerics doctor [--family qwen3_moe] [--prompts 8] [--max-tokens 64] [--out DIR]
     skyrl-numerics gap FILE [--out DIR]
     skyrl-numerics qat-check QUANT_DIR [--base BASE_DIR] [--json FILE]
-    skyrl-numerics train [--configs plain,aligned] [--steps 5] [--ray]
+    skyrl-numerics train [--family F] [--configs plain,aligned,bitwise] [--steps 5] [--ray]
 
 Bad input prints one line ``error: <where>: <what>`` and exits with code 2, writing nothing.
 """
@@ -86,22 +86,33 @@ def _cmd_train(args) -> int:
                          field="configs")
     settings = LoopSettings(steps=args.steps, prompts_per_step=args.prompts,
                             samples_per_prompt=args.samples, max_tokens=args.max_tokens,
-                            seed=args.seed, off_policy=1 if args.async_ else 0)
+                            seed=args.seed, off_policy=1 if args.async_ else 0,
+                            measure_grad=not args.no_grad)
+    configs = [CONFIGS[n] for n in names]
+    if args.kv_cache:
+        import dataclasses
+
+        configs = [dataclasses.replace(c, kv_cache=args.kv_cache) if c.bitwise else c
+                   for c in configs]
     out = Path(args.out)
-    res = run_loop(build_tiny_model("qwen3_moe", seed=args.seed), [CONFIGS[n] for n in names],
+    res = run_loop(build_tiny_model(args.family, seed=args.seed), configs,
                    settings, use_ray=args.ray, work_dir=out / "sync",
                    progress=not args.no_progress)
     console = _console()
     from rich.table import Table
 
-    t = Table(title="GRPO on the tiny Qwen3-MoE (real vLLM generator, delta weight sync)")
-    for col in ("config", "step", "reward", "mean |Δ|", "F(2)", "KL k3", "clipfrac",
-                "sync kB (zstd XOR)", "engine update s"):
+    t = Table(title=f"GRPO on the tiny {args.family} (real vLLM generator, delta weight sync)")
+    for col in ("config", "step", "reward", "mean |Δ|", "max |Δ|", "bitwise =", "F(2)", "KL k3",
+                "grad cos", "grad rel.err", "clipfrac", "sync kB (zstd XOR)", "engine update s"):
         t.add_column(col, justify="right")
+    fmt = lambda r, k, f: format(r[k], f) if k in r else "-"  # noqa: E731
     for name, rows in res.history.items():
         for r in rows:
             t.add_row(name, str(r["step"]), f"{r['reward']:.3f}", f"{r['gap_mean_abs']:.2e}",
-                      f"{r['gap_F2']:.1%}", f"{r['gap_kl_k3']:.2e}", f"{r['clipfrac']:.3f}",
+                      f"{r['gap_max_abs']:.2e}", f"{r['gap_frac_bitwise_equal']:.0%}",
+                      f"{r['gap_F2']:.1%}", f"{r['gap_kl_k3']:.2e}",
+                      fmt(r, "grad_cos_onpolicy", ".4f"), fmt(r, "grad_relerr_onpolicy", ".3f"),
+                      f"{r['clipfrac']:.3f}",
                       f"{r['sync_payload_bytes'] / 1e3:.1f}", f"{r['engine_update_s']:.2f}")
     console.print(t)
     write_json(out / "train.json", res.to_dict())
@@ -176,8 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="a few GRPO steps on the tiny MoE with real vLLM, comparing "
                                      "configurations")
-    t.add_argument("--configs", default="plain,aligned",
-                   help="comma-separated: plain, aligned (R3 + support replay + token TIS)")
+    t.add_argument("--configs", default="plain,aligned,bitwise",
+                   help="comma-separated: plain, aligned (R3 + support replay + token TIS), "
+                        "bitwise (invariant engine and trainer: true on-policy)")
+    t.add_argument("--family", default="qwen3_moe", choices=["qwen3_moe", "deepseek_v3"])
+    t.add_argument("--kv-cache", default=None, choices=["fp8", "fp8_ds_mla"],
+                   help="bitwise config: the cache format the invariant engine stores (and the "
+                        "trainer simulates)")
+    t.add_argument("--no-grad", action="store_true",
+                   help="skip the gradient comparison against the exact on-policy gradient")
     t.add_argument("--steps", type=int, default=5)
     t.add_argument("--prompts", type=int, default=4)
     t.add_argument("--samples", type=int, default=4, help="samples per prompt (GRPO group)")

@@ -49,6 +49,20 @@ def vllm_qwen_invariant(qwen_moe_dir):
     pytest.importorskip("vllm")
     from skyrl_numerics.trainer import get_generator
 
-    gen = get_generator(qwen_moe_dir, batch_invariant=True)
+    # routes captured from the invariant routers; the doctor's batch-invariant scenario asks for
+    # the same engine
+    gen = get_generator(qwen_moe_dir, batch_invariant=True, capture_routes=True)
+    yield gen
+    gen.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_deepseek_invariant(deepseek_v3_dir):
+    """The real vLLM CPU engine running the batch-invariant DeepSeek-V3 (absorbed MLA over its
+    own paged latent cache, out-of-tree model)."""
+    pytest.importorskip("vllm")
+    from skyrl_numerics.trainer import get_generator
+
+    gen = get_generator(deepseek_v3_dir, batch_invariant=True, capture_routes=True)
     yield gen
     gen.close()

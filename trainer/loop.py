@@ -14,8 +14,17 @@ Generator and trainer are :class:`GeneratorWorker` / :class:`TrainerWorker`; wit
 run as Ray actors on a local cluster and rollouts travel through the object store (numpy arrays
 and packed routes come back as views of the shared buffer, not copies).
 
-Configurations (``plain``, ``aligned``, …) run one after the other from the same initial weights
-(the engine is reset by a full-snapshot sync), so their reward and gap curves compare directly.
+Configurations (``plain``, ``aligned``, ``bitwise``) run one after the other from the same
+initial weights (the engine is reset by a full-snapshot sync), so their reward and gap curves
+compare directly. ``bitwise`` is true on-policy RL: the invariant engine samples, the invariant
+trainer (:class:`~skyrl_numerics.trainer.invariant.train.InvariantTrainer`) recomputes the same
+logprobs bit for bit, updates, and syncs the new bf16 weights back.
+
+With ``measure_grad`` every step also reports ``grad_cos_onpolicy`` / ``grad_relerr_onpolicy``:
+the cosine and relative error of the configuration's gradient (before clipping) against the exact
+on-policy gradient of the same batch at the same weights
+(:func:`~skyrl_numerics.trainer.invariant.train.onpolicy_gradient`) — the bias the remaining causes
+put into the update, measured directly (``bitwise``: 1 and 0 by construction).
 """
 from __future__ import annotations
 
@@ -55,12 +64,15 @@ class LoopConfig:
     correction: str | None = None          # a skyrl_numerics.correction function name
     correction_kwargs: dict = field(default_factory=dict)
     lr: float = 1e-2
+    bitwise: bool = False                  # invariant engine + invariant trainer
+    kv_cache: str | None = None            # bitwise only: the cache format both sides use
 
 
 CONFIGS = {
     "plain": LoopConfig("plain"),
     "aligned": LoopConfig("aligned", route_replay=True, use_support=True,
                           correction="token_tis", correction_kwargs={"cap": 2.0}),
+    "bitwise": LoopConfig("bitwise", use_support=True, bitwise=True),
 }
 
 
@@ -80,17 +92,22 @@ class LoopSettings:
     # generated while the trainer updates (with Ray, concurrently), so it lags one version —
     # the asynchronous setup where off-policy corrections earn their keep.
     off_policy: int = 0
+    # cosine / relative error of each config's gradient against the exact on-policy gradient
+    measure_grad: bool = True
 
 
 # ---- workers (plain classes; Ray actors when use_ray) ----------------------------------------
 class GeneratorWorker:
     """Owns the vLLM engine and a delta receiver; applies new versions to the engine in place."""
 
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, batch_invariant: bool = False, kv_cache=None):
         from skyrl_numerics.trainer.engine.generator import get_generator
 
         self.model_dir = model_dir
-        self.gen = get_generator(model_dir, capture_routes=True)
+        kw = dict(batch_invariant=True, kv_cache=kv_cache) if batch_invariant else {}
+        if kv_cache is None:
+            kw.pop("kv_cache", None)
+        self.gen = get_generator(model_dir, capture_routes=True, **kw)
         self.receiver = None
 
     def restore(self) -> None:
@@ -137,6 +154,18 @@ class TrainerWorker:
     def __init__(self, model_dir: str, config: LoopConfig, sync_dir: str, snapshot_every: int):
         import functools
 
+        from skyrl_numerics.trainer.sync.weight_sync import DeltaPublisher
+
+        self.bitwise = config.bitwise
+        if config.bitwise:
+            from skyrl_numerics.trainer.invariant.train import InvariantTrainer
+
+            self.trainer = InvariantTrainer(model_dir, lr=config.lr, kv_cache=config.kv_cache,
+                                            use_support=config.use_support)
+            self.publisher = DeltaPublisher(sync_dir, snapshot_every=snapshot_every)
+            self.publish(full=True)
+            return
+
         from skyrl_numerics import correction as corr
         from skyrl_numerics.models import load_hf_model
         from skyrl_numerics.trainer.fsdp.trainer import FSDPTrainer, TrainerConfig
@@ -148,6 +177,7 @@ class TrainerWorker:
         self.trainer = FSDPTrainer(load_hf_model(model_dir, dtype="float32"), TrainerConfig(
             lr=config.lr, route_replay=config.route_replay, use_support=config.use_support,
             correction=fn, micro_batch_size=16, weight_decay=0.0))
+        self.trainer.keep_grads = True
         self.publisher = DeltaPublisher(sync_dir, snapshot_every=snapshot_every)
         self.publish(full=True)
 
@@ -157,8 +187,19 @@ class TrainerWorker:
 
         from skyrl_numerics.trainer.sync.vllm import checkpoint_state_dict
 
+        if self.bitwise:
+            return self.trainer.served_state()
         sd = checkpoint_state_dict(self.trainer.model)
         return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in sd.items()}
+
+    def served_state(self) -> dict:
+        return self._served_state()
+
+    def last_grads(self) -> dict:
+        """The last step's gradient (before clipping) under checkpoint names, fp32."""
+        if self.bitwise:
+            return self.trainer.last_grads
+        return _revert_names(self.trainer.model, self.trainer.last_grads)
 
     def publish(self, full: bool = False) -> dict:
         m = self.publisher.publish(self._served_state(), full=full)
@@ -170,6 +211,32 @@ class TrainerWorker:
 
     def step(self, rollout: Rollout, rewards, old_logprobs) -> dict:
         return self.trainer.step(rollout, rewards, old_logprobs=old_logprobs)
+
+
+def _revert_names(model, state: dict) -> dict:
+    """``state`` (in-memory names of ``model``) under its checkpoint names (transformers >= 5
+    fuses Qwen3-MoE experts in memory; see ``checkpoint_state_dict``)."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return dict(state)
+    return dict(revert_weight_conversion(model, dict(state)))
+
+
+class OnPolicyReference:
+    """The exact on-policy gradient of a batch at given served weights (one invariant model,
+    weights loaded per call)."""
+
+    def __init__(self, model_dir: str):
+        from skyrl_numerics.trainer.invariant import from_checkpoint
+
+        self.model = from_checkpoint(model_dir)
+
+    def gradient(self, served: dict, rollout: Rollout, rewards, use_support: bool) -> dict:
+        from skyrl_numerics.trainer.invariant.train import onpolicy_gradient
+
+        self.model.load_named((k, v) for k, v in served.items() if k in self.model._names)
+        return onpolicy_gradient(self.model, rollout, rewards, use_support=use_support)
 
 
 # ---- the loop --------------------------------------------------------------------------------
@@ -216,7 +283,16 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
     Trn, _ = _remote(TrainerWorker, use_ray)
     call = (lambda obj, name, *a, **k: getattr(obj, name).remote(*a, **k)) if use_ray else \
         (lambda obj, name, *a, **k: getattr(obj, name)(*a, **k))
-    gen = Gen.remote(str(model_dir)) if use_ray else Gen(str(model_dir))
+    gens: dict = {}
+
+    def generator_for(cfg):
+        key = (cfg.bitwise, cfg.kv_cache if cfg.bitwise else None)
+        if key not in gens:
+            args = (str(model_dir), *key)
+            gens[key] = Gen.remote(*args) if use_ray else Gen(*args)
+        return gens[key]
+    reference = OnPolicyReference(str(model_dir)) if s.measure_grad else None
+    truncated = s.top_k > 1 or s.top_p < 1.0
     history: dict[str, list[dict]] = {}
     sampling = dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                     max_tokens=s.max_tokens, n=s.samples_per_prompt,
@@ -228,6 +304,7 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
                 sync_dir = str(work / f"sync-{cfg.name}")
                 args = (str(model_dir), cfg, sync_dir, s.snapshot_every)
                 trn = Trn.remote(*args) if use_ray else Trn(*args)
+                gen = generator_for(cfg)
                 get(call(gen, "attach", sync_dir))
                 rows = history[cfg.name] = []
 
@@ -246,7 +323,15 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
                     rewards = task.reward(rollout)
                     old = get(call(trn, "logprobs", ro_ref if use_ray else rollout))
                     g = measure(old, rollout.rollout_logprobs, cu_seqlens=rollout.response_cu)
+                    ref_grad = None
+                    if reference is not None:   # at the weights before this update
+                        ref_grad = reference.gradient(get(call(trn, "served_state")), rollout,
+                                                      rewards, use_support=truncated)
                     m = get(call(trn, "step", ro_ref if use_ray else rollout, rewards, old))
+                    if ref_grad is not None:
+                        from skyrl_numerics.trainer.invariant.train import compare_gradients
+
+                        m = {**m, **compare_gradients(get(call(trn, "last_grads")), ref_grad)}
                     pub = get(call(trn, "publish"))
                     syn = get(call(gen, "sync"))
                     if not s.off_policy and step + 1 < s.steps:
@@ -254,10 +339,13 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
                     summ = g.summary()
                     rows.append({"step": step, "reward": float(rewards.mean()),
                                  "rollout_lag": s.off_policy if step else 0,
-                                 "gap_mean_abs": summ["mean_abs"], "gap_F2": summ["F_2"],
+                                 "gap_mean_abs": summ["mean_abs"], "gap_max_abs": summ["max_abs"],
+                                 "gap_frac_bitwise_equal": summ["frac_bitwise_equal"],
+                                 "gap_F2": summ["F_2"],
                                  "gap_kl_k3": summ["kl_k3"], "loss": m["loss"],
                                  "clipfrac": m["clipfrac"], "entropy": m["entropy"],
-                                 **{k: v for k, v in m.items() if k.startswith("correction/")},
+                                 **{k: v for k, v in m.items() if k.startswith("correction/")
+                                    or k.startswith("grad_")},
                                  "sync_version": pub["version"], "sync_payload_bytes": pub["payload_bytes"],
                                  "sync_raw_bytes": pub["raw_bytes"],
                                  "engine_update_s": syn["engine_update_s"]})
@@ -269,12 +357,14 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
 
                     ray.kill(trn)
     finally:
-        get(call(gen, "restore"))
+        for gen in gens.values():
+            get(call(gen, "restore"))
         if use_ray:
             import ray
 
-            get(call(gen, "close"))
-            ray.kill(gen)
+            for gen in gens.values():
+                get(call(gen, "close"))
+                ray.kill(gen)
             if started_ray:  # leave the process as we found it
                 ray.shutdown()
     return LoopResult(settings={**asdict(s), "task": asdict(task), "use_ray": use_ray,
@@ -290,15 +380,28 @@ def write_loop_plot(path, result: LoopResult) -> None:
 
     from skyrl_numerics.atomic import atomic_file
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    has_grad = any("grad_cos_onpolicy" in r for rows in result.history.values() for r in rows)
+    fig, axes = plt.subplots(1, 4 if has_grad else 2, figsize=(21 if has_grad else 11, 4))
+    a1, a2 = axes[0], axes[1]
+    floor = 1e-9   # bitwise steps have |Δ| = 0: drawn at the floor of the log axis
     for name, rows in result.history.items():
         steps = [r["step"] for r in rows]
         a1.plot(steps, [r["reward"] for r in rows], marker="o", label=name)
-        a2.plot(steps, [r["gap_mean_abs"] for r in rows], marker="o", label=name)
+        a2.plot(steps, [max(r["gap_mean_abs"], floor) for r in rows], marker="o", label=name)
+        if has_grad:
+            axes[2].plot(steps, [r.get("grad_cos_onpolicy", np.nan) for r in rows], marker="o",
+                         label=name)
+            axes[3].plot(steps, [max(r.get("grad_relerr_onpolicy", np.nan), floor) for r in rows],
+                         marker="o", label=name)
     a1.set_xlabel("step"); a1.set_ylabel("mean reward"); a1.set_title("reward")
     a2.set_xlabel("step"); a2.set_ylabel("mean |Δ logprob|"); a2.set_yscale("log")
-    a2.set_title("trainer–vLLM gap (before each update)")
-    for a in (a1, a2):
+    a2.set_title(f"trainer–vLLM gap before each update (0 drawn at {floor:g})")
+    if has_grad:
+        axes[2].set_xlabel("step"); axes[2].set_ylabel("cosine")
+        axes[2].set_title("gradient vs exact on-policy gradient")
+        axes[3].set_xlabel("step"); axes[3].set_ylabel("|g - g*| / |g*|"); axes[3].set_yscale("log")
+        axes[3].set_title(f"relative gradient error (0 drawn at {floor:g})")
+    for a in axes:
         a.legend()
     fig.tight_layout()
     with atomic_file(path) as tmp:

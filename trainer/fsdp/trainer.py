@@ -153,6 +153,8 @@ class FSDPTrainer:
 
             self.lora_modules = apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_targets)
         self.policy = PolicyModel(model)
+        self.keep_grads = False
+        self.last_grads: dict = {}
         self.device = next(model.parameters()).device
         self.sharded = mesh is not None or self.world_size > 1
         if self.sharded:
@@ -324,6 +326,9 @@ class FSDPTrainer:
             rm = ratio_max.to(self.device)
             dist.all_reduce(rm, op=dist.ReduceOp.MAX)
             ratio_max = rm.cpu()
+        if self.keep_grads:   # the step's gradient before clipping, e.g. to compare directions
+            self.last_grads = {n.removeprefix("lm."): p.grad.detach().float().clone()
+                               for n, p in self.policy.named_parameters() if p.grad is not None}
         grad_norm = self._clip()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -146,9 +146,28 @@ class InvariantCausalLM(nn.Module):
         if self.route_hook is not None:
             self.route_hook(moe_layer, ids)
 
+    def attention_op(self, q, k, v, scale: float, kv_lens=None) -> torch.Tensor:
+        """The invariant attention kernel; with grad enabled (training) its forward bits are kept
+        and the backward comes from the reference formula (:mod:`.train`)."""
+        if torch.is_grad_enabled() and kv_lens is None and (q.requires_grad or k.requires_grad):
+            from .train import TrainableAttention
+
+            return TrainableAttention.apply(q, k, v, scale)
+        from skyrl_numerics.kernels import attention
+
+        return attention(q, k, v, causal=True, scale=scale, kv_lens=kv_lens)
+
     # ---- trainer side ---------------------------------------------------------------------
+    def cache_roundtrip(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """Rows as the engine reads them back from its cache; straight-through under grad."""
+        if rows.requires_grad and self.kv.format != "auto":
+            from .train import StraightThrough
+
+            return StraightThrough.apply(rows, self.kv.roundtrip(layer, rows.detach()))
+        return self.kv.roundtrip(layer, rows)
+
     def _own_sequence_attend(self, layer: int, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        rows = self.kv.roundtrip(layer, rows)
+        rows = self.cache_roundtrip(layer, rows)
         return self.attn_core(layer, q[None], rows[None], None)[0]
 
     def sequence_hidden(self, ids: torch.Tensor) -> torch.Tensor:
@@ -169,10 +188,15 @@ class InvariantCausalLM(nn.Module):
 
 
 def invariant_trainer_logprobs(model: InvariantCausalLM, rollout, *, batch_size: int = 4,
-                               temperature: float | None = None, return_routes: bool = False):
+                               temperature: float | None = None, return_routes: bool = False,
+                               use_support: bool = False):
     """Response-token logprobs with the invariant forward (packed batches, no padding), fp32
     log-softmax of the model-dtype logits at the rollout's temperature — vLLM's processed
     logprobs, computed the same way.
+
+    ``use_support=True`` renormalizes over the support the engine sampled from (the rollout's
+    ``support``): logits outside it are set to ``-inf`` before the same log-softmax, as vLLM's
+    sampler masks them before computing processed logprobs.
 
     ``return_routes=True`` also returns the experts the invariant routers chose, as a
     :class:`~skyrl_numerics.replay.PackedRoutes` in the engine's convention (positions
@@ -185,6 +209,14 @@ def invariant_trainer_logprobs(model: InvariantCausalLM, rollout, *, batch_size:
     ent_out = np.empty(rollout.num_response_tokens, dtype=np.float32)
     route_rows: list[np.ndarray] = [None] * len(rollout)   # type: ignore[list-item]
     info = model.route_info() if return_routes else None
+    mask = None
+    if use_support:
+        if rollout.support is None:
+            raise InputError("use_support=True but the rollout has no support (sample with "
+                             "capture_support=True)", field="support")
+        from skyrl_numerics.replay.support_lp import _dense_mask
+
+        mask = _dense_mask(rollout.support, int(model.w("lm_head.weight").shape[0]), "cpu")
     captured: dict[int, torch.Tensor] = {}
     if return_routes:
         model.route_hook = lambda layer, ids: captured.__setitem__(layer, ids.clone())
@@ -202,11 +234,14 @@ def invariant_trainer_logprobs(model: InvariantCausalLM, rollout, *, batch_size:
                     z = model.logits(h[off + p - 1: off + p + r - 1]).float()
                     if temperature != 1.0:
                         z = z / temperature
+                    a, b = rollout.response_cu[i], rollout.response_cu[i + 1]
+                    if mask is not None:
+                        z = z.masked_fill(~mask[a:b], float("-inf"))
                     logp = torch.log_softmax(z, dim=-1)
                     tg = torch.from_numpy(rollout.response(i).astype(np.int64))
-                    a, b = rollout.response_cu[i], rollout.response_cu[i + 1]
                     lp_out[a:b] = logp.gather(-1, tg[:, None]).squeeze(-1).numpy()
-                    ent_out[a:b] = (-(logp.exp() * logp).sum(-1)).numpy()
+                    p_ = logp.exp()
+                    ent_out[a:b] = (-(p_ * torch.where(p_ > 0, logp, 0.0)).sum(-1)).numpy()
                     if return_routes:
                         n = len(s) - 1
                         route_rows[i] = torch.stack(

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 
-from skyrl_numerics.kernels import attention as inv_attention
 from skyrl_numerics.kernels import matmul as inv_matmul
 
 from .base import Attend, InvariantCausalLM
@@ -190,7 +189,7 @@ class InvariantDeepseekV3(InvariantCausalLM):
         column of the attention is its own dot product, so taking ``[..., :R]`` of the
         attention over full rows is exactly the attention over the latent."""
         kv = rows[:, None]
-        o = inv_attention(q.transpose(1, 2), kv, kv, causal=True, scale=self.scale, kv_lens=kv_lens)
+        o = self.attention_op(q.transpose(1, 2), kv, kv, self.scale, kv_lens)
         return o[..., :self.dims.kv_lora_rank].transpose(1, 2)
 
     def attention(self, i: int, x: torch.Tensor, positions: torch.Tensor,

@@ -125,8 +125,8 @@ class InvariantQwen3Moe(InvariantCausalLM):
         n, L = rows.shape[:2]
         k = rows[..., :d.kv_heads * d.head_dim].reshape(n, L, d.kv_heads, d.head_dim)
         v = rows[..., d.kv_heads * d.head_dim:].reshape(n, L, d.kv_heads, d.head_dim)
-        o = inv_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
-                          scale=self.scale, kv_lens=kv_lens)
+        o = self.attention_op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.scale,
+                              kv_lens)
         return o.transpose(1, 2)
 
     def attention(self, i: int, x: torch.Tensor, positions: torch.Tensor,

@@ -1,0 +1,224 @@
+"""Training through the invariant forward: true on-policy RL, and the exact on-policy gradient.
+
+:class:`InvariantTrainer` keeps fp32 master weights and a working copy in the model dtype (bf16) —
+the weights the engine serves. Its forward is the invariant forward the vLLM engine runs, so at the
+start of an on-policy step its logprobs equal the engine's bit for bit (mean |Δ| = 0) and the PPO
+ratio is exactly 1. The backward flows through the invariant ops' own backward
+(``skyrl_numerics.kernels.matmul``/``rms_norm``); attention, whose kernel is forward-only, keeps its
+forward bits and takes its backward from the fp64 reference formula recomputed on the same inputs
+(:class:`TrainableAttention`, used by ``InvariantCausalLM.attention_op`` whenever grad is on). The update: gradients of the bf16 copy -> fp32 master -> AdamW -> bf16 copy.
+
+:func:`onpolicy_gradient` is the reference the other configurations are measured against: the
+gradient of the PPO surrogate at ratio 1 — ``-(1/N) Σ_t A_t ∇ log π(y_t)`` — where ``π`` is the
+sampling distribution as the bitwise engine computes it (invariant forward at the served weights,
+renormalized over the sampled support when the engine truncated it). For the ``bitwise``
+configuration it is that configuration's own gradient, bit for bit; for the others the cosine and
+relative error of their gradient against it measure the bias their mismatch puts into the update
+(``grad_cos_onpolicy``, ``grad_relerr_onpolicy``).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from skyrl_numerics.rollout import Rollout
+
+from .base import InvariantCausalLM
+
+
+class TrainableAttention(torch.autograd.Function):
+    """Forward: the invariant kernel (the engine's bits). Backward: the fp64 reference attention
+    recomputed on the saved inputs (exact formula; the gradient itself needs no invariance)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        from skyrl_numerics.kernels import attention
+
+        ctx.save_for_backward(q, k, v)
+        ctx.scale = scale
+        return attention(q, k, v, causal=True, scale=scale)
+
+    @staticmethod
+    def backward(ctx, g):
+        from skyrl_numerics.kernels import reference
+
+        q, k, v = ctx.saved_tensors
+        with torch.enable_grad():
+            qq, kk, vv = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+            out = reference.attention(qq, kk, vv, True, ctx.scale)
+            gq, gk, gv = torch.autograd.grad(out, (qq, kk, vv), g.double())
+        return gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype), None
+
+
+class StraightThrough(torch.autograd.Function):
+    """Forward ``rt`` (the cache format's read-back), backward identity to ``x``."""
+
+    @staticmethod
+    def forward(ctx, x, rt):
+        return rt
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def trainable_names(model: InvariantCausalLM) -> list[str]:
+    """HF names of the trained weights (the router's correction bias is a buffer in HF)."""
+    return [n for n in model.hf_names() if not n.endswith("e_score_correction_bias")]
+
+
+def sequence_logprobs(model: InvariantCausalLM, rollout: Rollout, *, batch_size: int = 8,
+                      use_support: bool = False, temperature: float | None = None):
+    """Differentiable float32 response-token logprobs ``[Σ response_len]`` (same numbers as
+    :func:`~.base.invariant_trainer_logprobs`) and the no-grad entropy."""
+    from .base import invariant_trainer_logprobs  # noqa: F401  (same formula)
+
+    if temperature is None:
+        temperature = float(rollout.sampling.get("temperature", 1.0) or 1.0)
+    mask = None
+    if use_support:
+        from skyrl_numerics.replay.support_lp import _dense_mask
+
+        mask = _dense_mask(rollout.support, int(model.w("lm_head.weight").shape[0]), "cpu")
+    pieces, ents = [None] * len(rollout), [None] * len(rollout)
+    for start in range(0, len(rollout), batch_size):
+        rows = list(range(start, min(start + batch_size, len(rollout))))
+        seqs = [torch.from_numpy(np.concatenate([rollout.prompt(i), rollout.response(i)])
+                                 .astype(np.int64)) for i in rows]
+        h = model.packed_hidden(seqs)
+        off = 0
+        for i, s in zip(rows, seqs):
+            p, r = int(rollout.prompt_lens[i]), int(rollout.response_lens[i])
+            z = model.logits(h[off + p - 1: off + p + r - 1]).float()
+            if temperature != 1.0:
+                z = z / temperature
+            a, b = rollout.response_cu[i], rollout.response_cu[i + 1]
+            if mask is not None:
+                z = z.masked_fill(~mask[a:b], float("-inf"))
+            logp = torch.log_softmax(z, dim=-1)
+            tg = torch.from_numpy(rollout.response(i).astype(np.int64))
+            pieces[i] = logp.gather(-1, tg[:, None]).squeeze(-1)
+            pd = logp.detach().exp()
+            ents[i] = -(pd * torch.where(pd > 0, logp.detach(), 0.0)).sum(-1)
+            off += len(s)
+    return torch.cat(pieces), torch.cat(ents)
+
+
+def _advantages(rollout: Rollout, rewards) -> torch.Tensor:
+    from skyrl_numerics.trainer.losses import compute_advantages, token_advantages
+
+    seq = compute_advantages("grpo", torch.from_numpy(np.asarray(rewards, dtype=np.float64)),
+                             rollout.group_ids)
+    return token_advantages(seq.float(), rollout.response_cu)
+
+
+def _surrogate(lp, old, adv, *, weights=None, mask=None, eps_low=0.2, eps_high=0.28):
+    from skyrl_numerics.trainer.losses import ppo_clip_loss
+
+    return ppo_clip_loss(lp, old, adv, mask=mask, weights=weights, eps_low=eps_low,
+                         eps_high=eps_high, aggregation="token_mean")
+
+
+def _grads(model: InvariantCausalLM, names) -> dict[str, torch.Tensor]:
+    return {n: (model.w(n).grad.detach().float().clone() if model.w(n).grad is not None
+                else torch.zeros(model.w(n).shape)) for n in names}
+
+
+def onpolicy_gradient(model: InvariantCausalLM, rollout: Rollout, rewards, *,
+                      use_support: bool = False) -> dict[str, torch.Tensor]:
+    """The exact on-policy gradient of the PPO surrogate (ratio 1, token mean) at ``model``'s
+    weights, by HF name, fp32. See the module doc."""
+    names = trainable_names(model)
+    for n in names:
+        model.w(n).requires_grad_(True)
+        model.w(n).grad = None
+    try:
+        with torch.enable_grad():
+            lp, _ = sequence_logprobs(model, rollout, use_support=use_support)
+            _surrogate(lp, lp.detach(), _advantages(rollout, rewards)).loss.backward()
+        return _grads(model, names)
+    finally:
+        for n in names:
+            model.w(n).requires_grad_(False)
+            model.w(n).grad = None
+
+
+def compare_gradients(g: dict, ref: dict) -> dict:
+    """``grad_cos_onpolicy`` = cos(g, ref), ``grad_relerr_onpolicy`` = |g - ref| / |ref| over all
+    shared names (flattened, float64)."""
+    names = sorted(set(g) & set(ref))
+    dot = sum(float((g[n].double() * ref[n].double()).sum()) for n in names)
+    ng = math.sqrt(sum(float(g[n].double().pow(2).sum()) for n in names))
+    nr = math.sqrt(sum(float(ref[n].double().pow(2).sum()) for n in names))
+    nd = math.sqrt(sum(float((g[n].double() - ref[n].double()).pow(2).sum()) for n in names))
+    return {"grad_cos_onpolicy": dot / (ng * nr) if ng and nr else math.nan,
+            "grad_relerr_onpolicy": nd / nr if nr else math.nan}
+
+
+class InvariantTrainer:
+    """PPO/GRPO steps through the invariant forward (see the module doc).
+
+    ``step`` returns the FSDP trainer's metric names (loss, clipfrac, entropy, ...) and keeps the
+    step's gradient (before clipping) in ``last_grads`` by HF name."""
+
+    def __init__(self, model_dir, *, lr: float = 1e-2, kv_cache=None, use_support: bool = False,
+                 grad_clip: float | None = 1.0, betas=(0.9, 0.999), eps_low=0.2, eps_high=0.28):
+        from . import from_checkpoint
+
+        self.model = from_checkpoint(model_dir, kv_cache=kv_cache)
+        self.names = trainable_names(self.model)
+        self.master = {n: torch.nn.Parameter(self.model.w(n).detach().float().clone())
+                       for n in self.names}
+        self.optimizer = torch.optim.AdamW(list(self.master.values()), lr=lr, betas=betas,
+                                           weight_decay=0.0)
+        self.use_support, self.grad_clip = use_support, grad_clip
+        self.eps = (eps_low, eps_high)
+        self.last_grads: dict[str, torch.Tensor] = {}
+        self.global_step = 0
+
+    @torch.no_grad()
+    def logprobs(self, rollout: Rollout) -> np.ndarray:
+        from .base import invariant_trainer_logprobs
+
+        return invariant_trainer_logprobs(self.model, rollout, batch_size=8,
+                                          use_support=self.use_support).logprobs
+
+    def served_state(self) -> dict[str, torch.Tensor]:
+        """The weights as the engine serves them (HF names, model dtype)."""
+        return {n: self.model.w(n).detach().clone() for n in self.model.hf_names()}
+
+    def step(self, rollout: Rollout, rewards, *, old_logprobs=None) -> dict:
+        adv = _advantages(rollout, rewards)
+        for n in self.names:
+            self.model.w(n).requires_grad_(True)
+            self.model.w(n).grad = None
+        try:
+            with torch.enable_grad():
+                lp, ent = sequence_logprobs(self.model, rollout, use_support=self.use_support)
+                old = lp.detach() if old_logprobs is None else torch.as_tensor(
+                    np.asarray(old_logprobs, dtype=np.float32))
+                pl = _surrogate(lp, old, adv, eps_low=self.eps[0], eps_high=self.eps[1])
+                pl.loss.backward()
+            self.last_grads = _grads(self.model, self.names)
+        finally:
+            for n in self.names:
+                self.model.w(n).requires_grad_(False)
+                self.model.w(n).grad = None
+        for n, p in self.master.items():
+            p.grad = self.last_grads[n].clone()
+        params = list(self.master.values())
+        gn = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip else math.inf))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for n, p in self.master.items():
+                self.model.w(n).copy_(p.detach().to(self.model.dtype))
+        self.global_step += 1
+        m = pl.metrics
+        return {"loss": float(pl.loss.detach()), "clipfrac": m["clipfrac_low"] + m["clipfrac_high"],
+                "clipfrac_low": m["clipfrac_low"], "clipfrac_high": m["clipfrac_high"],
+                "ratio_mean": m["ratio_mean"], "ratio_max": m["ratio_max"],
+                "entropy": float(ent.mean()), "ppo_kl": m["ppo_kl"], "n_tokens": m["n_tokens"],
+                "grad_norm": gn, "step": self.global_step}
