@@ -1,15 +1,20 @@
-"""Run Triton kernels on CPU tensors: the interpreter must be chosen before triton is imported."""
-import os
+"""Kernel tests. Tests marked ``interpreter`` run Triton kernels on CPU tensors: they run in a
+child pytest with ``TRITON_INTERPRET=1`` set there only (``tests/triton_child.py`` says why); this
+conftest never sets it, so it cannot leak into later tests or the processes they start."""
+import pytest
+import torch
 
-os.environ["TRITON_INTERPRET"] = "1"
+import triton_child
 
-import warnings  # noqa: E402
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+def pytest_configure(config):
+    config.addinivalue_line("markers", triton_child.MARKER)
 
-# The interpreter evaluates masked-out lanes too (0/0 in rows that are never stored).
-warnings.filterwarnings("ignore", message="invalid value encountered", category=RuntimeWarning)
+
+def pytest_collection_modifyitems(config, items):
+    here = __file__.rsplit("/", 1)[0]
+    triton_child.redirect(items, lambda it: str(it.path).startswith(here + "/")
+                          and it.get_closest_marker("interpreter") is not None)
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,8 @@
 """Triton kernels under the interpreter: batch invariance (bitwise), agreement with the
-float64 reference, decode == prefill for attention, gradients vs reference."""
+float64 reference, decode == prefill for attention, gradients vs reference.
+
+Marked ``interpreter``: these tests run in a child pytest with ``TRITON_INTERPRET=1`` in the
+child's environment only (tests/triton_child.py)."""
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -7,7 +10,8 @@ from hypothesis import given, settings, strategies as st
 from skyrl_numerics.kernels import ops, reference as ref
 from skyrl_numerics.kernels import tl_attention, tl_matmul, tl_rmsnorm, tl_softmax, tl_reduce
 
-pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
+pytestmark = [pytest.mark.triton, pytest.mark.interpreter,
+              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
 SMALL = (16, 16, 16, 2, 4, 1)    # small tiles: several M/N/K tiles on tiny shapes
 HS = settings(max_examples=8, deadline=None)
 
@@ -22,6 +26,12 @@ def test_matmul_prefix_invariant_and_close(M, K, N, m, bias):
     full = tl_matmul.matmul(a, b, c, config=SMALL)
     assert torch.equal(tl_matmul.matmul(a[:m], b, c, config=SMALL), full[:m])
     torch.testing.assert_close(full, ref.matmul(a, b, c), rtol=1e-5, atol=1e-5)
+
+
+def test_runs_under_the_interpreter():
+    from skyrl_numerics.kernels._util import interpreting
+    from triton.runtime.interpreter import InterpretedFunction
+    assert interpreting() and isinstance(tl_matmul.matmul_kernel, InterpretedFunction)
 
 
 def test_matmul_rows_invariant_under_concatenation_and_shuffle():
