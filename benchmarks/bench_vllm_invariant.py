@@ -1,11 +1,14 @@
-"""vLLM CPU throughput: the batch-invariant out-of-tree Qwen3-MoE vs vLLM's own Qwen3-MoE.
+"""vLLM CPU throughput: a family's batch-invariant out-of-tree model vs vLLM's own model.
 
 Both engines serve the same tiny checkpoint in the same process run; each gets a warm-up, then
 the same prompts are generated ``--repeats`` times and the best tokens/s is kept. Reported: the
 ratio invariant / stock (the cost of bitwise alignment), and the fraction of tokens whose
 logprobs equal the trainer's bitwise for each engine.
 
-    .venv/bin/python benchmarks/bench_vllm_invariant.py [--prompts 16] [--max-tokens 64]
+    .venv/bin/python benchmarks/bench_vllm_invariant.py [--family qwen3_moe|deepseek_v3]
+        [--kv-cache auto,fp8[,fp8_ds_mla]] [--prompts 16] [--max-tokens 64]
+
+One invariant engine per ``--kv-cache`` format (the trainer simulates the same format).
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--family", default="qwen3_moe")
+    ap.add_argument("--kv-cache", default="auto", help="comma-separated invariant cache formats")
     args = ap.parse_args()
 
     import numpy as np
@@ -27,13 +32,16 @@ def main() -> None:
     from skyrl_numerics.doctor import make_prompts
     from skyrl_numerics.models import build_tiny_model, load_hf_model
     from skyrl_numerics.trainer import VLLMGenerator, trainer_logprobs
-    from skyrl_numerics.trainer.invariant.qwen3_moe import (InvariantQwen3Moe,
-                                                            invariant_trainer_logprobs)
+    from skyrl_numerics.trainer.invariant import from_checkpoint
+    from skyrl_numerics.trainer.invariant.base import invariant_trainer_logprobs
 
-    model_dir = build_tiny_model("qwen3_moe")
+    model_dir = build_tiny_model(args.family)
     prompts = make_prompts(args.prompts, args.prompt_len, 512, seed=0)
     results = {}
-    for name, kw in (("stock", {}), ("invariant", {"batch_invariant": True})):
+    variants = [("stock", {})] + [
+        (f"invariant-{kv}", {"batch_invariant": True, **({} if kv == "auto" else {"kv_cache": kv})})
+        for kv in args.kv_cache.split(",")]
+    for name, kw in variants:
         gen = VLLMGenerator(model_dir, **kw)
         gen.generate([[2, 3]], max_tokens=2)
         best, ro = 0.0, None
@@ -44,13 +52,15 @@ def main() -> None:
         if name == "stock":
             lp = trainer_logprobs(load_hf_model(model_dir), ro).logprobs
         else:
-            lp = invariant_trainer_logprobs(InvariantQwen3Moe.from_checkpoint(model_dir), ro).logprobs
+            lp = invariant_trainer_logprobs(from_checkpoint(model_dir, kv_cache=kw.get("kv_cache")),
+                                            ro).logprobs
         results[name] = {"tokens_per_s": best,
                          "frac_bitwise_equal": float(np.mean(lp == ro.rollout_logprobs)),
                          "mean_abs_gap": float(np.mean(np.abs(lp - ro.rollout_logprobs)))}
         gen.close()
-    results["ratio_invariant_over_stock"] = (results["invariant"]["tokens_per_s"]
-                                             / results["stock"]["tokens_per_s"])
+    for name, _ in variants[1:]:
+        results[f"ratio_{name}_over_stock"] = (results[name]["tokens_per_s"]
+                                               / results["stock"]["tokens_per_s"])
     print(json.dumps(results, indent=2))
 
 

@@ -36,7 +36,9 @@ _EXPORTS = {
     "checkpoint_state_dict": "skyrl_numerics.trainer.sync.vllm",
     "engine_weight_digest": "skyrl_numerics.trainer.sync.vllm",
     "InvariantQwen3Moe": "skyrl_numerics.trainer.invariant.qwen3_moe",
-    "invariant_trainer_logprobs": "skyrl_numerics.trainer.invariant.qwen3_moe",
+    "InvariantDeepseekV3": "skyrl_numerics.trainer.invariant.deepseek_v3",
+    "InvariantTrainer": "skyrl_numerics.trainer.invariant.train",
+    "invariant_trainer_logprobs": "skyrl_numerics.trainer.invariant.base",
     "run_loop": "skyrl_numerics.trainer.loop",
 }
 

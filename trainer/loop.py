@@ -213,6 +213,29 @@ class TrainerWorker:
         return self.trainer.step(rollout, rewards, old_logprobs=old_logprobs)
 
 
+def _check_in_place_sync(model_dir, configs) -> None:
+    """vLLM CPU 0.32 cannot reload an MLA model's weights in place (its layerwise reload fails in
+    ``_copy_and_restore_kernel_tensors`` on the processed MLA weights), so a stock DeepSeek engine
+    cannot follow the trainer; the invariant engine can. Refuse before anything starts."""
+    import json
+
+    from skyrl_numerics.errors import InputError
+
+    try:
+        import torch
+
+        on_gpu = torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        on_gpu = False
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    stock = [c.name for c in configs if not c.bitwise]
+    if cfg.get("kv_lora_rank") is not None and stock and not on_gpu:
+        raise InputError(f"configs {stock} need the stock vLLM engine to take new weights in place, "
+                         "which vLLM CPU 0.32 cannot do for MLA models (layerwise reload of the "
+                         "processed MLA weights fails); run --configs bitwise for this family",
+                         field="configs")
+
+
 def _revert_names(model, state: dict) -> dict:
     """``state`` (in-memory names of ``model``) under its checkpoint names (transformers >= 5
     fuses Qwen3-MoE experts in memory; see ``checkpoint_state_dict``)."""
@@ -270,6 +293,7 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
 
     s = settings or LoopSettings()
     task = task or TargetSetTask()
+    _check_in_place_sync(model_dir, configs)
     # absolute: Ray actors do not share the driver's working directory
     work = Path(work_dir or tempfile.mkdtemp(prefix="skyrl_loop_")).resolve()
     started_ray = False

@@ -68,8 +68,9 @@ def test_qwen_routes_captured_in_engine_equal_trainer_routes(vllm_qwen_invariant
     assert tl.routes.num_layers == 2 and tl.routes.k == 2
 
 
-# ---- FP8 caches: one engine per format, closed after the module ------------------------------
-KV_CASES = [("qwen3_moe", "fp8"), ("deepseek_v3", "fp8"), ("deepseek_v3", "fp8_ds_mla")]
+# ---- chunked prefill, every cache format: one engine each, closed after the module -----------
+KV_CASES = [("qwen3_moe", "fp8"), ("deepseek_v3", "auto"), ("deepseek_v3", "fp8"),
+            ("deepseek_v3", "fp8_ds_mla")]
 
 
 @pytest.fixture(scope="module", params=KV_CASES, ids=[f"{f}-{k}" for f, k in KV_CASES])
@@ -85,7 +86,7 @@ def fp8_engine(request, qwen_moe_dir, deepseek_v3_dir):
     gen.close()
 
 
-def test_fp8_kv_bitwise_under_chunked_prefill_and_prefix_hits(fp8_engine):
+def test_kv_formats_bitwise_under_chunked_prefill_and_prefix_hits(fp8_engine):
     family, kv, model_dir, gen = fp8_engine
     shared = make_prompts(1, 150, gen.vocab_size, seed=31)[0]   # > 64: prefilled in chunks
     # seed=None: vLLM CPU 0.32 cannot combine per-request seeds with chunked prefill
@@ -100,7 +101,26 @@ def test_fp8_kv_bitwise_under_chunked_prefill_and_prefix_hits(fp8_engine):
                                         return_routes=True)
         _assert_bitwise(tl, ro, f"{family} {kv} trainer batch {bs}")
         assert tl.routes == ro.routes
+    if kv == "auto":
+        return
     # the cache format is really in effect: a trainer that does not simulate it is off
     plain = invariant_trainer_logprobs(_trainer(model_dir), ro, batch_size=8)
     diff = np.abs(plain.logprobs - ro.rollout_logprobs)
     assert diff.max() > 0 and (diff > 0).mean() > 0.2, (diff.max(), (diff > 0).mean())
+
+
+def test_doctor_deepseek_bitwise_and_fp8_latent_rows(tmp_path, vllm_deepseek_invariant):
+    import json
+
+    from skyrl_numerics.cli import main
+
+    rows = ["+ batch-invariant (trainer and vLLM)",
+            "+ batch-invariant, FP8 latent KV (trainer simulates the cache)",
+            "FP8 KV engine: trainer without KV simulation"]
+    out = tmp_path / "ds"
+    assert main(["doctor", "--family", "deepseek_v3", "--prompts", "4", "--max-tokens", "16",
+                 "--out", str(out), "--no-progress", *[a for r in rows for a in ("--row", r)]]) == 0
+    rep = {r["name"]: r["summary"] for r in json.loads((out / "report.json").read_text())["rows"]}
+    for r in rows[:2]:
+        assert rep[r]["frac_bitwise_equal"] == 1.0 and rep[r]["max_abs"] == 0.0, (r, rep[r])
+    assert rep[rows[2]]["mean_abs"] > 0 and rep[rows[2]]["frac_bitwise_equal"] < 0.8
