@@ -26,6 +26,27 @@ import numpy as np
 from ..sync.vllm import WeightSyncWorkerExtension
 
 
+def _request_amx_permission() -> bool:
+    """Ask Linux for AMX tile state in this (worker) process.
+
+    vLLM CPU's attention picks its AMX kernel whenever the CPU has AMX (``_get_attn_isa``) but never
+    requests the tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``); a spawned worker that has not
+    run an AMX oneDNN kernel yet then dies with SIGILL on its first attention call (seen on the
+    Sapphire-Rapids-class hosts here: "Fatal Python error: Illegal instruction" in
+    ``cpu_attention_with_kv_cache``). vLLM imports this module while it builds the worker, before
+    the model runs, so requesting it here covers every engine that uses this extension. A no-op
+    (False) without AMX or on GPU."""
+    try:
+        import torch
+
+        return bool(torch.cpu._is_amx_tile_supported() and torch._C._cpu._init_amx())
+    except Exception:  # pragma: no cover - older torch / non-x86
+        return False
+
+
+_request_amx_permission()
+
+
 class _RouteStore:
     def __init__(self, runner, num_layers: int, k: int, num_experts: int):
         self.runner = runner
