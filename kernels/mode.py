@@ -5,11 +5,11 @@ present, the CUDA key (the Triton kernels) through ``torch.library.Library("aten
 Autograd is untouched: aten's derivative formulas call mm/bmm/... again and hit the same
 overrides, so backward passes are covered too.
 
-Overridden ops: mm, addmm, bmm (and their .out forms), _grouped_mm (CPU; transformers' MoE
-experts call it), _log_softmax, _log_softmax_backward_data, _softmax, _softmax_backward_data,
-mean.dim. (``sum.dim_IntList`` is left stock: the CPU path uses it on
-rows of at most ``cpu.CHUNK`` elements, which stock torch reduces invariantly, and overriding it
-would recurse.)
+Overridden ops, the same on both keys (``registered_ops("cpu") == registered_ops("cuda")``):
+mm, addmm, bmm (and their .out forms), _grouped_mm (transformers' MoE experts call it),
+_log_softmax, _log_softmax_backward_data, _softmax, _softmax_backward_data, mean.dim.
+(``sum.dim_IntList`` is left stock: the CPU path uses it on rows of at most ``cpu.CHUNK``
+elements, which stock torch reduces invariantly, and overriding it would recurse.)
 
 The overrides are process-wide (the dispatcher has no per-thread table): the mode is on while
 at least one holder is inside; entering/leaving is reference counted under a lock, so nesting
@@ -125,7 +125,11 @@ def _cpu_mean(x, dim=None, keepdim=False, *, dtype=None):
 
 
 # --------------------------------------------------------------------------- CUDA kernels
-def _cuda_kernels():
+def _cuda_kernels() -> dict:
+    """The CUDA-key table: the same ops as ``_CPU_KERNELS``, built from the Triton kernels.
+
+    Imports Triton (not CUDA): the table can be built and registered on a machine without a GPU
+    (``_install(cuda=True)``), which is how the tests inspect it."""
     from . import tl_matmul, tl_reduce, tl_softmax
 
     def mm(a, b):
@@ -140,18 +144,64 @@ def _cuda_kernels():
     def bmm(a, b):
         return tl_matmul.bmm(a, b)
 
+    def grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
+        """aten::_grouped_mm, the three layouts of ``_cpu_grouped_mm``."""
+        dt = out_dtype or a.dtype
+        if a.dim() == 2 and b.dim() == 3 and offs is not None:
+            # offs = cumulative row ends; rows past offs[-1] belong to no group and stay zero
+            # (the kernel only stores rows inside a group's segment): no host sync needed
+            full = torch.cat([offs.new_zeros(1), offs]).to(device=a.device, dtype=torch.int32)
+            out = tl_matmul.grouped_matmul(a, b, full).to(dt)
+        elif a.dim() == 3 and b.dim() == 3 and offs is None:
+            out = tl_matmul.bmm(a, b).to(dt)
+        elif a.dim() == 2 and b.dim() == 2 and offs is not None:
+            # the expert-weight gradient: out[g] = a[:, s_g:e_g] @ b[s_g:e_g], zeros for empty groups
+            ends = offs.to(torch.int64).cpu().tolist()
+            out = torch.zeros((len(ends), a.shape[0], b.shape[1]), dtype=dt, device=a.device)
+            start = 0
+            for g, end in enumerate(ends):
+                if end > start:
+                    out[g] = tl_matmul.matmul(a[:, start:end], b[start:end]).to(dt)
+                start = end
+        else:
+            raise NotImplementedError(f"batch-invariant _grouped_mm: {a.dim()}D x {b.dim()}D"
+                                      f"{' with' if offs is not None else ' without'} offs")
+        return out if bias is None else out + bias
+
     def log_softmax(x, dim, half_to_float):
         return _rowwise(tl_softmax.log_softmax_fwd, x.float() if half_to_float else x, dim)
 
     def log_softmax_bwd(g, y, dim, input_dtype):
         return _rowwise(tl_softmax.log_softmax_bwd, g, dim, y).to(input_dtype)
 
-    def mean(x, dim=None, keepdim=False, *, dtype=None):
-        return tl_reduce.reduce(x if dtype is None else x.to(dtype), list(dim) if dim else None,
-                                keepdim, True, dtype)
+    def softmax(x, dim, half_to_float):
+        """exp(x - m) / sum exp(x - m) in fp32 (``cpu.softmax``'s formula): the max is exact in
+        any order, the sum is the Triton row reduction (fixed chunk order)."""
+        xf = x.float()
+        m = xf.amax(dim, keepdim=True)
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        e = (xf - m).exp()
+        y = e / tl_reduce.reduce(e, [dim], True, False)
+        return y if half_to_float else y.to(x.dtype)
 
-    return {"mm": mm, "addmm": addmm, "bmm": bmm, "_log_softmax": log_softmax,
-            "_log_softmax_backward_data": log_softmax_bwd, "mean.dim": mean}
+    def softmax_bwd(g, y, dim, input_dtype):
+        """dx = y * (g - sum(g * y)), the sum in fixed order."""
+        gf, yf = g.float(), y.float()
+        dot = tl_reduce.reduce(gf * yf, [dim], True, False)
+        return (yf * (gf - dot)).to(input_dtype)
+
+    def mean(x, dim=None, keepdim=False, *, dtype=None):
+        if not x.is_floating_point():
+            raise RuntimeError(f"mean(): expected a floating point input, got {x.dtype}")
+        return tl_reduce.reduce(x if dtype is None else x.to(dtype),
+                                list(dim) if dim is not None else None, keepdim, True, dtype)
+
+    return {"mm": mm, "addmm": addmm, "bmm": bmm,
+            "_log_softmax": log_softmax, "_log_softmax_backward_data": log_softmax_bwd,
+            "_softmax": softmax, "_softmax_backward_data": softmax_bwd, "mean.dim": mean,
+            "_grouped_mm": grouped_mm,
+            "mm.out": _out_variant(mm), "addmm.out": _out_variant(addmm),
+            "bmm.out": _out_variant(bmm)}
 
 
 _CPU_KERNELS = {
@@ -164,16 +214,28 @@ _CPU_KERNELS = {
 }
 
 
-def _install() -> torch.library.Library:
+def _install(cuda: bool | None = None) -> torch.library.Library:
+    """Register the CPU table and (``cuda``; default: when CUDA is available) the CUDA table.
+    Both tables hold the same ops (``registered_ops``)."""
+    if cuda is None:
+        cuda = torch.cuda.is_available()
     lib = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():  # "Overriding a previously registered kernel": intended
         warnings.simplefilter("ignore", UserWarning)
         for op, fn in _CPU_KERNELS.items():
             lib.impl(op, fn, "CPU")
-        if torch.cuda.is_available():
+        if cuda:
             for op, fn in _cuda_kernels().items():
                 lib.impl(op, fn, "CUDA")
     return lib
+
+
+def registered_ops(device: str = "cpu") -> tuple[str, ...]:
+    """The aten ops (``name`` or ``name.overload``) the mode overrides for ``device`` ("cpu" or
+    "cuda"); building the CUDA table imports Triton, not CUDA."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    return tuple(sorted(_CPU_KERNELS if device == "cpu" else _cuda_kernels()))
 
 
 def _acquire() -> None:

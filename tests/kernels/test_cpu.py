@@ -1,4 +1,6 @@
-"""The fast CPU path: stock torch CPU ops are NOT batch-invariant on these shapes; ours are."""
+"""The fast CPU path: rows invariant under batch prefixes, shuffles and thread counts, close to
+the float64 reference. Nothing here assumes the stock CPU ops are NOT invariant (that depends on
+the machine's BLAS)."""
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -8,17 +10,29 @@ from skyrl_numerics.kernels import cpu, ops, reference as ref
 HS = settings(max_examples=15, deadline=None)
 
 
-def test_stock_torch_cpu_is_not_batch_invariant():
-    """fp32 mm: rows of a 1-row product differ from the same rows of a 64-row product (MKL's
-    small-M path); mean over long rows: 1 row is split across threads, several rows are not."""
+@pytest.fixture
+def threads():
+    """Run a block with a given torch thread count; the count is restored afterwards."""
+    n = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(n)
+
+
+def test_invariant_on_the_shapes_where_stock_mkl_is_not_here(threads):
+    """The shapes where this machine's MKL differs (fp32 mm with M = 1 takes a small-M path; one
+    row longer than 32768 is split across threads): ours gives each row the same bits for 1 row
+    or 64 / 8 rows, and for 1 or several threads."""
     a, b = torch.randn(64, 256), torch.randn(256, 256)
-    assert not torch.equal(torch.mm(a[:1], b), torch.mm(a, b)[:1])
     x = torch.randn(8, 40000)
-    if torch.get_num_threads() > 1:
-        assert not torch.equal(x[:1].mean(-1), x.mean(-1)[:1])
-    # ours on the same inputs
-    assert torch.equal(cpu.matmul_2d(a[:1], b), cpu.matmul_2d(a, b)[:1])
-    assert torch.equal(cpu.reduce(x[:1], [-1], False, True), cpu.reduce(x, [-1], False, True)[:1])
+    full_mm, full_mean = cpu.matmul_2d(a, b), cpu.reduce(x, [-1], False, True)
+    for m in (1, 2, 5, 17):
+        assert torch.equal(cpu.matmul_2d(a[:m], b), full_mm[:m])
+        assert torch.equal(cpu.reduce(x[:m], [-1], False, True), full_mean[:m])
+    threads(1)
+    assert torch.equal(cpu.matmul_2d(a[:1], b), full_mm[:1]) and torch.equal(cpu.matmul_2d(a, b), full_mm)
+    assert torch.equal(cpu.reduce(x[:1], [-1], False, True), full_mean[:1])
+    torch.testing.assert_close(full_mm, ref.matmul(a, b), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(full_mean, x.double().mean(-1).float(), rtol=1e-5, atol=1e-6)
 
 
 def test_check_cpu_invariance_holds_here():

@@ -227,3 +227,53 @@ def test_attention_chunked_prefill_and_batch_invariant():
     assert torch.equal(tl_attention.attention(q[:1], k[:1], v[:1], **ATT), full[:1])
     out = ops.attention(q, k, v, backend="triton")
     torch.testing.assert_close(out, ref.attention(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def test_mode_cuda_table_kernels_on_cpu_tensors():
+    """The kernels the mode registers for the CUDA key (Triton), run here on CPU tensors in the
+    interpreter: the ops the CPU key also has (_grouped_mm in its three layouts, _softmax and its
+    backward, the .out forms, mean.dim) agree with the CPU table and give each row the same bits
+    for a batch prefix."""
+    from skyrl_numerics.kernels import mode
+    K, C = mode._cuda_kernels(), mode._CPU_KERNELS
+    assert set(K) == set(C)
+    x, g = torch.randn(7, 40) * 3, torch.randn(7, 40)
+    for dim in (-1, 0):
+        y = K["_softmax"](x, dim, False)
+        torch.testing.assert_close(y, torch.softmax(x.double(), dim).float(), rtol=1e-5, atol=1e-6)
+        dx = K["_softmax_backward_data"](g, y, dim, torch.float32)
+        torch.testing.assert_close(dx, C["_softmax_backward_data"](g, y, dim, torch.float32),
+                                   rtol=1e-5, atol=1e-6)
+        lp = K["_log_softmax"](x, dim, False)
+        torch.testing.assert_close(lp, torch.log_softmax(x.double(), dim).float(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(K["_softmax"](x[:2], -1, False), K["_softmax"](x, -1, False)[:2])
+    assert torch.equal(K["_softmax_backward_data"](g[:2], K["_softmax"](x[:2], -1, False), -1, torch.float32),
+                       K["_softmax_backward_data"](g, K["_softmax"](x, -1, False), -1, torch.float32)[:2])
+    assert K["_softmax"](x.bfloat16(), -1, True).dtype == torch.float32
+    assert K["_softmax"](x.bfloat16(), -1, False).dtype == torch.bfloat16
+    # _grouped_mm: (S, K) x (G, K, N) with offs (row ends; rows past the last end stay zero)
+    a, w = torch.randn(10, 12), torch.randn(3, 12, 5)
+    offs = torch.tensor([3, 3, 8], dtype=torch.int32)
+    out = K["_grouped_mm"](a, w, offs)
+    torch.testing.assert_close(out, C["_grouped_mm"](a, w, offs), rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[8:], torch.zeros(2, 5))
+    assert torch.equal(K["_grouped_mm"](a[:3], w, torch.tensor([3, 3, 3], dtype=torch.int32)), out[:3])
+    # (G, M, K) x (G, K, N) without offs; (K, S) x (S, N) with offs (the expert-weight gradient)
+    a3, b3 = torch.randn(3, 4, 12), torch.randn(3, 12, 5)
+    torch.testing.assert_close(K["_grouped_mm"](a3, b3), C["_grouped_mm"](a3, b3), rtol=1e-5, atol=1e-5)
+    at, bs = torch.randn(12, 10), torch.randn(10, 5)
+    wg = K["_grouped_mm"](at, bs, offs)
+    assert wg.shape == (3, 12, 5) and torch.equal(wg[1], torch.zeros(12, 5))
+    torch.testing.assert_close(wg, C["_grouped_mm"](at, bs, offs), rtol=1e-5, atol=1e-5)
+    with pytest.raises(NotImplementedError):
+        K["_grouped_mm"](a3, bs, offs)
+    # .out forms write the op's result into out (resized)
+    b2, bias = torch.randn(12, 6), torch.randn(6)
+    for op, args in (("mm", (a, b2)), ("addmm", (bias, a, b2)), ("bmm", (a3, b3))):
+        o = torch.empty(0)
+        assert K[f"{op}.out"](*args, out=o) is o and torch.equal(o, K[op](*args))
+        torch.testing.assert_close(o, C[op](*args), rtol=1e-5, atol=1e-5)
+    assert torch.equal(K["mm"](a[:1], b2), K["mm"](a, b2)[:1])
+    m = K["mean.dim"](x, [-1], False)
+    torch.testing.assert_close(m, x.double().mean(-1).float(), rtol=1e-5, atol=1e-6)
+    assert torch.equal(K["mean.dim"](x[:2], [-1], False), m[:2])
