@@ -8,8 +8,14 @@ one is an instance-level ``forward`` override on the modules of *one* model, rem
 class and other models are untouched, and the restored forward is the original bound method).
 
 Pieces (``T`` = the model dtype, bf16 here; ``fp32(·)`` = computed with fp32 accumulation and
-rounded once to ``T``):
+rounded once to ``T``), largest first as measured (docs/mla.md):
 
+- :func:`vllm_cpu_rope` — vLLM 0.32 CPU's rotary kernel on MLA's 3-D q/k *views*: it rotates
+  query head ``r % H`` of token ``r // H`` by the position of token ``r`` and leaves the rest
+  unrotated, keys likewise, so what the engine computes depends on its batch layout. The trainer
+  emulates it from the layout the engine recorded (:class:`MLAScheduleExtension`,
+  :func:`recorded_steps`, :func:`cpu_rope_positions`). :class:`MLARopeFixExtension` fixes the
+  engine instead.
 - :func:`vllm_style_mla` — the attention formulation. HF runs the *expanded* form for every
   position: ``k_nope = W_UK c``, ``v = W_UV c`` (both rounded to ``T``), per-head attention over
   ``[k_nope, k_pe]``. vLLM runs the *absorbed* form over the latent cache ``[c, k_pe]``
@@ -26,14 +32,15 @@ rounded once to ``T``):
   ``k_nope``, ``v`` in ``T``, attention in fp32 as ``cpu_sdpa.py`` does, output rounded to ``T``).
   ``rope="vllm"`` also applies the interleaved (GPT-J) rotation the way vLLM's fused rotary kernel
   does: one rounding of ``x1·cos − x2·sin`` instead of three.
-- :func:`vllm_style_router` — vLLM's gate is a ``T`` GEMM (``GateLinear`` with no fp32 out dtype on
+- :func:`vllm_style_router` — vLLM's gate is a ``T`` GEMM (``GateLinear``, no fp32 out dtype on
   CPU): router logits are rounded to ``T`` before the fp32 sigmoid, where HF computes them in fp32
   (``F.linear(h.float(), W.float())``). Selection (sigmoid + ``e_score_correction_bias``,
   group-limited ``noaux_tc``) is otherwise the same; vLLM renormalizes without HF's ``+1e-20``.
 - :func:`vllm_style_moe` — how routed and shared experts are combined. HF multiplies each routed
   expert's ``T`` output by its fp32 weight *already scaled* by ``routed_scaling_factor``, rounds
   each product to ``T`` and accumulates them in ``T`` (``index_add_``). vLLM's fused CPU MoE keeps
-  the unscaled, renormalized weights, sums ``w_k · y_k`` in fp32, rounds once, then scales the
+  the unscaled, renormalized weights, sums ``w_k · y_k`` (modelled here in fp32, rounded once:
+  the C++ kernel's internal order is not reproduced), then scales the
   routed output by ``routed_scaling_factor`` in ``T`` and adds the shared expert
   (``MoERunner._maybe_apply_routed_scale_to_output``; ``result = shared + routed``). The experts'
   ``silu(g)·u`` is formed in fp32 and rounded once (vLLM's ``silu_and_mul``); the shared expert
@@ -151,27 +158,6 @@ def expanded_attention(q_nope, q_pe, c, k_pe, kv_b_proj, nope: int, scale, bias,
               + torch.einsum("bhsr,btr->bhst", q_pe.to(acc), k_pe.to(acc))) * scale
     p = _softmax(scores + bias.to(acc))
     return _round(torch.einsum("bhst,bhtv->bhsv", p, v.to(acc)), out_dtype)
-
-
-def _rope_interleave_vllm(x, cos, sin):
-    """Interleaved (GPT-J) rotation, one rounding (vLLM's rotary kernel): pairs (x[2i], x[2i+1])
-    rotated by angle i; output in HF's de-interleaved layout ``[evens', odds']`` (q·k is the same
-    in either layout, and the trainer's keys use it too)."""
-    acc = _acc(x.dtype)
-    cos = cos[..., : cos.shape[-1] // 2].unsqueeze(1).to(acc)
-    sin = sin[..., : sin.shape[-1] // 2].unsqueeze(1).to(acc)
-    x1, x2 = x[..., 0::2].to(acc), x[..., 1::2].to(acc)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
-def _rope_half_vllm(x, cos, sin):
-    """rotate-half (NeoX) rotation, one rounding."""
-    acc = _acc(x.dtype)
-    cos, sin = cos.unsqueeze(1).to(acc), sin.unsqueeze(1).to(acc)
-    xf = x.to(acc)
-    h = x.shape[-1] // 2
-    rot = torch.cat((-xf[..., h:], xf[..., :h]), dim=-1)
-    return (xf * cos + rot * sin).to(x.dtype)
 
 
 def _rotate_at(x, positions, rotary, interleave: bool):
@@ -487,6 +473,45 @@ class MLAScheduleExtension(_extension_base()):
         return steps
 
 
+class _RowwiseRope(torch.nn.Module):
+    """Calls vLLM's rotary op on 2-D ``[tokens, heads * rope]`` copies of MLA's 3-D q/k views,
+    the layout its CPU kernel handles, and returns them in the views' shapes."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, positions, query, key=None):
+        T = positions.numel()
+        q2 = query.reshape(T, -1).contiguous()
+        k2 = None if key is None else key.reshape(T, -1).contiguous()
+        q2, k2 = self.inner(positions, q2, k2)
+        return q2.view(query.shape), (None if key is None else k2.view(key.shape))
+
+
+class MLARopeFixExtension(MLAScheduleExtension):
+    """:class:`MLAScheduleExtension` that also *fixes* the engine: every MLA layer's rotary call
+    goes through 2-D contiguous copies (:class:`_RowwiseRope`), so vLLM CPU rotates every query
+    head and key by its own position. Installed when the generator starts route capture (pass
+    ``capture_routes=True``), before any request runs."""
+
+    def skyrl_route_capture_start(self) -> dict:
+        info = super().skyrl_route_capture_start()
+        n = 0
+        for m in self.model_runner.get_model().modules():
+            rot = getattr(m, "rotary_emb", None)
+            if type(m).__name__ == "MultiHeadLatentAttentionWrapper" and rot is not None \
+                    and not isinstance(rot, _RowwiseRope):
+                m.rotary_emb = _RowwiseRope(rot)
+                n += 1
+        if n == 0:
+            raise RuntimeError("MLARopeFixExtension: the model has no MLA layers")
+        return info
+
+
+ROPE_FIX_EXTENSION = "skyrl_numerics.trainer.mla_attribution.MLARopeFixExtension"
+
+
 def recorded_steps(generator, rollout, *, clear: bool = True):
     """The engine steps that produced ``rollout``, from an engine started with
     :class:`MLAScheduleExtension`, as :func:`cpu_rope_positions` takes them (a list of steps, each
@@ -621,8 +646,8 @@ def _moe_forward(moe):
 @contextlib.contextmanager
 def vllm_style_moe(model):
     """Every ``DeepseekV3MoE`` combines experts as vLLM's CPU fused MoE: unscaled renormalized
-    weights, ``Σ_k w_k·y_k`` in fp32 rounded once, ``× routed_scaling_factor`` in the model dtype,
-    ``+ shared``. Expert indices come from the router (so R3 replay still applies)."""
+    weights, ``Σ_k w_k·y_k`` in fp32 rounded once, ``× routed_scaling_factor`` in the model
+    dtype, ``+ shared``. Expert indices come from the router (so R3 replay still applies)."""
     mods = _require(model, "DeepseekV3MoE", "vllm_style_moe")
     with _override_forward(mods, _moe_forward):
         yield model

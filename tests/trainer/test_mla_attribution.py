@@ -37,11 +37,13 @@ def test_absorbed_equals_expanded_in_fp64():
     g = torch.Generator().manual_seed(0)
     B, H, S, P, R, V, L = 2, 3, 7, 8, 4, 8, 16
     d = torch.float64
-    q_nope, q_pe = torch.randn(B, H, S, P, generator=g, dtype=d), torch.randn(B, H, S, R, generator=g, dtype=d)
+    q_nope = torch.randn(B, H, S, P, generator=g, dtype=d)
+    q_pe = torch.randn(B, H, S, R, generator=g, dtype=d)
     c, k_pe = torch.randn(B, S, L, generator=g, dtype=d), torch.randn(B, S, R, generator=g, dtype=d)
     kv_b = torch.nn.Linear(L, H * (P + V), bias=False).to(d)
     w = kv_b.weight.view(H, P + V, L)
-    bias = torch.zeros(S, S, dtype=d).masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    future = torch.ones(S, S, dtype=torch.bool).triu(1)
+    bias = torch.zeros(S, S, dtype=d).masked_fill(future, float("-inf"))
     ab = A.absorbed_attention(q_nope, q_pe, c, k_pe, w[:, :P], w[:, P:], 0.3, bias, d)
     ex = A.expanded_attention(q_nope, q_pe, c, k_pe, kv_b, P, 0.3, bias, d)
     assert (ab - ex).abs().max() < 1e-10
@@ -163,7 +165,8 @@ def test_emulation_matches_vllm_cpu_rotary_kernel(fp64):
     q = torch.randn(T, H, Pn + R, generator=g)               # q_b_proj output, per head
     q_pe, k_pe = q[..., Pn:], fused[:, Q + L:].unsqueeze(1)  # the views MLA passes
     q0, k0 = q_pe.clone(), k_pe.clone()
-    inv = 1.0 / (cfg.rope_parameters["rope_theta"] ** (torch.arange(0, R, 2, dtype=torch.float) / R))
+    theta = cfg.rope_parameters["rope_theta"]
+    inv = 1.0 / (theta ** (torch.arange(0, R, 2, dtype=torch.float) / R))
     ang = torch.arange(64, dtype=torch.float)[:, None] * inv[None]
     cache = torch.cat([ang.cos(), ang.sin()], dim=-1)
     ops.rotary_embedding(positions, q_pe, k_pe, R, cache, False)
@@ -179,3 +182,62 @@ def test_emulation_matches_vllm_cpu_rotary_kernel(fp64):
             want = gptj(q0[t, h], int(pos[row][h, p]))
             assert torch.allclose(q_pe[t, h], want, atol=1e-5), (t, h)
         assert torch.allclose(k_pe[t, 0], gptj(k0[t, 0], int(pos[row][H, p])), atol=1e-5), t
+
+
+@pytest.mark.vllm
+def test_rowwise_rope_fix_rotates_every_head_by_its_position(fp64):
+    """MLARopeFixExtension's wrapper: vLLM's own rotary layer, called through 2-D copies of the
+    MLA views, rotates every query head and key by the token's own position."""
+    ops = pytest.importorskip("vllm._custom_ops")
+    cfg = fp64.config
+    H, Pn, R, L, Q = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                      cfg.kv_lora_rank, cfg.q_lora_rank)
+    theta = cfg.rope_parameters["rope_theta"]
+    inv = 1.0 / (theta ** (torch.arange(0, R, 2, dtype=torch.float) / R))
+    ang = torch.arange(64, dtype=torch.float)[:, None] * inv[None]
+    cache = torch.cat([ang.cos(), ang.sin()], dim=-1)
+
+    def rope(positions, query, key):  # what vLLM's RotaryEmbedding.forward_cpu does
+        ops.rotary_embedding(positions, query, key, R, cache, False)
+        return query, key
+
+    def ref(x, positions):  # [T, n * R] rotated per R-chunk by each token's position
+        T = x.shape[0]
+        x = x.view(T, -1, R)
+        c, s_ = ang[positions].cos()[:, None], ang[positions].sin()[:, None]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack([x1 * c - x2 * s_, x2 * c + x1 * s_], -1).reshape(T, -1)
+
+    T = 9
+    positions = torch.tensor([5, 0, 1, 2, 3, 4, 5, 6, 7])
+    g = torch.Generator().manual_seed(1)
+    fused = torch.randn(T, Q + L + R, generator=g)
+    q = torch.randn(T, H, Pn + R, generator=g)
+    q0, k0 = q[..., Pn:].clone(), fused[:, Q + L:].clone()
+    k_pe = fused[:, Q + L:].unsqueeze(1)
+    q[..., Pn:], k_pe = A._RowwiseRope(rope)(positions, q[..., Pn:], k_pe)
+    ref_q, ref_k = ref(q0.reshape(T, -1), positions), ref(k0, positions)
+    assert torch.allclose(q[..., Pn:].reshape(T, -1), ref_q, atol=1e-5)
+    assert torch.allclose(k_pe.reshape(T, -1), ref_k, atol=1e-5)
+
+
+def test_recorded_steps_maps_requests_to_rows():
+    from skyrl_numerics.rollout import Rollout
+
+    ro = Rollout.from_lists([[5, 6, 7], [8, 9]], [[10, 11], [12, 13]],
+                            [[-1.0, -1.0], [-1.0, -1.0]])
+
+    class FakeLLM:
+        def collective_rpc(self, name, args=()):
+            assert name == "skyrl_mla_schedule_fetch"
+            warm = [["w-1", "w-1"], [0, 1], [2, 3]]
+            s1 = [["a-x"] * 3, [0, 1, 2], [5, 6, 7]]
+            s2 = [["a-x", "b-y", "b-y"], [3, 0, 1], [10, 8, 9]]
+            s3 = [["b-y", "a-x"], [2, 4], [12, 11]]
+            return [[warm, s1, s2, s3]]
+
+    class FakeGen:
+        llm = FakeLLM()
+
+    steps = A.recorded_steps(FakeGen(), ro)
+    assert steps == [[(0, 0, 3)], [(0, 3, 1), (1, 0, 2)], [(1, 2, 1), (0, 4, 1)]]
