@@ -140,6 +140,79 @@ for _recipe, _sc in (("nvfp4", "nvfp4 experts"), ("int4_g32", "int4 experts")):
                      note=f"apply_qat(experts, {_recipe}) reproduces the served grid bit for bit"))
 
 
+# ---- DeepSeek-V3 gap attribution (docs/mla.md, "Where the DeepSeek-V3 gap comes from") ----------
+# One engine whose worker also records each step's batch layout (MLAScheduleExtension): vLLM CPU's
+# rotary kernel rotates MLA's q/k views by positions that depend on that layout, and the trainer
+# emulates it from the recording. Rows are cumulative, each adds one vLLM-side piece
+# (skyrl_numerics.trainer.mla_attribution) to the HF trainer.
+_MLA_SCENARIO = "full (engine batch layout recorded)"
+SCENARIOS[_MLA_SCENARIO] = Scenario(
+    FULL, description="temperature 1, full vocabulary; the engine records each step's batch "
+    "layout (for the rotary-kernel emulation)",
+    engine=dict(capture_routes=True,
+                worker_extension_cls="skyrl_numerics.trainer.mla_attribution.MLAScheduleExtension"))
+
+
+def _mla_attribution(pieces: tuple, use_routes: bool = False, prefill: str = "absorbed"):
+    def compute(ctx: DoctorContext, rollout: Rollout) -> np.ndarray:
+        from skyrl_numerics.trainer.engine.generator import get_generator
+        from skyrl_numerics.trainer.logprobs import trainer_logprobs
+        from skyrl_numerics.trainer.mla_attribution import recorded_steps, vllm_style_hook
+
+        key = ("mla steps", id(rollout))
+        if "cpu_rope" in pieces and key not in ctx._models:
+            gen = get_generator(ctx.model_dir, **SCENARIOS[_MLA_SCENARIO].engine)
+            ctx._models[key] = recorded_steps(gen, rollout)
+        model = ctx.hf_model(None)
+        hook = vllm_style_hook(model, rollout, pieces, prefill=prefill,
+                               steps=ctx._models.get(key)) if pieces else None
+        return trainer_logprobs(model, rollout, forward_hook=hook, use_routes=use_routes).logprobs
+    return compute
+
+
+_DS = ("deepseek_v3",)
+for _name, _pieces, _kw, _note in (
+        ("DeepSeek attribution: HF trainer, bf16", (), {},
+         "HF's DeepseekV3 forward (expanded MLA, fp32 gate) on this scenario's rollout"),
+        ("+ vLLM CPU rotary kernel on MLA's 3-D q/k (emulated)", ("cpu_rope",), {},
+         "the engine rotates query head r%H of token r//H by the position of token r and leaves "
+         "later rows unrotated; keys likewise (row stride rope_dim in the fused q_a/kv_a output)"),
+        ("+ vLLM's MLA formulation (absorbed, latent cache)", ("cpu_rope", "mla"), {},
+         "q_lat = q_nope·W_UK, scores over the latent (c, k_pe), out = (P·c)·W_UV, at prompt "
+         "and decoded positions (AMX_MLA absorbs prefill too)"),
+        ("+ vLLM's MoE numerics (bf16 gate, fp32 expert sum, scale after)",
+         ("cpu_rope", "mla", "router", "moe", "mlp"), {},
+         "gate logits rounded to bf16; Σ w·y in fp32, × routed_scaling_factor, + shared; "
+         "silu_and_mul rounded once"),
+        ("+ R3 (router replay), on all of the above", ("cpu_rope", "mla", "router", "moe", "mlp"),
+         dict(use_routes=True), "what is left: bf16 rounding order inside vLLM's kernels"),
+):
+    register_row(Row(_name, _MLA_SCENARIO, _mla_attribution(_pieces, **_kw), note=_note,
+                     families=_DS))
+register_row(Row("vLLM's MLA formulation alone (no rotary emulation)", _MLA_SCENARIO,
+                 _mla_attribution(("mla",)), default=False, families=_DS,
+                 note="absorbed MLA with HF's (correct) rope: next to nothing while the rope "
+                      "differs"))
+register_row(Row("rotary emulated + expanded prefill, absorbed decode", _MLA_SCENARIO,
+                 _mla_attribution(("cpu_rope", "mla"), prefill="expanded"), default=False,
+                 families=_DS,
+                 note="the split CPU_MLA and the GPU backends use; AMX_MLA (here) absorbs both"))
+_MLA_FIXED = "full (engine's MLA rotary call fixed)"
+SCENARIOS[_MLA_FIXED] = Scenario(
+    FULL, description="temperature 1, full vocabulary; vLLM's MLA layers call the CPU rotary "
+    "kernel on 2-D copies of q/k (MLARopeFixExtension): every head and key at its own position",
+    engine=dict(capture_routes=True,
+                worker_extension_cls="skyrl_numerics.trainer.mla_attribution.MLARopeFixExtension"))
+register_row(Row("engine rotary fixed: HF trainer, bf16", _MLA_FIXED, _mla_attribution(()),
+                 default=False, families=_DS,
+                 note="the confirmation from the engine side: fix the rotary call instead of "
+                      "emulating it"))
+register_row(Row("engine rotary fixed: + MLA formulation + MoE numerics + R3", _MLA_FIXED,
+                 _mla_attribution(("mla", "router", "moe", "mlp"), use_routes=True),
+                 default=False, families=_DS, note="every piece, against the fixed engine"))
+# ---- end of the DeepSeek-V3 attribution block ---------------------------------------------------
+
+
 @dataclass
 class DoctorResult:
     rows: list  # list[report.ReportRow]
