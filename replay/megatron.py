@@ -18,6 +18,11 @@ causality neither feeds back into covered positions.
 
 With activation recomputation, Megatron pops the indices again under ``REPLAY_BACKWARD``:
 :func:`megatron_route_replay` appends each layer's indices once per forward it is entered for.
+
+Sequence parallelism (megatron-core's ``sequence_parallel=True``, needed with MoE + TP): TP rank ``r`` of
+``tp`` routes only its block of the sequence dimension, tokens ``[r S/tp, (r+1) S/tp) x B`` of the sbhd
+order; pass ``tp_rank`` / ``tp_size`` and each rank gets its block (and :meth:`MegatronRecording.gather`
+puts the ranks' recorded blocks back in order).
 """
 from __future__ import annotations
 
@@ -44,13 +49,23 @@ def _filled_rows(routes: PackedRoutes, b: int, n: int) -> np.ndarray:
 
 
 def megatron_replay_indices(routes: PackedRoutes, *, seq_len: int | None = None,
-                            packed_seq_lens: Sequence[int] | None = None) -> list[torch.Tensor]:
+                            packed_seq_lens: Sequence[int] | None = None, tp_rank: int = 0,
+                            tp_size: int = 1) -> list[torch.Tensor]:
     """Per MoE layer, ``[num_tokens, k]`` int64 expert indices in Megatron token order.
 
     Give ``seq_len`` for the ``[S, B]`` (sbhd) layout or ``packed_seq_lens`` for packed (thd) sequences.
+    ``tp_rank`` / ``tp_size``: under sequence parallelism (sbhd only), this rank's block of the sequence.
     """
     if (seq_len is None) == (packed_seq_lens is None):
         raise InputError("give exactly one of seq_len (sbhd) or packed_seq_lens (thd)", field="layout")
+    if not (isinstance(tp_size, int) and tp_size >= 1 and isinstance(tp_rank, int) and 0 <= tp_rank < tp_size):
+        raise InputError(f"tp_rank={tp_rank!r} is not in [0, tp_size={tp_size!r})", field="tp_rank")
+    if tp_size > 1:
+        if packed_seq_lens is not None:
+            raise InputError("sequence-parallel replay is implemented for the sbhd layout only", field="layout")
+        if int(seq_len) % tp_size:
+            raise InputError(f"seq_len={seq_len} is not divisible by tp_size={tp_size} (sequence parallel)",
+                             field="seq_len")
     B = routes.num_seqs
     if packed_seq_lens is not None:
         f = np.asarray(packed_seq_lens, dtype=np.int64).reshape(-1)
@@ -67,6 +82,9 @@ def megatron_replay_indices(routes: PackedRoutes, *, seq_len: int | None = None,
         ids[have] = routes.values[rows[have], layer]
         ids[~have] = default
         out.append(torch.from_numpy(ids))
+    if tp_size > 1:
+        block = int(seq_len) // tp_size * B
+        out = [t[tp_rank * block:(tp_rank + 1) * block].contiguous() for t in out]
     return out
 
 
@@ -90,11 +108,16 @@ def _instances(RouterReplay, num_layers: int):
 
 @contextlib.contextmanager
 def megatron_route_replay(routes: PackedRoutes, *, seq_len: int | None = None,
-                          packed_seq_lens: Sequence[int] | None = None, device=None):
-    """Replay ``routes`` in every megatron-core TopKRouter inside the ``with`` block (REPLAY_FORWARD)."""
+                          packed_seq_lens: Sequence[int] | None = None, device=None, tp_rank: int = 0,
+                          tp_size: int = 1):
+    """Replay ``routes`` in every megatron-core TopKRouter inside the ``with`` block (REPLAY_FORWARD).
+
+    ``tp_rank`` / ``tp_size``: this rank's sequence block under sequence parallelism (see the module doc).
+    """
     RouterReplay, Action = _replay_api()
     _instances(RouterReplay, routes.num_layers)
-    per_layer = megatron_replay_indices(routes, seq_len=seq_len, packed_seq_lens=packed_seq_lens)
+    per_layer = megatron_replay_indices(routes, seq_len=seq_len, packed_seq_lens=packed_seq_lens,
+                                        tp_rank=tp_rank, tp_size=tp_size)
     if device is not None:
         per_layer = [t.to(device) for t in per_layer]
     RouterReplay.set_replay_data(per_layer)
@@ -111,6 +134,20 @@ class MegatronRecording:
 
     def __init__(self):
         self.indices: list[torch.Tensor] = []
+
+    def gather(self, group=None) -> "MegatronRecording":
+        """Sequence parallelism: all-gather the TP ranks' recorded blocks (in rank order) along the token
+        dimension, so ``indices[layer]`` covers the whole ``[S * B]`` sbhd order (collective over ``group``)."""
+        import torch.distributed as dist
+
+        if group is None or dist.get_world_size(group) == 1:
+            return self
+        out = MegatronRecording()
+        for t in self.indices:
+            parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            out.indices.append(torch.cat(parts))
+        return out
 
     def routes(self, num_experts: int, *, seq_lens: Sequence[int], seq_len: int | None = None,
                packed: bool = False, drop_last: bool = False) -> PackedRoutes:

@@ -25,6 +25,11 @@ What is covered, who calls it, and why:
     on uninstall.
 ``torch.cuda.synchronize``
     no-op (CPU work is synchronous).
+``token_dispatcher.maybe_move_tensor_to_cpu``
+    on CUDA it copies the alltoall split sizes to the host and, with ``as_numpy=True``, returns numpy
+    arrays, which ``torch.distributed.all_to_all_single`` takes as split lists. It leaves tensors that are
+    already on the CPU untouched, so on CPU the splits stay tensors and ``all_to_all_single`` rejects them
+    (``TypeError: incompatible function arguments``). The stand-in returns the same numpy arrays on CPU.
 ``torch.cuda.get_rng_state``, ``torch.cuda.manual_seed``,
 ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``
     the ``CudaRNGStatesTracker`` (``model_parallel_cuda_manual_seed``, ``get_cuda_rng_tracker().fork()``,
@@ -44,14 +49,13 @@ absent)
     the legacy ``GroupedMLP`` (``moe_grouped_gemm=True`` without Transformer Engine) calls
     ``grouped_gemm.ops.gmm(x, w, tokens_per_expert, trans_b)``, a CUDA-only extension. The stand-in
     computes each expert's rows with one ``torch.mm`` (the same products, in expert order).
-``torch.distributed.reduce_scatter_tensor`` (gloo only)
-    gloo has no reduce-scatter; sequence parallelism (needed with TP and EP together) reduce-scatters
-    in every RowParallelLinear. The stand-in all-reduces the full tensor and keeps this rank's slice:
-    the same sum (gloo's all-reduce order), more traffic. Other backends pass through untouched.
-
 What this does not do: CUDA graphs, Transformer Engine layers, fused kernels (apex, ``moe_permute_fusion``,
 ``bias_activation_fusion``, ``masked_softmax_fusion``, ``apply_rope_fusion``, flash attention) — keep those
-off in the config (:func:`skyrl_numerics.trainer.megatron.model.transformer_config` does).
+off in the config (:func:`skyrl_numerics.trainer.megatron.model.transformer_config` does). Not needed on
+torch 2.13: gloo runs megatron's ``all_gather_into_tensor``, ``reduce_scatter_tensor`` and
+``all_to_all_single`` (sequence parallelism, alltoall dispatch) as they are. megatron-core's own
+``WrappedTorchNorm`` refuses sequence parallelism; that is not patched — the layer spec uses
+:class:`skyrl_numerics.trainer.megatron.model.RMSNorm` instead.
 """
 from __future__ import annotations
 
@@ -167,6 +171,13 @@ def _mc_set_cuda_rng_state(new_state, device=-1, graph_safe=False):
     torch.set_rng_state(new_state)
 
 
+def _maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+    if torch.is_tensor(tensor) and as_numpy:
+        _calls["maybe_move_tensor_to_cpu"] += 1
+        return tensor.detach().cpu().numpy()
+    return tensor
+
+
 def _causal_mask(sq: int) -> torch.Tensor:
     _calls["get_default_causal_mask"] += 1
     return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
@@ -200,32 +211,6 @@ class _GroupedGemmModule:
     ops = _GroupedGemmOps
 
 
-def _make_reduce_scatter(original):
-    import torch.distributed as dist
-
-    def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        if dist.get_backend(group) != "gloo":
-            return original(output, input, op=op, group=group, async_op=async_op)
-        _calls["reduce_scatter_tensor"] += 1
-        full = input.clone()
-        dist.all_reduce(full, op=op, group=group)
-        rank = dist.get_rank(group)
-        n = output.shape[0]
-        output.copy_(full[rank * n:(rank + 1) * n])
-        if async_op:
-            class _Done:
-                def wait(self):
-                    return True
-
-                def is_completed(self):
-                    return True
-
-            return _Done()
-        return None
-
-    return reduce_scatter_tensor
-
-
 def needed() -> bool:
     """True when the compatibility applies (no CUDA in this torch / on this machine)."""
     return not torch.cuda.is_available()
@@ -247,7 +232,6 @@ def _set(owner, name, value):
 
 
 def _apply():
-    import torch.distributed as dist
     import megatron.core.fusions.fused_softmax as fused_softmax
     import megatron.core.tensor_parallel.random as mc_random
     import megatron.core.transformer.moe.grouped_gemm_util as gg
@@ -272,8 +256,8 @@ def _apply():
     if gg.grouped_gemm is None:
         _set(gg, "grouped_gemm", _GroupedGemmModule)
         _set(gg, "ops", _GroupedGemmOps)
+    _set(token_dispatcher, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu)
     _set(token_dispatcher.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", None)
-    _set(dist, "reduce_scatter_tensor", _make_reduce_scatter(dist.reduce_scatter_tensor))
 
 
 def _restore():

@@ -45,8 +45,21 @@ class ParallelConfig:
         return max(self.tp, self.ep)
 
 
+def _normalized(cfg: dict) -> dict:
+    cfg = dict(cfg)
+    if cfg.get("num_experts") is None and cfg.get("num_local_experts") is not None:  # transformers >= 5 name
+        cfg["num_experts"] = cfg["num_local_experts"]
+    if cfg.get("rope_theta") is None:
+        cfg["rope_theta"] = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    return cfg
+
+
 def hf_config_dict(config) -> dict:
     """An HF model config as a dict: a model directory, a ``config.json`` path, a dict or a PretrainedConfig."""
+    return _normalized(_raw_config(config))
+
+
+def _raw_config(config) -> dict:
     if isinstance(config, dict):
         return dict(config)
     if isinstance(config, (str, os.PathLike)):
@@ -171,6 +184,44 @@ def tp_rank_size() -> tuple[int, int]:
     return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
 
 
+class RMSNorm(torch.nn.Module):
+    """HF Qwen3's RMSNorm as a megatron-core layer-spec module (``build_module(config=, hidden_size=, eps=)``).
+
+    ``y = w * float(x) / sqrt(mean(float(x)^2) + eps)`` cast back to x's dtype before the scale, exactly as
+    ``Qwen3MoeRMSNorm``. It takes the place of megatron-core's ``WrappedTorchNorm``, which refuses sequence
+    parallelism (megatron-core needs sequence parallelism for MoE with TP in training). Its weight carries
+    megatron's ``sequence_parallel`` attribute: under sequence parallelism each TP rank's gradient covers its
+    tokens only, and the trainer all-reduces it over the TP group.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
+        super().__init__()
+        self.eps = float(eps)
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+
+    def forward(self, x):
+        dt = x.dtype
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(dt)
+
+
+def layer_spec(num_experts: int, *, grouped_experts: bool = False, num_layers: int):
+    """megatron-core's local GPT layer spec with :class:`RMSNorm` for every norm (block spec for GPTModel)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=grouped_experts,
+                                    qk_layernorm=True, normalization="RMSNorm")
+    sub = spec.submodules
+    sub.input_layernorm = RMSNorm
+    sub.pre_mlp_layernorm = RMSNorm
+    sub.self_attention.submodules.q_layernorm = RMSNorm
+    sub.self_attention.submodules.k_layernorm = RMSNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=RMSNorm)
+
+
 def build_gpt_model(config, *, tp: int = 1, ep: int = 1, dtype: torch.dtype = torch.float32,
                     grouped_experts: bool = False, route_replay: bool = True):
     """An (uninitialized-weight) megatron-core GPTModel for the HF config; parallel groups must exist.
@@ -178,18 +229,33 @@ def build_gpt_model(config, *, tp: int = 1, ep: int = 1, dtype: torch.dtype = to
     On CPU, build and run it inside :func:`skyrl_numerics.trainer.megatron.compat.cpu_compat`.
     """
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     cfg = hf_config_dict(config)
     tc = transformer_config(cfg, tp=tp, ep=ep, dtype=dtype, grouped_experts=grouped_experts,
                             route_replay=route_replay)
-    spec = get_gpt_layer_local_spec(num_experts=cfg["num_experts"], moe_grouped_gemm=grouped_experts,
-                                    qk_layernorm=True, normalization="RMSNorm")
+    spec = layer_spec(cfg["num_experts"], grouped_experts=grouped_experts, num_layers=cfg["num_hidden_layers"])
     if route_replay:  # one RouterReplay per TopKRouter, in layer order: start from none
         RouterReplay.clear_global_router_replay_instances()
-    rope = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    rope = cfg["rope_theta"]
     model = GPTModel(config=tc, transformer_layer_spec=spec, vocab_size=cfg["vocab_size"],
                      max_sequence_length=cfg.get("max_position_embeddings", 4096), position_embedding_type="rope",
                      rotary_base=rope, share_embeddings_and_output_weights=False, parallel_output=True)
     return model.to(dtype)
+
+
+def load_weights(model, state: dict) -> None:
+    """Load this rank's megatron-core weights (:func:`~.mapping.shard_for_rank`); InputError on any mismatch.
+
+    Only megatron's ``_extra_state`` entries (Transformer Engine / FP8 metadata, absent here) may be missing.
+    """
+    own = model.state_dict()
+    want = {k for k in own if not k.endswith("_extra_state")}
+    missing, extra = sorted(want - set(state)), sorted(set(state) - set(own))
+    if missing or extra:
+        raise InputError(f"weights do not match the model: missing {missing[:3]}, unexpected {extra[:3]}",
+                         field=(missing or extra)[0])
+    for k in want:
+        if tuple(own[k].shape) != tuple(state[k].shape):
+            raise InputError(f"{k}: shape {tuple(state[k].shape)}, the model has {tuple(own[k].shape)}", field=k)
+    model.load_state_dict({k: state[k] for k in want}, strict=False)

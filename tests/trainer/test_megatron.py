@@ -1,0 +1,197 @@
+"""megatron-core 0.16.1 on CPU: the compatibility module, the HF <-> megatron-core mapping, logits parity with
+HF transformers, and the parallel-config checks (one process). TP 2 / EP 2 over gloo: test_megatron_parallel.py.
+"""
+import numpy as np
+import pytest
+import torch
+
+from skyrl_numerics.errors import InputError
+
+pytestmark = pytest.mark.megatron
+mcore = pytest.importorskip("megatron.core")
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    import torch.distributed as dist
+
+    own = not dist.is_initialized()
+    if own:  # file rendezvous: no TCP port to collide with other test processes
+        store = tmp_path_factory.mktemp("gloo") / "store"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    from skyrl_numerics.trainer.megatron.model import destroy_parallel
+
+    destroy_parallel()
+    if own:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def hf(qwen_moe_dir):
+    from skyrl_numerics.models import load_hf_model
+
+    return load_hf_model(qwen_moe_dir, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def hf_sd(hf):
+    from skyrl_numerics.trainer.sync.vllm import checkpoint_state_dict
+
+    return {k: v.detach().clone() for k, v in checkpoint_state_dict(hf).items()}
+
+
+# ---- 1. the compatibility module ------------------------------------------------------------
+def _patched_objects():
+    import megatron.core.fusions.fused_softmax as fs
+    import megatron.core.tensor_parallel.random as rnd
+    import megatron.core.transformer.moe.grouped_gemm_util as gg
+    import megatron.core.transformer.moe.moe_utils as mu
+    import megatron.core.transformer.moe.token_dispatcher as td
+
+    c = torch.cuda
+    return {
+        "cuda.current_device": c.current_device, "cuda.Stream": c.Stream, "cuda.Event": c.Event,
+        "cuda.current_stream": c.current_stream, "cuda.stream": c.stream, "cuda.synchronize": c.synchronize,
+        "cuda.get_rng_state": c.get_rng_state, "cuda.manual_seed": c.manual_seed,
+        "rnd._get_cuda_rng_state": rnd._get_cuda_rng_state, "rnd._set_cuda_rng_state": rnd._set_cuda_rng_state,
+        "fs.get_default_causal_mask": fs.get_default_causal_mask,
+        "fs.get_sliding_window_causal_mask": fs.get_sliding_window_causal_mask,
+        "mu.te_general_gemm": ("te_general_gemm" in vars(mu), vars(mu).get("te_general_gemm")),
+        "gg.grouped_gemm": gg.grouped_gemm, "gg.ops": gg.ops,
+        "td.maybe_move_tensor_to_cpu": td.maybe_move_tensor_to_cpu,
+        "td.cuda_dtoh_stream": td.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream,
+    }
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the compatibility installs only without CUDA")
+def test_compat_installs_and_restores_everything():
+    from skyrl_numerics.trainer.megatron import compat
+
+    before = _patched_objects()
+    assert not compat.installed()
+    with compat.cpu_compat() as active:
+        assert active and compat.installed()
+        assert torch.cuda.current_device() == torch.device("cpu")
+        with compat.cpu_compat():  # nested: reference-counted
+            pass
+        assert compat.installed()
+        during = _patched_objects()
+        changed = {k for k in before if during[k] is not before[k] and during[k] != before[k]}
+        # everything listed is replaced (te_general_gemm: bound to None where megatron never bound it)
+        assert changed == set(before) - ({"gg.grouped_gemm", "gg.ops"} if before["gg.grouped_gemm"] else set()) \
+            - {"td.cuda_dtoh_stream"}
+        torch.cuda.Stream().wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(torch.cuda.Stream()):
+            torch.cuda.synchronize()
+    assert not compat.installed()
+    after = _patched_objects()
+    for k, v in before.items():
+        assert after[k] is v or after[k] == v, k
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.cuda.Stream()  # the CPU-only torch refuses again
+
+
+def test_compat_restores_after_an_error():
+    from skyrl_numerics.trainer.megatron import compat
+
+    before = _patched_objects()
+    with pytest.raises(ZeroDivisionError):
+        with compat.cpu_compat():
+            1 / 0
+    after = _patched_objects()
+    assert all(after[k] is v or after[k] == v for k, v in before.items())
+
+
+# ---- 2. mapping ------------------------------------------------------------------------------
+@pytest.mark.parametrize("grouped", [False, True])
+def test_mapping_round_trip_bitwise(qwen_moe_dir, hf, hf_sd, grouped):
+    from skyrl_numerics.trainer.megatron.mapping import hf_to_megatron, megatron_to_hf, shard_for_rank, unshard
+
+    mc = hf_to_megatron(hf_sd, qwen_moe_dir, grouped_experts=grouped)
+    back = megatron_to_hf(mc, qwen_moe_dir)
+    assert set(back) == set(hf_sd)
+    for k, v in hf_sd.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+    # transformers>=5 in-memory (fused experts) names, both ways
+    fused_in = {k: v for k, v in hf.state_dict().items()}
+    mc2 = hf_to_megatron(fused_in, qwen_moe_dir, grouped_experts=grouped)
+    assert set(mc2) == set(mc) and all(torch.equal(mc2[k], mc[k]) for k in mc)
+    fused = megatron_to_hf(mc, qwen_moe_dir, fused=True)
+    assert set(fused) == set(fused_in) and all(torch.equal(fused[k], fused_in[k]) for k in fused_in)
+    # TP 2 x EP 2 shards and back (the pairs of a 2-process run: (ep0, tp0), (ep1, tp1))
+    parts = [(r, r, shard_for_rank(mc, qwen_moe_dir, tp_rank=r, tp=2, ep_rank=r, ep=2)) for r in range(2)]
+    full = unshard(parts, qwen_moe_dir)
+    assert set(full) == set(mc) and all(torch.equal(full[k], mc[k]) for k in mc)
+    qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+    assert parts[0][2][qkv].shape[0] == mc[qkv].shape[0] // 2
+
+
+def test_mapping_refuses_missing_and_unknown_weights(qwen_moe_dir, hf_sd):
+    from skyrl_numerics.trainer.megatron.mapping import hf_to_megatron
+
+    sd = dict(hf_sd)
+    del sd["model.layers.1.mlp.gate.weight"]
+    with pytest.raises(InputError, match="model.layers.1.mlp.gate.weight"):
+        hf_to_megatron(sd, qwen_moe_dir)
+    sd = dict(hf_sd, **{"model.layers.0.mlp.shared_expert.weight": torch.zeros(2)})
+    with pytest.raises(InputError, match="shared_expert"):
+        hf_to_megatron(sd, qwen_moe_dir)
+    sd = dict(hf_sd)
+    sd["model.layers.0.self_attn.q_proj.weight"] = sd["model.layers.0.self_attn.q_proj.weight"][:-1]
+    with pytest.raises(InputError, match="shape"):
+        hf_to_megatron(sd, qwen_moe_dir)
+
+
+# ---- parity with HF transformers, one process ------------------------------------------------
+LOGITS_ATOL = 1e-5  # fp32; measured max |Δlogit| ~1e-6 for |logit| <= 2.3
+
+
+def test_gpt_model_logits_match_hf_transformers(group, qwen_moe_dir, hf, hf_sd):
+    from skyrl_numerics.trainer.megatron import compat
+    from skyrl_numerics.trainer.megatron.forward import MegatronPolicy
+    from skyrl_numerics.trainer.megatron.mapping import hf_to_megatron, shard_for_rank
+    from skyrl_numerics.trainer.megatron.model import build_gpt_model, init_parallel, load_weights
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 512, (3, 12))
+    with compat.cpu_compat():
+        init_parallel(1, 1)
+        gm = build_gpt_model(qwen_moe_dir)
+        load_weights(gm, shard_for_rank(hf_to_megatron(hf_sd, qwen_moe_dir), qwen_moe_dir))
+        pos = torch.arange(12)[None].expand(3, 12)
+        logits = gm(ids, pos, attention_mask=None)          # real GPTModel.forward incl. the lm-head
+        h = MegatronPolicy(gm, 512).hidden(ids)
+        (logits.square().mean() + h.sum()).backward()     # backward runs on CPU too
+        calls = compat.calls()
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+        ref_h = hf.model(input_ids=ids).last_hidden_state
+    d = (logits.detach() - ref).abs().max().item()
+    assert d <= LOGITS_ATOL, d
+    assert (h.detach() - ref_h).abs().max().item() <= LOGITS_ATOL
+    assert gm.output_layer.weight.grad is not None and gm.decoder.layers[0].mlp.router.weight.grad.abs().sum() > 0
+    # the stand-ins that a TP=EP=1 forward/backward needs
+    for k in ("current_device", "Stream", "current_stream", "stream", "get_default_causal_mask",
+              "_get_cuda_rng_state", "_set_cuda_rng_state"):
+        assert calls.get(k, 0) > 0, (k, calls)
+
+
+# ---- bad layouts: InputError before any process group ----------------------------------------
+@pytest.mark.parametrize("over,tp,ep,field,match", [
+    ({}, 3, 1, "tp", "num_attention_heads=4"),
+    ({"num_attention_heads": 6, "num_key_value_heads": 3}, 2, 1, "tp", "num_key_value_heads=3"),
+    ({"vocab_size": 510, "num_attention_heads": 4, "num_key_value_heads": 4}, 4, 1, "tp", "vocab_size=510"),
+    ({}, 1, 3, "ep", "num_experts=8"),
+    ({}, 2, 0, "ep", "positive"),
+    ({"mlp_only_layers": [0]}, 1, 1, "mlp_only_layers", "dense"),
+])
+def test_bad_parallel_config_is_refused(qwen_moe_dir, over, tp, ep, field, match):
+    import json
+
+    from skyrl_numerics.trainer.megatron.model import check_parallel_config
+
+    cfg = dict(json.loads((qwen_moe_dir / "config.json").read_text()), **over)
+    with pytest.raises(InputError, match=match) as e:
+        check_parallel_config(cfg, tp, ep)
+    assert e.value.field == field
