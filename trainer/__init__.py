@@ -18,6 +18,7 @@ _EXPORTS = {
     "TrainerLogprobs": "skyrl_numerics.trainer.logprobs",
     "FSDPTrainer": "skyrl_numerics.trainer.fsdp.trainer",
     "TrainerConfig": "skyrl_numerics.trainer.fsdp.trainer",
+    "MegatronTrainer": "skyrl_numerics.trainer.megatron.trainer",
     "policy_logprobs": "skyrl_numerics.trainer.fsdp.forward",
     "PolicyModel": "skyrl_numerics.trainer.fsdp.forward",
     "grpo_advantages": "skyrl_numerics.trainer.losses",

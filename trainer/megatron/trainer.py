@@ -1,0 +1,316 @@
+"""MegatronTrainer: one PPO/GRPO update per :meth:`MegatronTrainer.step` over a megatron-core GPTModel (MoE),
+tensor parallel ``tp`` x expert parallel ``ep`` on ``max(tp, ep)`` ranks (gloo on CPU, NCCL on GPU).
+
+The same :class:`~skyrl_numerics.trainer.fsdp.trainer.TrainerConfig`, the same micro-batches and the same
+losses (:mod:`skyrl_numerics.trainer.losses`) as :class:`~skyrl_numerics.trainer.fsdp.trainer.FSDPTrainer`;
+what differs is the model and its parallelism:
+
+- weights come from the HF checkpoint through :mod:`.mapping` (every rank loads its shard);
+- every rank runs every micro-batch (all ranks are model-parallel: no data parallelism), so the loss, the
+  logprobs and every metric are the same on all ranks;
+- the lm-head is vocab-parallel (:mod:`.vocab_parallel`): logprobs, entropy and the support replay never
+  gather the vocabulary;
+- after backward, the gradients of weights every TP rank holds whole (norms, q/k norms, router) are
+  all-reduced over the TP group: under sequence parallelism each rank's covers its own tokens (and a q/k
+  norm's its own heads); the gradient norm for clipping sums TP shards over the TP group and experts over
+  the EP group, counting replicated weights once; AdamW then runs on each rank's shards (elementwise);
+- alignment pieces: ``use_support`` (support replay, vocab-parallel), ``route_replay`` (R3 through
+  megatron-core's RouterReplay inside ``GPTModel.forward``), ``qat`` (:func:`.qat.apply_megatron_qat`:
+  a recipe name wraps the experts, as the serving checkpoint quantizes them). ``batch_invariant`` and LoRA
+  are refused (not implemented on this path).
+
+On CPU the compatibility module (:mod:`.compat`) is installed for the trainer's lifetime
+(:meth:`close` removes it). Without a process group (one process) the trainer makes a 1-rank gloo group of
+its own.
+"""
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+
+import numpy as np
+import torch
+
+from skyrl_numerics.errors import InputError
+from skyrl_numerics.rollout import Rollout
+
+from ..fsdp.trainer import TrainerConfig, _correction_fn
+from ..losses import compute_advantages, masked_mean, ppo_clip_loss, token_advantages
+
+__all__ = ["MegatronTrainer", "spawn_megatron"]
+
+
+def _hf_state(model) -> tuple[dict, dict]:
+    """(config dict, checkpoint-named state dict) of an HF model or a model directory."""
+    from .model import hf_config_dict
+
+    if isinstance(model, (str, os.PathLike)):
+        from safetensors.torch import load_file
+
+        cfg = hf_config_dict(model)
+        path = os.path.join(str(model), "model.safetensors")
+        if not os.path.isfile(path):
+            raise InputError(f"{path}: no such file", field="model")
+        return cfg, load_file(path)
+    if not hasattr(model, "config"):
+        raise InputError(f"expected an HF causal LM or a model directory, got {type(model).__name__}", field="model")
+    from ..sync.vllm import checkpoint_state_dict
+
+    return hf_config_dict(model.config), {k: v.detach() for k, v in checkpoint_state_dict(model).items()}
+
+
+def spawn_megatron(fn, config, *args, tp: int = 1, ep: int = 1, timeout: float | None = None, **kw) -> None:
+    """Check the layout against the model ``config`` (InputError, no process started), then run
+    ``fn(rank, world_size, *args)`` on ``max(tp, ep)`` gloo/NCCL ranks (:func:`skyrl_numerics.trainer.dist.spawn`)."""
+    from ..dist import spawn
+    from .model import check_parallel_config
+
+    check_parallel_config(config, tp, ep)
+    spawn(fn, max(tp, ep), *args, timeout=timeout, **kw)
+
+
+class MegatronTrainer:
+    """Policy trainer over megatron-core. ``MegatronTrainer(hf_model_or_dir, TrainerConfig(...), tp=, ep=)``.
+
+    ``step(rollout, rewards)`` / ``logprobs(rollout)`` as :class:`FSDPTrainer`; ``full_state_dict()`` gives
+    every rank the full weights under HF checkpoint names (what a weight sync sends), gathered from the
+    shards.
+    """
+
+    def __init__(self, model, config: TrainerConfig | None = None, *, tp: int = 1, ep: int = 1,
+                 dtype: torch.dtype = torch.float32, grouped_experts: bool = False, seed: int = 0):
+        import torch.distributed as dist
+
+        from . import compat
+        from .forward import MegatronPolicy
+        from .mapping import hf_to_megatron, shard_for_rank
+        from .model import build_gpt_model, check_parallel_config, init_parallel, load_weights
+
+        self.config = cfg = config or TrainerConfig()
+        if cfg.lora_rank:
+            raise InputError("LoRA is not implemented for the megatron trainer", field="lora_rank")
+        if cfg.batch_invariant:
+            raise InputError("batch_invariant is not implemented for the megatron trainer", field="batch_invariant")
+        hf_cfg, hf_sd = _hf_state(model)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.hf_config = check_parallel_config(hf_cfg, tp, ep, world_size=world)  # before any group / model
+        self._correction = _correction_fn(cfg.correction)
+        self.tp, self.ep = tp, ep
+        self._own_group = None
+        if not dist.is_initialized():
+            self._own_group = tempfile.mkdtemp(prefix="skyrl_mcore_")
+            dist.init_process_group("gloo", init_method=f"file://{self._own_group}/store", rank=0, world_size=1)
+        self._compat = compat.install()
+        init_parallel(tp, ep, seed=seed)
+        from megatron.core import parallel_state as ps
+
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.tp_rank, self.ep_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.ep_group = ps.get_expert_model_parallel_group()
+        self.grouped_experts = grouped_experts
+        self.gpt = build_gpt_model(self.hf_config, tp=tp, ep=ep, dtype=dtype, grouped_experts=grouped_experts,
+                                   route_replay=cfg.route_replay)
+        full = hf_to_megatron({k: v.to(dtype) for k, v in hf_sd.items()}, self.hf_config,
+                              grouped_experts=grouped_experts)
+        load_weights(self.gpt, shard_for_rank(full, self.hf_config, tp_rank=self.tp_rank, tp=tp,
+                                              ep_rank=self.ep_rank, ep=ep))
+        del full, hf_sd
+        self.qat_wrapped = {}
+        if cfg.qat:
+            from .qat import apply_megatron_qat
+
+            rules = cfg.qat
+            if isinstance(rules, str):
+                from ..engine.serving_checkpoint import qat_rules
+
+                rules = qat_rules(rules)
+            self.qat_wrapped = apply_megatron_qat(self.gpt, rules)
+        self.policy = MegatronPolicy(self.gpt, self.hf_config["vocab_size"])
+        params = [p for p in self.gpt.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps,
+                                           weight_decay=cfg.weight_decay)
+        self.global_step = 0
+        self.keep_grads = False
+        self.last_grads: dict = {}
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Destroy megatron's groups (and the own 1-rank group), remove the CPU compatibility."""
+        import torch.distributed as dist
+
+        from . import compat
+        from .model import destroy_parallel
+
+        destroy_parallel()
+        if self._own_group is not None and dist.is_initialized():
+            dist.destroy_process_group()
+            self._own_group = None
+        if self._compat:
+            compat.uninstall()
+            self._compat = False
+
+    def _temperature(self, rollout: Rollout) -> float:
+        t = self.config.temperature
+        return float(t if t is not None else (rollout.sampling.get("temperature", 1.0) or 1.0))
+
+    def micro_batches(self, rollout: Rollout):
+        from ..fsdp.forward import make_micro_batch
+
+        if self.config.route_replay and rollout.routes is None:
+            raise InputError("route_replay=True but the rollout has no routes", field="routes")
+        rows = np.arange(len(rollout))
+        mbs = self.config.micro_batch_size
+        for s in range(0, len(rows), mbs):
+            yield make_micro_batch(rollout, rows[s:s + mbs], pad_id=self.config.pad_id,
+                                   use_support=self.config.use_support)
+
+    def _run(self, mb, rollout, *, with_entropy=True):
+        self.gpt.train(torch.is_grad_enabled())
+        return self.policy.run(mb, routes=rollout.routes if self.config.route_replay else None,
+                               temperature=self._temperature(rollout), token_chunk=max(self.config.token_chunk, 1),
+                               with_entropy=with_entropy)
+
+    # ---- no-grad logprobs -------------------------------------------------------------------
+    @torch.no_grad()
+    def logprobs(self, rollout: Rollout) -> np.ndarray:
+        """float32 ``[Σ response_len]`` trainer logprobs (no grad), the same on every rank."""
+        out = torch.zeros(rollout.num_response_tokens, dtype=torch.float32)
+        for mb in self.micro_batches(rollout):
+            lp, _ = self._run(mb, rollout, with_entropy=False)
+            out[torch.from_numpy(mb.token_index)] = lp.float().cpu()
+        return out.numpy()
+
+    # ---- gradients --------------------------------------------------------------------------
+    def _finalize_grads(self) -> float:
+        """Sum the gradients of weights that several ranks hold whole; return the global gradient norm.
+
+        Non-expert weights that are not TP shards (norms, q/k norms, router) are whole on every TP rank and
+        each rank's gradient covers its tokens (sequence parallel) or heads: all-reduce over the TP group.
+        Expert weights are whole on every rank of their expert-data-parallel group (``world / ep`` ranks):
+        all-reduce over it. The norm counts each weight once: replicated ones locally, TP shards summed over
+        the TP group, experts summed over the EP group.
+        """
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        edp = ps.get_expert_data_parallel_group()
+        sq_rep = sq_tp = sq_ep = 0.0
+        for name, p in self.gpt.named_parameters():
+            if p.grad is None:
+                continue
+            if ".mlp.experts." in name:
+                if dist.get_world_size(edp) > 1:
+                    dist.all_reduce(p.grad, group=edp)
+                sq_ep += float(p.grad.double().square().sum())
+            elif getattr(p, "tensor_model_parallel", False) and self.tp > 1:
+                sq_tp += float(p.grad.double().square().sum())
+            else:
+                if self.tp > 1:
+                    dist.all_reduce(p.grad, group=self.tp_group)
+                sq_rep += float(p.grad.double().square().sum())
+        t = torch.tensor([sq_tp], dtype=torch.float64)
+        if self.tp > 1:
+            dist.all_reduce(t, group=self.tp_group)
+        e = torch.tensor([sq_ep], dtype=torch.float64)
+        if self.ep > 1:
+            dist.all_reduce(e, group=self.ep_group)
+        return math.sqrt(sq_rep + float(t[0]) + float(e[0]))
+
+    # ---- the update -------------------------------------------------------------------------
+    def step(self, rollout: Rollout, rewards, *, old_logprobs=None) -> dict:
+        """One policy update on ``rollout`` with per-sequence ``rewards`` [B]; metrics as FSDPTrainer.step."""
+        cfg = self.config
+        rewards = np.asarray(rewards, dtype=np.float64).reshape(-1)
+        if rewards.shape != (len(rollout),):
+            raise InputError(f"expected {len(rollout)} rewards (one per sequence), got shape {rewards.shape}",
+                             field="rewards")
+        kw = {"std_normalize": cfg.std_normalize, "eps": cfg.adv_eps} if cfg.advantage == "grpo" else {}
+        seq_adv = compute_advantages(cfg.advantage, torch.from_numpy(rewards), rollout.group_ids, **kw)
+        adv = token_advantages(seq_adv.float(), rollout.response_cu)
+        mbs = list(self.micro_batches(rollout))
+        rollout_lp = torch.from_numpy(rollout.rollout_logprobs)
+        if old_logprobs is not None:
+            old_all = torch.as_tensor(np.asarray(old_logprobs, dtype=np.float32).reshape(-1))
+            if old_all.numel() != rollout.num_response_tokens:
+                raise InputError(f"expected {rollout.num_response_tokens} old logprobs, got {old_all.numel()}",
+                                 field="old_logprobs")
+        elif self._correction is not None:
+            old_all = torch.from_numpy(self.logprobs(rollout))
+        else:
+            old_all = None
+        per_mb, corr_metrics, n_corr = [], {}, 0.0
+        for mb in mbs:
+            ti = torch.from_numpy(mb.token_index)
+            w = keep = None
+            if self._correction is not None:
+                c = self._correction(old_all[ti], rollout_lp[ti], cu_seqlens=torch.from_numpy(mb.cu_seqlens))
+                w, keep = torch.as_tensor(c.weights).float(), torch.as_tensor(c.mask).bool()
+                n = float(c.metrics.get("n_tokens", len(ti)))
+                for k, v in c.metrics.items():
+                    if isinstance(v, (int, float)) and math.isfinite(v) and k not in ("n_tokens", "n_seqs"):
+                        corr_metrics[k] = corr_metrics.get(k, 0.0) + v * n
+                n_corr += n
+            per_mb.append((mb, ti, w, keep))
+        kept_tok = sum(float(len(ti)) if keep is None else float(keep.sum()) for _, ti, _, keep in per_mb)
+        kept_seq = 0.0
+        for mb, ti, _, keep in per_mb:
+            lens = np.diff(mb.cu_seqlens)
+            if keep is None:
+                kept_seq += float((lens > 0).sum())
+            else:
+                seg = np.repeat(np.arange(len(lens)), lens)
+                kept_seq += float(len(np.unique(seg[keep.numpy()])))
+        denom = kept_tok if cfg.aggregation == "token_mean" else kept_seq
+
+        stats = torch.zeros(7, dtype=torch.float64)  # loss, low, high, ratio, ent, ppo_kl, n
+        ratio_max = -math.inf
+        self.optimizer.zero_grad(set_to_none=True)
+        for mb, ti, w, keep in per_mb:
+            lp, ent = self._run(mb, rollout)
+            old = lp.detach() if old_all is None else old_all[ti]
+            pl = ppo_clip_loss(lp, old, adv[ti], mask=keep, weights=w, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                               dual_clip=cfg.dual_clip, aggregation=cfg.aggregation, cu_seqlens=mb.cu_seqlens,
+                               denominator=denom)
+            pl.loss.backward()
+            m, n = pl.metrics, pl.metrics["n_tokens"]
+            if n:
+                ent_mean = float(masked_mean(ent.detach(), keep))
+                stats += torch.tensor([pl.loss.item(), m["clipfrac_low"] * n, m["clipfrac_high"] * n,
+                                       m["ratio_mean"] * n, ent_mean * n, m["ppo_kl"] * n, n], dtype=torch.float64)
+                ratio_max = max(ratio_max, m["ratio_max"])
+        grad_norm = self._finalize_grads()
+        if self.keep_grads:
+            self.last_grads = {n: p.grad.detach().float().clone() for n, p in self.gpt.named_parameters()
+                               if p.grad is not None}
+        if cfg.grad_clip is not None and grad_norm > cfg.grad_clip:
+            coef = cfg.grad_clip / (grad_norm + 1e-6)
+            for p in self.gpt.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        n = float(stats[6])
+        div = (lambda x: float(x) / n) if n else (lambda x: math.nan)
+        out = {"loss": float(stats[0]), "clipfrac_low": div(stats[1]), "clipfrac_high": div(stats[2]),
+               "clipfrac": div(stats[1] + stats[2]), "ratio_mean": div(stats[3]), "ratio_max": float(ratio_max),
+               "entropy": div(stats[4]), "ppo_kl": div(stats[5]), "n_tokens": n, "grad_norm": grad_norm,
+               "adv_mean": float(seq_adv.mean()), "reward_mean": float(rewards.mean()), "step": self.global_step}
+        if corr_metrics or self._correction is not None:
+            out.update({f"correction/{k}": v / n_corr if n_corr else math.nan for k, v in sorted(corr_metrics.items())})
+        return out
+
+    # ---- weights ----------------------------------------------------------------------------
+    def megatron_state_dict(self) -> dict:
+        """This rank's megatron-core weights (plain names, full precision under QAT)."""
+        from .qat import original_state_dict
+
+        return original_state_dict(self.gpt)
+
+    def full_state_dict(self, *, fused: bool = False) -> dict:
+        """Collective: full HF weights on every rank, checkpoint names (``fused``: transformers>=5 memory names)."""
+        from .mapping import gather_full, megatron_to_hf
+
+        return megatron_to_hf(gather_full(self.megatron_state_dict(), self.hf_config), self.hf_config, fused=fused)
