@@ -180,10 +180,12 @@ for _name, _pieces, _kw, _note in (
         ("+ vLLM's MLA formulation (absorbed, latent cache)", ("cpu_rope", "mla"), {},
          "q_lat = q_nope·W_UK, scores over the latent (c, k_pe), out = (P·c)·W_UV, at prompt "
          "and decoded positions (AMX_MLA absorbs prefill too)"),
-        ("+ vLLM's MoE numerics (bf16 gate, fp32 expert sum, scale after)",
-         ("cpu_rope", "mla", "router", "moe", "mlp"), {},
-         "gate logits rounded to bf16; Σ w·y in fp32, × routed_scaling_factor, + shared; "
-         "silu_and_mul rounded once"),
+        ("+ vLLM's silu_and_mul (dense MLP, shared expert)", ("cpu_rope", "mla", "mlp"), {},
+         "silu(g)·u formed in fp32 and rounded once, not three bf16 roundings"),
+        ("+ vLLM's gate (bf16 logits) and expert combine",
+         ("cpu_rope", "mla", "mlp", "router", "moe"), {},
+         "gate logits rounded to bf16; Σ w·y of the routed experts, × routed_scaling_factor, "
+         "+ shared"),
         ("+ R3 (router replay), on all of the above", ("cpu_rope", "mla", "router", "moe", "mlp"),
          dict(use_routes=True), "what is left: bf16 rounding order inside vLLM's kernels"),
 ):
