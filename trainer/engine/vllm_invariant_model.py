@@ -61,6 +61,7 @@ def engine_overrides(hf_config: dict, kv_cache=None) -> dict:
 
 
 class _SkyrlInvariantForCausalLM(nn.Module):
+    skyrl_invariant = True   # in-place weight updates go through load_weights (sync/vllm.py)
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__()
         from vllm.model_executor.layers.attention import Attention

@@ -69,7 +69,6 @@ class WeightSyncWorkerExtension:
 
         t0 = time.perf_counter()
         model = self.model_runner.get_model()
-        parked = _park_cpu_moe_kernels(model)
         names: list[str] = []
 
         def weights():
@@ -77,6 +76,13 @@ class WeightSyncWorkerExtension:
                 for name in f.keys():
                     names.append(name)
                     yield name, f.get_tensor(name)
+
+        if getattr(model, "skyrl_invariant", False):
+            # the batch-invariant model holds its weights under checkpoint names and copies them
+            # in place itself (vLLM's layerwise reload does not know its ParameterDict)
+            model.load_weights(weights())
+            return {"loaded": len(names), "seconds": time.perf_counter() - t0}
+        parked = _park_cpu_moe_kernels(model)
 
         try:
             self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
