@@ -210,23 +210,18 @@ def _mla_forward(opts: dict):
             k_rot = k_rot.view(B, 1, S, R)
             cos, sin = position_embeddings
             rpos = opts["rope_positions"](B, S, offset, dev) if opts["rope_positions"] else None
-            if opts["rope"] == "vllm":
-                pos = torch.arange(offset, offset + S, device=dev)
-                q_rot2 = _rotate_at(q_rot, pos.expand(B, q.shape[1], S), opts["rotary"],
-                                    cfg.rope_interleave)
-                k_rot = _rotate_at(k_rot, pos.expand(B, 1, S), opts["rotary"],
-                                   cfg.rope_interleave)
-                q_rot = q_rot2
-            elif cfg.rope_interleave:
-                q_rot_hf, k_rot = hf.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
-            else:
-                q_rot_hf, k_rot = hf.apply_rotary_pos_emb(q_rot, k_rot, cos, sin)
+            rotary, inter = opts["rotary"], cfg.rope_interleave
             if rpos is not None:       # vLLM CPU's rotary kernel on MLA's views (vllm_cpu_rope)
-                q_rot = _rotate_at(q_rot, rpos[:, :-1], opts["rotary"], cfg.rope_interleave)
-                k_rot = _rotate_at(ckv[..., L:].reshape(B, 1, S, R), rpos[:, -1:],
-                                   opts["rotary"], cfg.rope_interleave)
-            elif opts["rope"] != "vllm":
-                q_rot = q_rot_hf
+                q_rot = _rotate_at(q_rot, rpos[:, :-1], rotary, inter)
+                k_rot = _rotate_at(k_rot, rpos[:, -1:], rotary, inter)
+            elif opts["rope"] == "vllm":  # right positions, one rounding
+                pos = torch.arange(offset, offset + S, device=dev)
+                q_rot = _rotate_at(q_rot, pos.expand(B, q.shape[1], S), rotary, inter)
+                k_rot = _rotate_at(k_rot, pos.expand(B, 1, S), rotary, inter)
+            elif inter:
+                q_rot, k_rot = hf.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
+            else:
+                q_rot, k_rot = hf.apply_rotary_pos_emb(q_rot, k_rot, cos, sin)
             if past_key_values is not None:  # the cache holds the latents, as vLLM's does
                 c, k_rot = past_key_values.update(c, k_rot, self.layer_idx)
             if opts["formulation"] == "hf":   # HF's own expanded attention, unchanged

@@ -49,11 +49,12 @@ def test_absorbed_equals_expanded_in_fp64():
     assert (ab - ex).abs().max() < 1e-10
 
 
-@pytest.mark.parametrize("prefill", ["absorbed", "expanded"])
-def test_vllm_mla_is_exact_in_fp64(fp64, prefill):
+@pytest.mark.parametrize("prefill,rope", [("absorbed", "hf"), ("expanded", "hf"),
+                                          ("absorbed", "vllm")])
+def test_vllm_mla_is_exact_in_fp64(fp64, prefill, rope):
     ids = _ids()
     ref = _hidden(fp64, ids)
-    with A.vllm_style_mla(fp64, [5, 9], prefill=prefill):
+    with A.vllm_style_mla(fp64, [5, 9], prefill=prefill, rope=rope):
         got = _hidden(fp64, ids)
     assert (got - ref).abs().max() < 1e-10
 
