@@ -108,3 +108,42 @@ def test_qat_check_cli_reports_a_corrupted_scale(tmp_path, capsys):
     text = capsys.readouterr().out
     assert rc == 1 and "MISMATCH" in text.splitlines()[0], text
     assert "experts.0.down_proj.weight" in text and "DIFF" in text
+
+
+@pytest.mark.parametrize("edit", ["global_overflow", "block_scale_next"])
+def test_qat_check_cli_finite_scale_edits(tmp_path, capsys, edit):
+    """A scale changed to another *finite* value. Without --base, qat-check sees it only where the
+    dequantized weights cannot re-encode (here: a global scale of 1e38 overflows bf16); a block
+    scale moved to the next E4M3 value is a fixed point of dequantize -> re-encode and passes
+    (docs/quant.md). --base recomputes codes and scales from the base weights and fails both,
+    naming the tensor."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from skyrl_numerics.models import build_tiny_model
+    from skyrl_numerics.quant import write_quantized_checkpoint
+
+    src = build_tiny_model("qwen3_moe", cache_dir=tmp_path / "m", num_hidden_layers=1)
+    out = tmp_path / "q"
+    write_quantized_checkpoint(src, out, "modelopt_nvfp4", lambda n: ".experts.0." in n)
+    f = next(out.glob("*.safetensors"))
+    t = load_file(str(f))
+    name = next(k for k in t if k.endswith("experts.0.down_proj.weight"))
+    if edit == "global_overflow":
+        t[name + "_scale_2"] = torch.full_like(t[name + "_scale_2"], 1e38)
+    else:
+        s = t[name + "_scale"].view(torch.uint8).clone()
+        i = next(j for j in range(s.numel()) if 0 < int(s.view(-1)[j]) < 0x7E)
+        s.view(-1)[i] += 1
+        t[name + "_scale"] = s.view(torch.float8_e4m3fn)
+    save_file(t, str(f))
+    rc = main(["qat-check", str(out)])
+    text = capsys.readouterr().out
+    if edit == "global_overflow":
+        assert rc == 1 and "MISMATCH" in text.splitlines()[0], text
+        assert [ln.split()[0] for ln in text.splitlines()[1:] if "static DIFF" in ln] == [name], text
+    else:
+        assert rc == 0 and "OK" in text.splitlines()[0], text
+    rc = main(["qat-check", str(out), "--base", str(src)])
+    text = capsys.readouterr().out
+    assert rc == 1 and name in text, text
