@@ -2,6 +2,7 @@
 checkpoints; and (slow) a 2-process gloo FSDP2 step against the single-process step."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -206,13 +207,104 @@ def test_step_input_errors(batch):
 def test_batch_invariant_step(batch):
     """The step runs under batch_invariant_mode, forward and backward (MoE expert-weight grads go
     through the grouped-GEMM backward override), and the mode does not change what is computed
-    beyond rounding."""
+    beyond rounding: same loss and gradient norm as the plain step, and the update moves the
+    logprobs the same way."""
     r, rewards = batch
     t = FSDPTrainer(fp32_model(), TrainerConfig(batch_invariant=True))
+    p = FSDPTrainer(fp32_model(), TrainerConfig())
+    before = t.logprobs(r)
+    np.testing.assert_allclose(before, p.logprobs(r), atol=1e-5)
+    met, pmet = t.step(r, rewards), p.step(r, rewards)
+    assert met["loss"] == pytest.approx(pmet["loss"], rel=1e-5, abs=1e-7)
+    assert met["grad_norm"] == pytest.approx(pmet["grad_norm"], rel=1e-4) and met["grad_norm"] > 0
+    after = t.logprobs(r)
+    assert not np.array_equal(after, before)
+    np.testing.assert_allclose(after, p.logprobs(r), atol=1e-4)
+
+
+def _permuted(r: Rollout, order) -> Rollout:
+    """The same sequences in another order (other neighbours, other padding in a micro-batch)."""
+    order = list(order)
+    return Rollout.from_lists([r.prompt(i).tolist() for i in order], [r.response(i).tolist() for i in order],
+                              [r.logprobs(i).tolist() for i in order], group_ids=np.asarray(r.group_ids)[order],
+                              sampling=dict(r.sampling))
+
+
+def _per_seq(flat, r: Rollout) -> list:
+    cu = r.response_cu
+    return [flat[cu[i]:cu[i + 1]] for i in range(len(r))]
+
+
+def test_batch_invariant_logprobs_identical_for_any_micro_batch(batch):
+    """batch_invariant=True: every sequence's logprobs have the same bits whatever micro-batch it
+    shares (micro_batch_size 1, 3, 4, 8 = the whole trainer batch of 8; another row order, hence
+    other neighbours and padding), in the no-grad pass and in the differentiable forward the
+    update backpropagates; close to the plain forward."""
+    r, _ = batch
+    m = fp32_model()
+    runs = {mbs: FSDPTrainer(m, TrainerConfig(batch_invariant=True, micro_batch_size=mbs)).logprobs(r)
+            for mbs in (1, 3, 4, 8)}
+    for mbs in (3, 4, 8):
+        np.testing.assert_array_equal(runs[mbs], runs[1], err_msg=f"micro_batch_size {mbs}")
+    order = [6, 1, 7, 0, 3, 5, 2, 4]
+    pr = _permuted(r, order)
+    perm = FSDPTrainer(m, TrainerConfig(batch_invariant=True, micro_batch_size=3)).logprobs(pr)
+    base = _per_seq(runs[1], r)
+    for j, got in enumerate(_per_seq(perm, pr)):
+        np.testing.assert_array_equal(got, base[order[j]], err_msg=f"sequence {order[j]} at row {j}")
+    from skyrl_numerics.kernels import batch_invariant_mode
+    with batch_invariant_mode():
+        lp, _ = policy_logprobs(m, r)                      # one forward of all 8, with grad
+    assert lp.requires_grad
+    np.testing.assert_array_equal(lp.detach().numpy(), runs[1])
     plain = FSDPTrainer(fp32_model(), TrainerConfig()).logprobs(r)
-    np.testing.assert_allclose(t.logprobs(r), plain, atol=1e-5)
-    met = t.step(r, rewards)
-    assert np.isfinite(met["loss"]) and met["grad_norm"] > 0
+    np.testing.assert_allclose(runs[8], plain, atol=1e-5)
+
+
+def _step_capturing_input_grads(r, rewards, mbs):
+    """One batch-invariant step; returns (metrics, per-sequence gradient of the loss w.r.t. the
+    input embeddings of its tokens [len, H])."""
+    t = FSDPTrainer(fp32_model(), TrainerConfig(batch_invariant=True, micro_batch_size=mbs, grad_clip=None))
+    grads = []
+
+    def hook(_mod, _inp, out):
+        if out.requires_grad:
+            out.register_hook(lambda g: grads.append(g.detach().clone()))
+
+    handle = t.model.get_input_embeddings().register_forward_hook(hook)
+    try:
+        met = t.step(r, rewards)
+    finally:
+        handle.remove()
+    lens = r.prompt_lens + r.response_lens
+    per_seq = []
+    for j, g in enumerate(grads):                 # micro-batches in order: rows j*mbs ... (one rank)
+        for b in range(g.shape[0]):
+            i = j * mbs + b
+            per_seq.append(g[b, :lens[i]])
+    assert len(per_seq) == len(r)
+    return met, per_seq
+
+
+def test_batch_invariant_step_gradient_contributions_identical(batch):
+    """batch_invariant=True, trainer batch of 8: each sequence's contribution to the update's
+    backward — the gradient w.r.t. its input embeddings, token by token — has the same bits for
+    micro_batch_size 1, 3 and 8 (a row of every GEMM depends on that row only: forward and
+    backward go through the mode). The summed parameter gradients are sums over micro-batches
+    and tokens in another association, so they (and the loss) agree to rounding only; without
+    the mode the per-token gradients differ already (not asserted: machine dependent)."""
+    r, rewards = batch
+    runs = {mbs: _step_capturing_input_grads(r, rewards, mbs) for mbs in (1, 3, 8)}
+    met1, g1 = runs[1]
+    assert met1["n_tokens"] == r.num_response_tokens and met1["grad_norm"] > 0
+    assert all(float(g.abs().sum()) > 0 for g in g1)
+    for mbs in (3, 8):
+        met, g = runs[mbs]
+        for i in range(len(r)):
+            assert torch.equal(g[i], g1[i]), f"micro_batch_size {mbs}, sequence {i}"
+        assert met["loss"] == pytest.approx(met1["loss"], rel=1e-5)
+        assert met["grad_norm"] == pytest.approx(met1["grad_norm"], rel=1e-5)
+        assert met["n_tokens"] == met1["n_tokens"] and met["ratio_mean"] == 1.0
 
 
 def test_qat_recipe_wraps_experts_and_trains(batch):
@@ -341,15 +433,43 @@ def _worker(rank, world, r, rewards, out_dir):
         torch.save(res, os.path.join(out_dir, "rank0.pt"))
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch on ``n`` threads inside the block; the previous count is restored afterwards."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test (as the spawned ranks run); later tests keep the session's."""
+    with torch_threads(1):
+        yield
+
+
+def test_torch_threads_restores_the_count():
+    n = torch.get_num_threads()
+    with torch_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == n
+    with pytest.raises(ValueError), torch_threads(1):
+        raise ValueError("boom")
+    assert torch.get_num_threads() == n
+
+
 @pytest.mark.slow
-def test_fsdp2_two_processes_equal_single_process(batch, tmp_path):
+def test_fsdp2_two_processes_equal_single_process(batch, tmp_path, one_thread):
     from skyrl_numerics.trainer.dist import spawn
 
     r, rewards = batch
     spawn(_worker, 2, r, rewards, str(tmp_path), timeout=600)
     got = torch.load(tmp_path / "rank0.pt", weights_only=False)
     assert got["ckpt_equal"]
-    torch.set_num_threads(1)  # the ranks ran with one thread each; match their kernels
+    # the ranks ran with one thread each; the single-process reference below does too (one_thread)
     for name, kw in SCEN.items():
         t = FSDPTrainer(fp32_model(), TrainerConfig(**kw))
         met = t.step(r, rewards, old_logprobs=_stale(r) if name == "B" else None)
