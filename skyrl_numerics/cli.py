@@ -1,6 +1,6 @@
 """``skyrl-numerics`` command line.
 
-    skyrl-numerics doctor [--family qwen3_moe] [--prompts 8] [--max-tokens 64] [--out DIR]
+    skyrl-numerics doctor [--family qwen3_moe | --model DIR] [--prompts-file F] [--out DIR]
     skyrl-numerics gap FILE [--out DIR]
     skyrl-numerics qat-check QUANT_DIR [--base BASE_DIR] [--json FILE]
     skyrl-numerics train [--family F] [--configs plain,aligned,bitwise] [--steps 5] [--ray]
@@ -18,31 +18,133 @@ from skyrl_numerics.errors import InputError
 EXIT_BAD_INPUT = 2
 
 
-def _console():
+def _console(file=None):
     from rich.console import Console
 
+    file = file if file is not None else sys.stdout
+    try:
+        tty = file.isatty()
+    except Exception:
+        tty = False
     # Piped output (CI logs, files) gets a wide table rather than rich's 80-column default.
-    return Console() if sys.stdout.isatty() else Console(width=220)
+    return Console(file=file) if tty else Console(file=file, width=220)
+
+
+def _engine_log(args):
+    """vLLM's output -> a log kept as OUT/vllm.log, unless --verbose (trainer/engine/quiet.py)."""
+    from skyrl_numerics.trainer.engine.quiet import EngineLog
+
+    return EngineLog(verbose=getattr(args, "verbose", False))
+
+
+def _parse_engine_args(pairs) -> dict:
+    """``KEY=VALUE`` pairs; VALUE is JSON when it parses (numbers, true/false, lists, objects,
+    quoted strings), else the plain string."""
+    import json
+
+    out = {}
+    for i, pair in enumerate(pairs or []):
+        key, eq, val = pair.partition("=")
+        key = key.strip().replace("-", "_")
+        if not eq or not key.isidentifier():
+            raise InputError(f"expected KEY=VALUE, got {pair!r}", field="engine-arg", index=i)
+        try:
+            out[key] = json.loads(val)
+        except ValueError:
+            out[key] = val
+    return out
+
+
+def _doctor_checks(args, ekw: dict, max_model_len: int):
+    """``check(ckpt, rows) -> prompts | None`` for :func:`run_doctor`, before any engine starts:
+    memory (the engine copy of the weights + the trainer copies the rows load) and the prompts."""
+    from skyrl_numerics.model_check import check_memory, dtype_bytes, load_prompts_file
+
+    def check(ckpt, rows):
+        engine_dtype = ekw.get("dtype", "bfloat16")
+        if engine_dtype == "auto":
+            engine_dtype = ckpt.stored_dtype
+        trainer_dtype = args.dtype if args.dtype not in (None, "auto") else ckpt.stored_dtype
+        copies = {f"engine {engine_dtype}": dtype_bytes(engine_dtype, "--dtype"),
+                  f"trainer {trainer_dtype}": dtype_bytes(trainer_dtype, "--dtype")}
+        if any("fp32" in r.name for r in rows) and trainer_dtype != "float32":
+            copies["trainer float32"] = 4
+        check_memory(ckpt, copies)
+        if args.prompts_file:
+            return load_prompts_file(args.prompts_file, ckpt, max_tokens=args.max_tokens,
+                                     max_model_len=max_model_len)
+        if args.prompt_len + args.max_tokens > max_model_len:
+            raise InputError(f"--prompt-len {args.prompt_len} + --max-tokens {args.max_tokens} "
+                             f"exceeds max_model_len {max_model_len}", field="max-tokens")
+        return None
+    return check
 
 
 def _cmd_doctor(args) -> int:
+    import json
+
     from skyrl_numerics.doctor import run_doctor
     from skyrl_numerics.report import render_table, write_json, write_plot
 
-    console = _console()
-    res = run_doctor(family=args.family, n_prompts=args.prompts, prompt_len=args.prompt_len,
-                     max_tokens=args.max_tokens, seed=args.seed, rows=args.row or None,
-                     progress=not args.no_progress)
-    title = (f"trainer vs {res.engine} {res.engine_version} — tiny {args.family}, "
-             f"{args.prompts}×{args.max_tokens} tokens")
-    render_table(res.rows, title, console)
+    if args.model and args.family:
+        raise InputError("give --model DIR or --family NAME, not both", field="model")
+    if args.prompts < 1 or args.max_tokens < 1 or args.prompt_len < 1:
+        raise InputError("--prompts, --prompt-len and --max-tokens must be >= 1", field="prompts")
+    family = args.family or "qwen3_moe"
+    ekw = _parse_engine_args(args.engine_arg)
+    for key, val in (("dtype", args.dtype), ("max_model_len", args.max_model_len),
+                     ("tensor_parallel_size", args.tensor_parallel_size)):
+        if val is not None:
+            ekw[key] = val
+    max_model_len = ekw.get("max_model_len", 1024)
+    if args.model:
+        try:
+            cfg = json.loads((Path(args.model) / "config.json").read_text())
+            cfg = cfg if isinstance(cfg, dict) else {}
+        except Exception:
+            cfg = {}  # inspect_checkpoint names the problem
+        # a user's checkpoint runs in its stored dtype unless told (vLLM's "auto" would serve an
+        # fp32 checkpoint in bf16 against an fp32 trainer)
+        stored = str(cfg.get("torch_dtype") or cfg.get("dtype") or "auto").replace("torch.", "")
+        ekw.setdefault("dtype", stored if stored in ("bfloat16", "float16", "float32") else "auto")
+        mpe = cfg.get("max_position_embeddings")
+        if "max_model_len" not in ekw and isinstance(mpe, int) and 0 < mpe < max_model_len:
+            max_model_len = ekw["max_model_len"] = mpe
+    trainer_dtype = args.dtype if args.dtype != "auto" else None
     out = Path(args.out)
-    write_json(out / "report.json", res.to_dict())
-    write_plot(out / "gap.png", res.rows, title)
-    for name, ro in res.rollouts.items():
-        ro.save(out / f"rollout-{name.replace('/', '_')}.safetensors")
-    console.print(f"wrote {out / 'report.json'}, {out / 'gap.png'}")
-    return 0
+    with _engine_log(args) as elog:
+        console = _console(elog.terminal)
+        try:
+            res = run_doctor(family=family, n_prompts=args.prompts, prompt_len=args.prompt_len,
+                             max_tokens=args.max_tokens, seed=args.seed, rows=args.row or None,
+                             progress=not args.no_progress, model_dir=args.model,
+                             engine_args=ekw, dtype=trainer_dtype,
+                             check=_doctor_checks(args, ekw, max_model_len))
+        except InputError:
+            raise   # bad input: one line, nothing written (the log is dropped)
+        except BaseException:
+            if not elog.verbose:
+                console.print(f"doctor failed; vLLM log: {elog.keep(out / 'vllm.log')}")
+            raise
+        m = res.model
+        who = (f"tiny {family}" if not args.model else
+               f"{m['architecture']} at {m['path']} (config {m['config_hash']})")
+        title = (f"trainer vs {res.engine} {res.engine_version} — {who}, "
+                 f"{res.settings['n_prompts']}×{args.max_tokens} tokens")
+        render_table(res.rows, title, console)
+        write_json(out / "report.json", res.to_dict())
+        wrote = [out / "report.json"]
+        measured = [r for r in res.rows if r.extra.get("status") == "measured"]
+        if measured:
+            write_plot(out / "gap.png", measured, title)
+            wrote.append(out / "gap.png")
+        for name, ro in res.rollouts.items():
+            ro.save(out / f"rollout-{name.replace('/', '_')}.safetensors")
+        if not elog.verbose:
+            wrote.append(elog.keep(out / "vllm.log"))
+        console.print("wrote " + ", ".join(str(p) for p in wrote))
+    failed = [r.name for r in res.rows if str(r.extra.get("status", "")).startswith("failed")]
+    return 1 if failed else 0
 
 
 def _cmd_gap(args) -> int:
@@ -95,9 +197,18 @@ def _cmd_train(args) -> int:
         configs = [dataclasses.replace(c, kv_cache=args.kv_cache) if c.bitwise else c
                    for c in configs]
     out = Path(args.out)
-    res = run_loop(build_tiny_model(args.family, seed=args.seed), configs,
-                   settings, use_ray=args.ray, work_dir=out / "sync",
-                   progress=not args.no_progress)
+    with _engine_log(args) as elog:
+        try:
+            res = run_loop(build_tiny_model(args.family, seed=args.seed), configs,
+                           settings, use_ray=args.ray, work_dir=out / "sync",
+                           progress=not args.no_progress)
+        except InputError:
+            raise
+        except BaseException:
+            if not elog.verbose:
+                print(f"train failed; vLLM log: {elog.keep(out / 'vllm.log')}", file=elog.terminal)
+            raise
+        log_path = None if elog.verbose else elog.keep(out / "vllm.log")
     console = _console()
     from rich.table import Table
 
@@ -117,7 +228,8 @@ def _cmd_train(args) -> int:
     console.print(t)
     write_json(out / "train.json", res.to_dict())
     write_loop_plot(out / "train.png", res)
-    console.print(f"wrote {out / 'train.json'}, {out / 'train.png'}")
+    console.print(f"wrote {out / 'train.json'}, {out / 'train.png'}"
+                  + (f", {log_path}" if log_path else ""))
     return 0
 
 
@@ -151,7 +263,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("doctor", help="measure the trainer-vLLM gap on a tiny MoE, as an "
                                       "ablation table")
-    d.add_argument("--family", default="qwen3_moe", choices=["qwen3_moe", "deepseek_v3"])
+    d.add_argument("--family", default=None, choices=["qwen3_moe", "deepseek_v3"],
+                   help="build and run this tiny model (default qwen3_moe)")
+    d.add_argument("--model", default=None, metavar="DIR",
+                   help="your own Hugging Face checkpoint directory (MoE or dense); rows that do "
+                        "not apply are listed as skipped with the reason")
+    d.add_argument("--dtype", default=None, choices=["auto", "bfloat16", "float16", "float32"],
+                   help="engine and trainer dtype (default: tiny models bfloat16, --model the "
+                        "stored dtype)")
+    d.add_argument("--max-model-len", type=int, default=None)
+    d.add_argument("--tensor-parallel-size", type=int, default=None, help="vLLM TP (GPU)")
+    d.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="any vllm.LLM argument, VALUE parsed as JSON (repeatable)")
+    d.add_argument("--prompts-file", default=None, metavar="JSONL",
+                   help='one prompt per line: a list of token ids, {"prompt_token_ids": [...]}, or '
+                        'text ("..." / {"prompt": ...}) when the checkpoint has a tokenizer; '
+                        "default: --prompts seeded random ids of --prompt-len")
     d.add_argument("--prompts", type=int, default=8)
     d.add_argument("--prompt-len", type=int, default=16)
     d.add_argument("--max-tokens", type=int, default=64)
@@ -159,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--row", action="append", help="only this row (repeatable)")
     d.add_argument("--out", default="artifacts/doctor")
     d.add_argument("--no-progress", action="store_true")
+    d.add_argument("--verbose", action="store_true",
+                   help="show vLLM's logs here instead of writing them to OUT/vllm.log")
     d.set_defaults(func=_cmd_doctor)
 
     g = sub.add_parser("gap", help="gap report for a rollout dump with trainer logprobs")
@@ -206,6 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one-step off-policy: generate step s+1 while step s trains")
     t.add_argument("--out", default="artifacts/train")
     t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--verbose", action="store_true",
+                   help="show vLLM's logs here instead of writing them to OUT/vllm.log")
     t.set_defaults(func=_cmd_train)
     return p
 

@@ -111,9 +111,13 @@ class VLLMGenerator:
         """Sample ``n`` responses per prompt; return them as a ``Rollout`` (rows grouped by prompt).
 
         ``seed``: request ``i`` uses ``seed + i`` so runs repeat and prompts differ.
-        ``capture_support``: record each token's sampled support from the processed top-k logprobs
-        (entries at -inf are outside the support). Needs ``top_k > 1``: vLLM CPU returns only the
-        top ``logprobs`` entries, so the support must be bounded by ``top_k`` to be captured whole.
+        ``capture_support``: record each token's sampled support. With ``1 < top_k <
+        max_logprobs`` it is read from the processed top-k logprobs (entries at -inf are outside
+        the support; the support is bounded by ``top_k``, so it comes back whole). Otherwise
+        (top-p alone, or a top-k larger than ``max_logprobs``) it is captured inside the engine:
+        a worker-side hook on vLLM's top-k/top-p sampler records the set the sampler kept
+        (``vllm_ext._SupportStore``), stored sparse in ``PackedSupport``. Needs some truncation
+        (``top_k > 0`` or ``top_p < 1``) and ``temperature > 0``.
         """
         from vllm import SamplingParams
 
@@ -129,14 +133,20 @@ class VLLMGenerator:
             if len(p) + max_tokens > self.max_model_len:
                 raise InputError(f"prompt ({len(p)}) + max_tokens ({max_tokens}) exceeds "
                                  f"max_model_len {self.max_model_len}", row=i, field="prompts")
-        if capture_support and not 1 < top_k < self.max_logprobs:
-            raise InputError(f"capture_support needs 1 < top_k < max_logprobs "
-                             f"({self.max_logprobs}): the support is read from the top "
-                             "processed logprobs", field="top_k")
+        in_engine = capture_support and not 1 < top_k < self.max_logprobs
+        if in_engine and top_k <= 0 and top_p >= 1.0:
+            raise InputError("capture_support with neither top_k nor top_p < 1: the support is the "
+                             "whole vocabulary (nothing to capture)", field="top_k")
+        if in_engine and temperature <= 0:
+            raise InputError("capture_support needs temperature > 0 (greedy sampling has no "
+                             "support set)", field="temperature")
+        if in_engine:
+            self._start_support_capture()
         # More entries than top_k: vLLM's top-k keeps every token tied with the k-th logit (bf16
         # logits tie often), so the support can exceed k. At least one returned entry must come
         # back at -inf, proving the support ended inside what was returned.
-        n_logprobs = min(2 * top_k + 1, self.max_logprobs) if capture_support else 0
+        n_logprobs = (min(2 * top_k + 1, self.max_logprobs) if capture_support and not in_engine
+                      else 0)
         params = []
         for i in range(len(prompts)):
             kw = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n,
@@ -159,7 +169,7 @@ class VLLMGenerator:
                 lps = []
                 for j, (tok, d) in enumerate(zip(toks, comp.logprobs)):
                     lps.append(d[tok].logprob)
-                    if capture_support:
+                    if capture_support and not in_engine:
                         topk_rows.append({int(k): v.logprob for k, v in d.items()})
                 p_rows.append(list(out.prompt_token_ids))
                 r_rows.append(toks)
@@ -167,7 +177,11 @@ class VLLMGenerator:
                 groups.append(i)
         routes = self._fetch_routes(outputs, n, p_rows, r_rows) if self.route_info else None
         support = None
-        if capture_support:
+        if in_engine:
+            support = self._fetch_support(outputs, n, p_rows, r_rows)
+        elif getattr(self, "_support_hooked", False):  # hooked earlier: drop this call's records
+            self.llm.collective_rpc("skyrl_support_capture_fetch", args=([], [], []))
+        elif capture_support:
             from skyrl_numerics.replay import PackedSupport
 
             support = PackedSupport.from_topk_logprobs(topk_rows, requested=n_logprobs,
@@ -181,6 +195,46 @@ class VLLMGenerator:
         return Rollout.from_lists(p_rows, r_rows, lp_rows, group_ids=np.asarray(groups),
                                   routes=routes, support=support, sampling=sampling, engine=self.info.name,
                                   engine_version=self.info.version, meta=meta)
+
+    def _start_support_capture(self) -> None:
+        if not getattr(self, "_support_hooked", False):
+            self.llm.collective_rpc("skyrl_support_capture_start")
+            self._support_hooked = True
+        else:  # drop anything a previous call left (e.g. an interrupted generate)
+            self.llm.collective_rpc("skyrl_support_capture_fetch", args=([], [], []))
+
+    def _fetch_support(self, outputs, n: int, p_rows, r_rows):
+        """The supports the engine's sampler kept, for every response token, as PackedSupport."""
+        from skyrl_numerics.replay import PackedSupport
+
+        ext = [out.request_id if n == 1 else f"{j}_{out.request_id}"
+               for out in outputs for j in range(len(out.outputs))]
+        starts = [len(p) for p in p_rows]
+        lengths = [len(r) for r in r_rows]
+        got = self.llm.collective_rpc("skyrl_support_capture_fetch",
+                                      args=(ext, starts, lengths))[0]
+        ids, offs = [], [np.zeros(1, np.int64)]
+        base = 0
+        for i, g in enumerate(got):
+            if g is None:
+                raise RuntimeError(f"support capture: nothing recorded for sample {i} "
+                                   f"(request {ext[i]})")
+            if not isinstance(g, dict):
+                raise RuntimeError(f"support capture: sample {i} misses position {g[1]}")
+            a = np.frombuffer(g["ids"], dtype=np.int32)
+            o = np.frombuffer(g["offsets"], dtype=np.int64)
+            ids.append(a)
+            offs.append(o[1:] + base)
+            base += a.size
+        support = PackedSupport(np.concatenate(ids) if ids else np.zeros(0, np.int32),
+                                np.concatenate(offs), vocab_size=self.vocab_size)
+        resp = np.concatenate([np.asarray(r, np.int64) for r in r_rows]) if r_rows else np.zeros(0)
+        inside = support.contains(resp)
+        if not inside.all():
+            j = int(np.argmin(inside))
+            raise RuntimeError(f"support capture: response token {j} (id {int(resp[j])}) is not "
+                               "in the support recorded for it")
+        return support
 
     def _fetch_routes(self, outputs, n: int, p_rows, r_rows):
         """Routes recorded inside the engine for each returned sample, as PackedRoutes."""

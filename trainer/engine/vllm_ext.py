@@ -165,6 +165,76 @@ class _RouteStore:
         self.filled.clear()
 
 
+class _SupportStore:
+    """The support the sampler kept, per request and sampled position (top-p / top-k capture).
+
+    Installed around the runner's ``sampler.topk_topp_sampler.forward`` (an instance attribute
+    vLLM picks per platform): that call receives the temperature-scaled logits of every request
+    in the batch (row ``b`` = ``input_batch`` order) with its ``k`` / ``p`` and returns the
+    sampled ids and, in ``processed_logprobs`` mode, the log-softmax of the truncated logits:
+    ``-inf`` exactly outside the support the token was drawn from. The support is read from those
+    (other modes: from ``apply_top_k_top_p`` on a copy of the logits), as sorted int32 ids.
+    Row ``b``'s token is the one at position ``positions[query_start_loc[b+1] - 1] + 1``; rows of
+    a partial prefill chunk land on prompt positions, which no fetch asks for (vLLM discards
+    those samples).
+    """
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.rows: dict[str, dict[int, np.ndarray]] = {}   # internal req id -> pos -> ids
+
+    def capture(self, logits, k, p, processed) -> None:
+        import torch
+
+        r = self.runner
+        ib = r.input_batch
+        n = ib.num_reqs
+        if processed is None:  # not a processed_* logprobs mode: logits is an untouched copy
+            from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+            processed = apply_top_k_top_p(logits, k, p)
+        if processed.shape[0] != n:
+            raise RuntimeError(f"support capture: {processed.shape[0]} sampled rows for {n} "
+                               "requests (speculative decoding is not supported)")
+        qsl = np.asarray(r.query_start_loc.np[: n + 1], dtype=np.int64)
+        pos = r.positions[: int(qsl[-1])].cpu().numpy().astype(np.int64)[qsl[1:] - 1] + 1
+        nz = torch.isfinite(processed).nonzero().cpu().numpy()
+        counts = np.bincount(nz[:, 0], minlength=n)
+        ids = nz[:, 1].astype(np.int32)
+        for b, (req, chunk) in enumerate(zip(ib.req_ids[:n], np.split(ids, np.cumsum(counts)[:-1]))):
+            self.rows.setdefault(req, {})[int(pos[b])] = chunk
+
+    def fetch(self, external_ids: list[str], starts: list[int], lengths: list[int]) -> list:
+        """Supports of positions ``start .. start + length - 1`` per external request id, as
+        ``{ids, offsets}`` bytes (int32 ids, int64 CSR offsets); ``None`` for an unknown request,
+        ``("missing", position)`` where a position was not sampled under capture."""
+        by_ext = {req.rsplit("-", 1)[0]: req for req in self.rows}
+        out = []
+        for ext, start, length in zip(external_ids, starts, lengths):
+            req = by_ext.get(ext)
+            if req is None:
+                out.append(None)
+                continue
+            got = self.rows[req]
+            rows = []
+            for q in range(start, start + length):
+                if q not in got:
+                    rows = ("missing", q)
+                    break
+                rows.append(got[q])
+            if isinstance(rows, tuple):
+                out.append(rows)
+                continue
+            off = np.zeros(len(rows) + 1, dtype=np.int64)
+            np.cumsum([len(x) for x in rows], out=off[1:])
+            ids = np.concatenate(rows) if rows else np.zeros(0, np.int32)
+            out.append({"ids": ids.astype(np.int32).tobytes(), "offsets": off.tobytes()})
+        return out
+
+    def clear(self) -> None:
+        self.rows.clear()
+
+
 class SkyrlWorkerExtension(WeightSyncWorkerExtension):
     """Methods vLLM mixes into its worker (``worker_extension_cls``): route capture here, in-place
     weight loading from :class:`~skyrl_numerics.trainer.sync.vllm.WeightSyncWorkerExtension`
@@ -219,3 +289,40 @@ class SkyrlWorkerExtension(WeightSyncWorkerExtension):
             return
         self._skyrl_route_unhook()
         self._skyrl_routes = None
+
+    # ---- support capture (top-p / top-k: the set the sampler kept) -----------------------
+    def skyrl_support_capture_start(self) -> bool:
+        """Wrap the runner's top-k/top-p sampler so every sampled token's support is recorded
+        (:class:`_SupportStore`). Idempotent; returns True once installed."""
+        if getattr(self, "_skyrl_support", None) is not None:
+            return True
+        tts = self.model_runner.sampler.topk_topp_sampler
+        orig = tts.forward
+        store = _SupportStore(self.model_runner)
+
+        def forward(logits, generators, k, p):
+            # processed_logprobs / processed_logits return the truncated distribution itself;
+            # otherwise keep a copy of the logits (the sampler may mask them in place)
+            keep = None if tts.logprobs_mode.startswith("processed") else logits.clone()
+            sampled, processed = orig(logits, generators, k, p)
+            store.capture(keep, k, p, processed)
+            return sampled, processed
+
+        tts.forward = forward
+        self._skyrl_support = store
+        self._skyrl_support_unhook = lambda: setattr(tts, "forward", orig)
+        return True
+
+    def skyrl_support_capture_fetch(self, external_ids: list[str], starts: list[int],
+                                    lengths: list[int], clear: bool = True) -> list:
+        store = self._skyrl_support
+        out = store.fetch(external_ids, starts, lengths)
+        if clear:
+            store.clear()
+        return out
+
+    def skyrl_support_capture_stop(self) -> None:
+        if getattr(self, "_skyrl_support", None) is None:
+            return
+        self._skyrl_support_unhook()
+        self._skyrl_support = None
