@@ -195,16 +195,20 @@ class MegatronTrainer:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
+        from .mapping import _tp_dim
+
         edp = ps.get_expert_data_parallel_group()
         sq_rep = sq_tp = sq_ep = 0.0
         for name, p in self.gpt.named_parameters():
             if p.grad is None:
                 continue
+            # by name: megatron sets ``tensor_model_parallel`` only when it initializes the weight itself
+            name = name.replace("parametrizations.", "").replace(".original", "")
             if ".mlp.experts." in name:
                 if dist.get_world_size(edp) > 1:
                     dist.all_reduce(p.grad, group=edp)
                 sq_ep += float(p.grad.double().square().sum())
-            elif getattr(p, "tensor_model_parallel", False) and self.tp > 1:
+            elif _tp_dim(name) is not None and self.tp > 1:
                 sq_tp += float(p.grad.double().square().sum())
             else:
                 if self.tp > 1:

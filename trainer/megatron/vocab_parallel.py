@@ -137,12 +137,13 @@ class _VocabParallel(torch.autograd.Function):
         g_ent = torch.zeros(n, dtype=acc, device=hidden.device) if g_ent is None else g_ent.to(acc)
         hf = hidden.to(acc)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dh = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
         dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         Vr = weight.shape[0] // len(ctx.starts)
+        dh_parts = []  # one partial per partition, summed in rank order: what the TP reduction does
         for j, start in enumerate(ctx.starts):
             w = weight[j * Vr:(j + 1) * Vr]
             tl = targets - start
+            dh = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
             for lo in range(0, Vr, ctx.chunk):
                 hi = min(Vr, lo + ctx.chunk)
                 zr, z = _chunk(hf, w, lo, hi, ctx.indices[j], n)
@@ -156,6 +157,12 @@ class _VocabParallel(torch.autograd.Function):
                     dh += dz @ w[lo:hi].to(acc)
                 if need_w:
                     dw[j * Vr + lo:j * Vr + hi] = dz.T @ hf
+            dh_parts.append(dh)
+        dh = None
+        if need_h:
+            dh = dh_parts[0]
+            for part in dh_parts[1:]:
+                dh = dh + part
         return (None if dh is None else dh.to(hidden.dtype), None if dw is None else dw.to(weight.dtype),
                 None, None, None, None, None)
 
