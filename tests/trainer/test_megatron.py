@@ -195,3 +195,50 @@ def test_bad_parallel_config_is_refused(qwen_moe_dir, over, tp, ep, field, match
     with pytest.raises(InputError, match=match) as e:
         check_parallel_config(cfg, tp, ep)
     assert e.value.field == field
+
+
+# ---- grouped experts (legacy GroupedMLP, bf16) and QAT on them -------------------------------
+@pytest.mark.slow
+def test_grouped_experts_forward_and_qat(group, qwen_moe_dir, hf_sd):
+    from skyrl_numerics.quant import fake_quant
+    from skyrl_numerics.trainer.fsdp.trainer import TrainerConfig
+    from skyrl_numerics.trainer.megatron.trainer import MegatronTrainer
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 512, (2, 8))
+    out = {}
+    for grouped in (False, True):
+        t = MegatronTrainer(qwen_moe_dir, TrainerConfig(qat="nvfp4" if grouped else None), dtype=torch.bfloat16,
+                            grouped_experts=grouped)
+        try:
+            with torch.no_grad():
+                out[grouped] = t.policy.hidden(ids).float()
+            if grouped:
+                calls = __import__("skyrl_numerics.trainer.megatron.compat", fromlist=["x"]).calls()
+                experts = t.gpt.decoder.layers[1].mlp.experts
+                assert type(experts).__name__ == "ParametrizedGroupedMLP"  # torch parametrize subclasses it
+                f = 64
+                w1 = experts.weight1.detach().reshape(8, 128, 2 * f)   # parametrized read: fake-quantized
+                w2 = experts.weight2.detach().reshape(8, f, 128)
+                for e in range(8):
+                    p = f"model.layers.1.mlp.experts.{e}."
+                    gate = fake_quant(hf_sd[p + "gate_proj.weight"].bfloat16(), "nvfp4")
+                    up = fake_quant(hf_sd[p + "up_proj.weight"].bfloat16(), "nvfp4")
+                    down = fake_quant(hf_sd[p + "down_proj.weight"].bfloat16(), "nvfp4")
+                    assert torch.equal(w1[e].t(), torch.cat([gate, up])) and torch.equal(w2[e].t(), down), e
+                with torch.no_grad():
+                    out["qat"] = t.policy.hidden(ids).float()
+        finally:
+            t.close()
+    assert calls.get("gmm", 0) > 0  # the legacy GroupedMLP ran through the CPU grouped GEMM
+    # the grouped run has QAT on (its forward is the fake-quantized model): compare the plain sequential
+    # bf16 run with a grouped run without QAT instead
+    t = MegatronTrainer(qwen_moe_dir, TrainerConfig(), dtype=torch.bfloat16, grouped_experts=True)
+    try:
+        with torch.no_grad():
+            plain_grouped = t.policy.hidden(ids).float()
+    finally:
+        t.close()
+    d = (plain_grouped - out[False]).abs().max().item()
+    assert d <= 0.05, d  # bf16: expert GEMMs per expert either way, different layouts
+    assert (out["qat"] - plain_grouped).abs().max().item() > 0  # the fake-quant changes the forward
