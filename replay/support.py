@@ -20,6 +20,12 @@ entries; ``top_k=4, logprobs=1`` gives only the top-1 and the sampled token (sup
 ``top_k=1`` gives the sampled token alone at logprob ``0.0`` -- a one-token support whose renormalized
 logprob is identically 0 and carries no gradient, so support replay needs ``top_k > 1`` (and
 ``logprobs > top_k``).
+
+Top-p alone (no size bound; thousands of ids over a 150k vocabulary) is captured inside the engine
+instead: a worker-side hook on vLLM's top-k/top-p sampler records, per sampled token, the ids whose
+processed logprob is finite (``trainer/engine/vllm_ext.py``, ``_SupportStore``), and the generator builds
+the CSR arrays directly. Memory: 4 B per kept id + 8 B per token (offsets), against ``V`` bytes per token
+for a dense bool mask (``V / 8`` bit-packed): :meth:`dense_mask_nbytes`.
 """
 from __future__ import annotations
 
@@ -133,6 +139,14 @@ class PackedSupport:
     @property
     def nbytes(self) -> int:
         return self.token_ids.nbytes + self.offsets.nbytes
+
+    def dense_mask_nbytes(self, vocab_size: int | None = None, *, bits: bool = False) -> int:
+        """Bytes a dense ``[N, V]`` mask of the same supports takes: bool (``N * V``) or bit-packed
+        (``N * ceil(V / 8)``), to compare with :attr:`nbytes`."""
+        V = vocab_size if vocab_size is not None else self.vocab_size
+        if V is None:
+            raise InputError("vocab_size unknown: pass it", field="vocab_size")
+        return self.num_tokens * (-(-int(V) // 8) if bits else int(V))
 
     def __len__(self) -> int:
         return self.num_tokens

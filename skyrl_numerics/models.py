@@ -1,12 +1,15 @@
 """Tiny seeded random-weight HF checkpoints, built on disk (no downloads), cached by config hash.
 
-Two families cover the routing styles that matter for trainer/engine alignment:
+Three families cover the routing styles that matter for trainer/engine alignment:
 
 - ``qwen3_moe``   Qwen3-MoE: GQA attention (head_dim 64 — vLLM CPU attention needs 64), softmax
                   top-k routing over several experts.
 - ``deepseek_v3`` DeepSeek-V3 style: MLA attention (q/kv LoRA ranks, decoupled RoPE), one shared
                   expert, sigmoid scores + ``e_score_correction_bias`` with group-limited top-k
                   (``topk_method="noaux_tc"``, which vLLM CPU needs), a dense first layer.
+- ``mixtral``     Mixtral: GQA attention, every layer an MoE (``num_local_experts``), softmax over
+                  all experts then top-k renormalized in fp32; no shared expert, no norm on q/k.
+                  Its experts are stored as ``block_sparse_moe.experts.<e>.w1/w2/w3``.
 
 ``build_tiny_model(family, seed=..., dtype=..., **overrides) -> Path`` returns a directory with
 ``config.json`` + ``model.safetensors`` that both HF transformers and vLLM load. The directory name
@@ -26,7 +29,7 @@ from .atomic import atomic_dir
 # Bump when the way checkpoints are produced changes, so stale caches are not reused.
 _FORMAT_VERSION = 1
 
-FAMILIES = ("qwen3_moe", "deepseek_v3")
+FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral")
 
 _BASE: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(
@@ -85,6 +88,29 @@ _BASE: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
         initializer_range=0.05,
         num_nextn_predict_layers=0,
+        bos_token_id=0,
+        eos_token_id=1,
+    ),
+    "mixtral": dict(
+        architectures=["MixtralForCausalLM"],
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=64,        # Mixtral's expert width (every MLP is an MoE)
+        num_hidden_layers=2,
+        num_attention_heads=2,       # head_dim = hidden / heads = 64 (vLLM CPU attention)
+        num_key_value_heads=1,
+        head_dim=64,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        router_jitter_noise=0.0,
+        router_aux_loss_coef=0.0,
+        output_router_logits=False,
+        sliding_window=None,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        initializer_range=0.05,
         bos_token_id=0,
         eos_token_id=1,
     ),

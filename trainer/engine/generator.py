@@ -106,7 +106,7 @@ class VLLMGenerator:
     # ---------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], *, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, max_tokens: int = 64, seed: int | None = 0,
-                 n: int = 1, capture_support: bool = False, ignore_eos: bool = True,
+                 n: int = 1, capture_support: bool | str = False, ignore_eos: bool = True,
                  progress: bool = False) -> Rollout:
         """Sample ``n`` responses per prompt; return them as a ``Rollout`` (rows grouped by prompt).
 
@@ -117,7 +117,8 @@ class VLLMGenerator:
         (top-p alone, or a top-k larger than ``max_logprobs``) it is captured inside the engine:
         a worker-side hook on vLLM's top-k/top-p sampler records the set the sampler kept
         (``vllm_ext._SupportStore``), stored sparse in ``PackedSupport``. Needs some truncation
-        (``top_k > 0`` or ``top_p < 1``) and ``temperature > 0``.
+        (``top_k > 0`` or ``top_p < 1``) and ``temperature > 0``. ``capture_support="sampler"`` /
+        ``"logprobs"`` forces one of the two ways (``True`` = ``"auto"``: as above).
         """
         from vllm import SamplingParams
 
@@ -133,7 +134,15 @@ class VLLMGenerator:
             if len(p) + max_tokens > self.max_model_len:
                 raise InputError(f"prompt ({len(p)}) + max_tokens ({max_tokens}) exceeds "
                                  f"max_model_len {self.max_model_len}", row=i, field="prompts")
-        in_engine = capture_support and not 1 < top_k < self.max_logprobs
+        if capture_support not in (False, True, "auto", "sampler", "logprobs"):
+            raise InputError(f"capture_support must be a bool, 'auto', 'sampler' or 'logprobs', "
+                             f"got {capture_support!r}", field="capture_support")
+        if capture_support == "logprobs" and not 1 < top_k < self.max_logprobs:
+            raise InputError(f"capture_support='logprobs' needs 1 < top_k < max_logprobs "
+                             f"({self.max_logprobs}): the support is read from the top "
+                             "processed logprobs", field="top_k")
+        in_engine = capture_support == "sampler" or (
+            capture_support in (True, "auto") and not 1 < top_k < self.max_logprobs)
         if in_engine and top_k <= 0 and top_p >= 1.0:
             raise InputError("capture_support with neither top_k nor top_p < 1: the support is the "
                              "whole vocabulary (nothing to capture)", field="top_k")
