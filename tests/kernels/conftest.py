@@ -11,6 +11,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", triton_child.MARKER)
 
 
+@pytest.hookimpl(trylast=True)   # after -k / -m deselection: the child runs only what is selected
 def pytest_collection_modifyitems(config, items):
     here = __file__.rsplit("/", 1)[0]
     triton_child.redirect(items, lambda it: str(it.path).startswith(here + "/")
