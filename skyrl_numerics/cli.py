@@ -201,7 +201,7 @@ def _cmd_train(args) -> int:
         try:
             res = run_loop(build_tiny_model(args.family, seed=args.seed), configs,
                            settings, use_ray=args.ray, work_dir=out / "sync",
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, backend=args.backend)
         except InputError:
             raise
         except BaseException:
@@ -320,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated: plain, aligned (R3 + support replay + token TIS), "
                         "bitwise (invariant engine and trainer: true on-policy)")
     t.add_argument("--family", default="qwen3_moe", choices=["qwen3_moe", "deepseek_v3"])
+    t.add_argument("--backend", default="fsdp", choices=["fsdp", "megatron"],
+                   help="trainer of the plain/aligned configs: FSDP2 over the HF model, or megatron-core "
+                        "GPTModel (MegatronTrainer, one rank; weights synced from its shards)")
     t.add_argument("--kv-cache", default=None, choices=["fp8", "fp8_ds_mla"],
                    help="bitwise config: the cache format the invariant engine stores (and the "
                         "trainer simulates)")

@@ -151,12 +151,14 @@ class GeneratorWorker:
 class TrainerWorker:
     """Owns the policy (fp32 master weights), the optimizer and the delta publisher."""
 
-    def __init__(self, model_dir: str, config: LoopConfig, sync_dir: str, snapshot_every: int):
+    def __init__(self, model_dir: str, config: LoopConfig, sync_dir: str, snapshot_every: int,
+                 backend: str = "fsdp"):
         import functools
 
         from skyrl_numerics.trainer.sync.weight_sync import DeltaPublisher
 
         self.bitwise = config.bitwise
+        self.megatron = backend == "megatron" and not config.bitwise
         if config.bitwise:
             from skyrl_numerics.trainer.invariant.train import InvariantTrainer
 
@@ -174,9 +176,14 @@ class TrainerWorker:
         fn = None
         if config.correction:
             fn = functools.partial(getattr(corr, config.correction), **config.correction_kwargs)
-        self.trainer = FSDPTrainer(load_hf_model(model_dir, dtype="float32"), TrainerConfig(
-            lr=config.lr, route_replay=config.route_replay, use_support=config.use_support,
-            correction=fn, micro_batch_size=16, weight_decay=0.0))
+        tcfg = TrainerConfig(lr=config.lr, route_replay=config.route_replay, use_support=config.use_support,
+                             correction=fn, micro_batch_size=16, weight_decay=0.0)
+        if self.megatron:  # megatron-core GPTModel, 1 rank here; weights synced from its shards
+            from skyrl_numerics.trainer.megatron.trainer import MegatronTrainer
+
+            self.trainer = MegatronTrainer(model_dir, tcfg)
+        else:
+            self.trainer = FSDPTrainer(load_hf_model(model_dir, dtype="float32"), tcfg)
         self.trainer.keep_grads = True
         self.publisher = DeltaPublisher(sync_dir, snapshot_every=snapshot_every)
         self.publish(full=True)
@@ -189,6 +196,9 @@ class TrainerWorker:
 
         if self.bitwise:
             return self.trainer.served_state()
+        if self.megatron:  # gathered from the TP/EP shards, HF checkpoint names
+            sd = self.trainer.full_state_dict()
+            return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in sd.items()}
         sd = checkpoint_state_dict(self.trainer.model)
         return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in sd.items()}
 
@@ -199,6 +209,8 @@ class TrainerWorker:
         """The last step's gradient (before clipping) under checkpoint names, fp32."""
         if self.bitwise:
             return self.trainer.last_grads
+        if self.megatron:
+            return self.trainer.hf_grads()
         return _revert_names(self.trainer.model, self.trainer.last_grads)
 
     def publish(self, full: bool = False) -> dict:
@@ -282,10 +294,12 @@ def _remote(cls, use_ray: bool):
 
 def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings | None = None, *,
              task: TargetSetTask | None = None, use_ray: bool = False, work_dir=None,
-             progress: bool = True) -> LoopResult:
+             progress: bool = True, backend: str = "fsdp") -> LoopResult:
     """Run ``settings.steps`` GRPO steps for each configuration; return per-step metrics.
     The engine gets the checkpoint's weights back at the end (it may be a shared, cached one).
-    ``settings.off_policy = 1`` overlaps generation of step s+1 with the update of step s."""
+    ``settings.off_policy = 1`` overlaps generation of step s+1 with the update of step s.
+    ``backend``: the trainer of the non-bitwise configurations, ``"fsdp"`` (HF model) or ``"megatron"``
+    (megatron-core GPTModel, :class:`~skyrl_numerics.trainer.megatron.trainer.MegatronTrainer`)."""
     from rich.progress import Progress
 
     from skyrl_numerics.doctor import make_prompts
@@ -293,6 +307,14 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
 
     s = settings or LoopSettings()
     task = task or TargetSetTask()
+    if backend not in ("fsdp", "megatron"):
+        from skyrl_numerics.errors import InputError
+
+        raise InputError(f"unknown backend {backend!r}; expected 'fsdp' or 'megatron'", field="backend")
+    if backend == "megatron" and any(not c.bitwise for c in configs):
+        from skyrl_numerics.trainer.megatron.model import check_parallel_config
+
+        check_parallel_config(model_dir)  # the model family must be mapped, before any engine starts
     _check_in_place_sync(model_dir, configs)
     # absolute: Ray actors do not share the driver's working directory
     work = Path(work_dir or tempfile.mkdtemp(prefix="skyrl_loop_")).resolve()
@@ -326,7 +348,7 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
             for cfg in configs:
                 task_id = prog.add_task(f"{cfg.name}", total=s.steps)
                 sync_dir = str(work / f"sync-{cfg.name}")
-                args = (str(model_dir), cfg, sync_dir, s.snapshot_every)
+                args = (str(model_dir), cfg, sync_dir, s.snapshot_every, backend)
                 trn = Trn.remote(*args) if use_ray else Trn(*args)
                 gen = generator_for(cfg)
                 get(call(gen, "attach", sync_dir))
@@ -391,7 +413,7 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
                 ray.kill(gen)
             if started_ray:  # leave the process as we found it
                 ray.shutdown()
-    return LoopResult(settings={**asdict(s), "task": asdict(task), "use_ray": use_ray,
+    return LoopResult(settings={**asdict(s), "task": asdict(task), "use_ray": use_ray, "backend": backend,
                                 "configs": [asdict(c) for c in configs]}, history=history)
 
 

@@ -5,8 +5,9 @@ megatron-core's GPT/MoE path assumes a CUDA device in a handful of calls. Each p
 them with its CPU meaning, for as long as the compatibility is installed (:func:`cpu_compat` context
 manager, or :func:`install` / :func:`uninstall`, reference-counted). :func:`uninstall` puts every original
 object back (tested: ``tests/trainer/test_megatron_compat.py``). Nothing else in the project patches
-megatron-core. A model built under the compatibility must also *run* under it (its dispatcher holds a
-stand-in stream).
+megatron-core. A model built under the compatibility must also *run* under it; it may be installed
+around each call (``MegatronTrainer`` and ``MegatronPolicy.hidden`` do: the patches are in place only while
+megatron-core code runs, never while, e.g., a vLLM engine runs in the same process).
 
 What is covered, who calls it, and why:
 
@@ -21,8 +22,8 @@ What is covered, who calls it, and why:
     ``MoEAlltoAllTokenDispatcher.__init__`` creates a side stream (class attribute
     ``cuda_dtoh_stream``) and ``_maybe_dtoh_and_synchronize`` waits on / switches to / records events
     on it to overlap device-to-host copies of the split sizes. CPU work is synchronous: a stand-in
-    stream whose waits, records and synchronizes are no-ops is exact. The class attribute is reset
-    on uninstall.
+    stream whose waits, records and synchronizes are no-ops is exact. The class attribute is set to a
+    stand-in while installed and reset on uninstall.
 ``torch.cuda.synchronize``
     no-op (CPU work is synchronous).
 ``token_dispatcher.maybe_move_tensor_to_cpu``
@@ -257,7 +258,8 @@ def _apply():
         _set(gg, "grouped_gemm", _GroupedGemmModule)
         _set(gg, "ops", _GroupedGemmOps)
     _set(token_dispatcher, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu)
-    _set(token_dispatcher.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", None)
+    # a stand-in stream (not None): dispatchers built under an earlier install keep working in later ones
+    _set(token_dispatcher.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", _DEFAULT_STREAM)
 
 
 def _restore():

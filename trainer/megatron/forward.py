@@ -63,22 +63,25 @@ class MegatronPolicy:
             sub = _rows_routes(routes, rows)
             ctx = megatron_route_replay(sub, seq_len=Sp, tp_rank=self.tp_rank if self.sequence_parallel else 0,
                                         tp_size=self.tp if self.sequence_parallel else 1)
+        from .compat import cpu_compat
+
         m = self.model
         saved = m.post_process
         m.post_process = False  # GPTModel.forward returns the decoder's (final-norm) output
-        try:
-            with ctx:
-                h = m(input_ids, pos, attention_mask=None)  # [S'/tp or S', b, H]
-        finally:
-            m.post_process = saved
-        if self.sequence_parallel:
-            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+        with cpu_compat():  # megatron-core code runs here; its backward must run under it too (step() does)
+            try:
+                with ctx:
+                    h = m(input_ids, pos, attention_mask=None)  # [S'/tp or S', b, H]
+            finally:
+                m.post_process = saved
+            if self.sequence_parallel:
+                from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-            h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True)
-        elif self.tp > 1:
-            from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+                h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True)
+            elif self.tp > 1:
+                from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-            h = copy_to_tensor_model_parallel_region(h)
+                h = copy_to_tensor_model_parallel_region(h)
         return h.transpose(0, 1)
 
     def run(self, mb, *, routes=None, temperature: float = 1.0, token_chunk: int = 8192, with_entropy: bool = True):

@@ -19,8 +19,8 @@ what differs is the model and its parallelism:
   a recipe name wraps the experts, as the serving checkpoint quantizes them). ``batch_invariant`` and LoRA
   are refused (not implemented on this path).
 
-On CPU the compatibility module (:mod:`.compat`) is installed for the trainer's lifetime
-(:meth:`close` removes it). Without a process group (one process) the trainer makes a 1-rank gloo group of
+On CPU the compatibility module (:mod:`.compat`) is installed around each call into megatron-core
+(construction, :meth:`step`, :meth:`logprobs`), not for the trainer's lifetime. Without a process group (one process) the trainer makes a 1-rank gloo group of
 its own.
 """
 from __future__ import annotations
@@ -39,6 +39,20 @@ from ..fsdp.trainer import TrainerConfig, _correction_fn
 from ..losses import compute_advantages, masked_mean, ppo_clip_loss, token_advantages
 
 __all__ = ["MegatronTrainer", "spawn_megatron"]
+
+
+def _scoped(fn):
+    """Run ``fn`` with the CPU compatibility installed (nothing with CUDA)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from .compat import cpu_compat
+
+        with cpu_compat():
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def _hf_state(model) -> tuple[dict, dict]:
@@ -78,11 +92,11 @@ class MegatronTrainer:
     shards.
     """
 
+    @_scoped
     def __init__(self, model, config: TrainerConfig | None = None, *, tp: int = 1, ep: int = 1,
                  dtype: torch.dtype = torch.float32, grouped_experts: bool = False, seed: int = 0):
         import torch.distributed as dist
 
-        from . import compat
         from .forward import MegatronPolicy
         from .mapping import hf_to_megatron, shard_for_rank
         from .model import build_gpt_model, check_parallel_config, init_parallel, load_weights
@@ -101,7 +115,6 @@ class MegatronTrainer:
         if not dist.is_initialized():
             self._own_group = tempfile.mkdtemp(prefix="skyrl_mcore_")
             dist.init_process_group("gloo", init_method=f"file://{self._own_group}/store", rank=0, world_size=1)
-        self._compat = compat.install()
         init_parallel(tp, ep, seed=seed)
         from megatron.core import parallel_state as ps
 
@@ -137,19 +150,15 @@ class MegatronTrainer:
 
     # ---- helpers ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Destroy megatron's groups (and the own 1-rank group), remove the CPU compatibility."""
+        """Destroy megatron's groups (and the trainer's own 1-rank group, if it made one)."""
         import torch.distributed as dist
 
-        from . import compat
         from .model import destroy_parallel
 
         destroy_parallel()
         if self._own_group is not None and dist.is_initialized():
             dist.destroy_process_group()
             self._own_group = None
-        if self._compat:
-            compat.uninstall()
-            self._compat = False
 
     def _temperature(self, rollout: Rollout) -> float:
         t = self.config.temperature
@@ -173,6 +182,7 @@ class MegatronTrainer:
                                with_entropy=with_entropy)
 
     # ---- no-grad logprobs -------------------------------------------------------------------
+    @_scoped
     @torch.no_grad()
     def logprobs(self, rollout: Rollout) -> np.ndarray:
         """float32 ``[Σ response_len]`` trainer logprobs (no grad), the same on every rank."""
@@ -223,6 +233,7 @@ class MegatronTrainer:
         return math.sqrt(sq_rep + float(t[0]) + float(e[0]))
 
     # ---- the update -------------------------------------------------------------------------
+    @_scoped
     def step(self, rollout: Rollout, rewards, *, old_logprobs=None) -> dict:
         """One policy update on ``rollout`` with per-sequence ``rewards`` [B]; metrics as FSDPTrainer.step."""
         cfg = self.config
@@ -318,3 +329,12 @@ class MegatronTrainer:
         from .mapping import gather_full, megatron_to_hf
 
         return megatron_to_hf(gather_full(self.megatron_state_dict(), self.hf_config), self.hf_config, fused=fused)
+
+    def hf_grads(self) -> dict:
+        """Collective: the last step's gradient (``keep_grads=True``) as full tensors under HF checkpoint names."""
+        from .mapping import gather_full, megatron_to_hf
+
+        if not self.last_grads:
+            raise InputError("no gradient kept: set keep_grads = True before step()", field="keep_grads")
+        g = {k.replace("parametrizations.", "").replace(".original", ""): v for k, v in self.last_grads.items()}
+        return megatron_to_hf(gather_full(g, self.hf_config), self.hf_config)
