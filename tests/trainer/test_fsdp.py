@@ -394,9 +394,11 @@ def test_checkpoint_errors(batch, tmp_path):
 # Scenario B: RLOO, seq-mean-token-mean, masked IS, stale π_old, dual clip, grad clip 0.5, two
 #   micro-batches per rank (no gradient sync until the last). Now the gradients are summed in another
 #   association ((g0+g1)+(g2+g3) vs ((g0+g1)+g2)+g3) and the grad norm over shards in another order:
-#   a few ulp of the micro-batch gradients, |Δg| ≲ 1e-11. AdamW's first update is
-#   lr · g / (|g| + ε) with ε = 1e-8, whose sensitivity is at most lr · |Δg| / ε ≲ 1e-3 · lr (reached
-#   only where |g| ~ ε, i.e. by cancellation). Tolerance: max |Δw| ≤ 1e-3 · lr; measured 2.2e-4 · lr.
+#   a few ulp of the micro-batch gradients, |Δg| ≲ 1e-10 (fp32 ulps of summands ~1e-3). AdamW's
+#   first update is lr · g / (|g| + ε) with ε = 1e-8, whose sensitivity is at most lr · |Δg| / ε
+#   ≲ 1e-2 · lr (reached only where |g| ~ ε, i.e. by cancellation). Tolerance: max |Δw| ≤ 1e-2 · lr;
+#   measured 2.2e-4 · lr, then 2.5e-3 · lr once masked IS computed min(r, C) instead of
+#   exp(min(d, ln C)) (other last bits of the weights, so other near-cancelling elements).
 #   A wrong gradient in any element would move it by up to 2 · lr (that update is ≈ lr · sign(g)),
 #   and a wrong gradient scale shows in the grad-norm check.
 SCEN = {
@@ -484,7 +486,7 @@ def test_fsdp2_two_processes_equal_single_process(batch, tmp_path, one_thread):
         else:
             # the clip, the mask and the grad clip all engaged
             assert met["clipfrac"] > 0 and met["grad_norm"] > 0.5 and 0 < met["n_tokens"] < r.num_response_tokens
-            assert worst <= 1e-3 * kw["lr"], f"scenario B: max |Δw| = {worst}"
+            assert worst <= 1e-2 * kw["lr"], f"scenario B: max |Δw| = {worst}"
         if name == "lora":
             merged = t.full_state_dict()
             assert set(merged) == set(got["lora_merged"]) and all(torch.equal(merged[k], v)

@@ -16,6 +16,8 @@ import json
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.models import load_hf_model, tiny_config
@@ -308,3 +310,24 @@ def test_checkpoint_weights_the_family_would_not_run_are_refused(tmp_path, deeps
     with pytest.raises(InputError) as e:
         from_checkpoint(tmp_path)
     assert e.value.field == "model.layers.0.self_attn.o_proj.weight"
+
+
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 40), k=st.sampled_from([8, 64, 128, 576]), n=st.sampled_from([1, 8, 17, 64, 512]),
+       seed=st.integers(0, 2**16))
+def test_linear_with_cached_fp32_weight_is_the_kernel_bitwise(m, k, n, seed):
+    """The no-grad ``linear`` converts a weight to fp32 once; its result is the kernels'
+    ``matmul`` bit for bit (trainer forward with grad == engine forward without), and an in-place
+    weight update (engine weight sync) refreshes the copy."""
+    from skyrl_numerics.kernels import matmul
+    from skyrl_numerics.trainer.invariant.blocks import linear
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(linear(x, w), matmul(x, w.t()))
+        w.copy_(torch.randn(n, k, generator=g).bfloat16())
+        assert torch.equal(linear(x, w), matmul(x, w.t()))
+    wg = w.clone().requires_grad_(True)
+    assert torch.equal(linear(x, wg), linear(x, w))

@@ -50,8 +50,28 @@ def require(cond: bool, field: str, value, why: str) -> None:
         raise UnsupportedConfig(f"config field {field!r} = {value!r}: {why}", field=field)
 
 
+def _fp32_weight(w: torch.Tensor) -> torch.Tensor:
+    """``w`` as fp32, kept on the tensor with its ``_version`` (converted once per change)."""
+    hit = getattr(w, "_skyrl_fp32", None)
+    if hit is None or hit[0] != w._version:
+        hit = (w._version, w.detach().float())
+        w._skyrl_fp32 = hit
+    return hit[1]
+
+
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` with a per-row result independent of the number of rows."""
+    """``x @ w.T`` with a per-row result independent of the number of rows.
+
+    Without autograd on CPU the weight's fp32 copy is made once (and again only after the weight
+    changes in place) instead of on every call; the GEMM sees the same fp32 values in the same
+    layout as :func:`skyrl_numerics.kernels.matmul` would make of it, so the bits are the same
+    (tested against it)."""
+    if (x.device.type == "cpu" and w.dtype in (torch.bfloat16, torch.float16) and x.dtype == w.dtype
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+        from skyrl_numerics.kernels import cpu
+
+        out = cpu.matmul_2d(x.reshape(-1, x.shape[-1]), _fp32_weight(w).t())
+        return out.reshape(*x.shape[:-1], w.shape[0])
     return inv_matmul(x, w.t())
 
 
