@@ -1,8 +1,8 @@
 """PackedRoutes through megatron-core 0.16's own RouterReplay, on real TopKRouter modules on CPU.
 
-megatron-core's ``TopKRouter.gating`` moves its weight to CUDA unconditionally and its attention needs the
-CUDA RNG tracker, so a whole GPT-MoE cannot run here; these tests compute the gating linear on CPU and call
-the real ``TopKRouter.routing`` (top-k, score function, group limit, scaling, RouterReplay) with it.
+These tests compute the gating linear on CPU and call the real ``TopKRouter.routing`` (top-k, score function,
+group limit, scaling, RouterReplay) with it. Replay inside a whole ``GPTModel.forward`` (via the CPU compatibility
+module, with TP 2 x EP 2 and sequence parallelism) is tested in ``tests/trainer/test_megatron_parallel.py``.
 """
 import numpy as np
 import pytest
@@ -158,3 +158,23 @@ def test_errors(mcore):
     with pytest.raises(InputError, match="routes have 3 layers, the model has 2 MoE routers"):
         with megatron_route_replay(r, seq_len=2):
             pass
+
+
+def test_sequence_parallel_blocks():
+    """Under sequence parallelism TP rank r gets tokens [r S/tp, (r+1) S/tp) x B of the sbhd order."""
+    rng = np.random.default_rng(1)
+    lens = [S, S - 2, 3]
+    routes = PackedRoutes.from_sequences(
+        [np.stack([np.stack([rng.choice(E, K, replace=False) for _ in range(2)]) for _ in range(n)]) for n in lens], E)
+    full = megatron_replay_indices(routes, seq_len=S)
+    for tp in (2, 3):
+        parts = [megatron_replay_indices(routes, seq_len=S, tp_rank=r, tp_size=tp) for r in range(tp)]
+        for layer in range(2):
+            assert torch.equal(torch.cat([p[layer] for p in parts]), full[layer])
+            assert parts[0][layer].shape[0] == S // tp * B
+    with pytest.raises(InputError, match="divisible"):
+        megatron_replay_indices(routes, seq_len=S, tp_rank=0, tp_size=4)
+    with pytest.raises(InputError, match="tp_rank"):
+        megatron_replay_indices(routes, seq_len=S, tp_rank=2, tp_size=2)
+    with pytest.raises(InputError, match="sbhd"):
+        megatron_replay_indices(routes, packed_seq_lens=lens, tp_rank=0, tp_size=2)

@@ -11,6 +11,23 @@ pytestmark = pytest.mark.megatron
 mcore = pytest.importorskip("megatron.core")
 
 
+def test_spawn_and_trainer_refuse_bad_layout_before_any_group(qwen_moe_dir):
+    import torch.distributed as dist
+
+    from skyrl_numerics.trainer.megatron.trainer import MegatronTrainer, spawn_megatron
+
+    if dist.is_initialized():
+        pytest.skip("another test module left a process group")
+    with pytest.raises(InputError, match="num_attention_heads=4") as e:
+        spawn_megatron(print, qwen_moe_dir, tp=3, ep=1)     # raises before any process starts
+    assert e.value.field == "tp"
+    with pytest.raises(InputError, match="num_experts=8"):
+        MegatronTrainer(qwen_moe_dir, tp=1, ep=3)
+    with pytest.raises(InputError, match="world_size=1"):   # no group: 1 rank, but tp=2 needs 2
+        MegatronTrainer(qwen_moe_dir, tp=2, ep=1)
+    assert not dist.is_initialized()
+
+
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
     import torch.distributed as dist
@@ -241,3 +258,4 @@ def test_grouped_experts_forward_and_qat(group, qwen_moe_dir, hf_sd):
     d = (plain_grouped - out[False]).abs().max().item()
     assert d <= 0.05, d  # bf16: expert GEMMs per expert either way, different layouts
     assert (out["qat"] - plain_grouped).abs().max().item() > 0  # the fake-quant changes the forward
+
