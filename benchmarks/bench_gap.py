@@ -6,7 +6,9 @@ the same float32 arrays (best of several runs); the reported number is the ratio
 Layouts: flat + cu_seqlens with short (1..2000) and long (2K..16K, RL-reasoning-like) responses,
 padded [B, 2000] with a right-padding mask, and the plain full-array reference path
 (``measure_reference``) for scale. ``measure`` uses its default threads (up to 8, at most
-``os.cpu_count()``); the ``threads=1`` row shows the single-core cost.
+``os.cpu_count()``); the ``threads=1`` row shows the single-core cost. ``numba:`` rows run the
+optional compiled scan (bitwise-equal report; ``SKYRL_NUMERICS_NUMBA=1`` selects it in
+``measure``); they appear when numba imports.
 
 Tokens: ``SKYRL_BENCH_GAP_TOKENS`` (default 10_000_000). Run as a script for a markdown table
 (``python benchmarks/bench_gap.py``) or under pytest-benchmark
@@ -58,6 +60,14 @@ def baseline(a, b):
     return np.abs(a - b).mean()
 
 
+def _has_numba() -> bool:
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def rows(repeat=5):
     a, b, cu, pa, pb, pm, cu_long = make_data()
     out = []
@@ -66,6 +76,16 @@ def rows(repeat=5):
         ("flat + cu_seqlens, short seqs, threads=1", lambda: measure(a, b, cu_seqlens=cu, threads=1), a.size),
         ("flat + cu_seqlens, long seqs", lambda: measure(a, b, cu_seqlens=cu_long), a.size),
         ("padded [B, 2000] + mask", lambda: measure(pa, pb, pm), int(pm.sum())),
+    ]
+    if _has_numba():
+        cases += [
+            ("numba: flat + cu_seqlens, short seqs", lambda: measure(a, b, cu_seqlens=cu, _kernel="numba"), a.size),
+            ("numba: flat + cu_seqlens, short seqs, threads=1",
+             lambda: measure(a, b, cu_seqlens=cu, threads=1, _kernel="numba"), a.size),
+            ("numba: flat + cu_seqlens, long seqs", lambda: measure(a, b, cu_seqlens=cu_long, _kernel="numba"), a.size),
+            ("numba: padded [B, 2000] + mask", lambda: measure(pa, pb, pm, _kernel="numba"), int(pm.sum())),
+        ]
+    cases += [
         ("reference (full arrays)", lambda: measure_reference(a, b, cu_seqlens=cu), a.size),
     ]
     for name, fn, n_tok in cases:
@@ -94,15 +114,20 @@ def test_baseline_abs_mean(benchmark, data):
     benchmark(baseline, a, b)
 
 
+@pytest.mark.parametrize("kernel", ["numpy", "numba"])
 @pytest.mark.parametrize("layout", ["flat", "flat_long", "padded"])
-def test_measure(benchmark, data, layout):
+def test_measure(benchmark, data, layout, kernel):
+    if kernel == "numba":
+        pytest.importorskip("numba")
     a, b, cu, pa, pb, pm, cu_long = data
+    kw = {"_kernel": kernel}
     if layout == "flat":
-        fn, ba, bb = (lambda: measure(a, b, cu_seqlens=cu)), a, b
+        fn, ba, bb = (lambda: measure(a, b, cu_seqlens=cu, **kw)), a, b
     elif layout == "flat_long":
-        fn, ba, bb = (lambda: measure(a, b, cu_seqlens=cu_long)), a, b
+        fn, ba, bb = (lambda: measure(a, b, cu_seqlens=cu_long, **kw)), a, b
     else:
-        fn, ba, bb = (lambda: measure(pa, pb, pm)), pa[pm], pb[pm]
+        fn, ba, bb = (lambda: measure(pa, pb, pm, **kw)), pa[pm], pb[pm]
+    fn()                                  # warm up (numba: compiles once per process)
     t_base = _best(lambda: baseline(ba, bb))
     rep = benchmark(fn)
     t = benchmark.stats.stats.min

@@ -11,6 +11,9 @@ the full-array reference (which is the spec; tests hold this to it).
   the scan keeps only the tail and the bracket; ``np.partition`` runs on those. When a bracket
   misses, a ratio would overflow, or std(r) would lose more than 3 digits to cancellation, the
   pass returns ``None`` and the caller runs the reference.
+* Two implementations of the scan, bitwise equal: numpy (the default) and an optional numba
+  loop (``SKYRL_NUMERICS_NUMBA=1``; ``numba`` is not a dependency) that reproduces numpy's
+  pairwise summation order, so every sum comes out the same to the last bit.
 """
 from __future__ import annotations
 
@@ -79,51 +82,45 @@ def _taylor_order(T: float) -> int:
     return 6
 
 
-def _power_sums(d, d2, d4, p, K) -> None:
-    """p[3..K] += Σ d³ … d^K as dot products in blocks of ``_DOT``.
-
-    Each block is a separate BLAS ddot short enough for OpenBLAS to run it on the calling
-    thread (it spawns threads above 10,000 elements, which stalls badly on a busy machine).
-    """
+def _power_sums(d, d2, d4, tmp, p, K) -> None:
+    """p[3..K] += Σ d³ … d^K: each product formed elementwise (d2·d, d2·d2, d4·d, d4·d2), then
+    summed by numpy's pairwise ``sum`` (which the compiled kernel reproduces bit for bit; a BLAS
+    dot would sum in an order of its own)."""
     pairs = [(3, d2, d), (4, d2, d2), (5, d4, d), (6, d4, d2)][:K - 2]
-    k = d.size
-    m = k // _DOT * _DOT
-    if m and hasattr(np, "vecdot"):
-        for i, x, y in pairs:
-            p[i] += float(np.vecdot(x[:m].reshape(-1, _DOT), y[:m].reshape(-1, _DOT)).sum())
-    else:
-        m = 0
-    for s0 in range(m, k, _DOT):
-        s1 = s0 + _DOT
-        for i, x, y in pairs:
-            p[i] += float(np.dot(x[s0:s1], y[s0:s1]))
+    for i, x, y in pairs:
+        np.multiply(x, y, out=tmp)
+        p[i] += float(tmp.sum())
 
 
-def _scan(tok: Tokens, plan, T, med_lo, med_hi, use_med, out, offsets, maxlen) -> dict:  # noqa: C901
+def _scan(tok: Tokens, plan, T, med_lo, med_hi, use_med, out, offsets, maxlen, tol,  # noqa: C901
+          kernels=None) -> dict:
     """One pass over the row ranges in ``plan``. Per-sequence results go straight into
     ``out`` (disjoint rows per caller); token totals come back as a dict. Row i's tokens sit at
-    response positions ``offsets[i]...`` (non-zero for the later pieces of a split sequence)."""
+    response positions ``offsets[i]...`` (non-zero for the later pieces of a split sequence).
+    ``kernels``: the compiled kernels (same results bit for bit), else numpy."""
     cu, lengths = tok.cu, tok.lengths
     seq_sum_abs, seq_max_abs, seq_sum_d = out
     big = max(int(cu[r1] - cu[r0]) for r0, r1 in plan)
-    D, AD, D2, D4 = (np.empty(big) for _ in range(4))
-    TB, TB2 = np.empty(big, bool), np.empty(big, bool)
-    POS = np.empty(big, np.int64)
+    D, AD = np.empty(big), np.empty(big)
     pos_sum = np.zeros(maxlen)
-    mx_a = mx_b = -math.inf
+    ok = True
     nnz = below = 0
     p = [0.0] * 7                         # p[k] = Σ d^k over tokens with |d| <= T
     K = _taylor_order(T)
     tails, meds = [], []
+    if kernels is not None:
+        scan_chunk, compact = kernels["scan_chunk"], kernels["compact"]
+        TL, MD, part = np.empty(big), np.empty(big), np.empty(maxlen)
+        psum = np.zeros(7)
+        # numpy compares x <= tol in x's dtype (tol is a weak Python float): the same here
+        tol_a, tol_b = float(tok.a.dtype.type(tol)), float(tok.b.dtype.type(tol))
+        if tok.mask2d is not None:
+            CA, CB = np.empty(big + 1, tok.a.dtype), np.empty(big + 1, tok.b.dtype)   # +1: compact writes ahead
+    else:
+        D2, D4, TMP = np.empty(big), np.empty(big), np.empty(big)
+        TB, TB2 = np.empty(big, bool), np.empty(big, bool)
+        POS = np.empty(big, np.int64)
     for r0, r1 in plan:
-        ca, cb = tok.chunk(r0, r1)
-        k = ca.size
-        d, ad, d2, d4, tb, tb2 = D[:k], AD[:k], D2[:k], D4[:k], TB[:k], TB2[:k]
-        np.subtract(ca, cb, out=d, dtype=np.float64)
-        np.abs(d, out=ad)
-        mx_a, mx_b = max(mx_a, ca.max()), max(mx_b, cb.max())
-        np.greater(ad, 0.0, out=tb)
-        nnz += np.count_nonzero(tb)
         lens = lengths[r0:r1]
         starts = cu[r0:r1] - cu[r0]
         offs = offsets[r0:r1]
@@ -131,16 +128,46 @@ def _scan(tok: Tokens, plan, T, med_lo, med_hi, use_med, out, offsets, maxlen) -
         if lens.min() == 0:
             nz = lens > 0
             lens, starts, offs, rows = lens[nz], starts[nz], offs[nz], np.arange(r0, r1)[nz]
+        if kernels is not None:
+            if tok.mask2d is None:
+                ca, cb = tok.a[cu[r0]:cu[r1]], tok.b[cu[r0]:cu[r1]]
+            else:
+                k = compact(tok.a, tok.b, tok.mask2d, r0, r1, CA, CB)
+                ca, cb = CA[:k], CB[:k]
+            rws = np.arange(r0, r1) if isinstance(rows, slice) else rows
+            c_ok, c_nnz, c_below, nt, nm = scan_chunk(
+                ca, cb, starts, lens, offs, rws, tol_a, tol_b, T, med_lo, med_hi, use_med, K,
+                D, AD, TL, MD, part, pos_sum, seq_sum_abs, seq_max_abs, seq_sum_d, psum)
+            ok &= bool(c_ok)
+            nnz += int(c_nnz)
+            below += int(c_below)
+            if nt:
+                tails.append(TL[:nt].copy())
+            if nm:
+                meds.append(MD[:nm].copy())
+            continue
+        ca, cb = tok.chunk(r0, r1)
+        k = ca.size
+        d, ad, d2, d4, tmp, tb, tb2 = D[:k], AD[:k], D2[:k], D4[:k], TMP[:k], TB[:k], TB2[:k]
+        np.subtract(ca, cb, out=d, dtype=np.float64)
+        np.abs(d, out=ad)
+        ok &= bool(ca.max() <= tol) and bool(cb.max() <= tol)
+        nnz += int(np.count_nonzero(np.greater(ad, 0.0, out=tb)))
         seq_sum_abs[rows] = np.add.reduceat(ad, starts)
         seq_max_abs[rows] = np.maximum.reduceat(ad, starts)
         seq_sum_d[rows] = np.add.reduceat(d, starts)
         o0 = int(offs[0])
+        # per-position sums: each chunk's sums start from 0 in token order, then are added to
+        # pos_sum (the compiled kernel does the same)
         if lens.min() == lens.max() and offs.min() == offs.max():
             L = int(lens[0])
             pos_sum[o0:o0 + L] += ad.reshape(-1, L).sum(axis=0)
         elif k >= _LONG * lens.size:      # long sequences on average: add each as a slice
+            lo, hi = int(offs.min()), int((offs + lens).max())
+            part = np.zeros(hi - lo)
             for s0, L, o in zip(starts.tolist(), lens.tolist(), offs.tolist()):
-                pos_sum[o:o + L] += ad[s0:s0 + L]
+                part[o - lo:o - lo + L] += ad[s0:s0 + L]
+            pos_sum[lo:hi] += part
         else:                             # position in sequence: cumsum of 1s, reset at starts
             pos = POS[:k]
             pos.fill(1)
@@ -151,7 +178,7 @@ def _scan(tok: Tokens, plan, T, med_lo, med_hi, use_med, out, offsets, maxlen) -
             pos_sum[:part.size] += part
         if use_med:
             np.less(ad, med_lo, out=tb)
-            below += np.count_nonzero(tb)
+            below += int(np.count_nonzero(tb))
             np.less_equal(ad, med_hi, out=tb2)
             np.logical_xor(tb, tb2, out=tb2)
             if tb2.any():
@@ -161,13 +188,15 @@ def _scan(tok: Tokens, plan, T, med_lo, med_hi, use_med, out, offsets, maxlen) -
             idx = np.flatnonzero(tb)
             tails.append(d.take(idx))
             d[idx] = 0.0
-        p[1] += d.sum()
+        p[1] += float(d.sum())
         np.multiply(d, d, out=d2)
-        p[2] += d2.sum()
+        p[2] += float(d2.sum())
         if K > 4:
             np.multiply(d2, d2, out=d4)
-        _power_sums(d, d2, d4, p, K)
-    return dict(p=p, nnz=nnz, below=below, mx_a=mx_a, mx_b=mx_b, tails=tails, meds=meds, pos_sum=pos_sum)
+        _power_sums(d, d2, d4, tmp, p, K)
+    if kernels is not None:
+        p = [float(v) for v in psum]
+    return dict(p=p, nnz=nnz, below=below, ok=ok, tails=tails, meds=meds, pos_sum=pos_sum)
 
 
 def _split_long(tok: Tokens, chunk: int):
@@ -186,18 +215,43 @@ def _split_long(tok: Tokens, chunk: int):
     return Tokens(tok.a, tok.b, plen, dtypes=tok.dtypes), offsets.astype(np.int64), first
 
 
+def _pick_kernel(tok: Tokens, kernel: str):
+    if kernel not in ("auto", "numba", "numpy"):
+        raise ValueError(f"kernel {kernel!r}: expected 'auto', 'numba' or 'numpy'")
+    if kernel == "numpy" or (kernel == "auto" and os.environ.get("SKYRL_NUMERICS_NUMBA", "0") != "1"):
+        return None
+    nb = _numba()
+    if nb is None:
+        if kernel == "numba":
+            raise ImportError("kernel='numba' needs numba (pip install numba), or SKYRL_NUMERICS_NUMBA is 0")
+        return None
+    suits = all(x.dtype in (np.float32, np.float64) and x.flags.c_contiguous for x in (tok.a, tok.b))
+    if not suits:
+        if kernel == "numba":
+            raise ValueError("kernel='numba' takes C-contiguous float32/float64 arrays")
+        return None
+    return nb
+
+
 def _threads(n_tokens: int, threads: int | None) -> int:
     if threads is not None:
         return max(1, int(threads))
     return max(1, min(os.cpu_count() or 1, 8, n_tokens // (4 * _CHUNK)))
 
 
-def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK, threads: int | None = 1):
+def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK, threads: int | None = 1,
+                kernel: str = "auto"):
     """Same dict as :func:`_reference_stats` in one chunked pass; ``None`` if a percentile
     bracket missed or a ratio overflows (the caller then runs the reference).
 
     ``threads`` > 1 splits the chunks into that many contiguous runs scanned in parallel (numpy
     releases the GIL in its loops); partial results are combined in run order.
+
+    ``kernel``: ``"numba"`` (the compiled loop; an error if numba is missing), ``"numpy"``, or
+    ``"auto"``: numba when ``SKYRL_NUMERICS_NUMBA=1`` is set, numba imports and the arrays suit it
+    (C-contiguous float32/float64), else numpy. Both give the same dict bit for bit. numba is
+    opt-in because its one-off compilation (~10 s per process) costs more than it saves on a
+    single report.
     """
     n = tok.n
     br = _brackets(tok, taus)
@@ -211,16 +265,17 @@ def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK, threads: int
     seq_sum_d = np.zeros(vtok.n_seqs)
     out = (seq_sum_abs, seq_max_abs, seq_sum_d)
     maxlen = int(tok.lengths.max())
+    kernels = _pick_kernel(vtok, kernel)
     nt = min(threads, len(plan))
     if nt <= 1:
-        parts = [_scan(vtok, plan, T, med_lo, med_hi, use_med, out, offsets, maxlen)]
+        parts = [_scan(vtok, plan, T, med_lo, med_hi, use_med, out, offsets, maxlen, tol, kernels)]
     else:
         from concurrent.futures import ThreadPoolExecutor
 
         runs = [plan[i * len(plan) // nt:(i + 1) * len(plan) // nt] for i in range(nt)]
         with ThreadPoolExecutor(nt) as ex:
-            parts = list(ex.map(lambda run: _scan(vtok, run, T, med_lo, med_hi, use_med, out, offsets, maxlen),
-                                runs))
+            parts = list(ex.map(lambda run: _scan(vtok, run, T, med_lo, med_hi, use_med, out, offsets, maxlen,
+                                                  tol, kernels), runs))
     if first is not None:                 # pieces of split sequences back into whole sequences
         ne = tok.lengths > 0
         real = [np.zeros(tok.n_seqs) for _ in range(3)]
@@ -235,12 +290,12 @@ def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK, threads: int
     p = [math.fsum(q["p"][i] for q in parts) if len(parts) > 1 else parts[0]["p"][i] for i in range(7)]
     nnz = sum(q["nnz"] for q in parts)
     below = sum(q["below"] for q in parts)
-    mx_a, mx_b = max(q["mx_a"] for q in parts), max(q["mx_b"] for q in parts)
+    ok = all(q["ok"] for q in parts)
     tails = [t for q in parts for t in q["tails"]]
     meds = [m for q in parts for m in q["meds"]]
 
     sum_abs = float(seq_sum_abs.sum())
-    if not (mx_a <= tol and mx_b <= tol and math.isfinite(sum_abs)):
+    if not (ok and math.isfinite(sum_abs)):
         find_bad_value(tok, tol)
         raise InputError("difference trainer - rollout overflows float64", field="rollout_logprobs")
     tv = np.concatenate(tails) if tails else np.zeros(0)
@@ -339,3 +394,157 @@ def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK, threads: int
         "pos_sum": pos_sum, "pos_cnt": pos_cnt,
         "seq_sum_abs": seq_sum_abs, "seq_max_abs": seq_max_abs, "seq_sum_d": seq_sum_d,
     }
+
+
+# -- the compiled kernel (optional: numba) ------------------------------------------------------
+# The same per-chunk arithmetic as ``_scan``'s numpy code, in one loop: every sum follows numpy's
+# pairwise summation (``np.add.reduce``: 8 accumulators over blocks of <= 128, halves rounded
+# down to a multiple of 8; ``np.add.reduceat``: first element + pairwise rest), so the results
+# are bitwise equal to the numpy path (tests/core/test_gap.py holds them to it).
+_NB = None            # None: not tried yet; False: unavailable or disabled; else the kernels
+
+
+def _numba():
+    """The compiled kernels (built on first use: ~10 s of numba compilation per process), or
+    ``None`` when numba does not import."""
+    global _NB
+    if _NB is None:
+        try:
+            _NB = _build_numba()
+        except ImportError:
+            _NB = False
+    return _NB or None
+
+
+def _gen_pw(name, args, setup, exprs, prologue=(), epilogue=()):
+    """Source of a numba function ``name(*args, lo, n)`` returning a tuple with numpy's pairwise
+    sum (float64 ``np.add.reduce``) of each expression over the elements [lo, lo + n): below 8
+    elements a plain loop from 0.0; up to 128, eight accumulators started at the first eight
+    elements, combined ((0+1)+(2+3))+((4+5)+(6+7)), then the rest one by one; above, the two
+    halves split at n//2 rounded down to a multiple of 8. ``setup(j, sfx)``: statements that
+    define the expression variables for element ``j`` (and may have side effects, run in element
+    order); ``exprs[q](sfx)``: expression q; ``prologue``/``epilogue``: lines run on entry to and
+    before the return of each leaf (to load and store running counters).
+    Indices are uint64 (numba then emits no negative-index wraparound and the lanes vectorize)."""
+    nq = len(exprs)
+    a = ", ".join(args)
+    tup = "(" + ", ".join(f"s{q}" for q in range(nq)) + ",)"
+    pro = ["        " + x for x in prologue]
+    epi = ["        " + x for x in epilogue]
+    L = [f"def {name}({a}, lo, n):", "    ul = uint64(lo)", "    un = uint64(n)", "    if n < 8:"] + pro
+    L += [f"        s{q} = 0.0" for q in range(nq)]
+    L.append("        for j in range(ul, ul + un):")
+    L += ["            " + st for st in setup("j", "")]
+    L += [f"            s{q} += {exprs[q]('')}" for q in range(nq)]
+    L += epi + [f"        return {tup}", "    if n <= 128:"] + pro
+    for lane in range(8):
+        L += ["        " + st for st in setup(f"ul + uint64({lane})", f"_{lane}")]
+        L += [f"        r{q}_{lane} = {exprs[q](f'_{lane}')}" for q in range(nq)]
+    L.append("        nb = (un - un % uint64(8) - uint64(8)) // uint64(8)")
+    L.append("        for b in range(nb):")
+    L.append("            i = ul + uint64(8) + uint64(8) * b")
+    for lane in range(8):
+        L += ["            " + st for st in setup(f"i + uint64({lane})", f"_{lane}")]
+        L += [f"            r{q}_{lane} += {exprs[q](f'_{lane}')}" for q in range(nq)]
+    L += [f"        s{q} = ((r{q}_0 + r{q}_1) + (r{q}_2 + r{q}_3)) + ((r{q}_4 + r{q}_5) + (r{q}_6 + r{q}_7))"
+          for q in range(nq)]
+    L.append("        for j in range(ul + un - un % uint64(8), ul + un):")
+    L += ["            " + st for st in setup("j", "")]
+    L += [f"            s{q} += {exprs[q]('')}" for q in range(nq)]
+    L += epi + [f"        return {tup}", "    n2 = n // 2", "    n2 -= n2 % 8",
+          f"    x = {name}({a}, lo, n2)", f"    y = {name}({a}, lo + n2, n - n2)",
+          "    return (" + ", ".join(f"x[{q}] + y[{q}]" for q in range(nq)) + ",)"]
+    return "\n".join(L) + "\n"
+
+
+def _pow_setup(j, s):                     # d with the tail zeroed, as the numpy path leaves it
+    return [f"x{s} = D[{j}]", f"x{s} = 0.0 if AD[{j}] > T else x{s}", f"x2{s} = x{s} * x{s}",
+            f"x4{s} = x2{s} * x2{s}"]
+
+
+_POW_EXPRS = [lambda s: f"x{s}", lambda s: f"x2{s}", lambda s: f"x2{s} * x{s}", lambda s: f"x4{s}",
+              lambda s: f"x4{s} * x{s}", lambda s: f"x4{s} * x2{s}"]
+
+
+def _seg_setup(j, s):
+    return [f"u{s} = AD[{j}]", f"v{s} = D[{j}]"]
+
+
+def _build_numba():  # noqa: C901
+    import numba
+
+    jit = numba.njit(nogil=True, cache=False, error_model="numpy")
+    ns = {"uint64": numba.uint64, "float64": numba.float64}
+    exec(_gen_pw("pw_pow", ["D", "AD", "T"], _pow_setup, _POW_EXPRS), ns)      # noqa: S102
+    exec(_gen_pw("pw_seg", ["D", "AD"], _seg_setup, [lambda s: f"u{s}", lambda s: f"v{s}"]), ns)  # noqa: S102
+    pw_pow = ns["pw_pow"] = jit(ns["pw_pow"])        # the recursive calls find the dispatcher
+    pw_seg = ns["pw_seg"] = jit(ns["pw_seg"])
+
+    @jit
+    def scan_chunk(ca, cb, starts, lens, offs, rows, tol_a, tol_b, T, med_lo, med_hi, use_med, K,
+                   D, AD, tails, meds, part, pos_sum, seq_sum_abs, seq_max_abs, seq_sum_d, psum):
+        """One chunk; returns (ok, nnz, below, n_tails, n_meds); psum[k] += chunk Σ d^k."""
+        k = ca.size
+        bad = 0
+        nnz = 0
+        below = 0
+        nt = 0
+        nm = 0
+        if not use_med:                   # no token is below -1 or in [-1, -2]
+            med_lo, med_hi = -1.0, -2.0
+        for i in range(k):                # branch-free: the tests are unpredictable
+            x = np.float64(ca[i])
+            y = np.float64(cb[i])
+            bad += not (x <= tol_a and y <= tol_b)
+            d = x - y
+            ad = abs(d)
+            D[i] = d
+            AD[i] = ad
+            nnz += ad > 0.0
+            tails[nt] = d
+            nt += ad > T
+            lo = ad < med_lo
+            below += lo
+            meds[nm] = ad
+            nm += (not lo) and ad <= med_hi
+        sums = pw_pow(D, AD, T, 0, k)
+        for j in range(1, K + 1):
+            psum[j] += sums[j - 1]
+        pmin = offs[0]
+        pmax = offs[0]
+        for j in range(starts.size):
+            pmin = min(pmin, offs[j])
+            pmax = max(pmax, offs[j] + lens[j])
+        for p in range(pmin, pmax):
+            part[p] = 0.0
+        for j in range(starts.size):
+            s, L, o, r = starts[j], lens[j], offs[j], rows[j]
+            if L == 1:                    # np.add.reduceat: first element, then + pairwise rest
+                seq_sum_abs[r] = AD[s]
+                seq_sum_d[r] = D[s]
+            else:
+                sa, sd = pw_seg(D, AD, s + 1, L - 1)
+                seq_sum_abs[r] = AD[s] + sa
+                seq_sum_d[r] = D[s] + sd
+            m = AD[s]                     # (NaN only with invalid input, which raises later)
+            for t in range(s + 1, s + L):
+                m = max(m, AD[t])
+            seq_max_abs[r] = m
+            for t in range(L):
+                part[o + t] += AD[s + t]
+        for p in range(pmin, pmax):
+            pos_sum[p] += part[p]
+        return bad == 0, nnz, below, nt, nm
+
+    @jit
+    def compact(a2, b2, m2, r0, r1, CA, CB):
+        k = 0
+        T = a2.shape[1]
+        for r in range(r0, r1):
+            for t in range(T):
+                CA[k] = a2[r, t]
+                CB[k] = b2[r, t]
+                k += m2[r, t]
+        return k
+
+    return {"scan_chunk": scan_chunk, "compact": compact, "pw_pow": pw_pow, "pw_seg": pw_seg}

@@ -42,8 +42,9 @@ shape mismatch, empty input.
 
 Speed: inputs of more than ``FAST_MIN_TOKENS`` tokens take the chunked single pass of
 :mod:`skyrl_numerics._gap_fast` (threads, Taylor series instead of exp on all but the tail,
-exact percentiles by bracketing). :func:`measure_reference` is the plain full-array computation
-that is the spec; tests hold the fast pass to it.
+exact percentiles by bracketing; an optional numba loop, bitwise equal to the numpy scan, with
+``SKYRL_NUMERICS_NUMBA=1``). :func:`measure_reference` is the plain full-array computation that
+is the spec; tests hold the fast pass to it.
 """
 from __future__ import annotations
 
@@ -273,18 +274,21 @@ def _reference_stats(tok: Tokens, taus, tol: float) -> dict:
 
 # -- public -----------------------------------------------------------------------------------
 def measure(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, taus=DEFAULT_TAUS,
-            logprob_tol: float = LOGPROB_TOL, threads: int | None = None, _path: str = "auto") -> GapReport:
+            logprob_tol: float = LOGPROB_TOL, threads: int | None = None, _path: str = "auto",
+            _kernel: str = "auto") -> GapReport:
     """Measure the trainer–rollout logprob gap over the masked tokens. See the module doc.
 
     ``threads``: CPU threads for the fast pass (default: up to 8, one per 256K tokens, at most
     ``os.cpu_count()``). ``_path`` (testing): ``"auto"`` (fast pass above ``FAST_MIN_TOKENS``
-    tokens), ``"fast"``, ``"reference"``.
+    tokens), ``"fast"``, ``"reference"``. ``_kernel`` (testing, benchmarks): the fast pass's
+    scan, ``"auto"`` (numpy unless ``SKYRL_NUMERICS_NUMBA=1``), ``"numpy"`` or ``"numba"``; the
+    two give bitwise-equal reports.
     """
     taus = _check_taus(taus)
     tok = normalize(trainer_logprobs, rollout_logprobs, mask, cu_seqlens)
     st = None
     if _path == "fast" or (_path == "auto" and tok.n > FAST_MIN_TOKENS):
-        st = _fast_stats(tok, taus, logprob_tol, threads=_threads(tok.n, threads))
+        st = _fast_stats(tok, taus, logprob_tol, threads=_threads(tok.n, threads), kernel=_kernel)
     if st is None:
         st = _reference_stats(tok, taus, logprob_tol)
     return _finish(st, tok, taus)

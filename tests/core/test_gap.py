@@ -515,3 +515,89 @@ def test_import_is_light():
     code = "import sys, skyrl_numerics.gap, skyrl_numerics.correction; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# -- the optional numba kernel == the numpy scan, bit for bit ---------------------------------
+def _same_stats(x: dict, y: dict):
+    assert x.keys() == y.keys()
+    for k in x:
+        a, b = x[k], y[k]
+        if isinstance(a, np.ndarray):
+            assert a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True), k
+        elif isinstance(a, list):
+            assert len(a) == len(b) and all(u == v or (u != u and v != v) for u, v in zip(a, b)), k
+        else:
+            assert type(a) is type(b) and (a == b or (a != a and b != b)), (k, a, b)
+        if isinstance(a, float):
+            assert math.copysign(1, a) == math.copysign(1, b), k
+
+
+def _both_kernels(tok, **kw):
+    pytest.importorskip("numba")
+    x = fast._fast_stats(tok, gap.DEFAULT_TAUS, gap.LOGPROB_TOL, kernel="numpy", **kw)
+    y = fast._fast_stats(tok, gap.DEFAULT_TAUS, gap.LOGPROB_TOL, kernel="numba", **kw)
+    assert (x is None) == (y is None)
+    if x is not None:
+        _same_stats(x, y)
+    return x
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_numba_kernel_equals_numpy_bitwise(case):
+    rng = np.random.default_rng(len(case) + 100)
+    n = 150_000
+    a, b = _synthetic(n, rng=rng, **CASES[case])
+    cu = _cu(n, rng)
+    for threads in (1, 2):
+        _both_kernels(gap.normalize(a, b, None, cu), threads=threads)
+    m = a.size // 500 * 500                                      # padded + mask, same kernel
+    pa, pb = a[:m].reshape(-1, 500), b[:m].reshape(-1, 500)
+    mask = np.arange(500)[None, :] < rng.integers(0, 501, m // 500)[:, None]
+    mask[:, 0] = True
+    mask[2, 100:300] = False
+    _both_kernels(gap.normalize(pa, pb, mask), threads=1)
+
+
+@pytest.mark.parametrize("chunk", [1000, 4096])
+def test_numba_kernel_split_and_long_sequences(chunk):
+    rng = np.random.default_rng(21)
+    a, b = _synthetic(60_000, 1e-3, rng)
+    cu = np.array([0, 3000, 3000, 10_000, 12_500, 40_000, 60_000])
+    st_ = _both_kernels(gap.normalize(a, b, None, cu), chunk=chunk, threads=3)
+    _close(gap._finish(st_, gap.normalize(a, b, None, cu), gap.DEFAULT_TAUS), measure_reference(a, b, cu_seqlens=cu))
+    mixed = gap.normalize(a.astype(np.float64), b, None, cu)     # mixed dtypes, float64 data
+    _both_kernels(mixed, chunk=chunk)
+
+
+def test_numba_kernel_flags_bad_values_like_numpy():
+    pytest.importorskip("numba")
+    rng = np.random.default_rng(5)
+    a, b = _synthetic(50_000, 1e-3, rng)
+    cu = _cu(50_000, rng, empties=False)
+    for bad in (np.nan, np.inf, 1e-5):
+        b2 = b.copy()
+        b2[40_123] = bad
+        tok = gap.normalize(a, b2, None, cu)
+        for kernel in ("numpy", "numba"):
+            with pytest.raises(InputError) as e:
+                fast._fast_stats(tok, gap.DEFAULT_TAUS, gap.LOGPROB_TOL, kernel=kernel)
+            assert (e.value.field, e.value.index) == ("rollout_logprobs", 40_123 - cu[e.value.row])
+    # float32(1e-6) is above 1e-6: numpy compares in the input dtype, so does the kernel
+    a2 = a.copy()
+    a2[7] = np.float32(1e-6)
+    _both_kernels(gap.normalize(a2, b, None, cu))
+
+
+@SETTINGS
+@given(batches(max_seqs=10, max_len=60), st.integers(0, 2 ** 32 - 1), st.integers(3, 70), st.integers(1, 3),
+       st.booleans())
+def test_numba_kernel_any_chunking_property(batch, seed, chunk, threads, padded):
+    a, b, lens = batch
+    rng = np.random.default_rng(seed)
+    b = np.minimum(b + rng.normal(0, 1e-3, b.size) * (rng.random(b.size) < 0.7), 0)
+    if padded:
+        (pa, m), (pb, _) = _padded(a, lens), _padded(b, lens)
+        tok = gap.normalize(pa, pb, m)
+    else:
+        tok = gap.normalize(a, b, None, np.concatenate([[0], np.cumsum(lens)]))
+    _both_kernels(tok, chunk=chunk, threads=threads)
