@@ -83,6 +83,11 @@ class VLLMGenerator:
             engine_kwargs["enable_return_routed_experts"] = True
         # route capture + in-place weight loading live in one worker extension
         engine_kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)
+        # prompts are token ids: drop vLLM's chat-template warm-up traceback about the missing
+        # tokenizer (expected with skip_tokenizer_init=True; see quiet.py)
+        from .quiet import install_vllm_log_filters
+
+        install_vllm_log_filters()
         t0 = time.perf_counter()
         self.llm = LLM(model=self.model_dir, skip_tokenizer_init=True, dtype=dtype, seed=seed,
                        max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
