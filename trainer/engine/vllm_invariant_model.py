@@ -74,6 +74,7 @@ class _SkyrlInvariantForCausalLM(nn.Module):
         self.kv = self.core.kv
         self.block_size = vllm_config.cache_config.block_size
         self.layers = self.core.dims.layers
+        self._step_plan = None
         item = torch.finfo(vllm_config.model_config.dtype).bits // 8
         heads = -(-self.kv.row_bytes // (2 * SLOT_HEAD * item))
         self.attn = nn.ModuleList([
@@ -96,6 +97,37 @@ class _SkyrlInvariantForCausalLM(nn.Module):
         per_slot = 2 * self.attn[i].num_kv_heads * SLOT_HEAD * kv.element_size()
         return flat.view(-1, per_slot)[:, :self.kv.row_bytes]
 
+    def _plan(self, meta, device) -> list:
+        """The step's request groups, computed once per forward (every layer shares the block
+        table): requests with the same number of queries (all decodes: 1) share one attention
+        call over a right-padded batch; ``kv_lens`` keeps each request's bits what they are alone
+        (tested). Per group: (requests, query slices, kv lengths, flat slot index, padding mask).
+        (The padded batch is the CPU path's; on GPU each request runs alone.)"""
+        if self._step_plan is not None:
+            return self._step_plan
+        qsl = meta.query_start_loc.tolist()
+        seq_lens = meta.seq_lens.tolist()
+        bs = self.block_size
+        batched = device.type == "cpu"
+        by_len: dict[int, list[int]] = {}
+        for r in range(len(qsl) - 1):
+            if qsl[r + 1] > qsl[r]:
+                by_len.setdefault(qsl[r + 1] - qsl[r] if batched else -r, []).append(r)
+        plan = []
+        for reqs in by_len.values():
+            lens = [seq_lens[r] for r in reqs]
+            L = max(lens)
+            nblk = -(-L // bs)
+            blocks = meta.block_table[reqs, :nblk].long()                      # [n, nblk]
+            idx = (blocks[:, :, None] * bs + torch.arange(bs)[None, None, :]).reshape(len(reqs), -1)
+            idx = idx[:, :L]
+            pad = torch.arange(L)[None, :] >= torch.tensor(lens)[:, None]        # [n, L]
+            idx = idx.masked_fill(pad, 0)     # padding reads slot 0, then is zeroed
+            plan.append((reqs, [(qsl[r], qsl[r + 1]) for r in reqs], lens, idx.reshape(-1),
+                         pad if bool(pad.any()) else None))
+        self._step_plan = plan
+        return plan
+
     def _attend(self, i: int, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         from vllm.forward_context import get_forward_context
 
@@ -107,43 +139,25 @@ class _SkyrlInvariantForCausalLM(nn.Module):
         n = int(meta.num_actual_tokens)
         cache = self._slots(i)
         cache[meta.slot_mapping[:n].long()] = self.kv.encode(i, rows[:n])
-        qsl = meta.query_start_loc.tolist()
-        seq_lens = meta.seq_lens.tolist()
         out = None
-        bs = self.block_size
-        # Requests with the same number of queries this step (all decodes: 1) share one call over
-        # a right-padded batch; kv_lens keeps each request's bits what they are alone (tested).
-        # (The padded batch is the CPU path's; on GPU each request runs alone.)
-        batched = q.device.type == "cpu"
-        by_len: dict[int, list[int]] = {}
-        for r in range(len(qsl) - 1):
-            if qsl[r + 1] > qsl[r]:
-                by_len.setdefault(qsl[r + 1] - qsl[r] if batched else -r, []).append(r)
-        for reqs in by_len.values():
-            lens = [seq_lens[r] for r in reqs]
-            L = max(lens)
-            data = cache.new_zeros((len(reqs), L, self.kv.row_bytes))
-            for j, r in enumerate(reqs):
-                nblk = -(-lens[j] // bs)
-                blocks = meta.block_table[r, :nblk].long()
-                idx = (blocks[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1)[:lens[j]]
-                data[j, :lens[j]] = cache[idx]
+        for reqs, spans, lens, idx, pad in self._plan(meta, q.device):
+            data = cache[idx].view(len(reqs), max(lens), self.kv.row_bytes)
+            if pad is not None:
+                data[pad] = 0      # finite padding (masked out by kv_lens)
             R = self.kv.decode(i, data)
-            if lens != [L] * len(lens):   # zero bytes of the padding may decode to NaN: clear
-                for j, ln in enumerate(lens):
-                    R[j, ln:] = 0
-            Q = torch.stack([q[qsl[r]:qsl[r + 1]] for r in reqs])
+            Q = torch.stack([q[a:b] for a, b in spans])
             o = self.core.attn_core(i, Q, R, torch.tensor(lens) if len(reqs) > 1 else None)
             if out is None:
                 out = q.new_zeros((q.shape[0],) + tuple(o.shape[2:]))
-            for j, r in enumerate(reqs):
-                out[qsl[r]:qsl[r + 1]] = o[j]
+            for j, (a, b) in enumerate(spans):
+                out[a:b] = o[j]
         if out is None:
             return self.core._own_sequence_attend(i, q, rows)
         return out
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors=None, inputs_embeds=None, **kwargs) -> torch.Tensor:
+        self._step_plan = None
         return self.core.forward_tokens(input_ids, positions, self._attend)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
