@@ -259,3 +259,30 @@ def test_grouped_experts_forward_and_qat(group, qwen_moe_dir, hf_sd):
     assert d <= 0.05, d  # bf16: expert GEMMs per expert either way, different layouts
     assert (out["qat"] - plain_grouped).abs().max().item() > 0  # the fake-quant changes the forward
 
+
+
+@pytest.mark.slow
+def test_batch_invariant_megatron_forward_and_step(group, qwen_moe_dir):
+    """Without the mode, micro-batch size changes some logprobs in the last bits (measured: about half of the
+    tokens, max 1.4e-6); with it every size gives the same bits."""
+    from skyrl_numerics.rollout import Rollout
+    from skyrl_numerics.trainer.fsdp.trainer import TrainerConfig
+    from skyrl_numerics.trainer.megatron.trainer import MegatronTrainer
+
+    rng = np.random.default_rng(0)
+    lens = [5, 7, 3, 6]
+    r = Rollout.from_lists([rng.integers(2, 512, 4 + i % 3).tolist() for i in range(4)],
+                           [rng.integers(2, 512, n).tolist() for n in lens], [[-6.0] * n for n in lens],
+                           group_ids=np.repeat([0, 1], 2), sampling={"temperature": 1.0})
+    t = MegatronTrainer(qwen_moe_dir, TrainerConfig(batch_invariant=True))
+    try:
+        got = {}
+        for mbs in (4, 3, 1):
+            t.config.micro_batch_size = mbs
+            got[mbs] = t.logprobs(r)
+        m = t.step(r, rng.random(4))
+    finally:
+        t.close()
+    np.testing.assert_array_equal(got[4], got[1])
+    np.testing.assert_array_equal(got[4], got[3])
+    assert np.isfinite(m["loss"]) and m["grad_norm"] > 0

@@ -140,6 +140,16 @@ def _worker(rank, world, model_dir, out):
     res["qat"] = fq
     res["lp_qat"] = t.logprobs(r)
     t.close()
+
+    # -- D: batch_invariant_mode() under megatron-core, TP2 x EP2: the same bits at every micro-batch size
+    t = MegatronTrainer(model_dir, TrainerConfig(batch_invariant=True, lr=LR), tp=2, ep=2)
+    lps = {}
+    for mbs in (4, 3, 1):
+        t.config.micro_batch_size = mbs
+        lps[mbs] = t.logprobs(r)
+    res["bi_lps"] = lps
+    res["bi_step"] = t.step(r, rew)
+    t.close()
     if rank == 0:
         torch.save(res, f"{out}/rank0.pt")
     else:
@@ -284,3 +294,11 @@ def test_trainer_tp2_ep2_matches_single_rank_and_fsdp(two_ranks, single):
         print(f"measured: max|dw| after one step {dw / LR:.2e} * lr")
         assert dw <= 0.25 * LR, dw
     assert np.abs(got["lp1"] - got["lp0"]).max() > 1e-4  # the step moved the policy
+
+
+def test_batch_invariant_mode_under_megatron_tp2_ep2(two_ranks):
+    lps = two_ranks[0]["bi_lps"]
+    np.testing.assert_array_equal(lps[4], lps[1])
+    np.testing.assert_array_equal(lps[4], lps[3])
+    assert np.abs(lps[4] - two_ranks[0]["lp0"]).max() <= LP_ATOL  # the invariant kernels: fp32 rounding only
+    assert np.isfinite(two_ranks[0]["bi_step"]["loss"]) and two_ranks[0]["bi_step"]["grad_norm"] > 0

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import torch
 
 __all__ = ["MegatronPolicy"]

@@ -16,8 +16,9 @@ what differs is the model and its parallelism:
   the EP group, counting replicated weights once; AdamW then runs on each rank's shards (elementwise);
 - alignment pieces: ``use_support`` (support replay, vocab-parallel), ``route_replay`` (R3 through
   megatron-core's RouterReplay inside ``GPTModel.forward``), ``qat`` (:func:`.qat.apply_megatron_qat`:
-  a recipe name wraps the experts, as the serving checkpoint quantizes them). ``batch_invariant`` and LoRA
-  are refused (not implemented on this path).
+  a recipe name wraps the experts, as the serving checkpoint quantizes them), ``batch_invariant``
+  (``kernels.batch_invariant_mode()`` around forward and backward: megatron-core's forward then gives
+  bitwise the same logprobs at every micro-batch size, tested). LoRA is refused (not implemented here).
 
 On CPU the compatibility module (:mod:`.compat`) is installed around each call into megatron-core
 (construction, :meth:`step`, :meth:`logprobs`), not for the trainer's lifetime. Without a process group (one process) the trainer makes a 1-rank gloo group of
@@ -35,7 +36,7 @@ import torch
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.rollout import Rollout
 
-from ..fsdp.trainer import TrainerConfig, _correction_fn
+from ..fsdp.trainer import TrainerConfig, _batch_invariant_context, _correction_fn
 from ..losses import compute_advantages, masked_mean, ppo_clip_loss, token_advantages
 
 __all__ = ["MegatronTrainer", "spawn_megatron"]
@@ -104,8 +105,6 @@ class MegatronTrainer:
         self.config = cfg = config or TrainerConfig()
         if cfg.lora_rank:
             raise InputError("LoRA is not implemented for the megatron trainer", field="lora_rank")
-        if cfg.batch_invariant:
-            raise InputError("batch_invariant is not implemented for the megatron trainer", field="batch_invariant")
         hf_cfg, hf_sd = _hf_state(model)
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.hf_config = check_parallel_config(hf_cfg, tp, ep, world_size=world)  # before any group / model
@@ -160,6 +159,11 @@ class MegatronTrainer:
             dist.destroy_process_group()
             self._own_group = None
 
+    def _context(self):
+        import contextlib
+
+        return _batch_invariant_context() if self.config.batch_invariant else contextlib.nullcontext()
+
     def _temperature(self, rollout: Rollout) -> float:
         t = self.config.temperature
         return float(t if t is not None else (rollout.sampling.get("temperature", 1.0) or 1.0))
@@ -187,9 +191,10 @@ class MegatronTrainer:
     def logprobs(self, rollout: Rollout) -> np.ndarray:
         """float32 ``[Σ response_len]`` trainer logprobs (no grad), the same on every rank."""
         out = torch.zeros(rollout.num_response_tokens, dtype=torch.float32)
-        for mb in self.micro_batches(rollout):
-            lp, _ = self._run(mb, rollout, with_entropy=False)
-            out[torch.from_numpy(mb.token_index)] = lp.float().cpu()
+        with self._context():
+            for mb in self.micro_batches(rollout):
+                lp, _ = self._run(mb, rollout, with_entropy=False)
+                out[torch.from_numpy(mb.token_index)] = lp.float().cpu()
         return out.numpy()
 
     # ---- gradients --------------------------------------------------------------------------
@@ -282,19 +287,21 @@ class MegatronTrainer:
         stats = torch.zeros(7, dtype=torch.float64)  # loss, low, high, ratio, ent, ppo_kl, n
         ratio_max = -math.inf
         self.optimizer.zero_grad(set_to_none=True)
-        for mb, ti, w, keep in per_mb:
-            lp, ent = self._run(mb, rollout)
-            old = lp.detach() if old_all is None else old_all[ti]
-            pl = ppo_clip_loss(lp, old, adv[ti], mask=keep, weights=w, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-                               dual_clip=cfg.dual_clip, aggregation=cfg.aggregation, cu_seqlens=mb.cu_seqlens,
-                               denominator=denom)
-            pl.loss.backward()
-            m, n = pl.metrics, pl.metrics["n_tokens"]
-            if n:
-                ent_mean = float(masked_mean(ent.detach(), keep))
-                stats += torch.tensor([pl.loss.item(), m["clipfrac_low"] * n, m["clipfrac_high"] * n,
-                                       m["ratio_mean"] * n, ent_mean * n, m["ppo_kl"] * n, n], dtype=torch.float64)
-                ratio_max = max(ratio_max, m["ratio_max"])
+        with self._context():  # forward and backward (the invariant kernels cover aten's backward formulas)
+            for mb, ti, w, keep in per_mb:
+                lp, ent = self._run(mb, rollout)
+                old = lp.detach() if old_all is None else old_all[ti]
+                pl = ppo_clip_loss(lp, old, adv[ti], mask=keep, weights=w, eps_low=cfg.eps_low,
+                                   eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, aggregation=cfg.aggregation,
+                                   cu_seqlens=mb.cu_seqlens, denominator=denom)
+                pl.loss.backward()
+                m, n = pl.metrics, pl.metrics["n_tokens"]
+                if n:
+                    ent_mean = float(masked_mean(ent.detach(), keep))
+                    stats += torch.tensor([pl.loss.item(), m["clipfrac_low"] * n, m["clipfrac_high"] * n,
+                                           m["ratio_mean"] * n, ent_mean * n, m["ppo_kl"] * n, n],
+                                          dtype=torch.float64)
+                    ratio_max = max(ratio_max, m["ratio_max"])
         grad_norm = self._finalize_grads()
         if self.keep_grads:
             self.last_grads = {n: p.grad.detach().float().clone() for n, p in self.gpt.named_parameters()
