@@ -81,11 +81,21 @@ def _worker(rank, world, model_dir, out):
     t.keep_grads = True
     res["layout"] = (t.tp_rank, t.ep_rank)
     res["lp0"] = t.logprobs(r)
+    from skyrl_numerics.trainer.sync.weight_sync import DeltaPublisher
+
+    bf16 = lambda sd: {k: v.to(torch.bfloat16).contiguous() for k, v in sd.items()}  # noqa: E731  as served
+    before = bf16(t.full_state_dict())  # collective: gathered from the TP/EP shards on every rank
+    pub = DeltaPublisher(f"{out}/sync") if rank == 0 else None
+    if pub is not None:
+        pub.publish(before, full=True)
     res["metrics"] = t.step(r, rew)
     from skyrl_numerics.trainer.megatron.mapping import gather_full
 
     res["grads"] = gather_full(t.last_grads, t.hf_config)
     res["weights"] = t.full_state_dict()
+    if pub is not None:
+        m = pub.publish(bf16(res["weights"]))
+        res["delta"] = (m.is_full, m.payload_nbytes, m.raw_nbytes, len(m.changed))
     res["lp1"] = t.logprobs(r)
     ids = torch.from_numpy(np.stack([np.resize(r.response_tokens, 12), np.resize(r.response_tokens[::-1], 12)]))
     with torch.no_grad():
@@ -164,7 +174,9 @@ def two_ranks(qwen_moe_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("mcore")
     spawn_megatron(_worker, qwen_moe_dir, str(qwen_moe_dir), str(out), tp=2, ep=2, timeout=900)
     torch.set_num_threads(1)  # the ranks ran with one thread each: the same kernels here
-    return (torch.load(out / "rank0.pt", weights_only=False), torch.load(out / "rank1.pt", weights_only=False))
+    r0 = torch.load(out / "rank0.pt", weights_only=False)
+    r0["sync_dir"] = str(out / "sync")
+    return r0, torch.load(out / "rank1.pt", weights_only=False)
 
 
 @pytest.fixture(scope="module")
@@ -302,3 +314,19 @@ def test_batch_invariant_mode_under_megatron_tp2_ep2(two_ranks):
     np.testing.assert_array_equal(lps[4], lps[3])
     assert np.abs(lps[4] - two_ranks[0]["lp0"]).max() <= LP_ATOL  # the invariant kernels: fp32 rounding only
     assert np.isfinite(two_ranks[0]["bi_step"]["loss"]) and two_ranks[0]["bi_step"]["grad_norm"] > 0
+
+
+def test_delta_sync_from_sharded_params(two_ranks):
+    """Rank 0 published the weights gathered from the TP2 x EP2 shards (bf16, HF checkpoint names) before and
+    after the step: a full snapshot, then an XOR delta; a receiver ends with exactly the gathered weights."""
+    from skyrl_numerics.trainer.sync.weight_sync import DeltaReceiver
+
+    got = two_ranks[0]
+    is_full, payload, raw, changed = got["delta"]
+    assert not is_full and 0 < payload < raw and changed > 0
+    rec = DeltaReceiver(got["sync_dir"])
+    applied = rec.sync()
+    assert len(applied) == 2 and rec.version == applied[-1].version
+    assert set(rec.state) == set(got["weights"])
+    for k, v in got["weights"].items():
+        assert torch.equal(torch.as_tensor(rec.state[k]), v.to(torch.bfloat16)), k
