@@ -263,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("doctor", help="measure the trainer-vLLM gap on a tiny MoE, as an "
                                       "ablation table")
-    d.add_argument("--family", default=None, choices=["qwen3_moe", "deepseek_v3"],
+    d.add_argument("--family", default=None, choices=["qwen3_moe", "deepseek_v3", "mixtral"],
                    help="build and run this tiny model (default qwen3_moe)")
     d.add_argument("--model", default=None, metavar="DIR",
                    help="your own Hugging Face checkpoint directory (MoE or dense); rows that do "
