@@ -224,8 +224,12 @@ def attention(q, k, v, causal: bool = True, scale: float | None = None, block_n:
     scale = D ** -0.5 if scale is None else float(scale)
     g = H // Hkv
     qf = q.float().reshape(B * Hkv, g * Sq, D)        # queries of one KV head share the GEMMs
-    kf = k.float().reshape(B * Hkv, Skv, D)
-    vf = v.float().reshape(B * Hkv, Skv, D)
+    # keys/values padded once to whole blocks (the same zeros the last block got before); MLA
+    # passes one tensor as k and v: converted once
+    pad = -Skv % block_n
+    kf = torch.nn.functional.pad(k.float().reshape(B * Hkv, Skv, D), (0, 0, 0, pad))
+    vf = kf if v is k else torch.nn.functional.pad(v.float().reshape(B * Hkv, Skv, D),
+                                                   (0, 0, 0, pad))
     qpos = torch.arange(Sq).repeat(g)[None, :, None] + (lens - Sq)  # (B*Hkv, g*Sq, 1)
     m = torch.full((B * Hkv, g * Sq), float("-inf"))
     l_ = torch.zeros(B * Hkv, g * Sq)
@@ -233,9 +237,6 @@ def attention(q, k, v, causal: bool = True, scale: float | None = None, block_n:
     for n0 in range(0, Skv, block_n):
         kpos = torch.arange(n0, n0 + block_n)           # always a full block: same GEMM shapes
         kb, vb = kf[:, n0:n0 + block_n], vf[:, n0:n0 + block_n]
-        if kb.shape[1] < block_n:
-            kb = torch.nn.functional.pad(kb, (0, 0, 0, block_n - kb.shape[1]))
-            vb = torch.nn.functional.pad(vb, (0, 0, 0, block_n - vb.shape[1]))
         s = bmm(qf, kb.transpose(1, 2).contiguous()) * scale
         invalid = kpos[None, None, :] >= lens
         if causal:
