@@ -10,6 +10,8 @@ bit for bit.
 - softmax top-k (Qwen2/Qwen3-MoE, OLMoE): ``w = softmax(logits, fp32)[idx]``; if ``norm_topk_prob``:
   ``w /= sum(w)``; cast to the logits dtype.
 - Mixtral: ``w = softmax(logits.float())[idx] / sum(...)`` (always renormalized, stays fp32).
+- GPT-OSS: ``w = softmax(logits[idx])`` over the chosen experts' logits only, in the logits dtype
+  (the router's bias is already in the logits; ``idx`` in the router's top-k order).
 - DeepSeek-V3 (``noaux_tc``): ``s = sigmoid(logits)``; ``w = s[idx]``; if ``norm_topk_prob``:
   ``w /= sum(w) + 1e-20``; ``w *= routed_scaling_factor``. The ``e_score_correction_bias`` and the
   group limit only steer *which* experts are chosen, not their weights, so they drop out under replay;
@@ -34,6 +36,11 @@ def mixtral_weights(router, logits: torch.Tensor, idx: torch.Tensor) -> torch.Te
     return w / w.sum(dim=-1, keepdim=True)
 
 
+def gpt_oss_weights(router, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    top = logits.gather(1, idx)
+    return torch.nn.functional.softmax(top, dim=1, dtype=top.dtype)
+
+
 def deepseek_v3_weights(router, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     scores = logits.sigmoid()
     w = scores.gather(1, idx)
@@ -48,5 +55,6 @@ ROUTER_FAMILIES = {
     "Qwen2MoeTopKRouter": (softmax_topk_weights, "num_experts"),
     "OlmoeTopKRouter": (softmax_topk_weights, "num_experts"),
     "MixtralTopKRouter": (mixtral_weights, "num_experts"),
+    "GptOssTopKRouter": (gpt_oss_weights, "num_experts"),
     "DeepseekV3TopkRouter": (deepseek_v3_weights, "num_experts"),
 }
