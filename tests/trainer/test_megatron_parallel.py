@@ -64,7 +64,7 @@ def _vocab_case(h, targets, support, tp_rank, group):
     return {"lp": lp.detach(), "ent": ent.detach(), "gx": gx, "w": torch.cat(ws), "gw": torch.cat(gws)}
 
 
-def _worker(rank, world, model_dir, out):
+def _worker(rank, world, model_dir, out, ds_dir):
     import torch.distributed as dist
     from megatron.core.transformer.moe.router import TopKRouter
 
@@ -160,6 +160,14 @@ def _worker(rank, world, model_dir, out):
     res["bi_lps"] = lps
     res["bi_step"] = t.step(r, rew)
     t.close()
+    # -- E: DeepSeek-V3 (MLA, shared expert, dense first layer) with EP 2 and TP 1: 2 data-parallel copies
+    t = MegatronTrainer(ds_dir, TrainerConfig(lr=LR, weight_decay=0.0), tp=1, ep=2)
+    t.keep_grads = True
+    res["ds_lp0"] = t.logprobs(r)
+    res["ds_metrics"] = t.step(r, rew)
+    res["ds_grads"] = gather_full(t.last_grads, t.hf_config)
+    res["ds_weights"] = t.full_state_dict()
+    t.close()
     if rank == 0:
         torch.save(res, f"{out}/rank0.pt")
     else:
@@ -168,11 +176,12 @@ def _worker(rank, world, model_dir, out):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(qwen_moe_dir, tmp_path_factory):
+def two_ranks(qwen_moe_dir, deepseek_v3_dir, tmp_path_factory):
     from skyrl_numerics.trainer.megatron.trainer import spawn_megatron
 
     out = tmp_path_factory.mktemp("mcore")
-    spawn_megatron(_worker, qwen_moe_dir, str(qwen_moe_dir), str(out), tp=2, ep=2, timeout=900)
+    spawn_megatron(_worker, qwen_moe_dir, str(qwen_moe_dir), str(out), str(deepseek_v3_dir), tp=2, ep=2,
+                   timeout=900)
     torch.set_num_threads(1)  # the ranks ran with one thread each: the same kernels here
     r0 = torch.load(out / "rank0.pt", weights_only=False)
     r0["sync_dir"] = str(out / "sync")
@@ -206,6 +215,29 @@ def single(qwen_moe_dir, two_ranks):
     out["fsdp_weights"] = {k: v.detach().clone() for k, v in checkpoint_state_dict(f.model).items()}
     f = FSDPTrainer(load_hf_model(qwen_moe_dir, dtype="float32"), TrainerConfig(route_replay=True, use_support=True))
     out["fsdp_lp_r3"] = f.logprobs(rr)
+    return out
+
+
+@pytest.fixture(scope="module")
+def single_ds(deepseek_v3_dir, two_ranks):
+    from skyrl_numerics.models import load_hf_model
+    from skyrl_numerics.trainer.fsdp.trainer import FSDPTrainer, TrainerConfig
+    from skyrl_numerics.trainer.megatron.trainer import MegatronTrainer
+    from skyrl_numerics.trainer.sync.vllm import checkpoint_state_dict
+
+    r, rew = make_rollout()
+    out = {}
+    t = MegatronTrainer(deepseek_v3_dir, TrainerConfig(lr=LR, weight_decay=0.0))
+    t.keep_grads = True
+    out["lp0"] = t.logprobs(r)
+    out["metrics"] = t.step(r, rew)
+    out["grads"] = dict(t.last_grads)
+    out["weights"] = t.full_state_dict()
+    t.close()
+    f = FSDPTrainer(load_hf_model(deepseek_v3_dir, dtype="float32"), TrainerConfig(lr=LR, weight_decay=0.0))
+    out["fsdp_lp0"] = f.logprobs(r)
+    out["fsdp_metrics"] = f.step(r, rew)
+    out["fsdp_weights"] = {k: v.detach().clone() for k, v in checkpoint_state_dict(f.model).items()}
     return out
 
 
@@ -330,3 +362,22 @@ def test_delta_sync_from_sharded_params(two_ranks):
     assert set(rec.state) == set(got["weights"])
     for k, v in got["weights"].items():
         assert torch.equal(torch.as_tensor(rec.state[k]), v.to(torch.bfloat16)), k
+
+
+def test_deepseek_v3_ep2_matches_single_rank_and_fsdp(two_ranks, single_ds):
+    """EP 2 > TP 1: both ranks run the same batch and both copies reach the experts; the trainer divides the
+    expert gradient by the 2 copies (a missing division doubles it: grad norm and weights would fail)."""
+    got, ref = two_ranks[0], single_ds
+    d1 = np.abs(got["ds_lp0"] - ref["lp0"]).max()
+    d2 = np.abs(got["ds_lp0"] - ref["fsdp_lp0"]).max()
+    print(f"\nmeasured DeepSeek-V3: max|dlp| EP2 vs 1 rank {d1:.2e}, vs FSDP {d2:.2e}")
+    assert d1 <= LP_ATOL and d2 <= LP_ATOL
+    gmax = max(v.abs().max().item() for v in ref["grads"].values())
+    dg = max((got["ds_grads"][k] - v).abs().max().item() for k, v in ref["grads"].items())
+    assert dg <= 1e-5 * gmax, (dg, gmax)
+    for m in (ref["metrics"], ref["fsdp_metrics"]):
+        assert got["ds_metrics"]["loss"] == pytest.approx(m["loss"], rel=1e-5, abs=1e-6)
+        assert got["ds_metrics"]["grad_norm"] == pytest.approx(m["grad_norm"], rel=1e-4)
+    for w in (ref["weights"], ref["fsdp_weights"]):
+        assert set(got["ds_weights"]) == set(w)
+        assert max((got["ds_weights"][k] - v).abs().max().item() for k, v in w.items()) <= 0.25 * LR

@@ -45,6 +45,10 @@ What is covered, who calls it, and why:
     not CUDA, but a CPU-only fact: without Transformer Engine (a CUDA package) megatron-core 0.16.1
     never binds this name, and ``RouterGatingLinearFunction`` raises ``NameError`` on it; ``None``
     selects megatron's own ``torch.mm`` branch.
+``multi_latent_attention.HAVE_TE`` -> ``False`` (only where Transformer Engine is absent)
+    not CUDA, but a CPU-only fact again: ``megatron.core.extensions.transformer_engine`` imports without TE
+    and binds ``TELinear`` to a ``MagicMock``, so MLA's ``HAVE_TE`` is True and
+    ``isinstance(self.linear_proj, TELinear)`` raises ``TypeError`` while building ``MLASelfAttention``.
 ``grouped_gemm_util.grouped_gemm`` / ``.ops`` (only where the ``grouped_gemm`` CUDA extension is
 absent)
     the legacy ``GroupedMLP`` (``moe_grouped_gemm=True`` without Transformer Engine) calls
@@ -254,6 +258,11 @@ def _apply():
     _set(fused_softmax, "get_sliding_window_causal_mask", _sliding_window_mask)
     if getattr(moe_utils, "te_general_gemm", None) is None:
         _set(moe_utils, "te_general_gemm", None)
+    import megatron.core.extensions.transformer_engine as te_ext
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    if not getattr(te_ext, "HAVE_TE", False) and getattr(mla, "HAVE_TE", False):
+        _set(mla, "HAVE_TE", False)
     if gg.grouped_gemm is None:
         _set(gg, "grouped_gemm", _GroupedGemmModule)
         _set(gg, "ops", _GroupedGemmOps)

@@ -69,6 +69,8 @@ def hf_to_megatron(hf_sd: dict, config, *, grouped_experts: bool = False) -> dic
     experts (``experts.gate_up_proj`` / ``experts.down_proj``). Unknown or missing keys raise InputError.
     """
     cfg = hf_config_dict(config)
+    if cfg.get("model_type") == "deepseek_v3":
+        return _ds_to_megatron(hf_sd, cfg, grouped_experts)
     nh, ng, d, E, f, H, L = _dims(cfg)
     used = set()
     sd = dict(hf_sd)
@@ -119,8 +121,10 @@ def megatron_to_hf(mc_sd: dict, config, *, fused: bool = False) -> dict:
     """HF Qwen3-MoE state dict (checkpoint names; ``fused``: transformers>=5 in-memory experts) from a full
     megatron-core state dict (sequential or grouped experts)."""
     cfg = hf_config_dict(config)
-    nh, ng, d, E, f, H, L = _dims(cfg)
     sd = {k: v for k, v in mc_sd.items() if not k.endswith("_extra_state")}
+    if cfg.get("model_type") == "deepseek_v3":
+        return {k: v.contiguous() for k, v in _ds_to_hf(sd, cfg, fused).items()}
+    nh, ng, d, E, f, H, L = _dims(cfg)
     out = {"model.embed_tokens.weight": _take(sd, "embedding.word_embeddings.weight")}
     for l in range(L):
         p, m = f"model.layers.{l}.", f"decoder.layers.{l}."
@@ -155,6 +159,143 @@ def megatron_to_hf(mc_sd: dict, config, *, fused: bool = False) -> dict:
     out["model.norm.weight"] = _take(sd, "decoder.final_layernorm.weight")
     out["lm_head.weight"] = _take(sd, "output_layer.weight")
     return {k: v.contiguous() for k, v in out.items()}
+
+
+# ---- DeepSeek-V3 (MLA) ------------------------------------------------------------------------
+def _rope_perm(r: int) -> torch.Tensor:
+    """HF's interleaved rope channels (x0, y0, x1, y1, ...) -> de-interleaved (x0, x1, ..., y0, y1, ...)."""
+    return torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)])
+
+
+def _experts_in(take, p, E, f, H, fused_key):
+    if fused_key in take.sd:
+        gu = take(p + "mlp.experts.gate_up_proj", (E, 2 * f, H))
+        dn = take(p + "mlp.experts.down_proj", (E, H, f))
+        return [gu[e] for e in range(E)], [dn[e] for e in range(E)]
+    fc1 = [torch.cat([take(f"{p}mlp.experts.{e}.gate_proj.weight", (f, H)),
+                      take(f"{p}mlp.experts.{e}.up_proj.weight", (f, H))]) for e in range(E)]
+    return fc1, [take(f"{p}mlp.experts.{e}.down_proj.weight", (H, f)) for e in range(E)]
+
+
+class _Taker:
+    def __init__(self, sd):
+        self.sd, self.used = dict(sd), set()
+
+    def __call__(self, k, shape=None):
+        self.used.add(k)
+        return _take(self.sd, k, shape)
+
+    def check_all_used(self):
+        extra = sorted(k for k in self.sd if k not in self.used and not k.endswith("rotary_emb.inv_freq"))
+        if extra:
+            raise InputError(f"{len(extra)} HF weights have no megatron-core counterpart, e.g. {extra[0]!r}",
+                             field=extra[0])
+
+
+def _ds_dims(cfg):
+    return (cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"],
+            cfg.get("q_lora_rank"), cfg["kv_lora_rank"], cfg["hidden_size"], cfg["num_hidden_layers"],
+            int(cfg.get("first_k_dense_replace", 0) or 0), cfg["num_experts"], cfg["moe_intermediate_size"],
+            (cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"], cfg["intermediate_size"])
+
+
+def _ds_to_megatron(hf_sd, cfg, grouped_experts):
+    nh, dn, dr, dv, ql, kl, H, L, kd, E, f, fs, fd = _ds_dims(cfg)
+    if ql is None:
+        raise InputError("DeepSeek-V3 without q_lora_rank is not mapped", field="q_lora_rank")
+    # megatron's MLA always de-interleaves the rope channels (DeepSeek's convention, = HF rope_interleave=True);
+    # for rope_interleave=False the rows are pre-permuted so that its de-interleave restores HF's order
+    perm = torch.arange(dr) if cfg.get("rope_interleave", True) else torch.argsort(_rope_perm(dr))
+    take = _Taker(hf_sd)
+    out = {"embedding.word_embeddings.weight": take("model.embed_tokens.weight", (cfg["vocab_size"], H))}
+    for l in range(L):
+        p, m = f"model.layers.{l}.", f"decoder.layers.{l}."
+        a, ma = p + "self_attn.", m + "self_attention."
+        out[m + "input_layernorm.weight"] = take(p + "input_layernorm.weight", (H,))
+        out[ma + "linear_q_down_proj.weight"] = take(a + "q_a_proj.weight", (ql, H))
+        out[ma + "q_layernorm.weight"] = take(a + "q_a_layernorm.weight", (ql,))
+        qb = take(a + "q_b_proj.weight", (nh * (dn + dr), ql)).reshape(nh, dn + dr, ql)
+        out[ma + "linear_q_up_proj.weight"] = torch.cat([qb[:, :dn], qb[:, dn:][:, perm]], 1).reshape(-1, ql)
+        kva = take(a + "kv_a_proj_with_mqa.weight", (kl + dr, H))
+        out[ma + "linear_kv_down_proj.weight"] = torch.cat([kva[:kl], kva[kl:][perm]])
+        out[ma + "kv_layernorm.weight"] = take(a + "kv_a_layernorm.weight", (kl,))
+        out[ma + "linear_kv_up_proj.weight"] = take(a + "kv_b_proj.weight", (nh * (dn + dv), kl))
+        out[ma + "linear_proj.weight"] = take(a + "o_proj.weight", (H, nh * dv))
+        out[m + "pre_mlp_layernorm.weight"] = take(p + "post_attention_layernorm.weight", (H,))
+        if l < kd:  # dense layer
+            out[m + "mlp.linear_fc1.weight"] = torch.cat([take(p + "mlp.gate_proj.weight", (fd, H)),
+                                                          take(p + "mlp.up_proj.weight", (fd, H))])
+            out[m + "mlp.linear_fc2.weight"] = take(p + "mlp.down_proj.weight", (H, fd))
+            continue
+        out[m + "mlp.router.weight"] = take(p + "mlp.gate.weight", (E, H))
+        out[m + "mlp.router.expert_bias"] = take(p + "mlp.gate.e_score_correction_bias", (E,))
+        fc1, fc2 = _experts_in(take, p, E, f, H, p + "mlp.experts.gate_up_proj")
+        if grouped_experts:
+            out[m + "mlp.experts.weight1"] = torch.stack([w.t() for w in fc1]).contiguous().reshape(H, E * 2 * f)
+            out[m + "mlp.experts.weight2"] = torch.stack([w.t() for w in fc2]).contiguous().reshape(E * f, H)
+        else:
+            for e in range(E):
+                out[f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight"] = fc1[e]
+                out[f"{m}mlp.experts.local_experts.{e}.linear_fc2.weight"] = fc2[e]
+        if fs:
+            out[m + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
+                [take(p + "mlp.shared_experts.gate_proj.weight", (fs, H)),
+                 take(p + "mlp.shared_experts.up_proj.weight", (fs, H))])
+            out[m + "mlp.shared_experts.linear_fc2.weight"] = take(p + "mlp.shared_experts.down_proj.weight", (H, fs))
+    out["decoder.final_layernorm.weight"] = take("model.norm.weight", (H,))
+    out["output_layer.weight"] = take("lm_head.weight", (cfg["vocab_size"], H))
+    take.check_all_used()
+    return out
+
+
+def _ds_to_hf(sd, cfg, fused):
+    nh, dn, dr, dv, ql, kl, H, L, kd, E, f, fs, fd = _ds_dims(cfg)
+    inv = torch.arange(dr) if cfg.get("rope_interleave", True) else _rope_perm(dr)
+    out = {"model.embed_tokens.weight": _take(sd, "embedding.word_embeddings.weight")}
+    for l in range(L):
+        p, m = f"model.layers.{l}.", f"decoder.layers.{l}."
+        a, ma = p + "self_attn.", m + "self_attention."
+        out[p + "input_layernorm.weight"] = _take(sd, m + "input_layernorm.weight")
+        out[a + "q_a_proj.weight"] = _take(sd, ma + "linear_q_down_proj.weight")
+        out[a + "q_a_layernorm.weight"] = _take(sd, ma + "q_layernorm.weight")
+        qb = _take(sd, ma + "linear_q_up_proj.weight", (nh * (dn + dr), ql)).reshape(nh, dn + dr, ql)
+        out[a + "q_b_proj.weight"] = torch.cat([qb[:, :dn], qb[:, dn:][:, inv]], 1).reshape(-1, ql)
+        kva = _take(sd, ma + "linear_kv_down_proj.weight", (kl + dr, H))
+        out[a + "kv_a_proj_with_mqa.weight"] = torch.cat([kva[:kl], kva[kl:][inv]])
+        out[a + "kv_a_layernorm.weight"] = _take(sd, ma + "kv_layernorm.weight")
+        out[a + "kv_b_proj.weight"] = _take(sd, ma + "linear_kv_up_proj.weight")
+        out[a + "o_proj.weight"] = _take(sd, ma + "linear_proj.weight")
+        out[p + "post_attention_layernorm.weight"] = _take(sd, m + "pre_mlp_layernorm.weight")
+        if l < kd:
+            g, u = _take(sd, m + "mlp.linear_fc1.weight", (2 * fd, H)).split([fd, fd])
+            out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = g, u
+            out[p + "mlp.down_proj.weight"] = _take(sd, m + "mlp.linear_fc2.weight")
+            continue
+        out[p + "mlp.gate.weight"] = _take(sd, m + "mlp.router.weight")
+        out[p + "mlp.gate.e_score_correction_bias"] = _take(sd, m + "mlp.router.expert_bias")
+        if m + "mlp.experts.weight1" in sd:
+            w1 = _take(sd, m + "mlp.experts.weight1", (H, E * 2 * f)).reshape(E, H, 2 * f)
+            w2 = _take(sd, m + "mlp.experts.weight2", (E * f, H)).reshape(E, f, H)
+            fc1, fc2 = [w1[e].t() for e in range(E)], [w2[e].t() for e in range(E)]
+        else:
+            fc1 = [_take(sd, f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight", (2 * f, H)) for e in range(E)]
+            fc2 = [_take(sd, f"{m}mlp.experts.local_experts.{e}.linear_fc2.weight", (H, f)) for e in range(E)]
+        if fused:
+            out[p + "mlp.experts.gate_up_proj"] = torch.stack(fc1)
+            out[p + "mlp.experts.down_proj"] = torch.stack(fc2)
+        else:
+            for e in range(E):
+                g, u = fc1[e].split([f, f])
+                out[f"{p}mlp.experts.{e}.gate_proj.weight"] = g
+                out[f"{p}mlp.experts.{e}.up_proj.weight"] = u
+                out[f"{p}mlp.experts.{e}.down_proj.weight"] = fc2[e]
+        if fs:
+            g, u = _take(sd, m + "mlp.shared_experts.linear_fc1.weight", (2 * fs, H)).split([fs, fs])
+            out[p + "mlp.shared_experts.gate_proj.weight"], out[p + "mlp.shared_experts.up_proj.weight"] = g, u
+            out[p + "mlp.shared_experts.down_proj.weight"] = _take(sd, m + "mlp.shared_experts.linear_fc2.weight")
+    out["model.norm.weight"] = _take(sd, "decoder.final_layernorm.weight")
+    out["lm_head.weight"] = _take(sd, "output_layer.weight")
+    return out
 
 
 # ---- sharding -------------------------------------------------------------------------------

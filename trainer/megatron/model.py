@@ -32,7 +32,7 @@ from skyrl_numerics.errors import InputError
 __all__ = ["ParallelConfig", "hf_config_dict", "check_parallel_config", "transformer_config", "init_parallel",
            "build_gpt_model", "destroy_parallel", "tp_group", "tp_rank_size"]
 
-SUPPORTED = ("qwen3_moe",)
+SUPPORTED = ("qwen3_moe", "deepseek_v3")
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,10 @@ def _normalized(cfg: dict) -> dict:
     cfg = dict(cfg)
     if cfg.get("num_experts") is None and cfg.get("num_local_experts") is not None:  # transformers >= 5 name
         cfg["num_experts"] = cfg["num_local_experts"]
+    if cfg.get("model_type") == "deepseek_v3":  # MLA: no KV groups; experts under their DeepSeek name
+        if cfg.get("num_experts") is None and cfg.get("n_routed_experts") is not None:
+            cfg["num_experts"] = cfg["n_routed_experts"]
+        cfg["num_key_value_heads"] = cfg.get("num_attention_heads")
     if cfg.get("rope_theta") is None:
         cfg["rope_theta"] = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
     return cfg
@@ -112,7 +116,17 @@ def check_parallel_config(config, tp: int = 1, ep: int = 1, *, world_size: int |
         raise InputError(f"num_experts_per_tok={k} > num_experts={experts}", field="num_experts_per_tok")
     if max(tp, ep) % min(tp, ep):
         raise InputError(f"tp={tp} and ep={ep}: the smaller must divide the larger", field="ep")
-    if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1) or 1) != 1:
+    if mt == "deepseek_v3":
+        if tp > 1:
+            raise InputError("DeepSeek-V3 (MLA) is mapped for tp=1 only (EP > 1 is fine)", field="tp")
+        if cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {}).get("rope_type", "default") != "default":
+            raise InputError("DeepSeek-V3 with YaRN RoPE scaling is not mapped (megatron's yarn rope is not "
+                             "checked against HF here)", field="rope_scaling")
+        if cfg.get("topk_method", "noaux_tc") != "noaux_tc" or cfg.get("scoring_func", "sigmoid") != "sigmoid":
+            raise InputError("DeepSeek-V3 routing must be sigmoid + noaux_tc", field="topk_method")
+        if int(cfg.get("moe_layer_freq", 1) or 1) != 1:
+            raise InputError("moe_layer_freq != 1 is not mapped", field="moe_layer_freq")
+    elif cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1) or 1) != 1:
         raise InputError("dense (mlp_only) layers are not mapped yet: every layer must be MoE",
                          field="mlp_only_layers")
     if cfg.get("tie_word_embeddings"):
@@ -131,6 +145,8 @@ def transformer_config(config, *, tp: int = 1, ep: int = 1, dtype: torch.dtype =
 
     cfg = check_parallel_config(config, tp, ep)
     H = cfg["hidden_size"]
+    if cfg["model_type"] == "deepseek_v3":
+        return _mla_config(cfg, tp=tp, ep=ep, dtype=dtype, grouped_experts=grouped_experts, route_replay=route_replay)
     return TransformerConfig(
         num_layers=cfg["num_hidden_layers"], hidden_size=H, num_attention_heads=cfg["num_attention_heads"],
         num_query_groups=cfg["num_key_value_heads"], kv_channels=cfg.get("head_dim") or H // cfg["num_attention_heads"],
@@ -142,6 +158,39 @@ def transformer_config(config, *, tp: int = 1, ep: int = 1, dtype: torch.dtype =
         normalization="RMSNorm", layernorm_epsilon=cfg.get("rms_norm_eps", 1e-6), qk_layernorm=True,
         add_bias_linear=False, add_qkv_bias=bool(cfg.get("attention_bias", False)), gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
+        sequence_parallel=tp > 1, params_dtype=dtype, bf16=dtype == torch.bfloat16 or grouped_experts,
+        use_cpu_initialization=True, perform_initialization=False, bias_activation_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, cross_entropy_loss_fusion=False,
+    )
+
+
+def _mla_config(cfg, *, tp, ep, dtype, grouped_experts, route_replay):
+    """DeepSeek-V3: MLA (q/kv LoRA, decoupled RoPE), sigmoid router with expert bias and group-limited top-k,
+    scaled renormalized weights, one shared expert block, the first ``first_k_dense_replace`` layers dense.
+
+    megatron's MLA always de-interleaves the rope channels before its rotate-half RoPE, which is HF's
+    ``rope_interleave=True``; for ``rope_interleave=False`` :mod:`.mapping` pre-permutes those weight rows."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    L, k = cfg["num_hidden_layers"], int(cfg.get("first_k_dense_replace", 0) or 0)
+    return MLATransformerConfig(
+        num_layers=L, hidden_size=cfg["hidden_size"], num_attention_heads=cfg["num_attention_heads"],
+        ffn_hidden_size=cfg["intermediate_size"], moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+        num_moe_experts=cfg["num_experts"], moe_router_topk=cfg["num_experts_per_tok"],
+        moe_shared_expert_intermediate_size=(cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"] or None,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_dtype="fp32",
+        moe_router_num_groups=cfg.get("n_group"), moe_router_group_topk=cfg.get("topk_group"),
+        moe_router_topk_scaling_factor=cfg.get("routed_scaling_factor", 1.0), moe_router_bias_update_rate=0.0,
+        moe_layer_freq=[0] * k + [1] * (L - k), moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=grouped_experts, moe_enable_routing_replay=route_replay,
+        moe_permute_fusion=False,
+        q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg["kv_lora_rank"], qk_head_dim=cfg["qk_nope_head_dim"],
+        qk_pos_emb_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"], rope_type="rope",
+        rotary_base=cfg["rope_theta"], qk_layernorm=True,
+        normalization="RMSNorm", layernorm_epsilon=cfg.get("rms_norm_eps", 1e-6), add_bias_linear=False,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
         sequence_parallel=tp > 1, params_dtype=dtype, bf16=dtype == torch.bfloat16 or grouped_experts,
         use_cpu_initialization=True, perform_initialization=False, bias_activation_fusion=False,
@@ -207,6 +256,34 @@ class RMSNorm(torch.nn.Module):
         return self.weight * y.to(dt)
 
 
+class CoreAttention(torch.nn.Module):
+    """Causal softmax attention for megatron-core's MLA (``k_channels`` != ``v_channels``), as a layer-spec module.
+
+    megatron-core 0.16.1 builds MLA's core attention with ``k_channels`` / ``v_channels``, which only Transformer
+    Engine's attention accepts (its local ``DotProductAttention`` raises ``TypeError``). This is the plain
+    computation: ``softmax(float32(q k^T) * scale, causal) v`` in the input dtype, query/key ``[s, b, n, dk]``,
+    value ``[s, b, n, dv]`` -> ``[s, b, n * dv]``. No dropout (RL trainers run without it), no packed sequences.
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None):
+        super().__init__()
+        self.config = config
+        self.softmax_scale = softmax_scale if softmax_scale is not None else (k_channels or config.kv_channels) ** -0.5
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **_unused):
+        if packed_seq_params is not None:
+            raise InputError("packed sequences are not supported by this core attention", field="packed_seq_params")
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, d]
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * self.softmax_scale
+        sq, sk = scores.shape[-2:]
+        causal = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1 + sk - sq)
+        probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1).to(v.dtype)
+        out = torch.matmul(probs, v)  # [b, n, s, dv]
+        return out.permute(2, 0, 1, 3).reshape(sq, out.shape[0], -1)
+
+
 def layer_spec(num_experts: int, *, grouped_experts: bool = False, num_layers: int):
     """megatron-core's local GPT layer spec with :class:`RMSNorm` for every norm (block spec for GPTModel)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -222,6 +299,24 @@ def layer_spec(num_experts: int, *, grouped_experts: bool = False, num_layers: i
     return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=RMSNorm)
 
 
+def mla_block_spec(tc):
+    """megatron-core's local decoder block spec for an MLA config (dense and MoE layers per
+    ``moe_layer_freq``) with :class:`RMSNorm` for every norm and :class:`CoreAttention`."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block = get_gpt_decoder_block_spec(tc, use_transformer_engine=False, normalization="RMSNorm")
+    for ls in block.layer_specs:
+        sub = ls.submodules
+        sub.input_layernorm = RMSNorm
+        sub.pre_mlp_layernorm = RMSNorm
+        att = sub.self_attention.submodules
+        att.q_layernorm = RMSNorm
+        att.kv_layernorm = RMSNorm
+        att.core_attention = CoreAttention
+    block.layer_norm = RMSNorm
+    return block
+
+
 def build_gpt_model(config, *, tp: int = 1, ep: int = 1, dtype: torch.dtype = torch.float32,
                     grouped_experts: bool = False, route_replay: bool = True):
     """An (uninitialized-weight) megatron-core GPTModel for the HF config; parallel groups must exist.
@@ -234,7 +329,10 @@ def build_gpt_model(config, *, tp: int = 1, ep: int = 1, dtype: torch.dtype = to
     cfg = hf_config_dict(config)
     tc = transformer_config(cfg, tp=tp, ep=ep, dtype=dtype, grouped_experts=grouped_experts,
                             route_replay=route_replay)
-    spec = layer_spec(cfg["num_experts"], grouped_experts=grouped_experts, num_layers=cfg["num_hidden_layers"])
+    if cfg["model_type"] == "deepseek_v3":
+        spec = mla_block_spec(tc)
+    else:
+        spec = layer_spec(cfg["num_experts"], grouped_experts=grouped_experts, num_layers=cfg["num_hidden_layers"])
     if route_replay:  # one RouterReplay per TopKRouter, in layer order: start from none
         RouterReplay.clear_global_router_replay_instances()
     rope = cfg["rope_theta"]

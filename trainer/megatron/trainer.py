@@ -204,8 +204,11 @@ class MegatronTrainer:
         Non-expert weights that are not TP shards (norms, q/k norms, router) are whole on every TP rank and
         each rank's gradient covers its tokens (sequence parallel) or heads: all-reduce over the TP group.
         Expert weights are whole on every rank of their expert-data-parallel group (``world / ep`` ranks):
-        all-reduce over it. The norm counts each weight once: replicated ones locally, TP shards summed over
-        the TP group, experts summed over the EP group.
+        all-reduce over it. With ``ep > tp`` there are ``world / tp`` data-parallel replicas that all run the
+        same micro-batches, and every replica's tokens reach the experts: an expert's gradient is then
+        ``world / tp`` times the batch's, and is divided back (exact for identical copies; the norm and AdamW
+        see the batch gradient). The norm counts each weight once: replicated ones locally, TP shards summed
+        over the TP group, experts summed over the EP group.
         """
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
@@ -213,6 +216,7 @@ class MegatronTrainer:
         from .mapping import _tp_dim
 
         edp = ps.get_expert_data_parallel_group()
+        replicas = self.world_size // self.tp  # data-parallel copies of the same micro-batches
         sq_rep = sq_tp = sq_ep = 0.0
         for name, p in self.gpt.named_parameters():
             if p.grad is None:
@@ -222,6 +226,8 @@ class MegatronTrainer:
             if ".mlp.experts." in name:
                 if dist.get_world_size(edp) > 1:
                     dist.all_reduce(p.grad, group=edp)
+                if replicas > 1:
+                    p.grad.div_(replicas)
                 sq_ep += float(p.grad.double().square().sum())
             elif _tp_dim(name) is not None and self.tp > 1:
                 sq_tp += float(p.grad.double().square().sum())
