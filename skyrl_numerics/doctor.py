@@ -42,6 +42,9 @@ SCENARIOS: dict[str, Scenario] = {
     "full": Scenario(FULL, description="temperature 1, full vocabulary"),
     "top-p/top-k": Scenario(dict(temperature=1.0, top_p=0.9, top_k=16, capture_support=True),
                             description="top_p 0.9, top_k 16, support captured"),
+    "top-p 0.95 only": Scenario(dict(temperature=1.0, top_p=0.95, top_k=0, capture_support=True),
+                                description="top_p 0.95, no top-k; the support the sampler kept "
+                                "is captured inside the engine (sparse CSR)"),
     "nvfp4 experts": Scenario(FULL, _fake_quant_serving("nvfp4"),
                               "engine serves MoE experts on the NVFP4 grid (vllm convention)"),
     "int4 experts": Scenario(FULL, _fake_quant_serving("int4_g32"),
@@ -57,10 +60,13 @@ class DoctorContext:
     model_dir: Path
     family: str
     _models: dict = field(default_factory=dict)
+    info: object = None          # model_check.CheckpointInfo of model_dir
+    dtype: str | None = None     # trainer dtype for rows asking for None (--dtype; else stored)
 
     def hf_model(self, dtype: str | None = None, qat: str | None = None):
         """The HF trainer model, loaded once per (dtype, QAT recipe). ``qat``: experts wrapped
         with ``apply_qat`` in that recipe (the trainer-side match of a quantized server)."""
+        dtype = dtype if dtype is not None else self.dtype
         key = (dtype, qat)
         if key not in self._models:
             from skyrl_numerics.models import load_hf_model
@@ -100,6 +106,7 @@ def _plain_trainer(dtype: str | None, qat: str | None = None, **kw):
         from skyrl_numerics.trainer.logprobs import trainer_logprobs
 
         return trainer_logprobs(ctx.hf_model(dtype, qat), rollout, **kw).logprobs
+    compute.uses_routes = bool(kw.get("use_routes"))
     return compute
 
 
@@ -121,6 +128,14 @@ register_row(Row("top-p/top-k: + support replay", "top-p/top-k",
 register_row(Row("top-p/top-k: + support replay + R3", "top-p/top-k",
                  _plain_trainer(None, use_support=True, use_routes=True),
                  note="both replays"))
+register_row(Row("top-p 0.95 only: HF trainer, full-vocab", "top-p 0.95 only", _plain_trainer(None),
+                 note="top_p alone: the support has no size bound, so it is read from the "
+                      "engine's sampler, not from returned logprobs"))
+register_row(Row("top-p 0.95 only: + support replay", "top-p 0.95 only",
+                 _plain_trainer(None, use_support=True),
+                 note="renormalized over the set vLLM's top-p kept (captured in the engine)"))
+register_row(Row("top-p 0.95 only: + support replay + R3", "top-p 0.95 only",
+                 _plain_trainer(None, use_support=True, use_routes=True), note="both replays"))
 def _invariant_trainer(ctx: DoctorContext, rollout: Rollout) -> np.ndarray:
     from skyrl_numerics.trainer.invariant.qwen3_moe import (InvariantQwen3Moe,
                                                             invariant_trainer_logprobs)
@@ -223,14 +238,67 @@ class DoctorResult:
     engine_version: str
     model_dir: Path
     settings: dict
+    model: dict = field(default_factory=dict)  # path, architecture, config hash, MoE, params
 
     def to_dict(self) -> dict:
         return {
             "engine": self.engine, "engine_version": self.engine_version,
-            "model_dir": str(self.model_dir), "settings": self.settings,
+            "model_dir": str(self.model_dir), "model": self.model, "settings": self.settings,
             "rows": [{"name": r.name, **r.extra, "summary": r.report.summary(),
                       "report": r.report.to_dict()} for r in self.rows],
         }
+
+
+class SkippedReport:
+    """Stands in for a GapReport in a row that did not run (``reason`` says why)."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def summary(self) -> dict:
+        return {}
+
+    def to_dict(self) -> dict:
+        return {"skipped": self.reason}
+
+
+_GENERIC_FAMILIES = Row.__dataclass_fields__["families"].default
+
+
+def skip_reason(row: Row, ctx: DoctorContext) -> str | None:
+    """Why ``row`` cannot run on ``ctx``'s checkpoint (``None``: it applies)."""
+    spec, info = SCENARIOS[row.scenario], ctx.info
+    if spec.engine.get("batch_invariant"):
+        from skyrl_numerics.trainer.engine.vllm_invariant_model import engine_overrides
+
+        try:
+            engine_overrides(info.config, spec.engine.get("kv_cache"))
+        except (ValueError, NotImplementedError) as e:  # InputError / UnsupportedConfig
+            return f"batch-invariant: {e}"
+    if row.families != _GENERIC_FAMILIES and ctx.family not in row.families:
+        return f"a row for {', '.join(row.families)} only"
+    if spec.serve is not None:
+        if not info.is_moe:
+            return "dense model: no MoE experts to serve quantized"
+        if not info.has_experts_named():
+            return "no per-expert weights named *.mlp.experts.<e>.<proj>.weight to fake-quantize"
+    if getattr(row.compute, "uses_routes", False) or (spec.engine.get("capture_routes")
+                                                       and not info.is_moe):
+        if not info.is_moe:
+            return "dense model: no MoE router (R3 needs routed experts)"
+        from skyrl_numerics.replay.hf_replay import find_routers
+
+        if not find_routers(ctx.hf_model(None)):
+            from skyrl_numerics.replay.hf_families import ROUTER_FAMILIES
+
+            return (f"no HF router replay for {info.architecture} "
+                    f"(routers with replay: {', '.join(sorted(ROUTER_FAMILIES))})")
+    return None
+
+
+def _one_line(e: BaseException) -> str:
+    msg = " ".join(str(e).split())
+    return f"{type(e).__name__}: {msg[:300]}" if msg else type(e).__name__
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -241,26 +309,54 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
 
 def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int = 16,
                max_tokens: int = 64, seed: int = 0, rows: list[str] | None = None,
-               progress: bool = True) -> DoctorResult:
+               progress: bool = True, model_dir: str | Path | None = None,
+               engine_args: dict | None = None, prompts: list | None = None,
+               dtype: str | None = None, check: Callable | None = None) -> DoctorResult:
     """Generate with real vLLM and measure every selected row. ``rows``: names (default: all
-    rows marked default)."""
+    rows marked default).
+
+    ``model_dir``: any HF checkpoint (checked by :func:`skyrl_numerics.model_check.
+    inspect_checkpoint` before an engine starts; ``family`` is then its ``model_type``); default:
+    the tiny ``family`` model. A row that does not apply appears with ``status`` "skipped: why";
+    one whose engine or trainer fails, "failed: error". ``engine_args``: extra ``VLLMGenerator``
+    / ``vllm.LLM`` arguments for every engine. ``prompts``: token-id lists (default: seeded random
+    ids). ``dtype``: the trainer dtype of the rows that keep the stored one. ``check(ckpt,
+    selected_rows) -> prompts | None``: called before any engine starts (the CLI's memory and
+    prompt checks; returned prompts replace ``prompts``)."""
+    import logging
+
     from rich.progress import Progress
+
+    from skyrl_numerics.model_check import inspect_checkpoint
 
     from skyrl_numerics.gap import measure
     from skyrl_numerics.models import build_tiny_model
     from skyrl_numerics.report import ReportRow
     from skyrl_numerics.trainer.engine.generator import VLLMGenerator, get_generator
 
-    selected = [r for r in ROWS if (r.name in rows if rows else r.default)
-                and family in r.families]
     if rows:
         unknown = set(rows) - {r.name for r in ROWS}
         if unknown:
             raise ValueError(f"unknown doctor rows {sorted(unknown)}; known: "
                              f"{[r.name for r in ROWS]}")
-    model_dir = build_tiny_model(family, seed=seed)
-    ctx = DoctorContext(model_dir=model_dir, family=family)
-    scenarios = list(dict.fromkeys(r.scenario for r in selected))
+    if model_dir is None:
+        model_dir = build_tiny_model(family, seed=seed)
+    ekw = dict(engine_args or {})
+    ckpt = inspect_checkpoint(model_dir, engine_args=ekw)
+    if ckpt.model_type != family:
+        family = ckpt.model_type
+    # rows made for other families are left out; the generic rows (default ``families``) are
+    # listed for every model, and skip_reason() says which of them do not apply
+    selected = [r for r in ROWS if (r.name in rows if rows else r.default)
+                and (family in r.families or r.families == _GENERIC_FAMILIES)]
+    model_dir = ckpt.path
+    ctx = DoctorContext(model_dir=model_dir, family=family, info=ckpt, dtype=dtype)
+    if check is not None:  # before skip_reason, which may load the HF model
+        prompts = check(ckpt, selected) or prompts
+    skipped = {r.name: skip_reason(r, ctx) for r in selected}
+    scenarios = list(dict.fromkeys(r.scenario for r in selected if skipped[r.name] is None))
+    failed: dict[str, str] = {}
+    log = logging.getLogger("skyrl_numerics.doctor")
     out_rows, rollouts, scored = [], {}, {}
     with Progress(disable=not progress, transient=True) as prog:
         task = prog.add_task("starting vLLM engine", total=len(scenarios) + len(selected))
@@ -268,28 +364,48 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
         for sc in scenarios:
             spec = SCENARIOS[sc]
             prog.update(task, description=f"sampling: {sc}")
-            if spec.serve is None and spec.engine:
-                engine = get_generator(model_dir, **spec.engine)
-                gen = gen or engine
-            elif spec.serve is None:
-                gen = engine = get_generator(model_dir, capture_routes=True)
-            else:  # another checkpoint: its own engine, closed once sampled
-                engine = VLLMGenerator(spec.serve(model_dir), capture_routes=True)
-            engine.generate([[2, 3]], max_tokens=2)  # warm-up, so tokens/s compares engines
-            prompts = make_prompts(n_prompts, prompt_len, engine.vocab_size, seed)
-            rollouts[sc] = engine.generate(prompts, max_tokens=max_tokens, seed=seed,
-                                           **spec.sampling)
-            if spec.serve is not None:
+            own = spec.serve is not None
+            engine = None
+            try:
+                if spec.serve is None and spec.engine:
+                    engine = get_generator(model_dir, **{**ekw, **spec.engine})
+                    gen = gen or engine
+                elif spec.serve is None:
+                    gen = engine = get_generator(model_dir, **ekw, capture_routes=ckpt.is_moe)
+                else:  # another checkpoint: its own engine, closed once sampled
+                    engine = VLLMGenerator(spec.serve(model_dir), **ekw, capture_routes=True)
+                engine.generate([[2, 3]], max_tokens=2)  # warm-up, so tokens/s compares engines
+                sc_prompts = prompts or make_prompts(n_prompts, prompt_len, engine.vocab_size, seed)
+                rollouts[sc] = engine.generate(sc_prompts, max_tokens=max_tokens, seed=seed,
+                                               **spec.sampling)
+            except Exception as e:  # the rows of this scenario show it; the traceback: the log
+                log.exception("doctor: scenario %r failed", sc)
+                failed[sc] = _one_line(e)
+            if own and engine is not None:
                 info = engine.info
                 engine.close()
             prog.advance(task)
         for row in selected:
             prog.update(task, description=f"trainer: {row.name}")
-            ro = rollouts[row.scenario]
-            lp = np.asarray(row.compute(ctx, ro), dtype=np.float32)
+            why = skipped[row.name]
+            status = f"skipped: {why}" if why else (f"failed: {failed[row.scenario]}"
+                                                   if row.scenario in failed else None)
+            if status is None:
+                ro = rollouts[row.scenario]
+                try:
+                    lp = np.asarray(row.compute(ctx, ro), dtype=np.float32)
+                except Exception as e:
+                    log.exception("doctor: row %r failed", row.name)
+                    status = f"failed: {_one_line(e)}"
+            if status is not None:
+                out_rows.append(ReportRow(row.name, SkippedReport(status), np.zeros(0, np.float32),
+                                          {"scenario": row.scenario, "note": row.note,
+                                           "status": status}))
+                prog.advance(task)
+                continue
             report = measure(lp, ro.rollout_logprobs, cu_seqlens=ro.response_cu)
             extra = {"scenario": row.scenario, "note": row.note,
-                     "vLLM tok/s": ro.meta.get("tokens_per_s")}
+                     "vLLM tok/s": ro.meta.get("tokens_per_s"), "status": "measured"}
             out_rows.append(ReportRow(row.name, report, np.abs(lp - ro.rollout_logprobs), extra))
             # each scenario's rollout is kept with its first row's trainer logprobs, so the
             # written file is a complete dump for `skyrl-numerics gap FILE`
@@ -297,10 +413,21 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
                 scored[row.scenario] = ro.with_trainer_logprobs(lp)
                 scored[row.scenario].meta = {**ro.meta, "trainer": row.name}
             prog.advance(task)
-    settings = dict(family=family, n_prompts=n_prompts, prompt_len=prompt_len,
-                    max_tokens=max_tokens, seed=seed,
+    settings = dict(family=family, n_prompts=len(prompts) if prompts else n_prompts,
+                    prompt_len=None if prompts else prompt_len, prompts="given" if prompts
+                    else "seeded random ids", max_tokens=max_tokens, seed=seed,
+                    engine_args={k: repr(v) if not isinstance(v, (int, float, str, bool, type(None)))
+                                 else v for k, v in ekw.items()}, trainer_dtype=dtype,
                     scenarios={s: {**SCENARIOS[s].sampling,
                                    "description": SCENARIOS[s].description}
                                for s in scenarios})
-    info = gen.info if gen is not None else info
-    return DoctorResult(out_rows, scored, info.name, info.version, model_dir, settings)
+    if gen is not None:
+        info = gen.info
+    elif "info" not in locals():  # no engine ran (every row skipped or failed)
+        import vllm
+
+        from skyrl_numerics.trainer.engine.generator import EngineInfo
+
+        info = EngineInfo("vllm", vllm.__version__)
+    return DoctorResult(out_rows, scored, info.name, info.version, model_dir, settings,
+                        model=ckpt.to_dict())
