@@ -49,9 +49,16 @@ SCENARIOS: dict[str, Scenario] = {
                               "engine serves MoE experts on the NVFP4 grid (vllm convention)"),
     "int4 experts": Scenario(FULL, _fake_quant_serving("int4_g32"),
                              "engine serves MoE experts on the INT4 g32 grid (W4A16)"),
-    "batch-invariant": Scenario(FULL, description="vLLM runs the batch-invariant Qwen3-MoE "
-                                "(out-of-tree model over its paged KV cache)",
-                                engine=dict(batch_invariant=True)),
+    "batch-invariant": Scenario(FULL, description="vLLM runs the family's batch-invariant model "
+                                "(out-of-tree, over its paged KV cache)",
+                                engine=dict(batch_invariant=True, capture_routes=True)),
+    "batch-invariant, FP8 KV": Scenario(FULL, description="the batch-invariant model storing its "
+                                        "KV cache (MLA: the latent) as FP8 E4M3, per-layer scales",
+                                        engine=dict(batch_invariant=True, kv_cache="fp8")),
+    "batch-invariant, fp8_ds_mla KV": Scenario(FULL, description="the batch-invariant MLA model "
+                                               "storing its latent in the fp8_ds_mla layout (656 B)",
+                                               engine=dict(batch_invariant=True,
+                                                           kv_cache="fp8_ds_mla")),
 }
 
 
@@ -136,18 +143,38 @@ register_row(Row("top-p 0.95 only: + support replay", "top-p 0.95 only",
                  note="renormalized over the set vLLM's top-p kept (captured in the engine)"))
 register_row(Row("top-p 0.95 only: + support replay + R3", "top-p 0.95 only",
                  _plain_trainer(None, use_support=True, use_routes=True), note="both replays"))
-def _invariant_trainer(ctx: DoctorContext, rollout: Rollout) -> np.ndarray:
-    from skyrl_numerics.trainer.invariant.qwen3_moe import (InvariantQwen3Moe,
-                                                            invariant_trainer_logprobs)
+def _invariant_trainer(kv_cache: str | None = None):
+    """The family's invariant forward in the trainer; ``kv_cache``: the cache format it simulates
+    (the engine's, for a bitwise row; ``None`` against an FP8 engine shows that cause's size)."""
+    def compute(ctx: DoctorContext, rollout: Rollout) -> np.ndarray:
+        from skyrl_numerics.trainer.invariant import from_checkpoint
+        from skyrl_numerics.trainer.invariant.base import invariant_trainer_logprobs
 
-    if "invariant" not in ctx._models:
-        ctx._models["invariant"] = InvariantQwen3Moe.from_checkpoint(ctx.model_dir)
-    return invariant_trainer_logprobs(ctx._models["invariant"], rollout).logprobs
+        key = ("invariant", kv_cache)
+        if key not in ctx._models:
+            ctx._models[key] = from_checkpoint(ctx.model_dir, kv_cache=kv_cache)
+        return invariant_trainer_logprobs(ctx._models[key], rollout).logprobs
+    return compute
 
 
-register_row(Row("+ batch-invariant (trainer and vLLM)", "batch-invariant", _invariant_trainer,
-                 note="one invariant forward on both sides: expect every token bitwise equal",
-                 families=("qwen3_moe",)))
+register_row(Row("+ batch-invariant (trainer and vLLM)", "batch-invariant", _invariant_trainer(),
+                 note="one invariant forward on both sides (MLA: absorbed for every position): "
+                      "expect every token bitwise equal"))
+register_row(Row("FP8 KV engine: trainer without KV simulation", "batch-invariant, FP8 KV",
+                 _invariant_trainer(None),
+                 note="invariant engine with an FP8 cache, invariant trainer attending over "
+                      "unquantized K/V: the size of the FP8-KV cause alone"))
+register_row(Row("+ batch-invariant, FP8 KV (trainer simulates the cache)", "batch-invariant, FP8 KV",
+                 _invariant_trainer("fp8"), families=("qwen3_moe",),
+                 note="the trainer sends its K/V through the same E4M3 cache format: bitwise"))
+register_row(Row("+ batch-invariant, FP8 latent KV (trainer simulates the cache)",
+                 "batch-invariant, FP8 KV", _invariant_trainer("fp8"), families=("deepseek_v3",),
+                 note="latent [kv_c | k_pe] as E4M3 with the per-layer k_scale "
+                      "(concat_and_cache_mla), simulated in the trainer: bitwise"))
+register_row(Row("+ batch-invariant, FP8 latent KV fp8_ds_mla (trainer simulates the cache)",
+                 "batch-invariant, fp8_ds_mla KV", _invariant_trainer("fp8_ds_mla"),
+                 families=("deepseek_v3",), default=False,
+                 note="656-byte fp8_ds_mla rows (E4M3 latent, 4 fp32 tile scales, bf16 rope): bitwise"))
 for _recipe, _sc in (("nvfp4", "nvfp4 experts"), ("int4_g32", "int4 experts")):
     register_row(Row(f"{_sc}: plain bf16 trainer", _sc, _plain_trainer(None),
                      note=f"trainer keeps bf16 experts; the engine serves the {_recipe} grid"))
@@ -364,12 +391,14 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
         for sc in scenarios:
             spec = SCENARIOS[sc]
             prog.update(task, description=f"sampling: {sc}")
-            own = spec.serve is not None
+            own = spec.serve is not None or "kv_cache" in spec.engine
             engine = None
             try:
-                if spec.serve is None and spec.engine:
+                if spec.serve is None and spec.engine and not own:
                     engine = get_generator(model_dir, **{**ekw, **spec.engine})
                     gen = gen or engine
+                elif own and spec.serve is None:  # a one-off engine variant, closed once sampled
+                    engine = VLLMGenerator(model_dir, **{**ekw, **spec.engine})
                 elif spec.serve is None:
                     gen = engine = get_generator(model_dir, **ekw, capture_routes=ckpt.is_moe)
                 else:  # another checkpoint: its own engine, closed once sampled
