@@ -51,17 +51,19 @@ class MegatronPolicy:
     def hidden(self, input_ids: torch.Tensor, *, routes=None, rows=None) -> torch.Tensor:
         """Final-norm hidden states ``[b, S', H]`` (S' = S rounded up to a multiple of TP), full on every TP rank."""
         b, S = input_ids.shape
+        dev = next(self.model.parameters()).device  # (not .weight: a parametrized read may be a collective)
+        input_ids = input_ids.to(dev)
         Sp = -(-S // self.tp) * self.tp
         if Sp != S:
             input_ids = torch.cat([input_ids, input_ids.new_zeros(b, Sp - S)], dim=1)
-        pos = torch.arange(Sp, dtype=torch.long)[None].expand(b, Sp)
+        pos = torch.arange(Sp, dtype=torch.long, device=dev)[None].expand(b, Sp)
         ctx = contextlib.nullcontext()
         if routes is not None:
             from skyrl_numerics.replay.megatron import megatron_route_replay
 
             sub = _rows_routes(routes, rows)
             ctx = megatron_route_replay(sub, seq_len=Sp, tp_rank=self.tp_rank if self.sequence_parallel else 0,
-                                        tp_size=self.tp if self.sequence_parallel else 1)
+                                        tp_size=self.tp if self.sequence_parallel else 1, device=dev)
         from .compat import cpu_compat
 
         m = self.model
@@ -88,11 +90,12 @@ class MegatronPolicy:
         from .vocab_parallel import vocab_parallel_logprobs
 
         hidden = self.hidden(mb.input_ids, routes=routes, rows=mb.rows)
-        h = hidden[mb.pos_b, mb.pos_t].float()
+        dev = hidden.device
+        h = hidden[mb.pos_b.to(dev), mb.pos_t.to(dev)].float()
         if temperature != 1.0:
             h = h / temperature
         w = self.lm_head_weight
-        lp, ent = vocab_parallel_logprobs(h, w, mb.targets, vocab_start=self.tp_rank * w.shape[0],
+        lp, ent = vocab_parallel_logprobs(h, w, mb.targets.to(dev), vocab_start=self.tp_rank * w.shape[0],
                                           vocab_size=self.vocab_size, group=self.tp_group, support=mb.support,
                                           chunk=token_chunk)
         return lp, (ent if with_entropy else None)

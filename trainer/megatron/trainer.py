@@ -113,7 +113,8 @@ class MegatronTrainer:
         self._own_group = None
         if not dist.is_initialized():
             self._own_group = tempfile.mkdtemp(prefix="skyrl_mcore_")
-            dist.init_process_group("gloo", init_method=f"file://{self._own_group}/store", rank=0, world_size=1)
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                    init_method=f"file://{self._own_group}/store", rank=0, world_size=1)
         init_parallel(tp, ep, seed=seed)
         from megatron.core import parallel_state as ps
 
@@ -128,6 +129,8 @@ class MegatronTrainer:
                               grouped_experts=grouped_experts)
         load_weights(self.gpt, shard_for_rank(full, self.hf_config, tp_rank=self.tp_rank, tp=tp,
                                               ep_rank=self.ep_rank, ep=ep))
+        if torch.cuda.is_available():  # built on the CPU (use_cpu_initialization); GPU path not tested here
+            self.gpt.cuda()
         del full, hf_sd
         self.qat_wrapped = {}
         if cfg.qat:
@@ -296,14 +299,17 @@ class MegatronTrainer:
         with self._context():  # forward and backward (the invariant kernels cover aten's backward formulas)
             for mb, ti, w, keep in per_mb:
                 lp, ent = self._run(mb, rollout)
-                old = lp.detach() if old_all is None else old_all[ti]
-                pl = ppo_clip_loss(lp, old, adv[ti], mask=keep, weights=w, eps_low=cfg.eps_low,
+                dev = lp.device
+                old = lp.detach() if old_all is None else old_all[ti].to(dev)
+                keep_d = None if keep is None else keep.to(dev)
+                w_d = None if w is None else w.to(dev)
+                pl = ppo_clip_loss(lp, old, adv[ti].to(dev), mask=keep_d, weights=w_d, eps_low=cfg.eps_low,
                                    eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, aggregation=cfg.aggregation,
                                    cu_seqlens=mb.cu_seqlens, denominator=denom)
                 pl.loss.backward()
                 m, n = pl.metrics, pl.metrics["n_tokens"]
                 if n:
-                    ent_mean = float(masked_mean(ent.detach(), keep))
+                    ent_mean = float(masked_mean(ent.detach(), keep_d))
                     stats += torch.tensor([pl.loss.item(), m["clipfrac_low"] * n, m["clipfrac_high"] * n,
                                            m["ratio_mean"] * n, ent_mean * n, m["ppo_kl"] * n, n],
                                           dtype=torch.float64)
