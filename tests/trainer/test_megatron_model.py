@@ -25,6 +25,13 @@ def test_spawn_and_trainer_refuse_bad_layout_before_any_group(qwen_moe_dir):
         MegatronTrainer(qwen_moe_dir, tp=1, ep=3)
     with pytest.raises(InputError, match="world_size=1"):   # no group: 1 rank, but tp=2 needs 2
         MegatronTrainer(qwen_moe_dir, tp=2, ep=1)
+    from skyrl_numerics.trainer.fsdp.trainer import TrainerConfig
+
+    with pytest.raises(InputError, match="LoRA") as e:
+        MegatronTrainer(qwen_moe_dir, TrainerConfig(lora_rank=4))
+    assert e.value.field == "lora_rank"
+    with pytest.raises(InputError, match="model_type 'llama'"):
+        spawn_megatron(print, {"model_type": "llama"}, tp=1, ep=1)
     assert not dist.is_initialized()
 
 
