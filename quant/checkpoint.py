@@ -148,11 +148,17 @@ def _quantization_config(fmt: str) -> dict:
                                                       "group_size": 128 if fmt == "ct_int4_g128" else 32}}}}
 
 
-def write_quantized_checkpoint(src_dir, out_dir, fmt: str, should_quantize) -> list[str]:
+def write_quantized_checkpoint(src_dir, out_dir, fmt: str, should_quantize, *, ignore="auto") -> list[str]:
     """Copy an HF safetensors checkpoint, storing the floating-point 2-D ``*.weight`` tensors and
     3-D expert stacks for which ``should_quantize(name)`` is true in ``fmt`` (one of
     :data:`FORMATS`). Returns the quantized names. Writes each file to a temp name then renames;
-    ``config.json`` gets a ``quantization_config``."""
+    ``config.json`` gets a ``quantization_config``.
+
+    ``ignore`` (compressed-tensors formats): the config's ``ignore`` list — module names a loader
+    must leave unquantized. ``"auto"`` lists every module whose 2-D ``*.weight`` stayed in floating
+    point (``lm_head``, the MoE routers, experts not quantized, ...), which vLLM needs: its
+    ``targets: ["Linear"]`` otherwise also claims those layers (and the MoE experts); ``None``
+    writes no list; or pass the list."""
     from safetensors.torch import load_file
     if fmt not in FORMATS:
         raise InputError(f"unknown checkpoint format {fmt!r}; expected one of {FORMATS}", field="fmt")
@@ -161,7 +167,7 @@ def write_quantized_checkpoint(src_dir, out_dir, fmt: str, should_quantize) -> l
     if not files:
         raise InputError(f"no *.safetensors files in {src}", field="src_dir")
     out.mkdir(parents=True, exist_ok=True)
-    done = []
+    done, kept = [], []
     for f in files:
         tensors = load_file(str(f))
         new: dict[str, torch.Tensor] = {}
@@ -172,9 +178,19 @@ def write_quantized_checkpoint(src_dir, out_dir, fmt: str, should_quantize) -> l
                 done.append(k)
             else:
                 new[k] = v
+                if v.dim() == 2 and k.endswith(".weight") and v.is_floating_point() and "embed" not in k:
+                    kept.append(k[: -len(".weight")])
         _atomic_save(new, out / f.name)
     cfg = json.loads((src / "config.json").read_text()) if (src / "config.json").exists() else {}
-    cfg["quantization_config"] = _quantization_config(fmt)
+    qc = _quantization_config(fmt)
+    if qc.get("quant_method") == "compressed-tensors" and ignore is not None:
+        if ignore == "auto":
+            ignore = sorted(kept)
+        if not isinstance(ignore, (list, tuple)) or not all(isinstance(x, str) for x in ignore):
+            raise InputError(f"ignore must be 'auto', None or a list of module names, got {ignore!r}",
+                             field="ignore")
+        qc["ignore"] = list(ignore)
+    cfg["quantization_config"] = qc
     _atomic_json(cfg, out / "config.json")
     return done
 

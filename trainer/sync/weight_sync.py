@@ -25,6 +25,12 @@ paths and digests), checked before anything else is read. With a shared key
 (``DeltaPublisher(..., key=...)`` / ``DeltaReceiver(..., key=...)`` or the environment variable
 ``SKYRL_NUMERICS_SYNC_KEY``) the publisher adds ``signature`` = HMAC-SHA256 of the same bytes, and a
 receiver with a key refuses unsigned or wrongly signed manifests.
+
+Serving formats (``DeltaPublisher(root, weights_format="deepseek_fp8")``, see
+``skyrl_numerics.trainer.sync.serving``): the publisher quantizes the selected bf16 weights at
+publish time (``quant.quantize`` with the format's recipe) and publishes the codes and scales; the
+manifest names the format in ``weights_format`` (covered by the digest and the signature), and a
+receiver refuses a version in another format than the one it was built for (default ``native``).
 """
 from __future__ import annotations
 
@@ -56,6 +62,8 @@ from skyrl_numerics.trainer.sync.codec import (
     verify,
     xor_bytes,
 )
+from skyrl_numerics.trainer.sync.serving import NATIVE, WEIGHTS_FORMATS, check_format, check_serving_tensors, \
+    make_selector, serving_state
 from skyrl_numerics.trainer.sync.store import SyncStore
 
 FORMAT = "skyrl-numerics.weight-sync"
@@ -68,7 +76,7 @@ MAX_TENSOR_BYTES = 1 << 40    # refuse absurd sizes before allocating anything
 MAX_DIMS = 32
 MAX_TENSORS = 1 << 20
 _TOP_KEYS = ("version", "base_version", "tensors", "codec", "level", "filters", "created_unix",
-             "format", "format_version", "manifest_digest", "signature")
+             "format", "format_version", "manifest_digest", "signature", "weights_format")
 _ENTRY_KEYS = ("name", "dtype", "shape", "nbytes", "checksum", "payload", "payload_nbytes",
                "payload_checksum")
 _HEX_LEN = {"xxh3-128": 32, "blake2b-128": 32}
@@ -155,6 +163,7 @@ class Manifest:
     created_unix: float = 0.0
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
+    weights_format: str = NATIVE   # "native" (tensors as given) or a serving format (serving.py)
 
     @property
     def is_full(self) -> bool:
@@ -236,6 +245,10 @@ class Manifest:
         if not isinstance(filters, list) or not all(isinstance(f, str) for f in filters):
             raise bad(f"version {v}: filters {filters!r} is not a list of names", field="filters")
         filters = tuple(filters)
+        wf = d.get("weights_format", NATIVE)   # manifests written before the field: native
+        if not isinstance(wf, str) or wf not in WEIGHTS_FORMATS:
+            raise bad(f"version {v}: weights_format {wf!r} is not one of {', '.join(WEIGHTS_FORMATS)}",
+                      field="weights_format")
         if (not set(filters) <= {"xor", "shuffle"} or len(set(filters)) != len(filters)
                 or (("xor" in filters) != (b is not None))):
             raise bad(f"version {v}: filters {list(filters)} do not fit a "
@@ -254,7 +267,7 @@ class Manifest:
                 raise bad(f"version {v}: tensor {entries[-1].name!r} listed twice", field="tensors", index=i)
             seen.add(entries[-1].name)
         return cls(version=v, base_version=b, tensors=tuple(entries), codec="zstd",
-                   level=level, filters=filters, created_unix=float(created))
+                   level=level, filters=filters, created_unix=float(created), weights_format=wf)
 
 
 _PAYLOAD_RE = re.compile(r"^payloads/(\d{12})/\d{6}\.zst$")
@@ -386,12 +399,21 @@ class DeltaPublisher:
     ``io_workers``: payload writes in flight at once (object stores: hides per-request latency).
     ``key``: shared HMAC-SHA256 key (bytes/str; default ``$SKYRL_NUMERICS_SYNC_KEY``): manifests
     are signed with it.
+    ``weights_format``: ``"native"`` (publish the tensors as given) or a serving format of
+    :data:`serving.SERVING_FORMATS` (``"deepseek_fp8"``, ``"ct_fp8_block"``, ``"ct_int4"``,
+    ``"ct_nvfp4"``, ...): the weights chosen by ``quantize`` (default: linear projections and
+    expert stacks; a predicate on the name or fnmatch patterns) are quantized at publish time and
+    their codes and scales published instead.
     """
 
     def __init__(self, root: str | os.PathLike, *, snapshot_every: int = 10, level: int = 1,
                  use_shuffle: bool = True, start_version: int | None = None,
-                 checksum: str | None = None, io_workers: int = 8, key=None):
+                 checksum: str | None = None, io_workers: int = 8, key=None,
+                 weights_format: str = NATIVE, quantize=None):
         self.key = _key_bytes(key)
+        self.weights_format = check_format(weights_format)
+        self._select = make_selector(quantize)
+        self.last_quantized: list[str] = []   # names the last publish quantized
         if snapshot_every < 1:
             raise InputError(f"snapshot_every must be >= 1, got {snapshot_every}",
                              field="snapshot_every")
@@ -417,6 +439,13 @@ class DeltaPublisher:
 
         if not state:
             raise InputError("empty state dict", field="state")
+        if self.weights_format != NATIVE:
+            for name in state:
+                if not isinstance(name, str):
+                    raise InputError(f"tensor name {name!r} is not a string", field="state")
+            state, quantized = serving_state(state, self.weights_format, self._select)
+        else:
+            quantized = []
         cur: dict[str, tuple[str, tuple[int, ...], np.ndarray]] = {}
         for name, t in state.items():
             if not isinstance(name, str):
@@ -439,7 +468,7 @@ class DeltaPublisher:
             io.close()
         manifest = Manifest(version=v, base_version=None if full else v - 1,
                             tensors=tuple(entries), level=self.zstd.level, filters=filters,
-                            created_unix=time.time())
+                            created_unix=time.time(), weights_format=self.weights_format)
         self.store.write(manifest_path(v), manifest.to_json(self.key))  # last: payloads are in place
         # Only now does this version become the XOR base: a publish that failed above leaves the
         # previous base (and the previous manifest) as they were.
@@ -449,6 +478,7 @@ class DeltaPublisher:
         else:
             self._prev = {n: (dt, sh, b.copy()) for n, (dt, sh, b) in cur.items()}
         self.next_version = v + 1
+        self.last_quantized = quantized
         return manifest
 
     def _encode_all(self, cur, full: bool, v: int, entries: list, io: "_IOWindow") -> None:
@@ -531,13 +561,19 @@ class DeltaReceiver:
     wrongly signed manifests are refused. ``expect``: for a receiver without ``target``, a module or
     state dict whose names, dtypes and shapes the first snapshot must match (it is not written).
     ``max_bytes``: refuse a version whose tensors total more raw bytes than this.
+    ``weights_format``: the format this receiver holds (``"native"``, or a serving format such as
+    ``"deepseek_fp8"``): a version published in another format is refused (field
+    ``weights_format``), and serving-format versions get their codes/scales structure checked
+    before commit.
     """
 
     def __init__(self, root: str | os.PathLike, target=None, *, version: int | None = None,
-                 io_workers: int = 8, key=None, expect=None, max_bytes: int | None = None):
+                 io_workers: int = 8, key=None, expect=None, max_bytes: int | None = None,
+                 weights_format: str = NATIVE):
         import torch
 
         self.key = _key_bytes(key)
+        self.weights_format = check_format(weights_format)
         self.max_bytes = max_bytes
         self._expect = None
         if expect is not None:
@@ -579,6 +615,9 @@ class DeltaReceiver:
         t0 = time.perf_counter()
         m = read_manifest(self.store, version, key=self.key)
         src = manifest_path(version)
+        if m.weights_format != self.weights_format:
+            raise InputError(f"version {m.version} is published as weights_format {m.weights_format!r}; this "
+                             f"receiver expects {self.weights_format!r}", field="weights_format", source=src)
         self._check_order(m, src)
         total = m.raw_nbytes
         if self.max_bytes is not None and total > self.max_bytes:
@@ -604,8 +643,22 @@ class DeltaReceiver:
                     prepared.new_bytes[e.name] = new
         finally:
             io.close()
+        if self.weights_format != NATIVE:
+            self._check_serving(m, prepared, src)
         prepared.fetch_s = time.perf_counter() - t0
         return prepared
+
+    def _check_serving(self, m: Manifest, prepared: PreparedUpdate, src: str) -> None:
+        """The state this version would leave, checked as a serving checkpoint (codes, scales,
+        shapes, finite scales) before anything is committed."""
+        after = {}
+        for e in m.tensors:
+            new = prepared.new_bytes.get(e.name)
+            if new is None:
+                after[e.name] = self._tensors[e.name]
+            else:
+                after[e.name] = tensor_from_bytes(new, dtype_from_name(e.dtype), e.shape)
+        check_serving_tensors(after, m.weights_format, source=src)
 
     def _check_order(self, m: Manifest, src: str) -> None:
         cur = self.version
