@@ -94,6 +94,36 @@ def requantize(x: torch.Tensor, like: QTensor) -> QTensor:
     return quantize(x, like.recipe, **opts)
 
 
+_FAST: dict[str, Callable[..., torch.Tensor | None]] = {
+    "fp8_tensor": recipes_fp8.fake_quant_fp8,
+    "fp8_channel": recipes_fp8.fake_quant_fp8,
+    "fp8_token": recipes_fp8.fake_quant_fp8,
+    "fp8_block": recipes_fp8.fake_quant_fp8,
+    "mxfp8": recipes_mx.fake_quant_mx,
+    "mxfp4": recipes_mx.fake_quant_mx,
+    "int4_g32": recipes_int4.fake_quant_int4,
+    "nvfp4": recipes_nvfp4.fake_quant_nvfp4,
+}
+
+
 def fake_quant(x: torch.Tensor, recipe: str, **opts) -> torch.Tensor:
-    """``dequantize(quantize(x, recipe, **opts))`` in ``x``'s dtype (no gradient; see ``ste``)."""
+    """``dequantize(quantize(x, recipe, **opts))`` in ``x``'s dtype (no gradient; see ``ste``).
+
+    On CPU a fused path computes the same values without materializing codes (scale, encode and
+    decode per block, in cache-sized chunks; element rounding by :func:`codecs.round_grid`),
+    bitwise equal to the two-step reference (tests/quant/test_recipes_fast.py); options it does
+    not cover (static scales, shapes that need padding) take the reference."""
+    _check_recipe(recipe)
+    fast = _FAST.get(recipe)
+    if (fast is not None and isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type == "cpu"
+            and not (set(opts) - set(recipe_options(recipe)))):
+        with torch.no_grad():
+            y = fast(x.detach(), recipe, **opts)
+        if y is not None:
+            return y
+    return _fake_quant_reference(x, recipe, **opts)
+
+
+def _fake_quant_reference(x: torch.Tensor, recipe: str, **opts) -> torch.Tensor:
+    """The spec: quantize to codes and scales, then decode."""
     return dequantize(quantize(x, recipe, **opts), x.dtype)

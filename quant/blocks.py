@@ -61,3 +61,32 @@ def codes_to_blocks(codes: torch.Tensor, info: tuple, fill: int = 0) -> torch.Te
     if pr or pc:
         c2 = F.pad(c2, (0, pc, 0, pr), value=fill)
     return c2.view((R + pr) // br, br, (C + pc) // bc, bc)
+
+
+#: elements per chunk of the fused fake-quant paths: the float32 working set stays in L2
+FUSED_CHUNK = 1 << 18
+
+
+def fused_apply(x: torch.Tensor, block: tuple[int, int], fn, dtype=torch.float32,
+                chunk: int | None = None) -> torch.Tensor | None:
+    """``fn(xb) -> yb`` over chunks of whole block-rows of ``x``'s ``[R, C]`` view, where ``xb`` is
+    the chunk's 4-D block view ``[nR, br, nC, bc]`` as a fresh ``dtype`` copy (``fn`` may work in
+    place on it); the results are cast back to ``x.dtype`` into one output. ``None`` when the
+    shape does not divide into blocks (the caller then runs the reference, which pads)."""
+    if x.numel() == 0 or x.dim() == 0:
+        return None
+    R, C, br, bc = resolve_block(x.shape, block)
+    if C % bc or R % br:
+        return None
+    x2 = x.reshape(R, C)
+    chunk = chunk or FUSED_CHUNK
+    out = torch.empty((R, C), dtype=x.dtype, device=x.device)
+    rows = max(br, chunk // max(C, 1) // br * br)
+    buf = torch.empty((min(rows, R), C), dtype=dtype, device=x.device)
+    for r0 in range(0, R, rows):
+        r1 = min(R, r0 + rows)
+        xb = buf[:r1 - r0]
+        xb.copy_(x2[r0:r1])
+        yb = fn(xb.view((r1 - r0) // br, br, C // bc, bc))
+        out[r0:r1].copy_(yb.reshape(r1 - r0, C))
+    return out.reshape(x.shape)

@@ -306,3 +306,33 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_int4` -> int8 values in [-8, 7]."""
     return decode_int4(unpack_fp4(packed), torch.int16).to(torch.int8)
+
+
+# ------------------------------------------------------------------------- fused fake-quant helpers
+#: (smallest binade exponent emin, mantissa bits) of the element grids the fast paths round onto
+_GRID = {"e4m3fn": (-6, 3), "e5m2": (-14, 2), "e2m1": (0, 1)}
+
+
+def round_grid(y: torch.Tensor, fmt: MiniFloat | str, *, keep_sign: bool = True,
+               out: torch.Tensor | None = None, work: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 ``y`` (already clamped to +-max_finite, or NaN) -> the nearest value of ``fmt``'s
+    grid, ties to even: ``decode(encode(y))`` bit for bit (NaN stays NaN).
+
+    The add-and-subtract trick: in ``y``'s binade the grid step is
+    ``q = 2^(max(floor(log2|y|), emin) - mbits)``; with ``c = 1.5 * 2^23 * q`` the sum ``y + c``
+    lies where the float32 ulp is exactly ``q`` (|y| < 16q), so the addition itself rounds ``y``
+    to the grid (RNE) and ``(y + c) - c`` is exact. ``2^floor(log2|y|)`` is ``y``'s exponent
+    bits. Four passes instead of the ~12 of :func:`round_to`. The sign is copied back from
+    ``y`` (``-tiny -> -0``); ``keep_sign=False`` leaves every zero +0 (modelopt decodes code
+    0b1000 as +0). ``out``/``work``: float32 buffers shaped like ``y`` (``out`` may be ``y``
+    only when ``keep_sign=False``)."""
+    fmt = _fmt(fmt)
+    emin, mbits = _GRID[fmt.name]
+    c = work if work is not None else torch.empty_like(y)
+    torch.bitwise_and(y.view(torch.int32), 0x7F800000, out=c.view(torch.int32))
+    c.clamp_(min=2.0 ** emin).mul_(1.5 * 2.0 ** (23 - mbits))
+    r = torch.add(y, c, out=out) if out is not None else y + c
+    r.sub_(c)
+    if keep_sign:
+        torch.copysign(r, y, out=r)
+    return r

@@ -11,7 +11,7 @@ import torch
 from skyrl_numerics.errors import InputError
 
 from . import codecs as C
-from .blocks import block_amax, codes_to_blocks, from_blocks, resolve_block, to_blocks
+from .blocks import block_amax, codes_to_blocks, from_blocks, fused_apply, resolve_block, to_blocks
 from .qtensor import QTensor
 
 FP8_MAX = 448.0
@@ -138,3 +138,61 @@ def quantize_fp8_block(x: torch.Tensor, block=(1, 128), eps: float = 1e-10, ue8m
     else:
         s = _static_scale(scale, (xb.shape[0], xb.shape[2]))
     return _pack("fp8_block", x, _encode_e4m3(xb / s), s, info, {"block": tuple(block), "ue8m0": ue8m0, "eps": eps})
+
+
+# -- fused fake-quant (``fake_quant`` fast path): same formulas, no codes, chunked in cache ----------
+def _fq_e4m3(y: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``decode(encode_e4m3(clamp(y))) * s`` computed in place on ``y``."""
+    y.clamp_(-FP8_MAX, FP8_MAX)
+    return C.round_grid(y, C.E4M3).mul_(s)
+
+
+def fake_quant_fp8(x: torch.Tensor, recipe: str, **opts) -> torch.Tensor | None:
+    """``dequantize(quantize(x, recipe, **opts))`` for the fp8 recipes with dynamic scales, bit for
+    bit (tests/quant/test_recipes_fast.py), or ``None`` where only the reference applies (static
+    scales, blocks that do not divide the shape, a non-float32 ``scale_dtype``)."""
+    if opts.get("scale") is not None:
+        return None
+    if recipe in ("fp8_tensor", "fp8_token"):
+        ub = opts.get("scale_ub")
+
+        def scale(amax):
+            if ub is not None:
+                amax = amax.clamp(max=float(ub))
+            return (amax / FP8_MAX).clamp(min=MIN_SCALE)
+
+        def elem(xb, s):
+            return _fq_e4m3(xb.mul_(s.reciprocal()), s)
+        block = (-1, -1) if recipe == "fp8_tensor" else (1, -1)
+    elif recipe == "fp8_channel":
+        sd = opts.get("scale_dtype")
+        if sd not in (None, torch.float32):
+            return None
+        block = tuple(opts.get("block", (1, -1)))
+
+        def scale(amax):
+            s = amax / FP8_MAX
+            return torch.where(s == 0, torch.tensor(torch.finfo(torch.float32).eps), s)
+
+        def elem(xb, s):
+            return _fq_e4m3(xb.div_(s), s)
+    elif recipe == "fp8_block":
+        block = tuple(opts.get("block", (1, 128)))
+        eps, ue8m0 = opts.get("eps", 1e-10), opts.get("ue8m0", False)
+
+        def scale(amax):
+            s = amax.clamp(min=eps) * RCP_448
+            return ceil_pow2(s) if ue8m0 else s
+
+        def elem(xb, s):
+            return _fq_e4m3(xb.div_(s), s)
+    else:
+        return None
+    R, Cc, br, bc = resolve_block(x.shape, block)
+    if br == R and R > 1:                   # one scale over all rows: amax of the whole tensor first
+        if Cc % bc or x.numel() == 0:
+            return None
+        amax = x.detach().reshape(R, Cc // bc, bc).abs().amax(dim=(0, 2)).to(torch.float32)
+        s = scale(amax.reshape(1, 1, -1, 1))
+        return fused_apply(x, (1, bc), lambda xb: elem(xb, s))
+    return fused_apply(x, (br, bc), lambda xb: elem(xb, scale(block_amax(xb))))

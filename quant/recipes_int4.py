@@ -21,7 +21,7 @@ import torch
 from skyrl_numerics.errors import InputError
 
 from . import codecs as C
-from .blocks import block_amax, codes_to_blocks, from_blocks, resolve_block, to_blocks
+from .blocks import block_amax, codes_to_blocks, from_blocks, fused_apply, resolve_block, to_blocks
 from .qtensor import QTensor
 
 
@@ -77,3 +77,29 @@ def unpack_int4_from_int32(packed: torch.Tensor, n: int) -> torch.Tensor:
     shifts = torch.arange(8, dtype=torch.int64) * 4
     u = (p.unsqueeze(-1) >> shifts) & 0xF
     return (u.reshape(*packed.shape[:-1], -1)[..., :n] - 8).to(torch.int8)
+
+
+# -- fused fake-quant (``fake_quant`` fast path) ------------------------------------------------
+def fake_quant_int4(x: torch.Tensor, recipe: str = "int4_g32", **opts) -> torch.Tensor | None:
+    """``dequantize(quantize_int4(x, **opts))`` bit for bit, chunked, in the same dtypes (the
+    division and the product round in the scale dtype). ``None``: reference only (static scales,
+    another scale dtype, NaN: the reference raises naming the index)."""
+    if opts.get("scale") is not None:
+        return None
+    group = int(opts.get("group", 32))
+    sd = opts.get("scale_dtype") or x.dtype
+    if sd != x.dtype or group <= 0:
+        return None
+    eps = torch.tensor(torch.finfo(sd).eps, dtype=sd)
+    nan = []
+
+    def fn(xb):
+        s = block_amax(xb) / 7.5
+        s = torch.where(s == 0, eps, s)
+        xb.div_(s)
+        if bool(torch.isnan(xb).any()):
+            nan.append(True)
+        return xb.clamp_(-8, 7).round_().add_(0.0).mul_(s)    # + 0: the int8 code has no -0
+
+    y = fused_apply(x, (1, group), fn, dtype=x.dtype)
+    return None if nan or y is None else y

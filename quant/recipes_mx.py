@@ -36,7 +36,7 @@ import torch
 from skyrl_numerics.errors import InputError
 
 from . import codecs as C
-from .blocks import block_amax, codes_to_blocks, from_blocks, resolve_block, to_blocks
+from .blocks import block_amax, codes_to_blocks, from_blocks, fused_apply, resolve_block, to_blocks
 from .qtensor import QTensor
 
 EMAX = {"e4m3fn": 8, "e5m2": 15, "e2m1": 2}
@@ -122,3 +122,33 @@ def quantize_mxfp8(x: torch.Tensor, elem: str = "e4m3fn", scale_mode: str = "flo
 def quantize_mxfp4(x: torch.Tensor, scale_mode: str = "floor", scale=None) -> QTensor:
     """MXFP4: E2M1 elements (packed two per byte), 1x32 blocks, E8M0 scale, RNE elements."""
     return quantize_mx(x, "e2m1", scale_mode, 32, "mxfp4", scale)
+
+
+# -- fused fake-quant (``fake_quant`` fast path) ------------------------------------------------
+def fake_quant_mx(x: torch.Tensor, recipe: str, **opts) -> torch.Tensor | None:
+    """``dequantize(quantize(x, recipe, **opts))`` for mxfp8 / mxfp4 with dynamic scales, bit for
+    bit: the scale code ``b`` as in :func:`quantize_mx`, elements rounded onto the grid and
+    multiplied by the decoded ``2^(b-127)`` (NaN where ``b = 255``). ``None``: reference only."""
+    if opts.get("scale") is not None:
+        return None
+    elem = "e2m1" if recipe == "mxfp4" else opts.get("elem", "e4m3fn")
+    scale_mode = opts.get("scale_mode", "floor")
+    if elem not in EMAX or scale_mode not in ("floor", "rceil") or (recipe == "mxfp8" and elem == "e2m1"):
+        return None
+    fmt = C.FORMATS[elem]
+
+    def fn(xb):
+        amax = block_amax(xb)
+        if scale_mode == "floor":
+            b = _floor_code(amax, EMAX[elem])
+            xb.div_(C.decode_e8m0(b.clamp(max=254).to(torch.uint8)))
+        else:
+            b = _rceil_code(amax, fmt.max_finite)
+            xb.mul_(torch.where(b == 0, 1.0, torch.exp2((127 - b).to(torch.float32))))
+        nan_block = b == 255
+        if bool(nan_block.any()):
+            xb.masked_fill_(nan_block, 0.0)
+        xb.clamp_(-fmt.max_finite, fmt.max_finite)
+        return C.round_grid(xb, fmt).mul_(C.decode_e8m0(b.to(torch.uint8)))
+
+    return fused_apply(x, (1, 32), fn)

@@ -62,7 +62,7 @@ import torch
 from skyrl_numerics.errors import InputError
 
 from . import codecs as C
-from .blocks import block_amax, codes_to_blocks, from_blocks, resolve_block, to_blocks
+from .blocks import block_amax, codes_to_blocks, from_blocks, fused_apply, resolve_block, to_blocks
 from .qtensor import QTensor
 
 CONVENTIONS = ("vllm", "te", "modelopt", "torchao", "compressed_tensors", "modelopt<0.45", "torchao<0.17")
@@ -99,6 +99,22 @@ def _global_amax(x: torch.Tensor, global_amax) -> torch.Tensor:
 def _te_encode_global(A: torch.Tensor) -> torch.Tensor:
     S = torch.clamp(2688.0 / A, max=FLT_MAX)
     return torch.where((A == 0) | (S == 0), _t(1.0), S)
+
+
+def _global(x: torch.Tensor, convention: str, global_amax, global_scale) -> torch.Tensor:
+    """The convention's global (see ``global_scale`` in the module doc), as a float32 0-d tensor."""
+    if global_scale is not None:
+        glob = torch.as_tensor(global_scale, dtype=F32).reshape(())
+        if not bool(torch.isfinite(glob) & (glob >= 0)):
+            raise InputError(f"global_scale must be finite and >= 0, got {float(glob)}", field="global_scale")
+        return glob
+    A = _global_amax(x, global_amax)
+    if convention == "te":
+        return A
+    if convention == "compressed_tensors":
+        glob = 2688.0 / torch.clamp(A, min=torch.finfo(F32).tiny)
+        return torch.where(torch.isfinite(glob), glob, _t(1.0))
+    return A / 2688.0
 
 
 def _block_scale(conv: str, a: torch.Tensor, glob: torch.Tensor, stats_dtype=None) -> torch.Tensor:
@@ -143,6 +159,17 @@ def _elements(conv: str, xb: torch.Tensor, s: torch.Tensor, glob: torch.Tensor) 
     return C.encode(y.clamp(-6.0, 6.0), C.E2M1)
 
 
+def _decode_factor(conv: str, s: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The per-block factor the decoded E2M1 value is multiplied by (see :func:`dequantize_nvfp4`)."""
+    if conv == "vllm":
+        return torch.where(g == 0, torch.zeros_like(s), s / (1.0 / g))
+    if conv == "te":
+        return (s * g) * RCP_2688
+    if conv == "compressed_tensors":
+        return s / g
+    return s * g
+
+
 def quantize_nvfp4(x: torch.Tensor, convention: str = "vllm", global_amax=None, tile=(1, 16),
                    global_scale=None, scale=None, stats_dtype=None) -> QTensor:
     """NVFP4 in a named convention (formulas in the module doc). ``tile=(16, 16)`` gives the 2-D
@@ -168,19 +195,7 @@ def quantize_nvfp4(x: torch.Tensor, convention: str = "vllm", global_amax=None, 
         raise InputError(f"nvfp4 packs two codes per byte: last dim must be even, got {x.shape[-1]}", field="x")
     if tile == (16, 16) and x.dim() != 2:
         raise InputError(f"16x16 tiles need a 2-D weight, got shape {tuple(x.shape)}", field="x")
-    if global_scale is not None:
-        glob = torch.as_tensor(global_scale, dtype=F32).reshape(())
-        if not bool(torch.isfinite(glob) & (glob >= 0)):
-            raise InputError(f"global_scale must be finite and >= 0, got {float(glob)}", field="global_scale")
-    else:
-        A = _global_amax(x, global_amax)
-        if convention == "te":
-            glob = A
-        elif convention == "compressed_tensors":
-            glob = 2688.0 / torch.clamp(A, min=torch.finfo(F32).tiny)
-            glob = torch.where(torch.isfinite(glob), glob, _t(1.0))
-        else:
-            glob = A / 2688.0
+    glob = _global(x, convention, global_amax, global_scale)
     xb, info = to_blocks(x, tile)
     nblocks = (xb.shape[0], xb.shape[2])
     if scale is not None:
@@ -213,16 +228,58 @@ def dequantize_nvfp4(q: QTensor) -> torch.Tensor:
     cb = codes_to_blocks(C.unpack_fp4(q.codes), info)
     s = C.decode(q.scales.view(torch.uint8), C.E4M3)
     s = s.reshape(s.shape[0], 1, s.shape[1], 1)
-    g = q.global_scale.to(F32)
-    if conv == "vllm":
-        f = torch.where(g == 0, torch.zeros_like(s), s / (1.0 / g))
-    elif conv == "te":
-        f = (s * g) * RCP_2688
-    elif conv == "compressed_tensors":
-        f = s / g
-    else:
-        f = s * g
+    f = _decode_factor(conv, s, q.global_scale.to(F32))
     y = C.decode(cb, C.E2M1)
     if conv in ("modelopt", "modelopt<0.45"):
         y = torch.where(cb == 8, 0.0, y)                                # modelopt's table: 0b1000 -> +0
     return from_blocks(y * f, info)
+
+
+# -- fused fake-quant (``fake_quant`` fast path) ------------------------------------------------
+_INF = float("inf")
+
+
+def _element_values_(conv: str, xb: torch.Tensor, s: torch.Tensor, glob: torch.Tensor) -> torch.Tensor:
+    """:func:`_elements` up to the E2M1 encode, in place on ``xb``: the clamped element input.
+    (The reference zeroes whole blocks whose scale is NaN; their decode factor is NaN too, so the
+    fast path leaves them: the output is NaN either way.)"""
+    if conv == "vllm":
+        G = 1.0 / glob
+        xb.mul_(torch.where(s == 0, 0.0, 1.0 / (s * (1.0 / G))))
+    elif conv == "te":
+        S = _te_encode_global(glob)
+        xb.mul_(torch.clamp(1.0 / (s * (1.0 / S)), max=FLT_MAX))
+    elif conv in ("modelopt", "modelopt<0.45"):
+        xb.div_(s * glob).nan_to_num_(nan=_INF, posinf=_INF, neginf=-_INF)   # searchsorted: NaN at the top
+    elif conv == "compressed_tensors":
+        xb.div_(s / glob).add_(0.0)                                      # -0 -> +0 (torch.sign)
+    elif conv == "torchao":
+        xb.mul_((1.0 / glob) / s)
+    else:                                                                 # torchao<0.17
+        xb.div_(glob * s)
+    return xb.nan_to_num_(nan=0.0, posinf=_INF, neginf=-_INF).clamp_(-6.0, 6.0)
+
+
+def fake_quant_nvfp4(x: torch.Tensor, recipe: str = "nvfp4", convention: str = "vllm", global_amax=None,
+                     tile=(1, 16), global_scale=None, scale=None, stats_dtype=None) -> torch.Tensor | None:
+    """``dequantize(quantize_nvfp4(x, ...))`` bit for bit with dynamic block scales (same
+    ``_global`` / ``_block_scale`` / ``_decode_factor`` as the reference; elements rounded onto the
+    E2M1 grid without codes; modelopt's code 0b1000 -> +0 as a +0 rounding). ``None``: reference
+    only (static block scales, bad options, a zero global)."""
+    tile = tuple(tile)
+    if (scale is not None or convention not in CONVENTIONS or tile not in ((1, 16), (16, 16))
+            or (stats_dtype is not None and convention != "compressed_tensors")
+            or x.dim() == 0 or x.shape[-1] % 2 or (tile == (16, 16) and x.dim() != 2)):
+        return None
+    glob = _global(x, convention, global_amax, global_scale)
+    if float(glob) == 0.0:
+        return None
+    g = glob.reshape(()).to(F32)
+    keep_sign = convention not in ("modelopt", "modelopt<0.45")
+
+    def fn(xb):
+        s = _block_scale(convention, block_amax(xb), glob, stats_dtype)
+        y = _element_values_(convention, xb, s, glob)
+        return C.round_grid(y, C.E2M1, keep_sign=keep_sign).mul_(_decode_factor(convention, s, g))
+
+    return fused_apply(x, tile, fn)
