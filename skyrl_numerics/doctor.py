@@ -383,6 +383,7 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
     skipped = {r.name: skip_reason(r, ctx) for r in selected}
     scenarios = list(dict.fromkeys(r.scenario for r in selected if skipped[r.name] is None))
     failed: dict[str, str] = {}
+    no_routes = None   # why the engine could not capture routes (R3 rows are then skipped)
     log = logging.getLogger("skyrl_numerics.doctor")
     out_rows, rollouts, scored = [], {}, {}
     with Progress(disable=not progress, transient=True) as prog:
@@ -400,7 +401,15 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
                 elif own and spec.serve is None:  # a one-off engine variant, closed once sampled
                     engine = VLLMGenerator(model_dir, **{**ekw, **spec.engine})
                 elif spec.serve is None:
-                    gen = engine = get_generator(model_dir, **ekw, capture_routes=ckpt.is_moe)
+                    try:
+                        gen = engine = get_generator(model_dir, **ekw,
+                                                     capture_routes=ckpt.is_moe and not no_routes)
+                    except RuntimeError as e:  # vLLM's model for this MoE: no router capture hook
+                        if not ckpt.is_moe or "route capture" not in str(e):
+                            raise
+                        log.exception("doctor: route capture unavailable, engine without it")
+                        no_routes = _one_line(e)
+                        gen = engine = get_generator(model_dir, **ekw, capture_routes=False)
                 else:  # another checkpoint: its own engine, closed once sampled
                     engine = VLLMGenerator(spec.serve(model_dir), **ekw, capture_routes=True)
                 engine.generate([[2, 3]], max_tokens=2)  # warm-up, so tokens/s compares engines
@@ -417,6 +426,8 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
         for row in selected:
             prog.update(task, description=f"trainer: {row.name}")
             why = skipped[row.name]
+            if why is None and no_routes and getattr(row.compute, "uses_routes", False):
+                why = f"R3: {no_routes}"
             status = f"skipped: {why}" if why else (f"failed: {failed[row.scenario]}"
                                                    if row.scenario in failed else None)
             if status is None:

@@ -106,7 +106,11 @@ class VLLMGenerator:
             self.route_info = {"num_experts": cfg.get_num_experts(), "native": True}
         elif capture_routes:
             # One worker here (TP = 1); with TP > 1 every rank sees the same logical ids.
-            self.route_info = self.llm.collective_rpc("skyrl_route_capture_start")[0]
+            try:
+                self.route_info = self.llm.collective_rpc("skyrl_route_capture_start")[0]
+            except Exception:  # e.g. vLLM's model for this MoE has no router capture hook
+                self.close()   # do not leave the engine processes behind
+                raise
 
     # ---------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], *, temperature: float = 1.0,
