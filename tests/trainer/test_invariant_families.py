@@ -256,6 +256,8 @@ BAD = [
     ("deepseek_v3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}},
      "rope_parameters.rope_type"),
     ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers"),
+    ("deepseek_v3", {"quantization_config": {"quant_method": "fp8",
+                                             "weight_block_size": [128, 128]}}, "quantization_config"),
     ("qwen3_moe", {"attention_bias": True}, "attention_bias"),
     ("qwen3_moe", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
      "rope_parameters.rope_type"),
@@ -331,3 +333,23 @@ def test_linear_with_cached_fp32_weight_is_the_kernel_bitwise(m, k, n, seed):
         assert torch.equal(linear(x, w), matmul(x, w.t()))
     wg = w.clone().requires_grad_(True)
     assert torch.equal(linear(x, wg), linear(x, w))
+
+
+def test_legacy_rope_scaling_config_gives_the_same_yarn_model():
+    """A config.json with the older ``rope_scaling`` key (DeepSeek's own files) builds the same
+    rope and softmax scale as the normalized ``rope_parameters``."""
+    from types import SimpleNamespace
+
+    from skyrl_numerics.trainer.invariant.deepseek_v3 import InvariantDeepseekV3
+
+    y = dict(factor=40.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+             mscale=1.0, mscale_all_dim=1.0)
+    base = {k: v for k, v in tiny_config("deepseek_v3").items()
+            if k not in ("rope_parameters", "rope_theta", "rope_scaling")}
+    new = InvariantDeepseekV3.config_parts(SimpleNamespace(
+        **base, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, **y}))
+    old = InvariantDeepseekV3.config_parts(SimpleNamespace(
+        **base, rope_theta=1e4, rope_scaling={"type": "yarn", **y}))
+    assert torch.equal(new["rope"].inv_freq, old["rope"].inv_freq)
+    assert new["rope"].mscale == old["rope"].mscale and new["scale"] == old["scale"]
+    assert new["scale"] > (64 + 64) ** -0.5      # mscale_all_dim = 1 raises the softmax scale

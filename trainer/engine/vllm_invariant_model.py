@@ -49,6 +49,12 @@ def engine_overrides(hf_config: dict, kv_cache=None) -> dict:
     if len(archs) != 1 or archs[0] not in ARCHS:
         raise InputError(f"no batch-invariant family for architectures {archs} "
                          f"(supported: {sorted(ARCHS)})", field="architectures")
+    if hf_config.get("quantization_config"):
+        from skyrl_numerics.trainer.invariant.blocks import UnsupportedConfig
+
+        raise UnsupportedConfig("the invariant forward runs bf16/fp32 weights; this checkpoint is "
+                                f"quantized ({hf_config['quantization_config'].get('quant_method')})",
+                                field="quantization_config")
     spec = parse_kv_spec(kv_cache)
     # build the family's dims now: an unsupported field fails here, before any engine starts
     cfg = SimpleNamespace(**hf_config)

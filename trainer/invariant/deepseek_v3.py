@@ -165,8 +165,8 @@ class InvariantDeepseekV3(InvariantCausalLM):
                  d.layers)
         rope = Rope.from_config(cfg, d.rope, "gptj")
         scale = (d.nope + d.rope) ** -0.5
-        rp = dict(getattr(cfg, "rope_parameters", None) or {})
-        if rp.get("rope_type", "default") == "yarn":
+        rp = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+        if rp.get("rope_type", rp.get("type", "default")) == "yarn":
             m = _yarn_mscale(float(rp["factor"]), float(rp.get("mscale_all_dim", 0) or 0))
             scale = scale * m * m
         return dict(dims=d, rope=rope, scale=scale, dtype=dtype, kv_cache=kv_cache)
