@@ -11,7 +11,8 @@ import torch
 from skyrl_numerics.errors import InputError
 
 from . import codecs as C
-from .blocks import block_amax, codes_to_blocks, from_blocks, fused_apply, resolve_block, to_blocks
+from .blocks import (block_amax, block_amax_fused, codes_to_blocks, from_blocks, fused_apply, resolve_block,
+                     to_blocks)
 from .qtensor import QTensor
 
 FP8_MAX = 448.0
@@ -195,4 +196,4 @@ def fake_quant_fp8(x: torch.Tensor, recipe: str, **opts) -> torch.Tensor | None:
         amax = x.detach().reshape(R, Cc // bc, bc).abs().amax(dim=(0, 2)).to(torch.float32)
         s = scale(amax.reshape(1, 1, -1, 1))
         return fused_apply(x, (1, bc), lambda xb: elem(xb, s))
-    return fused_apply(x, (br, bc), lambda xb: elem(xb, scale(block_amax(xb))))
+    return fused_apply(x, (br, bc), lambda xb: elem(xb, scale(block_amax_fused(xb))))

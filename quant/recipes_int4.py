@@ -21,7 +21,8 @@ import torch
 from skyrl_numerics.errors import InputError
 
 from . import codecs as C
-from .blocks import block_amax, codes_to_blocks, from_blocks, fused_apply, resolve_block, to_blocks
+from .blocks import (block_amax, block_amax_fused, codes_to_blocks, from_blocks, fused_apply, resolve_block,
+                     to_blocks)
 from .qtensor import QTensor
 
 
@@ -94,7 +95,7 @@ def fake_quant_int4(x: torch.Tensor, recipe: str = "int4_g32", **opts) -> torch.
     nan = []
 
     def fn(xb):
-        s = block_amax(xb) / 7.5
+        s = block_amax_fused(xb) / 7.5
         s = torch.where(s == 0, eps, s)
         xb.div_(s)
         if bool(torch.isnan(xb).any()):

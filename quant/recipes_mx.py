@@ -36,7 +36,8 @@ import torch
 from skyrl_numerics.errors import InputError
 
 from . import codecs as C
-from .blocks import block_amax, codes_to_blocks, from_blocks, fused_apply, resolve_block, to_blocks
+from .blocks import (block_amax, block_amax_fused, codes_to_blocks, from_blocks, fused_apply, resolve_block,
+                     to_blocks)
 from .qtensor import QTensor
 
 EMAX = {"e4m3fn": 8, "e5m2": 15, "e2m1": 2}
@@ -138,7 +139,7 @@ def fake_quant_mx(x: torch.Tensor, recipe: str, **opts) -> torch.Tensor | None:
     fmt = C.FORMATS[elem]
 
     def fn(xb):
-        amax = block_amax(xb)
+        amax = block_amax_fused(xb)
         if scale_mode == "floor":
             b = _floor_code(amax, EMAX[elem])
             xb.div_(C.decode_e8m0(b.clamp(max=254).to(torch.uint8)))

@@ -62,7 +62,8 @@ import torch
 from skyrl_numerics.errors import InputError
 
 from . import codecs as C
-from .blocks import block_amax, codes_to_blocks, from_blocks, fused_apply, resolve_block, to_blocks
+from .blocks import (block_amax, block_amax_fused, codes_to_blocks, from_blocks, fused_apply, resolve_block,
+                     to_blocks)
 from .qtensor import QTensor
 
 CONVENTIONS = ("vllm", "te", "modelopt", "torchao", "compressed_tensors", "modelopt<0.45", "torchao<0.17")
@@ -241,23 +242,35 @@ _INF = float("inf")
 
 def _element_values_(conv: str, xb: torch.Tensor, s: torch.Tensor, glob: torch.Tensor) -> torch.Tensor:
     """:func:`_elements` up to the E2M1 encode, in place on ``xb``: the clamped element input.
-    (The reference zeroes whole blocks whose scale is NaN; their decode factor is NaN too, so the
-    fast path leaves them: the output is NaN either way.)"""
+
+    The reference zeroes NaN inputs and whole blocks whose scale is NaN. A NaN-scale block has a
+    NaN decode factor, so its output is NaN either way and it is left alone here. When the
+    per-block multiplier (divisor) is finite (and non-zero) everywhere, no scale is NaN, so no
+    element is NaN, and ``x * t`` / ``x / t`` cannot make one (inf only meets a non-zero ``t``:
+    a block holding inf has the largest scale): the NaN pass is skipped."""
     if conv == "vllm":
         G = 1.0 / glob
-        xb.mul_(torch.where(s == 0, 0.0, 1.0 / (s * (1.0 / G))))
+        t, div = torch.where(s == 0, 0.0, 1.0 / (s * (1.0 / G))), False
     elif conv == "te":
         S = _te_encode_global(glob)
-        xb.mul_(torch.clamp(1.0 / (s * (1.0 / S)), max=FLT_MAX))
+        t, div = torch.clamp(1.0 / (s * (1.0 / S)), max=FLT_MAX), False
     elif conv in ("modelopt", "modelopt<0.45"):
-        xb.div_(s * glob).nan_to_num_(nan=_INF, posinf=_INF, neginf=-_INF)   # searchsorted: NaN at the top
+        t, div = s * glob, True
     elif conv == "compressed_tensors":
-        xb.div_(s / glob).add_(0.0)                                      # -0 -> +0 (torch.sign)
+        t, div = s / glob, True
     elif conv == "torchao":
-        xb.mul_((1.0 / glob) / s)
+        t, div = (1.0 / glob) / s, False
     else:                                                                 # torchao<0.17
-        xb.div_(glob * s)
-    return xb.nan_to_num_(nan=0.0, posinf=_INF, neginf=-_INF).clamp_(-6.0, 6.0)
+        t, div = glob * s, True
+    xb.div_(t) if div else xb.mul_(t)
+    safe = bool(torch.isfinite(t).all()) and not (div and bool((t == 0).any()))
+    if conv in ("modelopt", "modelopt<0.45") and not safe:
+        xb.nan_to_num_(nan=_INF, posinf=_INF, neginf=-_INF)            # searchsorted puts NaN at the top
+    if conv == "compressed_tensors":
+        xb.add_(0.0)                                                     # -0 -> +0 (torch.sign)
+    if not safe:
+        xb.nan_to_num_(nan=0.0, posinf=_INF, neginf=-_INF)
+    return xb.clamp_(-6.0, 6.0)
 
 
 def fake_quant_nvfp4(x: torch.Tensor, recipe: str = "nvfp4", convention: str = "vllm", global_amax=None,
@@ -278,7 +291,7 @@ def fake_quant_nvfp4(x: torch.Tensor, recipe: str = "nvfp4", convention: str = "
     keep_sign = convention not in ("modelopt", "modelopt<0.45")
 
     def fn(xb):
-        s = _block_scale(convention, block_amax(xb), glob, stats_dtype)
+        s = _block_scale(convention, block_amax_fused(xb), glob, stats_dtype)
         y = _element_values_(convention, xb, s, glob)
         return C.round_grid(y, C.E2M1, keep_sign=keep_sign).mul_(_decode_factor(convention, s, g))
 
