@@ -90,9 +90,14 @@ def test_config_transformers_cannot_build(tmp_path, capsys, dense_dir):
     _bad(capsys, tmp_path, ["--model", str(d)], "transformers cannot build this config")
 
 
-def test_model_that_will_not_fit(tmp_path, capsys):
-    """A 70B-class config (no real weights needed: the estimate comes from config.json)."""
+def test_model_that_will_not_fit(tmp_path, capsys, monkeypatch):
+    """A 70B-class config (no real weights needed: the estimate comes from config.json), on a
+    machine with 64 GiB available (whatever this one has)."""
     import torch
+
+    from skyrl_numerics import model_check
+
+    monkeypatch.setattr(model_check, "available_memory_bytes", lambda: 64 << 30)
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
@@ -104,6 +109,8 @@ def test_model_that_will_not_fit(tmp_path, capsys):
     line = _bad(capsys, tmp_path, ["--model", str(d)], "will not fit in memory", "GiB available",
                 "field 'memory'")
     assert "70,553,706,496 parameters" in line, line  # Llama-3-70B's count, from the meta model
+    assert "engine bfloat16 2 B + trainer bfloat16 2 B + trainer float32 4 B" in line, line
+    assert "= 525.7 GiB, 64.0 GiB available" in line, line
 
 
 def test_prompts_file_errors(tmp_path, capsys, dense_dir):
@@ -161,3 +168,14 @@ def test_inspect_names_the_model(dense_dir):
 
     m = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
     assert info.params == sum(p.numel() for p in m.parameters())
+
+
+def test_check_memory_counts_every_copy(dense_dir):
+    from skyrl_numerics.errors import InputError
+    from skyrl_numerics.model_check import check_memory, inspect_checkpoint
+
+    info = inspect_checkpoint(dense_dir)
+    need = check_memory(info, {"engine": 2, "trainer": 4}, available=1 << 40)
+    assert need == info.params * 6
+    with pytest.raises(InputError, match="will not fit"):
+        check_memory(info, {"engine": 2, "trainer": 4}, available=need - 1)
