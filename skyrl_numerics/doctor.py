@@ -46,9 +46,11 @@ SCENARIOS: dict[str, Scenario] = {
                                 description="top_p 0.95, no top-k; the support the sampler kept "
                                 "is captured inside the engine (sparse CSR)"),
     "nvfp4 experts": Scenario(FULL, _fake_quant_serving("nvfp4"),
-                              "engine serves MoE experts on the NVFP4 grid (vllm convention)"),
+                              "engine serves MoE experts on the NVFP4 grid (vllm convention), stored "
+                              "as bf16 values on the grid: no NVFP4 kernel runs"),
     "int4 experts": Scenario(FULL, _fake_quant_serving("int4_g32"),
-                             "engine serves MoE experts on the INT4 g32 grid (W4A16)"),
+                             "engine serves MoE experts on the INT4 g32 grid, stored as bf16 values "
+                             "on the grid: no INT4 kernel runs (see 'engine runs INT4 kernels')"),
     "batch-invariant": Scenario(FULL, description="vLLM runs the family's batch-invariant model "
                                 "(out-of-tree, over its paged KV cache)",
                                 engine=dict(batch_invariant=True, capture_routes=True)),
@@ -180,6 +182,34 @@ for _recipe, _sc in (("nvfp4", "nvfp4 experts"), ("int4_g32", "int4 experts")):
                      note=f"trainer keeps bf16 experts; the engine serves the {_recipe} grid"))
     register_row(Row(f"{_sc}: + fake-quant matched", _sc, _plain_trainer(None, qat=_recipe),
                      note=f"apply_qat(experts, {_recipe}) reproduces the served grid bit for bit"))
+
+
+# ---- a real quantized engine: vLLM's INT4 kernels on a compressed-tensors checkpoint -----------
+def _int4_engine_serving(model_dir: Path) -> Path:
+    from skyrl_numerics.trainer.engine.serving_checkpoint import write_int4_checkpoint
+
+    return write_int4_checkpoint(model_dir)
+
+
+def _int4_matched_trainer():
+    from skyrl_numerics.trainer.engine.serving_checkpoint import int4_qat_spec
+
+    return _plain_trainer(None, qat=int4_qat_spec())
+
+
+_INT4_ENGINE = "engine runs INT4 kernels"
+SCENARIOS[_INT4_ENGINE] = Scenario(
+    FULL, _int4_engine_serving,
+    "vLLM serves a compressed-tensors pack-quantized INT4 checkpoint (W4A16, group 32) of the "
+    "attention projections through its INT4 kernel (CPU: CPUWNA16LinearKernel); the experts stay "
+    "bf16 (vLLM CPU 0.32's INT4 MoE path takes per-channel scales only)")
+register_row(Row(f"{_INT4_ENGINE}: plain trainer", _INT4_ENGINE, _plain_trainer(None),
+                 families=("qwen3_moe",),
+                 note="trainer keeps bf16 attention projections; the engine runs INT4 codes + scales"))
+register_row(Row(f"{_INT4_ENGINE}: + fake-quant matched", _INT4_ENGINE, _int4_matched_trainer(),
+                 families=("qwen3_moe",),
+                 note="apply_qat(attention projections, int4_g32): the trainer holds the engine's "
+                      "codes and scales; what is left is the kernel (bf16 activations, fp32 accumulation)"))
 
 
 # ---- DeepSeek-V3 gap attribution (docs/mla.md, "Where the DeepSeek-V3 gap comes from") ----------

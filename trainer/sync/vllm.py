@@ -92,6 +92,22 @@ class WeightSyncWorkerExtension:
                     qm.moe_kernel = kernel
         return {"loaded": len(names), "seconds": time.perf_counter() - t0}
 
+    def skyrl_linear_kernels(self) -> dict[str, str]:
+        """Per quantized layer, what runs it: ``"<scheme> / <kernel>"`` (e.g.
+        ``"CompressedTensorsWNA16 / CPUWNA16LinearKernel"``), or the quant method's class for
+        layers without a scheme (MoE methods, unquantized layers are left out)."""
+        out = {}
+        for name, mod in self.model_runner.get_model().named_modules():
+            scheme = getattr(mod, "scheme", None)
+            if scheme is not None:
+                kernel = getattr(scheme, "kernel", None)
+                out[name] = type(scheme).__name__ + (f" / {type(kernel).__name__}" if kernel is not None else "")
+                continue
+            qm = getattr(mod, "quant_method", None)
+            if qm is not None and not type(qm).__name__.startswith("Unquantized"):
+                out[name] = type(qm).__name__
+        return out
+
     def skyrl_weight_digest(self) -> dict[str, str]:
         """blake2b of every parameter's bytes as vLLM holds them (kernel layout; for tests)."""
         import hashlib
@@ -278,6 +294,14 @@ def update_vllm_weights(llm, named_tensors: Mapping[str, Any] | Iterable[tuple[s
     nbytes = sum(v.numel() * v.element_size() for v in items.values())
     return EngineUpdate(tensors=len(items), bytes=nbytes, stage_s=t1 - t0, load_s=t2 - t1,
                         total_s=time.perf_counter() - t0)
+
+
+def engine_linear_kernels(llm) -> dict[str, str]:
+    """``{layer: "<scheme> / <kernel>"}`` of every quantized layer of a running engine (first
+    worker): which kernel vLLM picked, read from the live model rather than its log."""
+    engine = _engine_of(llm)
+    _require_extension(engine)
+    return engine.collective_rpc("skyrl_linear_kernels")[0]
 
 
 def engine_weight_digest(llm) -> dict[str, str]:
