@@ -85,6 +85,8 @@ class Dims:
         require(not g("tie_word_embeddings", False), "tie_word_embeddings", True,
                 "a tied lm-head is not implemented")
         n_group = int(g("n_group", 1) or 1)
+        require(method == "noaux_tc" or n_group == 1, "n_group", n_group,
+                f"group-limited routing without noaux_tc ({method}) is not implemented")
         experts = int(g("n_routed_experts"))
         require(experts % n_group == 0, "n_group", n_group, f"must divide n_routed_experts {experts}")
         require(method != "noaux_tc" or experts // n_group >= 2, "n_group", n_group,
