@@ -70,10 +70,12 @@ def write_int4_checkpoint(src_dir: str | os.PathLike, *, experts: bool = False, 
     return out
 
 
-def int4_qat_spec(experts: bool = False, group: int = 32) -> str:
-    """The ``qat`` key (``RECIPE@patterns``, see :func:`qat_rules`) matching :func:`write_int4_checkpoint`."""
+def int4_qat_spec(experts: bool = False) -> str:
+    """The ``qat`` key (``RECIPE@patterns``, see :func:`qat_rules`) matching
+    :func:`write_int4_checkpoint` with its default group 32 (for group 128 build the rules with
+    ``qat_rules("int4_g32", pattern, group=128)``)."""
     pats = ATTENTION_PATTERN + (f"|{EXPERTS_PATTERN}" if experts else "")
-    return f"int4_g32@{pats}" if group == 32 else f"int4_g32@{pats}"
+    return f"int4_g32@{pats}"
 
 
 def write_fake_quant_checkpoint(src_dir: str | os.PathLike, recipe: str, *,
