@@ -52,6 +52,27 @@ def test_int4_checkpoint_is_quantize_bitwise(qwen_moe_dir, int4_dir):
     assert n == 8   # 2 layers x q/k/v/o
 
 
+def test_matched_trainer_holds_the_checkpoint_grid(qwen_moe_dir, int4_dir):
+    """The doctor's "+ fake-quant matched" trainer: apply_qat with int4_qat_spec() rules covers
+    exactly the quantized projections, and fake_quant of the bf16 weight is the dequantized
+    checkpoint (bf16), bitwise."""
+    from safetensors.torch import load_file
+
+    from skyrl_numerics.quant import dequantize, fake_quant
+    from skyrl_numerics.quant.checkpoint import load_qtensors
+    from skyrl_numerics.trainer.engine.serving_checkpoint import int4_qat_spec, qat_rules
+
+    rules = qat_rules(int4_qat_spec())
+    assert [(r.pattern, r.recipe) for r in rules] == [("*.self_attn.*_proj", "int4_g32")]
+    assert len(qat_rules(int4_qat_spec(experts=True))) == 2
+    base = load_file(str(qwen_moe_dir / "model.safetensors"))
+    qts = load_qtensors(int4_dir)
+    assert len(qts) == 8
+    for name, q in qts.items():
+        assert torch.equal(dequantize(q, torch.bfloat16).view(torch.int16),
+                           fake_quant(base[name], "int4_g32").view(torch.int16)), name
+
+
 def test_experts_int4_refused_is_documented():
     """The finding above, checked against vLLM's own source (no engine start)."""
     pytest.importorskip("vllm")
