@@ -12,7 +12,8 @@ pytest-benchmark (16M bf16 elements by default, the issue's size)::
         --benchmark-only -q
 
 Table for BENCHMARKS.md (size from SKYRL_QUANT_BENCH_N, default 16M; SKYRL_QUANT_BENCH_REF=0
-skips the slow reference column)::
+skips the slow reference column; SKYRL_QUANT_BENCH_THREADS=1 runs baseline and recipes on one
+thread)::
 
     .venv/bin/python benchmarks/bench_quant.py
 """
@@ -81,6 +82,8 @@ def test_recipe_throughput(benchmark, x, baseline_s, case):
 
 
 def main() -> None:
+    if os.environ.get("SKYRL_QUANT_BENCH_THREADS"):         # e.g. 1: CPU work without thread-pool waits
+        torch.set_num_threads(int(os.environ["SKYRL_QUANT_BENCH_THREADS"]))
     x = make_x()
     base = best_of(baseline, x, repeat=5)
     print(f"N = {x.numel():,} bf16 elements, torch {torch.__version__}, {torch.get_num_threads()} threads")
