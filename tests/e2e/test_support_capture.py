@@ -73,3 +73,13 @@ def test_capture_support_errors(vllm_qwen):
         vllm_qwen.generate(PROMPTS[:1], max_tokens=2, top_p=0.9, capture_support="logprobs")
     with pytest.raises(InputError, match="capture_support must be"):
         vllm_qwen.generate(PROMPTS[:1], max_tokens=2, top_p=0.9, capture_support="dense")
+
+
+def test_logprob_capture_still_works_after_the_sampler_hook(vllm_qwen):
+    """Regression: once the sampler hook was installed (a top-p-only capture), a top-k capture
+    (from the processed logprobs) returned no support at all."""
+    vllm_qwen.generate(PROMPTS[:1], top_p=0.8, max_tokens=4, capture_support=True)
+    ro = vllm_qwen.generate(PROMPTS[:2], top_p=0.9, top_k=16, max_tokens=4, capture_support=True)
+    assert ro.support is not None and ro.support.num_tokens == 8
+    ro = vllm_qwen.generate(PROMPTS[:2], top_p=0.8, max_tokens=4, capture_support=True)
+    assert ro.support.num_tokens == 8

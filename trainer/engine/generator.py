@@ -197,13 +197,14 @@ class VLLMGenerator:
         support = None
         if in_engine:
             support = self._fetch_support(outputs, n, p_rows, r_rows)
-        elif getattr(self, "_support_hooked", False):  # hooked earlier: drop this call's records
-            self.llm.collective_rpc("skyrl_support_capture_fetch", args=([], [], []))
-        elif capture_support:
-            from skyrl_numerics.replay import PackedSupport
+        else:
+            if getattr(self, "_support_hooked", False):  # hooked earlier: drop this call's records
+                self.llm.collective_rpc("skyrl_support_capture_fetch", args=([], [], []))
+            if capture_support:   # from the processed top-k logprobs (independent of the hook)
+                from skyrl_numerics.replay import PackedSupport
 
-            support = PackedSupport.from_topk_logprobs(topk_rows, requested=n_logprobs,
-                                                       vocab_size=self.vocab_size)
+                support = PackedSupport.from_topk_logprobs(topk_rows, requested=n_logprobs,
+                                                           vocab_size=self.vocab_size)
         n_tok = sum(len(r) for r in r_rows)
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, n=n,
                         max_tokens=max_tokens, logprobs_mode="processed_logprobs")
