@@ -221,6 +221,12 @@ class TrainerWorker:
     def logprobs(self, rollout: Rollout) -> np.ndarray:
         return self.trainer.logprobs(rollout)
 
+    def close(self) -> None:
+        """Release what the trainer holds process-wide (the megatron trainer's process group)."""
+        close = getattr(self.trainer, "close", None)
+        if close is not None:
+            close()
+
     def step(self, rollout: Rollout, rewards, old_logprobs) -> dict:
         return self.trainer.step(rollout, rewards, old_logprobs=old_logprobs)
 
@@ -398,6 +404,7 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
                     prog.update(task_id, advance=1, description=(
                         f"{cfg.name}: step {step} reward {rows[-1]['reward']:.3f} "
                         f"|Δ| {summ['mean_abs']:.2e} sync {pub['payload_bytes'] / 1e3:.0f} kB"))
+                get(call(trn, "close"))
                 if use_ray:
                     import ray
 

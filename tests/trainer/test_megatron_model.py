@@ -16,8 +16,8 @@ def test_spawn_and_trainer_refuse_bad_layout_before_any_group(qwen_moe_dir):
 
     from skyrl_numerics.trainer.megatron.trainer import MegatronTrainer, spawn_megatron
 
-    if dist.is_initialized():
-        pytest.skip("another test module left a process group")
+    # every test (and the train loop: TrainerWorker.close) leaves no default group behind
+    assert not dist.is_initialized(), "a previous test left a default process group"
     with pytest.raises(InputError, match="num_attention_heads=4") as e:
         spawn_megatron(print, qwen_moe_dir, tp=3, ep=1)     # raises before any process starts
     assert e.value.field == "tp"
