@@ -121,9 +121,27 @@ class InvariantCausalLM(nn.Module):
     # ---- to be provided by the family -----------------------------------------------------
     kv = None   # KVFormat
 
+    def attention(self, layer: int, x: torch.Tensor, positions: torch.Tensor,
+                  attend: Attend) -> torch.Tensor:
+        raise NotImplementedError
+
+    def ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        attend: Attend) -> torch.Tensor:
-        raise NotImplementedError
+        """Final-norm hidden states ``[T, hidden]`` of a flat token stream: pre-norm decoder
+        layers ``h += attention(rms_norm(h)); h += ffn(rms_norm(h))`` (HF layer norm names)."""
+        from .blocks import rms_norm
+
+        eps = self.dims.eps
+        h = self.embed(input_ids)
+        for i in range(self.dims.layers):
+            p = f"model.layers.{i}."
+            h = h + self.attention(i, rms_norm(h, self.w(p + "input_layernorm.weight"), eps),
+                                   positions, attend)
+            h = h + self.ffn(i, rms_norm(h, self.w(p + "post_attention_layernorm.weight"), eps))
+        return rms_norm(h, self.w("model.norm.weight"), eps)
 
     def attn_core(self, layer: int, q: torch.Tensor, rows: torch.Tensor,
                   kv_lens: torch.Tensor | None) -> torch.Tensor:
@@ -187,6 +205,41 @@ class InvariantCausalLM(nn.Module):
         return self.forward_tokens(torch.cat(seqs), positions, attend)
 
 
+def packed_batches(rollout, batch_size: int):
+    """``(rows, seqs)`` per trainer batch: row indices and their prompt+response id tensors."""
+    for start in range(0, len(rollout), batch_size):
+        rows = list(range(start, min(start + batch_size, len(rollout))))
+        yield rows, [torch.from_numpy(np.concatenate([rollout.prompt(i), rollout.response(i)])
+                                      .astype(np.int64)) for i in rows]
+
+
+def support_mask(model: InvariantCausalLM, rollout) -> torch.Tensor:
+    """Dense ``[Σ response_len, vocab]`` bool mask of the rollout's sampled supports."""
+    if rollout.support is None:
+        raise InputError("use_support=True but the rollout has no support (sample with "
+                         "capture_support=True)", field="support")
+    from skyrl_numerics.replay.support_lp import _dense_mask
+
+    return _dense_mask(rollout.support, int(model.w("lm_head.weight").shape[0]), "cpu")
+
+
+def response_logp(model: InvariantCausalLM, hidden: torch.Tensor, temperature: float,
+                  mask_rows: torch.Tensor | None) -> torch.Tensor:
+    """fp32 log-softmax of the model-dtype logits at ``temperature``, ``-inf`` outside the
+    support rows — vLLM's processed logprobs (its sampler masks before the log-softmax)."""
+    z = model.logits(hidden).float()
+    if temperature != 1.0:
+        z = z / temperature
+    if mask_rows is not None:
+        z = z.masked_fill(~mask_rows, float("-inf"))
+    return torch.log_softmax(z, dim=-1)
+
+
+def entropy_of(logp: torch.Tensor) -> torch.Tensor:
+    p = logp.exp()
+    return -(p * torch.where(p > 0, logp, 0.0)).sum(-1)
+
+
 def invariant_trainer_logprobs(model: InvariantCausalLM, rollout, *, batch_size: int = 4,
                                temperature: float | None = None, return_routes: bool = False,
                                use_support: bool = False):
@@ -209,39 +262,24 @@ def invariant_trainer_logprobs(model: InvariantCausalLM, rollout, *, batch_size:
     ent_out = np.empty(rollout.num_response_tokens, dtype=np.float32)
     route_rows: list[np.ndarray] = [None] * len(rollout)   # type: ignore[list-item]
     info = model.route_info() if return_routes else None
-    mask = None
-    if use_support:
-        if rollout.support is None:
-            raise InputError("use_support=True but the rollout has no support (sample with "
-                             "capture_support=True)", field="support")
-        from skyrl_numerics.replay.support_lp import _dense_mask
-
-        mask = _dense_mask(rollout.support, int(model.w("lm_head.weight").shape[0]), "cpu")
+    mask = support_mask(model, rollout) if use_support else None
     captured: dict[int, torch.Tensor] = {}
     if return_routes:
         model.route_hook = lambda layer, ids: captured.__setitem__(layer, ids.clone())
     try:
         with torch.no_grad():
-            for start in range(0, len(rollout), batch_size):
-                rows = list(range(start, min(start + batch_size, len(rollout))))
-                seqs = [torch.from_numpy(np.concatenate([rollout.prompt(i), rollout.response(i)])
-                                         .astype(np.int64)) for i in rows]
+            for rows, seqs in packed_batches(rollout, batch_size):
                 captured.clear()
                 h = model.packed_hidden(seqs)
                 off = 0
                 for i, s in zip(rows, seqs):
                     p, r = int(rollout.prompt_lens[i]), int(rollout.response_lens[i])
-                    z = model.logits(h[off + p - 1: off + p + r - 1]).float()
-                    if temperature != 1.0:
-                        z = z / temperature
                     a, b = rollout.response_cu[i], rollout.response_cu[i + 1]
-                    if mask is not None:
-                        z = z.masked_fill(~mask[a:b], float("-inf"))
-                    logp = torch.log_softmax(z, dim=-1)
+                    logp = response_logp(model, h[off + p - 1: off + p + r - 1], temperature,
+                                         None if mask is None else mask[a:b])
                     tg = torch.from_numpy(rollout.response(i).astype(np.int64))
                     lp_out[a:b] = logp.gather(-1, tg[:, None]).squeeze(-1).numpy()
-                    p_ = logp.exp()
-                    ent_out[a:b] = (-(p_ * torch.where(p_ > 0, logp, 0.0)).sum(-1)).numpy()
+                    ent_out[a:b] = entropy_of(logp).numpy()
                     if return_routes:
                         n = len(s) - 1
                         route_rows[i] = torch.stack(

@@ -235,15 +235,3 @@ class InvariantDeepseekV3(InvariantCausalLM):
         if d.n_shared:
             out = out + swiglu_mlp(x, *self._mlp(p + "shared_experts."))
         return out
-
-    def forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                       attend: Attend) -> torch.Tensor:
-        """Final-norm hidden states ``[T, hidden]`` of a flat token stream."""
-        d = self.dims
-        h = self.embed(input_ids)
-        for i in range(d.layers):
-            p = f"model.layers.{i}."
-            h = h + self.attention(i, rms_norm(h, self.w(p + "input_layernorm.weight"), d.eps),
-                                   positions, attend)
-            h = h + self.ffn(i, rms_norm(h, self.w(p + "post_attention_layernorm.weight"), d.eps))
-        return rms_norm(h, self.w("model.norm.weight"), d.eps)

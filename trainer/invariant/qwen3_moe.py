@@ -111,7 +111,7 @@ class InvariantQwen3Moe(InvariantCausalLM):
         return {"layers": self.dims.layers, "k": self.dims.top_k, "num_experts": self.dims.experts}
 
     # ---- forward ------------------------------------------------------------------------
-    def moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
         d, p = self.dims, f"model.layers.{i}.mlp."
         w, ids = softmax_topk(linear(x, self.w(p + "gate.weight")), d.top_k, d.norm_topk_prob)
         self._route(i, ids)
@@ -142,15 +142,3 @@ class InvariantQwen3Moe(InvariantCausalLM):
         rows = torch.cat([k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
         o = attend(i, q, rows)
         return linear(o.reshape(T, d.heads * d.head_dim), self.w(p + "o_proj.weight"))
-
-    def forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                       attend: Attend) -> torch.Tensor:
-        """Final-norm hidden states ``[T, hidden]`` of a flat token stream."""
-        d = self.dims
-        h = self.embed(input_ids)
-        for i in range(d.layers):
-            p = f"model.layers.{i}."
-            h = h + self.attention(i, rms_norm(h, self.w(p + "input_layernorm.weight"), d.eps),
-                                   positions, attend)
-            h = h + self.moe(i, rms_norm(h, self.w(p + "post_attention_layernorm.weight"), d.eps))
-        return rms_norm(h, self.w("model.norm.weight"), d.eps)

@@ -73,35 +73,23 @@ def sequence_logprobs(model: InvariantCausalLM, rollout: Rollout, *, batch_size:
                       use_support: bool = False, temperature: float | None = None):
     """Differentiable float32 response-token logprobs ``[Σ response_len]`` (same numbers as
     :func:`~.base.invariant_trainer_logprobs`) and the no-grad entropy."""
-    from .base import invariant_trainer_logprobs  # noqa: F401  (same formula)
+    from .base import entropy_of, packed_batches, response_logp, support_mask
 
     if temperature is None:
         temperature = float(rollout.sampling.get("temperature", 1.0) or 1.0)
-    mask = None
-    if use_support:
-        from skyrl_numerics.replay.support_lp import _dense_mask
-
-        mask = _dense_mask(rollout.support, int(model.w("lm_head.weight").shape[0]), "cpu")
+    mask = support_mask(model, rollout) if use_support else None
     pieces, ents = [None] * len(rollout), [None] * len(rollout)
-    for start in range(0, len(rollout), batch_size):
-        rows = list(range(start, min(start + batch_size, len(rollout))))
-        seqs = [torch.from_numpy(np.concatenate([rollout.prompt(i), rollout.response(i)])
-                                 .astype(np.int64)) for i in rows]
+    for rows, seqs in packed_batches(rollout, batch_size):
         h = model.packed_hidden(seqs)
         off = 0
         for i, s in zip(rows, seqs):
             p, r = int(rollout.prompt_lens[i]), int(rollout.response_lens[i])
-            z = model.logits(h[off + p - 1: off + p + r - 1]).float()
-            if temperature != 1.0:
-                z = z / temperature
             a, b = rollout.response_cu[i], rollout.response_cu[i + 1]
-            if mask is not None:
-                z = z.masked_fill(~mask[a:b], float("-inf"))
-            logp = torch.log_softmax(z, dim=-1)
+            logp = response_logp(model, h[off + p - 1: off + p + r - 1], temperature,
+                                 None if mask is None else mask[a:b])
             tg = torch.from_numpy(rollout.response(i).astype(np.int64))
             pieces[i] = logp.gather(-1, tg[:, None]).squeeze(-1)
-            pd = logp.detach().exp()
-            ents[i] = -(pd * torch.where(pd > 0, logp.detach(), 0.0)).sum(-1)
+            ents[i] = entropy_of(logp.detach())
             off += len(s)
     return torch.cat(pieces), torch.cat(ents)
 
