@@ -62,6 +62,17 @@ class InvariantCausalLM(nn.Module):
                                         requires_grad=False)
         self._names[name] = key
 
+    def add_decoder_weights(self) -> None:
+        """The weights :meth:`forward_tokens` itself uses: embeddings, final norm, lm-head and
+        each layer's two RMSNorms (``self.dims``: vocab, hidden, layers)."""
+        d = self.dims
+        self.add("model.embed_tokens.weight", d.vocab, d.hidden)
+        self.add("model.norm.weight", d.hidden)
+        self.add("lm_head.weight", d.vocab, d.hidden)
+        for i in range(d.layers):
+            self.add(f"model.layers.{i}.input_layernorm.weight", d.hidden)
+            self.add(f"model.layers.{i}.post_attention_layernorm.weight", d.hidden)
+
     def w(self, name: str) -> torch.Tensor:
         return self.params[self._names[name]]
 

@@ -116,13 +116,9 @@ class InvariantDeepseekV3(InvariantCausalLM):
         self.scale = scale
         self.kv = KVFormat("mla", d.kv_lora_rank, d.kv_lora_rank + d.rope, dtype,
                            parse_kv_spec(kv_cache), d.layers)
-        self.add("model.embed_tokens.weight", d.vocab, d.hidden)
-        self.add("model.norm.weight", d.hidden)
-        self.add("lm_head.weight", d.vocab, d.hidden)
+        self.add_decoder_weights()
         for i in range(d.layers):
             p = f"model.layers.{i}."
-            self.add(p + "input_layernorm.weight", d.hidden)
-            self.add(p + "post_attention_layernorm.weight", d.hidden)
             a = p + "self_attn."
             if d.q_lora_rank:
                 self.add(a + "q_a_proj.weight", d.q_lora_rank, d.hidden)

@@ -78,13 +78,9 @@ class InvariantQwen3Moe(InvariantCausalLM):
         self.scale = d.head_dim ** -0.5
         self.kv = KVFormat("gqa", d.kv_heads * d.head_dim, 2 * d.kv_heads * d.head_dim, dtype,
                            parse_kv_spec(kv_cache), d.layers)
-        self.add("model.embed_tokens.weight", d.vocab, d.hidden)
-        self.add("model.norm.weight", d.hidden)
-        self.add("lm_head.weight", d.vocab, d.hidden)
+        self.add_decoder_weights()
         for i in range(d.layers):
             p = f"model.layers.{i}."
-            self.add(p + "input_layernorm.weight", d.hidden)
-            self.add(p + "post_attention_layernorm.weight", d.hidden)
             self.add(p + "self_attn.q_proj.weight", d.heads * d.head_dim, d.hidden)
             self.add(p + "self_attn.k_proj.weight", d.kv_heads * d.head_dim, d.hidden)
             self.add(p + "self_attn.v_proj.weight", d.kv_heads * d.head_dim, d.hidden)
