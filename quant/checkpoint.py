@@ -336,6 +336,33 @@ def _scale_bits(q: QTensor) -> torch.Tensor:
     return s.view(torch.uint8) if s.dtype.itemsize == 1 else s
 
 
+def _scale_values(q: QTensor) -> torch.Tensor:
+    s = q.scales
+    if s.dtype == torch.float8_e4m3fn:
+        return C.decode(s.view(torch.uint8), C.E4M3)
+    return s.float()
+
+
+def check_stored_scales(name: str, q: QTensor) -> None:
+    """Refuse stored scales no writer produces: negative block / group scales (their codes
+    re-encode under the negated scale, so the round trip alone passes them) and a zero INT4 group
+    scale (compressed-tensors stores eps for an all-zero group; a 0 makes ``w / s`` 0/0). A zero
+    or NaN NVFP4 block scale is left to the round trip, which reports the tensor as DIFF."""
+    v = _scale_values(q)
+    neg = v < 0
+    if bool(neg.any()):
+        idx = int(neg.flatten().nonzero()[0])
+        raise InputError(f"{name}: stored scale {float(v.flatten()[idx])} at flat index {idx} is negative",
+                         field="scale", index=idx)
+    if q.recipe == "int4_g32":
+        zero = v == 0
+        if bool(zero.any()):
+            idx = int(zero.flatten().nonzero()[0])
+            raise InputError(f"{name}: INT4 group scale at flat index {idx} is 0 (compressed-tensors stores eps "
+                             f"for an all-zero group; codes cannot be decoded against a 0 scale)",
+                             field="scale", index=idx)
+
+
 def qat_check(model_dir, dtype: torch.dtype = torch.bfloat16) -> QATCheckReport:
     """Check that a quantized checkpoint round-trips through a trainer holding ``dtype`` weights."""
     qts = load_qtensors(model_dir, dtype)
@@ -344,6 +371,7 @@ def qat_check(model_dir, dtype: torch.dtype = torch.bfloat16) -> QATCheckReport:
                          field="model_dir")
     rep = QATCheckReport(str(model_dir))
     for name, q in sorted(qts.items()):
+        check_stored_scales(name, q)
         w = dequantize(q, dtype)
         st = requantize(w, q)
         dy = quantize(w, q.recipe, **{k: v for k, v in q.opts.items() if k in ("convention", "tile", "group")})

@@ -324,22 +324,17 @@ def test_qat_check_refuses_a_negative_global_scale(written, tmp_path, fmt, suffi
     assert ei.value.field == "global_scale"
 
 
-@pytest.mark.xfail(strict=True, reason="library bug (reported, quant/): a zero INT4 group scale makes "
-                   "qat_check raise InputError(field 'x': 'NaN in int4 input') from its internal re-encode, "
-                   "naming neither the tensor nor the scale; NVFP4 reports a zero block scale as a DIFF row")
-def test_qat_check_int4_zero_scale_names_the_tensor(written, tmp_path):
+def test_qat_check_int4_zero_scale_names_the_tensor(written, tmp_path, capsys):
+    from skyrl_numerics.cli import main
     d = _edited(written, "ct_int4", "_scale", _set_first(0.0), tmp_path)
-    try:
-        rep = qat_check(d)
-    except InputError as e:
-        assert TARGET in str(e) and e.field != "x", str(e)
-        return
-    assert not rep.ok and [r["name"] for r in rep.rows if not r["static_exact"]] == [TARGET]
+    with pytest.raises(InputError) as ei:
+        qat_check(d)
+    assert TARGET in str(ei.value) and ei.value.field == "scale" and ei.value.index == 0, str(ei.value)
+    assert main(["qat-check", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and TARGET in err
 
 
-@pytest.mark.xfail(strict=True, reason="library bug (reported, quant/): qat_check (no --base) reports OK "
-                   "for a negative NVFP4 block scale or INT4 group scale (codes re-encode under the negated "
-                   "scale); the --base path refuses it ('scale holds a negative value')")
 @pytest.mark.parametrize("fmt", ["modelopt_nvfp4", "ct_nvfp4", "ct_int4"])
 def test_qat_check_refuses_a_negative_block_scale(written, tmp_path, fmt):
     def neg(s):
@@ -347,9 +342,6 @@ def test_qat_check_refuses_a_negative_block_scale(written, tmp_path, fmt):
         f.reshape(-1)[0] = -f.reshape(-1)[0].abs().clamp_min(0.5)
         return f.to(s.dtype)
     d = _edited(written, fmt, "_scale", neg, tmp_path)
-    try:
-        rep = qat_check(d)
-    except InputError as e:
-        assert e.field == "scale" and TARGET in str(e), str(e)
-        return
-    assert not rep.ok, rep.to_text()
+    with pytest.raises(InputError) as ei:
+        qat_check(d)
+    assert ei.value.field == "scale" and TARGET in str(ei.value) and "negative" in str(ei.value), str(ei.value)
