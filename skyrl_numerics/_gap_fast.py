@@ -2,18 +2,40 @@
 the full-array reference (which is the spec; tests hold this to it).
 
 * Chunks are cache-sized runs of whole sequences (sequences longer than a chunk are cut into
-  pieces that carry their position offset), so the ~25 float64 passes per chunk stay in cache.
-  Runs of chunks can go to threads (numpy releases the GIL in its loops).
-* e^d is evaluated only on the "tail" |d| > T (T ≤ 0.0125, about the 98th percentile of |d|):
-  the rest enter Σ(e^d − 1), Σ(e^d − 1 − d), Σ(e^d − 1)² through power sums Σd^k, k ≤ K, with
-  K ∈ {4, 5, 6} the smallest order whose truncation bound 2·T^(K−1)/(K+1)! is < 1e-13.
+  pieces that carry their position offset). Runs of chunks go to threads (numpy and the
+  compiled kernels release the GIL).
+* e^d is evaluated only on the "tail" |d| > T (T ≤ 0.0125, about the 98th percentile of |d|).
+  On the rest, with z = d (and z = 0 on the tail), g = e^z − 1 − z comes per token from the
+  Taylor series to z^K by Horner, g = z²·(c2 + z·(c3 + … + z·c_K)), c_k = 1/k!, K ∈ {4, 5, 6}
+  the smallest order whose truncation bound 2·T^(K−1)/(K+1)! is < 1e-13 (relative, per token:
+  the first omitted term over z²/2, with margin); u = z + g. The pass sums z², g and u²
+  (Σ(r − 1 − d), Σ(r − 1)² on those tokens; Σ(r − 1) = Σd + Σ(r − 1 − d)).
 * Percentiles are exact: a 64K-token sample places T and a bracket around the median of |d|;
   the scan keeps only the tail and the bracket; ``np.partition`` runs on those. When a bracket
   misses, a ratio would overflow, or std(r) would lose more than 3 digits to cancellation, the
   pass returns ``None`` and the caller runs the reference.
-* Two implementations of the scan, bitwise equal: numpy (the default) and an optional numba
-  loop (``SKYRL_NUMERICS_NUMBA=1``; ``numba`` is not a dependency) that reproduces numpy's
-  pairwise summation order, so every sum comes out the same to the last bit.
+* Two implementations of the scan, bitwise equal on every statistic: the compiled kernels of
+  :mod:`skyrl_numerics._gap_numba` (the default when numba imports; ``SKYRL_NUMERICS_NUMBA=0``
+  turns them off) and numpy (the fallback). Both do the same IEEE operations in the same order.
+
+Summation order and error bounds (u = 2^-53; all sums float64):
+
+* token sums Σz², Σg, Σu² of a chunk of k tokens: ``LANES`` = 64 lanes, lane l adds elements
+  l, l + 64, l + 128, … sequentially from +0.0 (the chunk zero-padded to a multiple of 64: the
+  ragged end goes to lanes 0, 1, …), then the 64 lanes are folded by halving
+  (``x[:h] + x[h:]``, 6 levels). numpy: ``buf.reshape(-1, 64).sum(axis=0)`` on the padded
+  C-contiguous buffer (adds row after row per column), then the same fold. The chunks'
+  results are combined with ``math.fsum`` (correctly rounded: independent of threads and of
+  run order). Every term is ≥ 0, so each chunk sum has relative error ≤ γ_{m+5}
+  (γ_j = j·u/(1 − j·u), m = ⌈k/64⌉ ≤ 2048 rows for 128K-token chunks): ≤ 2.3e-13 worst case
+  (typically ~√m·u ≈ 5e-15), plus u for the fsum, plus the per-token errors: Horner and the
+  products round ≤ 6 times, each term within ~7u, and the truncation below 1e-13 relative.
+  Tests hold these sums to 1e-12 relative against ``math.fsum`` of ``expm1``.
+* per-sequence Σ|d| and Σd: ``np.add.reduceat`` order (first element + numpy's pairwise sum
+  of the rest), error ≤ γ_{~log2(L/128) + 19}·Σ|x| for a sequence of L tokens; totals
+  (mean |d|, Σd) are numpy's pairwise ``sum`` of those. max |d| is exact.
+* per-position sums: token order per chunk from 0.0 (``np.bincount`` order), then added to
+  the run's array chunk after chunk; the runs' arrays are added in run order.
 """
 from __future__ import annotations
 
@@ -26,10 +48,11 @@ from skyrl_numerics._gap_layout import Tokens, find_bad_value, position_count
 from skyrl_numerics.errors import InputError
 
 _CHUNK = 1 << 17          # tokens per piece: the float64 buffers stay in L3; fewer Python steps
-_TAYLOR_MAX = 0.0125      # |d| above this: exact expm1; below: Taylor series to d^K
+_TAYLOR_MAX = 0.0125      # |d| above this: exact expm1; below: Taylor series to d^K (Horner)
 _TAYLOR_ERR = 1e-13       # K is the smallest order whose truncation bound 2 T^(K-1)/(K+1)! is below this
 _SAMPLE = 1 << 16         # tokens sampled (in 128 runs of 512) to place the percentile brackets
-_DOT = 8192               # dot-product block
+LANES = 64                # lanes of the chunk token sums (= _gap_numba.LANES)
+_COEF = tuple(1.0 / math.factorial(k) for k in range(2, 8))   # c2 .. c7 of the Horner series
 _LONG = 2048              # mean sequence length from which per-position sums are added by slices
                           # (one ~1-3 µs Python step per sequence, vs ~2 ns/token for bincount)
 
@@ -82,42 +105,57 @@ def _taylor_order(T: float) -> int:
     return 6
 
 
-def _power_sums(d, d2, d4, tmp, p, K) -> None:
-    """p[3..K] += Σ d³ … d^K: each product formed elementwise (d2·d, d2·d2, d4·d, d4·d2), then
-    summed by numpy's pairwise ``sum`` (which the compiled kernel reproduces bit for bit; a BLAS
-    dot would sum in an order of its own)."""
-    pairs = [(3, d2, d), (4, d2, d2), (5, d4, d), (6, d4, d2)][:K - 2]
-    for i, x, y in pairs:
-        np.multiply(x, y, out=tmp)
-        p[i] += float(tmp.sum())
+def _fold(lanes: np.ndarray) -> float:
+    """Lanes folded by halving: ``x[:h] + x[h:]`` until one value is left (both scans)."""
+    x = lanes
+    while x.size > 1:
+        h = x.size // 2
+        x = x[:h] + x[h:]
+    return float(x[0])
 
 
-def _scan(tok: Tokens, plan, T, med_lo, med_hi, use_med, out, offsets, maxlen, tol,  # noqa: C901
+def _horner(z, out, K) -> None:
+    """out = P(z) = (…(c_K·z + c_{K−1})·z + … + c3)·z + c2, elementwise, the operations the
+    compiled kernel does (it runs the degree-7 form with c_{K+1..7} = 0, which changes no bit:
+    0·z = ±0, ±0 + 0 = +0, and ±0·z + c = c)."""
+    np.multiply(z, _COEF[K - 2], out=out)
+    for i in range(K - 3, -1, -1):
+        np.add(out, _COEF[i], out=out)
+        if i:
+            np.multiply(out, z, out=out)
+
+
+def _scan(tok: Tokens, plan, T, med_lo, med_hi, use_med, K, out, offsets, maxlen, tol,  # noqa: C901
           kernels=None) -> dict:
     """One pass over the row ranges in ``plan``. Per-sequence results go straight into
-    ``out`` (disjoint rows per caller); token totals come back as a dict. Row i's tokens sit at
-    response positions ``offsets[i]...`` (non-zero for the later pieces of a split sequence).
+    ``out`` (disjoint rows per caller); token totals come back as a dict (``sums``: one
+    (Σz², Σg, Σu²) per chunk, folded from its lanes). Row i's tokens sit at response
+    positions ``offsets[i]...`` (non-zero for the later pieces of a split sequence).
     ``kernels``: the compiled kernels (same results bit for bit), else numpy."""
     cu, lengths = tok.cu, tok.lengths
     seq_sum_abs, seq_max_abs, seq_sum_d = out
     big = max(int(cu[r1] - cu[r0]) for r0, r1 in plan)
-    D, AD = np.empty(big), np.empty(big)
+    bigl = -(-big // LANES) * LANES       # buffers padded to whole rows of lanes
+    D, AD = np.empty(bigl), np.empty(bigl)
     pos_sum = np.zeros(maxlen)
     ok = True
     nnz = below = 0
-    p = [0.0] * 7                         # p[k] = Σ d^k over tokens with |d| <= T
-    K = _taylor_order(T)
+    sums = []
     tails, meds = [], []
+    if not use_med:                       # no token is below -1 or in [-1, -2]
+        med_lo, med_hi = -1.0, -2.0
     if kernels is not None:
-        scan_chunk, compact = kernels["scan_chunk"], kernels["compact"]
+        scan_chunk, compact = kernels.scan_chunk, kernels.compact
         TL, MD, part = np.empty(big), np.empty(big), np.empty(maxlen)
-        psum = np.zeros(7)
+        lanes = np.zeros((3, LANES))
+        stk, fstk = np.zeros((64, 3), np.int64), np.zeros((64, 2))
+        coef = np.array(_COEF[:K - 1] + (0.0,) * (7 - K))
         # numpy compares x <= tol in x's dtype (tol is a weak Python float): the same here
         tol_a, tol_b = float(tok.a.dtype.type(tol)), float(tok.b.dtype.type(tol))
         if tok.mask2d is not None:
             CA, CB = np.empty(big + 1, tok.a.dtype), np.empty(big + 1, tok.b.dtype)   # +1: compact writes ahead
     else:
-        D2, D4, TMP = np.empty(big), np.empty(big), np.empty(big)
+        Z2, G, U = np.empty(bigl), np.empty(bigl), np.empty(bigl)
         TB, TB2 = np.empty(big, bool), np.empty(big, bool)
         POS = np.empty(big, np.int64)
     for r0, r1 in plan:
@@ -135,12 +173,13 @@ def _scan(tok: Tokens, plan, T, med_lo, med_hi, use_med, out, offsets, maxlen, t
                 k = compact(tok.a, tok.b, tok.mask2d, r0, r1, CA, CB)
                 ca, cb = CA[:k], CB[:k]
             rws = np.arange(r0, r1) if isinstance(rows, slice) else rows
-            c_ok, c_nnz, c_below, nt, nm = scan_chunk(
-                ca, cb, starts, lens, offs, rws, tol_a, tol_b, T, med_lo, med_hi, use_med, K,
-                D, AD, TL, MD, part, pos_sum, seq_sum_abs, seq_max_abs, seq_sum_d, psum)
-            ok &= bool(c_ok)
+            c_bad, c_nnz, c_below, nt, nm = scan_chunk(
+                ca, cb, starts, lens, offs, rws, tol_a, tol_b, T, med_lo, med_hi, coef,
+                D, AD, TL, MD, part, pos_sum, seq_sum_abs, seq_max_abs, seq_sum_d, lanes, stk, fstk)
+            ok &= c_bad == 0
             nnz += int(c_nnz)
             below += int(c_below)
+            sums.append((_fold(lanes[0]), _fold(lanes[1]), _fold(lanes[2])))
             if nt:
                 tails.append(TL[:nt].copy())
             if nm:
@@ -148,7 +187,8 @@ def _scan(tok: Tokens, plan, T, med_lo, med_hi, use_med, out, offsets, maxlen, t
             continue
         ca, cb = tok.chunk(r0, r1)
         k = ca.size
-        d, ad, d2, d4, tmp, tb, tb2 = D[:k], AD[:k], D2[:k], D4[:k], TMP[:k], TB[:k], TB2[:k]
+        kl = -(-k // LANES) * LANES
+        d, ad, tb, tb2 = D[:k], AD[:k], TB[:k], TB2[:k]
         np.subtract(ca, cb, out=d, dtype=np.float64)
         np.abs(d, out=ad)
         ok &= bool(ca.max() <= tol) and bool(cb.max() <= tol)
@@ -176,27 +216,27 @@ def _scan(tok: Tokens, plan, T, med_lo, med_hi, use_med, out, offsets, maxlen, t
             np.cumsum(pos, out=pos)
             part = np.bincount(pos, weights=ad)
             pos_sum[:part.size] += part
-        if use_med:
-            np.less(ad, med_lo, out=tb)
-            below += int(np.count_nonzero(tb))
-            np.less_equal(ad, med_hi, out=tb2)
-            np.logical_xor(tb, tb2, out=tb2)
-            if tb2.any():
-                meds.append(ad.take(np.flatnonzero(tb2)))
+        np.less(ad, med_lo, out=tb)
+        below += int(np.count_nonzero(tb))
+        np.greater_equal(ad, med_lo, out=tb)
+        np.less_equal(ad, med_hi, out=tb2)
+        np.logical_and(tb, tb2, out=tb2)
+        if tb2.any():
+            meds.append(ad.take(np.flatnonzero(tb2)))
         np.greater(ad, T, out=tb)
         if tb.any():
             idx = np.flatnonzero(tb)
             tails.append(d.take(idx))
             d[idx] = 0.0
-        p[1] += float(d.sum())
-        np.multiply(d, d, out=d2)
-        p[2] += float(d2.sum())
-        if K > 4:
-            np.multiply(d2, d2, out=d4)
-        _power_sums(d, d2, d4, tmp, p, K)
-    if kernels is not None:
-        p = [float(v) for v in psum]
-    return dict(p=p, nnz=nnz, below=below, ok=ok, tails=tails, meds=meds, pos_sum=pos_sum)
+        D[k:kl] = 0.0                     # z: d with the tail zeroed, padded to whole rows
+        z, z2, g, u = D[:kl], Z2[:kl], G[:kl], U[:kl]
+        np.multiply(z, z, out=z2)
+        _horner(z, g, K)
+        np.multiply(z2, g, out=g)
+        np.add(z, g, out=u)
+        np.multiply(u, u, out=u)
+        sums.append(tuple(_fold(x.reshape(-1, LANES).sum(axis=0)) for x in (z2, g, u)))
+    return dict(sums=sums, nnz=nnz, below=below, ok=ok, tails=tails, meds=meds, pos_sum=pos_sum)
 
 
 def _split_long(tok: Tokens, chunk: int):
@@ -218,12 +258,12 @@ def _split_long(tok: Tokens, chunk: int):
 def _pick_kernel(tok: Tokens, kernel: str):
     if kernel not in ("auto", "numba", "numpy"):
         raise ValueError(f"kernel {kernel!r}: expected 'auto', 'numba' or 'numpy'")
-    if kernel == "numpy" or (kernel == "auto" and os.environ.get("SKYRL_NUMERICS_NUMBA", "0") != "1"):
+    if kernel == "numpy" or (kernel == "auto" and os.environ.get("SKYRL_NUMERICS_NUMBA", "1") == "0"):
         return None
     nb = _numba()
     if nb is None:
         if kernel == "numba":
-            raise ImportError("kernel='numba' needs numba (pip install numba), or SKYRL_NUMERICS_NUMBA is 0")
+            raise ImportError("kernel='numba' needs numba (pip install numba)")
         return None
     suits = all(x.dtype in (np.float32, np.float64) and x.flags.c_contiguous for x in (tok.a, tok.b))
     if not suits:
@@ -245,13 +285,13 @@ def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK, threads: int
     bracket missed or a ratio overflows (the caller then runs the reference).
 
     ``threads`` > 1 splits the chunks into that many contiguous runs scanned in parallel (numpy
-    releases the GIL in its loops); partial results are combined in run order.
+    and the compiled kernels release the GIL); per-chunk token sums are combined with
+    ``math.fsum`` (correctly rounded, so in any order), per-position sums in run order.
 
-    ``kernel``: ``"numba"`` (the compiled loop; an error if numba is missing), ``"numpy"``, or
-    ``"auto"``: numba when ``SKYRL_NUMERICS_NUMBA=1`` is set, numba imports and the arrays suit it
-    (C-contiguous float32/float64), else numpy. Both give the same dict bit for bit. numba is
-    opt-in because its one-off compilation (~10 s per process) costs more than it saves on a
-    single report.
+    ``kernel``: ``"numba"`` (the compiled kernels; an error if numba is missing), ``"numpy"``,
+    or ``"auto"``: numba unless ``SKYRL_NUMERICS_NUMBA=0`` is set, when numba imports and the
+    arrays suit it (C-contiguous float32/float64), else numpy. Both give the same dict bit for
+    bit.
     """
     n = tok.n
     br = _brackets(tok, taus)
@@ -266,16 +306,17 @@ def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK, threads: int
     out = (seq_sum_abs, seq_max_abs, seq_sum_d)
     maxlen = int(tok.lengths.max())
     kernels = _pick_kernel(vtok, kernel)
+    K = _taylor_order(T)
     nt = min(threads, len(plan))
     if nt <= 1:
-        parts = [_scan(vtok, plan, T, med_lo, med_hi, use_med, out, offsets, maxlen, tol, kernels)]
+        parts = [_scan(vtok, plan, T, med_lo, med_hi, use_med, K, out, offsets, maxlen, tol, kernels)]
     else:
         from concurrent.futures import ThreadPoolExecutor
 
         runs = [plan[i * len(plan) // nt:(i + 1) * len(plan) // nt] for i in range(nt)]
         with ThreadPoolExecutor(nt) as ex:
-            parts = list(ex.map(lambda run: _scan(vtok, run, T, med_lo, med_hi, use_med, out, offsets, maxlen,
-                                                  tol, kernels), runs))
+            parts = list(ex.map(lambda run: _scan(vtok, run, T, med_lo, med_hi, use_med, K, out, offsets,
+                                                  maxlen, tol, kernels), runs))
     if first is not None:                 # pieces of split sequences back into whole sequences
         ne = tok.lengths > 0
         real = [np.zeros(tok.n_seqs) for _ in range(3)]
@@ -287,7 +328,8 @@ def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK, threads: int
     pos_sum = parts[0]["pos_sum"]
     for q in parts[1:]:
         pos_sum = pos_sum + q["pos_sum"]
-    p = [math.fsum(q["p"][i] for q in parts) if len(parts) > 1 else parts[0]["p"][i] for i in range(7)]
+    chunk_sums = [c for q in parts for c in q["sums"]]
+    z2_small, k3_small, u2_small = (math.fsum(c[i] for c in chunk_sums) for i in range(3))
     nnz = sum(q["nnz"] for q in parts)
     below = sum(q["below"] for q in parts)
     ok = all(q["ok"] for q in parts)
@@ -302,10 +344,6 @@ def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK, threads: int
     if tv.size and tv.max() > 300.0:      # r or r² would overflow: let the reference handle it
         return None
     ut = np.expm1(tv)
-    # Taylor: u = e^d - 1 = Σ_{k>=1} d^k/k!,  u - d = Σ_{k>=2},  u² = Σ_{k>=2} (2^k - 2) d^k / k!
-    f = [1.0, 1.0, 2.0, 6.0, 24.0, 120.0, 720.0]
-    k3_small = sum(p[k] / f[k] for k in range(2, 7))            # p[k] = 0 above the order used
-    u2_small = sum(p[k] * (2.0 ** k - 2.0) / f[k] for k in range(2, 7))
     n_tail = tv.size
 
     # exact order statistics
@@ -365,7 +403,9 @@ def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK, threads: int
             out.update({k + (n - pos_t.size): float(part[k]) for k in need_p})
         return out
 
-    u1 = p[1] + k3_small + float(ut.sum())
+    s1 = float(seq_sum_d.sum())
+    k3 = k3_small + float((ut - tv).sum())
+    u1 = s1 + k3                                # Σ(r - 1) = Σd + Σ(r - 1 - d)
     u2 = u2_small + float((ut * ut).sum())      # (not np.dot: long BLAS dots spawn threads)
     # std(r)² = E[u²] - E[u]² cancels when the ratios sit far from 1 relative to their spread
     # (a systematic bias): past a 1000x loss of digits let the reference do it (two-pass std).
@@ -386,8 +426,7 @@ def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK, threads: int
     return {
         "n": n, "sum_abs": sum_abs, "max_abs": max(d_max, -d_min),
         "p50_abs": p50, "p99_abs": p99, "ratio_p1": r1_, "ratio_p99": r99,
-        "n_eq": n_zero, "s1": float(seq_sum_d.sum()), "s2": p[2] + float((tv * tv).sum()),
-        "k3": k3_small + float((ut - tv).sum()),
+        "n_eq": n_zero, "s1": s1, "s2": z2_small + float((tv * tv).sum()), "k3": k3,
         "u1": u1, "u2": u2,
         "d_min": d_min, "d_max": d_max,
         "n_extreme": [int(np.count_nonzero(atv > math.log(t))) for t in taus],
@@ -396,155 +435,19 @@ def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK, threads: int
     }
 
 
-# -- the compiled kernel (optional: numba) ------------------------------------------------------
-# The same per-chunk arithmetic as ``_scan``'s numpy code, in one loop: every sum follows numpy's
-# pairwise summation (``np.add.reduce``: 8 accumulators over blocks of <= 128, halves rounded
-# down to a multiple of 8; ``np.add.reduceat``: first element + pairwise rest), so the results
-# are bitwise equal to the numpy path (tests/core/test_gap.py holds them to it).
-_NB = None            # None: not tried yet; False: unavailable or disabled; else the kernels
+# -- the compiled kernels (numba) ---------------------------------------------------------------
+_NB = None            # None: not tried yet; False: unavailable; else the module of kernels
 
 
 def _numba():
-    """The compiled kernels (built on first use: ~10 s of numba compilation per process), or
-    ``None`` when numba does not import."""
+    """The compiled kernels (:mod:`skyrl_numerics._gap_numba`; compiled on first use, then
+    loaded from numba's on-disk cache), or ``None`` when numba does not import."""
     global _NB
     if _NB is None:
         try:
-            _NB = _build_numba()
+            from skyrl_numerics import _gap_numba
+            assert _gap_numba.LANES == LANES
+            _NB = _gap_numba
         except ImportError:
             _NB = False
     return _NB or None
-
-
-def _gen_pw(name, args, setup, exprs, prologue=(), epilogue=()):
-    """Source of a numba function ``name(*args, lo, n)`` returning a tuple with numpy's pairwise
-    sum (float64 ``np.add.reduce``) of each expression over the elements [lo, lo + n): below 8
-    elements a plain loop from 0.0; up to 128, eight accumulators started at the first eight
-    elements, combined ((0+1)+(2+3))+((4+5)+(6+7)), then the rest one by one; above, the two
-    halves split at n//2 rounded down to a multiple of 8. ``setup(j, sfx)``: statements that
-    define the expression variables for element ``j`` (and may have side effects, run in element
-    order); ``exprs[q](sfx)``: expression q; ``prologue``/``epilogue``: lines run on entry to and
-    before the return of each leaf (to load and store running counters).
-    Indices are uint64 (numba then emits no negative-index wraparound and the lanes vectorize)."""
-    nq = len(exprs)
-    a = ", ".join(args)
-    tup = "(" + ", ".join(f"s{q}" for q in range(nq)) + ",)"
-    pro = ["        " + x for x in prologue]
-    epi = ["        " + x for x in epilogue]
-    L = [f"def {name}({a}, lo, n):", "    ul = uint64(lo)", "    un = uint64(n)", "    if n < 8:"] + pro
-    L += [f"        s{q} = 0.0" for q in range(nq)]
-    L.append("        for j in range(ul, ul + un):")
-    L += ["            " + st for st in setup("j", "")]
-    L += [f"            s{q} += {exprs[q]('')}" for q in range(nq)]
-    L += epi + [f"        return {tup}", "    if n <= 128:"] + pro
-    for lane in range(8):
-        L += ["        " + st for st in setup(f"ul + uint64({lane})", f"_{lane}")]
-        L += [f"        r{q}_{lane} = {exprs[q](f'_{lane}')}" for q in range(nq)]
-    L.append("        nb = (un - un % uint64(8) - uint64(8)) // uint64(8)")
-    L.append("        for b in range(nb):")
-    L.append("            i = ul + uint64(8) + uint64(8) * b")
-    for lane in range(8):
-        L += ["            " + st for st in setup(f"i + uint64({lane})", f"_{lane}")]
-        L += [f"            r{q}_{lane} += {exprs[q](f'_{lane}')}" for q in range(nq)]
-    L += [f"        s{q} = ((r{q}_0 + r{q}_1) + (r{q}_2 + r{q}_3)) + ((r{q}_4 + r{q}_5) + (r{q}_6 + r{q}_7))"
-          for q in range(nq)]
-    L.append("        for j in range(ul + un - un % uint64(8), ul + un):")
-    L += ["            " + st for st in setup("j", "")]
-    L += [f"            s{q} += {exprs[q]('')}" for q in range(nq)]
-    L += epi + [f"        return {tup}", "    n2 = n // 2", "    n2 -= n2 % 8",
-          f"    x = {name}({a}, lo, n2)", f"    y = {name}({a}, lo + n2, n - n2)",
-          "    return (" + ", ".join(f"x[{q}] + y[{q}]" for q in range(nq)) + ",)"]
-    return "\n".join(L) + "\n"
-
-
-def _pow_setup(j, s):                     # d with the tail zeroed, as the numpy path leaves it
-    return [f"x{s} = D[{j}]", f"x{s} = 0.0 if AD[{j}] > T else x{s}", f"x2{s} = x{s} * x{s}",
-            f"x4{s} = x2{s} * x2{s}"]
-
-
-_POW_EXPRS = [lambda s: f"x{s}", lambda s: f"x2{s}", lambda s: f"x2{s} * x{s}", lambda s: f"x4{s}",
-              lambda s: f"x4{s} * x{s}", lambda s: f"x4{s} * x2{s}"]
-
-
-def _seg_setup(j, s):
-    return [f"u{s} = AD[{j}]", f"v{s} = D[{j}]"]
-
-
-def _build_numba():  # noqa: C901
-    import numba
-
-    jit = numba.njit(nogil=True, cache=False, error_model="numpy")
-    ns = {"uint64": numba.uint64, "float64": numba.float64}
-    exec(_gen_pw("pw_pow", ["D", "AD", "T"], _pow_setup, _POW_EXPRS), ns)      # noqa: S102
-    exec(_gen_pw("pw_seg", ["D", "AD"], _seg_setup, [lambda s: f"u{s}", lambda s: f"v{s}"]), ns)  # noqa: S102
-    pw_pow = ns["pw_pow"] = jit(ns["pw_pow"])        # the recursive calls find the dispatcher
-    pw_seg = ns["pw_seg"] = jit(ns["pw_seg"])
-
-    @jit
-    def scan_chunk(ca, cb, starts, lens, offs, rows, tol_a, tol_b, T, med_lo, med_hi, use_med, K,
-                   D, AD, tails, meds, part, pos_sum, seq_sum_abs, seq_max_abs, seq_sum_d, psum):
-        """One chunk; returns (ok, nnz, below, n_tails, n_meds); psum[k] += chunk Σ d^k."""
-        k = ca.size
-        bad = 0
-        nnz = 0
-        below = 0
-        nt = 0
-        nm = 0
-        if not use_med:                   # no token is below -1 or in [-1, -2]
-            med_lo, med_hi = -1.0, -2.0
-        for i in range(k):                # branch-free: the tests are unpredictable
-            x = np.float64(ca[i])
-            y = np.float64(cb[i])
-            bad += not (x <= tol_a and y <= tol_b)
-            d = x - y
-            ad = abs(d)
-            D[i] = d
-            AD[i] = ad
-            nnz += ad > 0.0
-            tails[nt] = d
-            nt += ad > T
-            lo = ad < med_lo
-            below += lo
-            meds[nm] = ad
-            nm += (not lo) and ad <= med_hi
-        sums = pw_pow(D, AD, T, 0, k)
-        for j in range(1, K + 1):
-            psum[j] += sums[j - 1]
-        pmin = offs[0]
-        pmax = offs[0]
-        for j in range(starts.size):
-            pmin = min(pmin, offs[j])
-            pmax = max(pmax, offs[j] + lens[j])
-        for p in range(pmin, pmax):
-            part[p] = 0.0
-        for j in range(starts.size):
-            s, L, o, r = starts[j], lens[j], offs[j], rows[j]
-            if L == 1:                    # np.add.reduceat: first element, then + pairwise rest
-                seq_sum_abs[r] = AD[s]
-                seq_sum_d[r] = D[s]
-            else:
-                sa, sd = pw_seg(D, AD, s + 1, L - 1)
-                seq_sum_abs[r] = AD[s] + sa
-                seq_sum_d[r] = D[s] + sd
-            m = AD[s]                     # (NaN only with invalid input, which raises later)
-            for t in range(s + 1, s + L):
-                m = max(m, AD[t])
-            seq_max_abs[r] = m
-            for t in range(L):
-                part[o + t] += AD[s + t]
-        for p in range(pmin, pmax):
-            pos_sum[p] += part[p]
-        return bad == 0, nnz, below, nt, nm
-
-    @jit
-    def compact(a2, b2, m2, r0, r1, CA, CB):
-        k = 0
-        T = a2.shape[1]
-        for r in range(r0, r1):
-            for t in range(T):
-                CA[k] = a2[r, t]
-                CB[k] = b2[r, t]
-                k += m2[r, t]
-        return k
-
-    return {"scan_chunk": scan_chunk, "compact": compact, "pw_pow": pw_pow, "pw_seg": pw_seg}

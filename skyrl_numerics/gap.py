@@ -42,9 +42,10 @@ shape mismatch, empty input.
 
 Speed: inputs of more than ``FAST_MIN_TOKENS`` tokens take the chunked single pass of
 :mod:`skyrl_numerics._gap_fast` (threads, Taylor series instead of exp on all but the tail,
-exact percentiles by bracketing; an optional numba loop, bitwise equal to the numpy scan, with
-``SKYRL_NUMERICS_NUMBA=1``). :func:`measure_reference` is the plain full-array computation that
-is the spec; tests hold the fast pass to it.
+exact percentiles by bracketing). Its scan is compiled with numba (cached on disk) and has a
+numpy fallback giving the same bits (``SKYRL_NUMERICS_NUMBA=0``, or when numba is missing).
+:func:`measure_reference` is the plain full-array computation that is the spec; tests hold the
+fast pass to it.
 """
 from __future__ import annotations
 
@@ -281,8 +282,8 @@ def measure(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, t
     ``threads``: CPU threads for the fast pass (default: up to 8, one per 256K tokens, at most
     ``os.cpu_count()``). ``_path`` (testing): ``"auto"`` (fast pass above ``FAST_MIN_TOKENS``
     tokens), ``"fast"``, ``"reference"``. ``_kernel`` (testing, benchmarks): the fast pass's
-    scan, ``"auto"`` (numpy unless ``SKYRL_NUMERICS_NUMBA=1``), ``"numpy"`` or ``"numba"``; the
-    two give bitwise-equal reports.
+    scan, ``"auto"`` (numba when it imports, unless ``SKYRL_NUMERICS_NUMBA=0``), ``"numpy"`` or
+    ``"numba"``; the two give bitwise-equal reports.
     """
     taus = _check_taus(taus)
     tok = normalize(trainer_logprobs, rollout_logprobs, mask, cu_seqlens)

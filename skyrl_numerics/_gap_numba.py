@@ -1,0 +1,239 @@
+"""The compiled scan of the gap fast pass (numba), bitwise equal to the numpy scan in
+:mod:`skyrl_numerics._gap_fast`.
+
+Imported only through :func:`skyrl_numerics._gap_fast._numba` (which catches a missing numba).
+Kernels are compiled with ``cache=True`` (numba's cache: ``NUMBA_CACHE_DIR`` if set, else the
+package's ``__pycache__``, else the user cache dir, e.g. ``~/.cache/numba``, for read-only
+installs; without any writable place they compile per process). ``fastmath`` is off (no
+reassociation, no FMA contraction): every float operation is the IEEE operation written, so the
+bits do not depend on the compiler and the numpy scan reproduces them with elementwise ufuncs.
+
+Summation orders (both scans; see ``_gap_fast`` for the error bounds):
+
+* token sums of a chunk (Σz², Σg, Σu²): ``LANES`` independent lanes, lane l adding the
+  chunk's elements l, l + LANES, l + 2·LANES, … in order from +0.0 (the chunk is zero-padded
+  to a multiple of LANES; adding +0.0 to a lane is exact), then the lanes folded by halving
+  (lane[:h] + lane[h:] until one is left). numpy: ``x.reshape(-1, LANES).sum(axis=0)`` over a
+  C-contiguous buffer adds row after row per column, i.e. the same order;
+* per-sequence Σ|d|, Σd: numpy's ``np.add.reduceat`` order (first element + numpy's pairwise
+  sum of the rest: 8 accumulators over leaves of <= 128 elements, halves split at a multiple
+  of 8), reproduced in :func:`_pw2`;
+* per-position sums: token order, from 0.0 per chunk (as ``np.bincount``).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, uint64
+
+LANES = 64            # lanes of the chunk-level sums (a power of two)
+NPOLY = 6             # Horner coefficients c2..c7 of e^d - 1 - d = d²·(c2 + d·(c3 + … + d·c7))
+
+
+def _jit(fn):
+    try:
+        return njit(nogil=True, cache=True, error_model="numpy")(fn)
+    except RuntimeError:      # no writable cache location at all: compile per process
+        return njit(nogil=True, cache=False, error_model="numpy")(fn)
+
+
+@_jit
+def _leaf2(D, AD, lo, n):
+    """numpy's pairwise leaf (n <= 128) of AD[lo:lo+n] and D[lo:lo+n]."""
+    ul = uint64(lo)
+    un = uint64(n)
+    if n < 8:
+        s0 = 0.0
+        s1 = 0.0
+        for j in range(ul, ul + un):
+            s0 += AD[j]
+            s1 += D[j]
+        return s0, s1
+    a0, a1, a2, a3 = AD[ul], AD[ul + uint64(1)], AD[ul + uint64(2)], AD[ul + uint64(3)]
+    a4, a5, a6, a7 = AD[ul + uint64(4)], AD[ul + uint64(5)], AD[ul + uint64(6)], AD[ul + uint64(7)]
+    b0, b1, b2, b3 = D[ul], D[ul + uint64(1)], D[ul + uint64(2)], D[ul + uint64(3)]
+    b4, b5, b6, b7 = D[ul + uint64(4)], D[ul + uint64(5)], D[ul + uint64(6)], D[ul + uint64(7)]
+    end = ul + un - un % uint64(8)
+    i = ul + uint64(8)
+    while i < end:
+        a0 += AD[i]
+        a1 += AD[i + uint64(1)]
+        a2 += AD[i + uint64(2)]
+        a3 += AD[i + uint64(3)]
+        a4 += AD[i + uint64(4)]
+        a5 += AD[i + uint64(5)]
+        a6 += AD[i + uint64(6)]
+        a7 += AD[i + uint64(7)]
+        b0 += D[i]
+        b1 += D[i + uint64(1)]
+        b2 += D[i + uint64(2)]
+        b3 += D[i + uint64(3)]
+        b4 += D[i + uint64(4)]
+        b5 += D[i + uint64(5)]
+        b6 += D[i + uint64(6)]
+        b7 += D[i + uint64(7)]
+        i += uint64(8)
+    s0 = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+    s1 = ((b0 + b1) + (b2 + b3)) + ((b4 + b5) + (b6 + b7))
+    for j in range(end, ul + un):
+        s0 += AD[j]
+        s1 += D[j]
+    return s0, s1
+
+
+@_jit
+def _pw2(D, AD, lo, n, stk, fstk):
+    """numpy's pairwise sum (``np.add.reduce`` of float64) of AD[lo:lo+n] and D[lo:lo+n]:
+    the recursion (split at n//2 rounded down to a multiple of 8 while n > 128) walked with an
+    explicit stack: ``stk`` (int64 [64, 3]) holds each frame's lo, n and state, ``fstk``
+    (float64 [64, 2]) its left half's two sums."""
+    if n <= 128:
+        return _leaf2(D, AD, lo, n)
+    # iterative post-order: each frame (lo, n) either is a leaf or combines two halves
+    top = 0
+    stk[0, 0] = lo
+    stk[0, 1] = n
+    stk[0, 2] = 0
+    res_a = 0.0
+    res_b = 0.0
+    while top >= 0:
+        flo, fn, state = stk[top, 0], stk[top, 1], stk[top, 2]
+        if fn <= 128:
+            res_a, res_b = _leaf2(D, AD, flo, fn)
+            top -= 1
+            continue
+        n2 = fn // 2
+        n2 -= n2 % 8
+        if state == 0:                    # descend left
+            stk[top, 2] = 1
+            top += 1
+            stk[top, 0] = flo
+            stk[top, 1] = n2
+            stk[top, 2] = 0
+        elif state == 1:                  # left done (in res): descend right
+            fstk[top, 0] = res_a
+            fstk[top, 1] = res_b
+            stk[top, 2] = 2
+            top += 1
+            stk[top, 0] = flo + n2
+            stk[top, 1] = fn - n2
+            stk[top, 2] = 0
+        else:                             # right done: combine
+            res_a = fstk[top, 0] + res_a
+            res_b = fstk[top, 1] + res_b
+            top -= 1
+    return res_a, res_b
+
+
+@_jit
+def scan_chunk(ca, cb, starts, lens, offs, rows, tol_a, tol_b, T, med_lo, med_hi, coef,
+               D, AD, tails, meds, part, pos_sum, seq_sum_abs, seq_max_abs, seq_sum_d, lanes, stk, fstk):
+    """One chunk of whole sequences (or pieces). Returns (bad, nnz, below, n_tails, n_meds);
+    ``lanes`` (float64 [3, LANES]) gets the lane sums of z², g, u² (z = d on |d| <= T, else 0;
+    g = z²·P(z) the Horner series of e^z − 1 − z; u = z + g). Per-sequence and per-position
+    results go to their arrays (rows ``rows``)."""
+    k = ca.size
+    c2, c3, c4, c5, c6, c7 = coef[0], coef[1], coef[2], coef[3], coef[4], coef[5]
+    bad = 0
+    nnz = 0
+    below = 0
+    l2 = lanes[0]
+    lg = lanes[1]
+    lu = lanes[2]
+    for q in range(LANES):
+        l2[q] = 0.0
+        lg[q] = 0.0
+        lu[q] = 0.0
+    m = k // LANES
+    for i in range(m):                    # vectorized over the lanes: no reassociation needed
+        base = i * LANES
+        for q in range(LANES):
+            j = base + q
+            x = np.float64(ca[j])
+            y = np.float64(cb[j])
+            bad += not (x <= tol_a and y <= tol_b)
+            d = x - y
+            ad = abs(d)
+            D[j] = d
+            AD[j] = ad
+            nnz += ad > 0.0
+            below += ad < med_lo
+            z = d if ad <= T else 0.0
+            z2 = z * z
+            g = z2 * (((((c7 * z + c6) * z + c5) * z + c4) * z + c3) * z + c2)
+            u = z + g
+            l2[q] += z2
+            lg[q] += g
+            lu[q] += u * u
+    for j in range(m * LANES, k):         # ragged end: lanes 0 .. k - m·LANES - 1
+        q = j - m * LANES
+        x = np.float64(ca[j])
+        y = np.float64(cb[j])
+        bad += not (x <= tol_a and y <= tol_b)
+        d = x - y
+        ad = abs(d)
+        D[j] = d
+        AD[j] = ad
+        nnz += ad > 0.0
+        below += ad < med_lo
+        z = d if ad <= T else 0.0
+        z2 = z * z
+        g = z2 * (((((c7 * z + c6) * z + c5) * z + c4) * z + c3) * z + c2)
+        u = z + g
+        l2[q] += z2
+        lg[q] += g
+        lu[q] += u * u
+    # candidates for the exact percentiles (a few % of the tokens): branch-free stores, so the
+    # cost does not depend on how many there are (one test per token, no mispredictions)
+    nt = 0
+    nm = 0
+    for j in range(k):
+        ad = AD[j]
+        tails[nt] = D[j]
+        nt += ad > T
+        meds[nm] = ad
+        nm += (ad >= med_lo) & (ad <= med_hi)
+    # per sequence / per position
+    pmin = offs[0]
+    pmax = offs[0]
+    for j in range(starts.size):
+        pmin = min(pmin, offs[j])
+        pmax = max(pmax, offs[j] + lens[j])
+    for p in range(pmin, pmax):
+        part[p] = 0.0
+    for j in range(starts.size):
+        s, L, o, r = starts[j], lens[j], offs[j], rows[j]
+        if L == 1:                        # np.add.reduceat: first element, then + pairwise rest
+            seq_sum_abs[r] = AD[s]
+            seq_sum_d[r] = D[s]
+        else:
+            sa, sd = _pw2(D, AD, s + 1, L - 1, stk, fstk)
+            seq_sum_abs[r] = AD[s] + sa
+            seq_sum_d[r] = D[s] + sd
+        m0 = AD[s]
+        m1 = m0
+        t = s + 1
+        while t + 1 < s + L:              # max is exact: two chains for throughput
+            m0 = max(m0, AD[t])
+            m1 = max(m1, AD[t + 1])
+            t += 2
+        if t < s + L:
+            m0 = max(m0, AD[t])
+        seq_max_abs[r] = max(m0, m1)
+        for t in range(L):
+            part[o + t] += AD[s + t]
+    for p in range(pmin, pmax):
+        pos_sum[p] += part[p]
+    return bad, nnz, below, nt, nm
+
+
+@_jit
+def compact(a2, b2, m2, r0, r1, CA, CB):
+    """Masked tokens of rows [r0, r1) of padded [B, T] arrays, in order (CA/CB: +1 slack)."""
+    k = 0
+    T = a2.shape[1]
+    for r in range(r0, r1):
+        for t in range(T):
+            CA[k] = a2[r, t]
+            CB[k] = b2[r, t]
+            k += m2[r, t]
+    return k
