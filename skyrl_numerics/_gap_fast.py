@@ -136,28 +136,19 @@ def _scan(tok: Tokens, plan, T, med_lo, med_hi, use_med, K, out, offsets, maxlen
     seq_sum_abs, seq_max_abs, seq_sum_d = out
     big = max(int(cu[r1] - cu[r0]) for r0, r1 in plan)
     bigl = -(-big // LANES) * LANES       # buffers padded to whole rows of lanes
-    D, AD = np.empty(bigl), np.empty(bigl)
     pos_sum = np.zeros(maxlen)
+    if not use_med:                       # no token is below -1 or in [-1, -2]
+        med_lo, med_hi = -1.0, -2.0
+    if kernels is not None:
+        return _scan_numba(tok, plan, T, med_lo, med_hi, K, big, pos_sum, out, offsets, tol, kernels)
+    D, AD = np.empty(bigl), np.empty(bigl)
     ok = True
     nnz = below = 0
     sums = []
     tails, meds = [], []
-    if not use_med:                       # no token is below -1 or in [-1, -2]
-        med_lo, med_hi = -1.0, -2.0
-    if kernels is not None:
-        scan_chunk, compact = kernels.scan_chunk, kernels.compact
-        TL, MD, part = np.empty(big), np.empty(big), np.empty(maxlen)
-        lanes = np.zeros((3, LANES))
-        stk, fstk = np.zeros((64, 3), np.int64), np.zeros((64, 2))
-        coef = np.array(_COEF[:K - 1] + (0.0,) * (7 - K))
-        # numpy compares x <= tol in x's dtype (tol is a weak Python float): the same here
-        tol_a, tol_b = float(tok.a.dtype.type(tol)), float(tok.b.dtype.type(tol))
-        if tok.mask2d is not None:
-            CA, CB = np.empty(big + 1, tok.a.dtype), np.empty(big + 1, tok.b.dtype)   # +1: compact writes ahead
-    else:
-        Z2, G, U = np.empty(bigl), np.empty(bigl), np.empty(bigl)
-        TB, TB2 = np.empty(big, bool), np.empty(big, bool)
-        POS = np.empty(big, np.int64)
+    Z2, G, U = np.empty(bigl), np.empty(bigl), np.empty(bigl)
+    TB, TB2 = np.empty(big, bool), np.empty(big, bool)
+    POS = np.empty(big, np.int64)
     for r0, r1 in plan:
         lens = lengths[r0:r1]
         starts = cu[r0:r1] - cu[r0]
@@ -166,25 +157,6 @@ def _scan(tok: Tokens, plan, T, med_lo, med_hi, use_med, K, out, offsets, maxlen
         if lens.min() == 0:
             nz = lens > 0
             lens, starts, offs, rows = lens[nz], starts[nz], offs[nz], np.arange(r0, r1)[nz]
-        if kernels is not None:
-            if tok.mask2d is None:
-                ca, cb = tok.a[cu[r0]:cu[r1]], tok.b[cu[r0]:cu[r1]]
-            else:
-                k = compact(tok.a, tok.b, tok.mask2d, r0, r1, CA, CB)
-                ca, cb = CA[:k], CB[:k]
-            rws = np.arange(r0, r1) if isinstance(rows, slice) else rows
-            c_bad, c_nnz, c_below, nt, nm = scan_chunk(
-                ca, cb, starts, lens, offs, rws, tol_a, tol_b, T, med_lo, med_hi, coef,
-                D, AD, TL, MD, part, pos_sum, seq_sum_abs, seq_max_abs, seq_sum_d, lanes, stk, fstk)
-            ok &= c_bad == 0
-            nnz += int(c_nnz)
-            below += int(c_below)
-            sums.append((_fold(lanes[0]), _fold(lanes[1]), _fold(lanes[2])))
-            if nt:
-                tails.append(TL[:nt].copy())
-            if nm:
-                meds.append(MD[:nm].copy())
-            continue
         ca, cb = tok.chunk(r0, r1)
         k = ca.size
         kl = -(-k // LANES) * LANES
@@ -237,6 +209,29 @@ def _scan(tok: Tokens, plan, T, med_lo, med_hi, use_med, K, out, offsets, maxlen
         np.multiply(u, u, out=u)
         sums.append(tuple(_fold(x.reshape(-1, LANES).sum(axis=0)) for x in (z2, g, u)))
     return dict(sums=sums, nnz=nnz, below=below, ok=ok, tails=tails, meds=meds, pos_sum=pos_sum)
+
+
+def _scan_numba(tok: Tokens, plan, T, med_lo, med_hi, K, big, pos_sum, out, offsets, tol, nb) -> dict:
+    """:func:`_scan` through the compiled kernels: one call for the whole run of chunks."""
+    cu = tok.cu
+    seq_sum_abs, seq_max_abs, seq_sum_d = out
+    cuts = np.array([r0 for r0, _ in plan] + [plan[-1][1]], np.int64)
+    ntok = int(cu[plan[-1][1]] - cu[plan[0][0]])
+    D, AD, part = np.empty(big), np.empty(big), np.empty(pos_sum.size)
+    tails, meds = np.empty(ntok), np.empty(ntok)    # pages are touched only as far as used
+    csums = np.empty((len(plan), 3))
+    coef = np.array(_COEF[:K - 1] + (0.0,) * (7 - K))
+    # numpy compares x <= tol in x's dtype (tol is a weak Python float): the same here
+    tol_a, tol_b = float(tok.a.dtype.type(tol)), float(tok.b.dtype.type(tol))
+    common = (cu, tok.lengths, offsets, cuts, tol_a, tol_b, T, med_lo, med_hi, coef, D, AD)
+    rest = (tails, meds, part, pos_sum, seq_sum_abs, seq_max_abs, seq_sum_d, csums)
+    if tok.mask2d is None:
+        bad, nnz, below, nt, nm = nb.scan_flat(tok.a, tok.b, *common, *rest)
+    else:
+        CA, CB = np.empty(big + 1, tok.a.dtype), np.empty(big + 1, tok.b.dtype)
+        bad, nnz, below, nt, nm = nb.scan_padded(tok.a, tok.b, tok.mask2d.view(np.uint8), *common, CA, CB, *rest)
+    return dict(sums=[tuple(c) for c in csums.tolist()], nnz=int(nnz), below=int(below), ok=bad == 0,
+                tails=[tails[:nt].copy()], meds=[meds[:nm].copy()], pos_sum=pos_sum)
 
 
 def _split_long(tok: Tokens, chunk: int):

@@ -125,12 +125,25 @@ def _pw2(D, AD, lo, n, stk, fstk):
 
 
 @_jit
-def scan_chunk(ca, cb, starts, lens, offs, rows, tol_a, tol_b, T, med_lo, med_hi, coef,
-               D, AD, tails, meds, part, pos_sum, seq_sum_abs, seq_max_abs, seq_sum_d, lanes, stk, fstk):
-    """One chunk of whole sequences (or pieces). Returns (bad, nnz, below, n_tails, n_meds);
-    ``lanes`` (float64 [3, LANES]) gets the lane sums of z², g, u² (z = d on |d| <= T, else 0;
-    g = z²·P(z) the Horner series of e^z − 1 − z; u = z + g). Per-sequence and per-position
-    results go to their arrays (rows ``rows``)."""
+def _fold(x):
+    """Lanes folded by halving, in place: x[i] = x[i] + x[i + h] (as ``_gap_fast._fold``)."""
+    h = x.size
+    while h > 1:
+        h //= 2
+        for i in range(h):
+            x[i] = x[i] + x[i + h]
+    return x[0]
+
+
+@_jit
+def _chunk(ca, cb, c0, cu, lengths, offsets, r0, r1, tol_a, tol_b, T, med_lo, med_hi, coef,
+           D, AD, tails, nt, meds, nm, part, pos_sum, seq_sum_abs, seq_max_abs, seq_sum_d,
+           lanes, stk, fstk, mx):
+    """One chunk: rows [r0, r1), whose tokens are ca/cb (row r starts at cu[r] - c0).
+    Returns (bad, nnz, below, nt, nm): the counts, and the candidate counts after appending
+    this chunk's tail values (d, |d| > T) to ``tails`` and median-bracket values (|d|) to
+    ``meds``; the lane sums of z², g, u² (z = d on |d| <= T, else 0; g = z²·P(z), the Horner
+    series of e^z − 1 − z; u = z + g) are left in ``lanes`` (float64 [3, LANES])."""
     k = ca.size
     c2, c3, c4, c5, c6, c7 = coef[0], coef[1], coef[2], coef[3], coef[4], coef[5]
     bad = 0
@@ -184,8 +197,6 @@ def scan_chunk(ca, cb, starts, lens, offs, rows, tol_a, tol_b, T, med_lo, med_hi
         lu[q] += u * u
     # candidates for the exact percentiles (a few % of the tokens): branch-free stores, so the
     # cost does not depend on how many there are (one test per token, no mispredictions)
-    nt = 0
-    nm = 0
     for j in range(k):
         ad = AD[j]
         tails[nt] = D[j]
@@ -193,15 +204,20 @@ def scan_chunk(ca, cb, starts, lens, offs, rows, tol_a, tol_b, T, med_lo, med_hi
         meds[nm] = ad
         nm += (ad >= med_lo) & (ad <= med_hi)
     # per sequence / per position
-    pmin = offs[0]
-    pmax = offs[0]
-    for j in range(starts.size):
-        pmin = min(pmin, offs[j])
-        pmax = max(pmax, offs[j] + lens[j])
+    pmin = offsets[r0]
+    pmax = offsets[r0]
+    for r in range(r0, r1):
+        if lengths[r] > 0:
+            pmin = min(pmin, offsets[r])
+            pmax = max(pmax, offsets[r] + lengths[r])
     for p in range(pmin, pmax):
         part[p] = 0.0
-    for j in range(starts.size):
-        s, L, o, r = starts[j], lens[j], offs[j], rows[j]
+    for r in range(r0, r1):
+        L = lengths[r]
+        if L == 0:
+            continue
+        s = cu[r] - c0
+        o = offsets[r]
         if L == 1:                        # np.add.reduceat: first element, then + pairwise rest
             seq_sum_abs[r] = AD[s]
             seq_sum_d[r] = D[s]
@@ -209,31 +225,106 @@ def scan_chunk(ca, cb, starts, lens, offs, rows, tol_a, tol_b, T, med_lo, med_hi
             sa, sd = _pw2(D, AD, s + 1, L - 1, stk, fstk)
             seq_sum_abs[r] = AD[s] + sa
             seq_sum_d[r] = D[s] + sd
-        m0 = AD[s]
-        m1 = m0
-        t = s + 1
-        while t + 1 < s + L:              # max is exact: two chains for throughput
-            m0 = max(m0, AD[t])
-            m1 = max(m1, AD[t + 1])
-            t += 2
-        if t < s + L:
-            m0 = max(m0, AD[t])
-        seq_max_abs[r] = max(m0, m1)
-        for t in range(L):
-            part[o + t] += AD[s + t]
+        # max |d| (exact in any order: LANES running maxima, vectorized) and per-position sums
+        nb = L // LANES
+        if nb:
+            for q in range(LANES):
+                mx[q] = AD[s + q]
+                part[o + q] += AD[s + q]
+            for i in range(1, nb):
+                base = i * LANES
+                for q in range(LANES):
+                    v = AD[s + base + q]
+                    part[o + base + q] += v
+                    mx[q] = max(mx[q], v)
+            m0 = mx[0]
+            for q in range(1, LANES):
+                m0 = max(m0, mx[q])
+        else:
+            m0 = AD[s]
+        for t in range(nb * LANES, L):
+            v = AD[s + t]
+            part[o + t] += v
+            m0 = max(m0, v)
+        seq_max_abs[r] = m0
     for p in range(pmin, pmax):
         pos_sum[p] += part[p]
     return bad, nnz, below, nt, nm
 
 
 @_jit
-def compact(a2, b2, m2, r0, r1, CA, CB):
-    """Masked tokens of rows [r0, r1) of padded [B, T] arrays, in order (CA/CB: +1 slack)."""
-    k = 0
-    T = a2.shape[1]
-    for r in range(r0, r1):
-        for t in range(T):
-            CA[k] = a2[r, t]
-            CB[k] = b2[r, t]
-            k += m2[r, t]
-    return k
+def scan_flat(a, b, cu, lengths, offsets, cuts, tol_a, tol_b, T, med_lo, med_hi, coef,
+              D, AD, tails, meds, part, pos_sum, seq_sum_abs, seq_max_abs, seq_sum_d, csums):
+    """A run of chunks of flat input: chunk c is rows [cuts[c], cuts[c+1]). Returns
+    (bad, nnz, below, n_tails, n_meds); ``csums[c]`` = chunk c's folded (Σz², Σg, Σu²)."""
+    lanes = np.empty((3, LANES))
+    stk = np.empty((64, 3), np.int64)
+    fstk = np.empty((64, 2))
+    mx = np.empty(LANES)
+    bad = 0
+    nnz = 0
+    below = 0
+    nt = 0
+    nm = 0
+    for c in range(cuts.size - 1):
+        r0, r1 = cuts[c], cuts[c + 1]
+        c0, c1 = cu[r0], cu[r1]
+        b_, z_, w_, nt, nm = _chunk(a[c0:c1], b[c0:c1], c0, cu, lengths, offsets, r0, r1, tol_a, tol_b,
+                                    T, med_lo, med_hi, coef, D, AD, tails, nt, meds, nm, part, pos_sum,
+                                    seq_sum_abs, seq_max_abs, seq_sum_d, lanes, stk, fstk, mx)
+        bad += b_
+        nnz += z_
+        below += w_
+        for q in range(3):
+            csums[c, q] = _fold(lanes[q])
+    return bad, nnz, below, nt, nm
+
+
+@_jit
+def scan_padded(a2, b2, m2, cu, lengths, offsets, cuts, tol_a, tol_b, T, med_lo, med_hi, coef,
+                D, AD, CA, CB, tails, meds, part, pos_sum, seq_sum_abs, seq_max_abs, seq_sum_d, csums):
+    """:func:`scan_flat` for padded [B, T] input with a mask: each chunk's masked tokens are
+    first compacted, in order, into CA/CB (one element of slack)."""
+    lanes = np.empty((3, LANES))
+    stk = np.empty((64, 3), np.int64)
+    fstk = np.empty((64, 2))
+    mx = np.empty(LANES)
+    bad = 0
+    nnz = 0
+    below = 0
+    nt = 0
+    nm = 0
+    W = a2.shape[1]
+    for c in range(cuts.size - 1):
+        r0, r1 = cuts[c], cuts[c + 1]
+        k = 0
+        for r in range(r0, r1):
+            L = lengths[r]
+            if L == 0:
+                continue
+            t0 = 0
+            while m2[r, t0] == 0:
+                t0 += 1
+            cnt = 0
+            if t0 + L <= W:
+                for t in range(t0, t0 + L):
+                    cnt += m2[r, t]      # (m2: the bool mask viewed as uint8)
+            if cnt == L:                  # one run of masked tokens (left/right padding): copy it
+                for t in range(L):
+                    CA[k + t] = a2[r, t0 + t]
+                    CB[k + t] = b2[r, t0 + t]
+                k += L
+            else:                         # holes: branch-free compaction of the row
+                for t in range(t0, W):
+                    CA[k] = a2[r, t]
+                    CB[k] = b2[r, t]
+                    k += m2[r, t]
+        b_, z_, w_, nt, nm = _chunk(CA[:k], CB[:k], cu[r0], cu, lengths, offsets, r0, r1, tol_a, tol_b,
+                                    T, med_lo, med_hi, coef, D, AD, tails, nt, meds, nm, part, pos_sum,
+                                    seq_sum_abs, seq_max_abs, seq_sum_d, lanes, stk, fstk, mx)
+        bad += b_
+        nnz += z_
+        below += w_
+        for q in range(3):
+            csums[c, q] = _fold(lanes[q])
+    return bad, nnz, below, nt, nm
