@@ -83,17 +83,49 @@ def _brackets(tok: Tokens, taus):
         return None
     s_abs, ss = np.abs(sd), sd.size
 
-    def quantiles(x, qs):           # nearest-rank, one partition: only brackets, need not be exact
+    def quantiles(x, qs):           # nearest-rank: only brackets, need not be exact
         ks = [min(max(int(round(q * (x.size - 1))), 0), x.size - 1) for q in qs]
-        part = np.partition(x, ks)
-        return [float(part[k]) for k in ks]
+        srt = np.sort(x)            # (numpy's SIMD sort: faster than a partition at 4 ranks)
+        return [float(srt[k]) for k in ks]
 
     m99, m50 = _margin(0.99, ss), _margin(0.5, ss)
-    a99, med_lo, med_hi = quantiles(s_abs, [0.99 - m99, 0.5 - m50, 0.5 + m50])
-    d1, d99 = quantiles(sd, [0.01 + m99, 0.99 - m99])
+    a99, a99_hi, med_lo, med_hi = quantiles(s_abs, [0.99 - m99, 0.99 + m99, 0.5 - m50, 0.5 + m50])
+    d1_lo, d1, d99, d99_hi = quantiles(sd, [0.01 - m99, 0.01 + m99, 0.99 - m99, 0.99 + m99])
     # every token beyond the p99 of |d|, beyond the p99 of d and below the p1 of d is "tail"
     T = min(_TAYLOR_MAX, a99, max(0.0, d99), max(0.0, -d1), *(math.log(t) for t in taus))
-    return T, med_lo, med_hi, (med_hi > 0.0 and med_lo <= T)
+    guess = {"abs99": (a99, a99_hi), "d1": (d1_lo, d1), "d99": (d99, d99_hi)}
+    return T, med_lo, med_hi, (med_hi > 0.0 and med_lo <= T), guess
+
+
+def _select(x: np.ndarray, ks, guess=None, nb=None) -> dict:
+    """{k: k-th smallest of x} for sorted ranks ks, exactly. With the compiled kernels ``nb``
+    and a ``guess`` [lo, hi] of where the values lie (from the sample), one pass keeps the
+    elements inside it and counts those below, and only those are partitioned; if a rank falls
+    outside, all of x is. Two adjacent ranks take one partition and a min."""
+    off = 0
+    if nb is not None and guess is not None and x.size > 4096:
+        buf = np.empty(x.size)
+        below, c = nb.narrow(x, guess[0], guess[1], buf)
+        if below <= ks[0] and ks[-1] < below + c:
+            x, off = buf[:c], below
+    ks_ = [k - off for k in ks]
+    if len(ks_) == 2 and ks_[1] == ks_[0] + 1:
+        part = np.partition(x, ks_[0])
+        return {ks[0]: float(part[ks_[0]]), ks[1]: float(part[ks_[1]:].min())}
+    part = np.sort(x) if len(ks_) > 1 else np.partition(x, ks_)   # (a partition at several ranks is slower)
+    return {k: float(part[k_]) for k, k_ in zip(ks, ks_)}
+
+
+def _subsample_guess(x: np.ndarray, ks):
+    """[lo, hi] likely to hold the values of ranks ks of x, from every (n/8192)-th element."""
+    if x.size <= 16384:
+        return None
+    sub = x[::x.size // 8192]
+    m = _margin(0.5, sub.size)
+    qs = [ks[0] / (x.size - 1) - m, ks[-1] / (x.size - 1) + m]
+    idx = [min(max(int(round(q * (sub.size - 1))), 0), sub.size - 1) for q in qs]
+    srt = np.sort(sub)
+    return float(srt[idx[0]]), float(srt[idx[1]])
 
 
 def _taylor_order(T: float) -> int:
@@ -134,7 +166,8 @@ def _scan(tok: Tokens, plan, T, med_lo, med_hi, use_med, K, out, offsets, maxlen
     ``kernels``: the compiled kernels (same results bit for bit), else numpy."""
     cu, lengths = tok.cu, tok.lengths
     seq_sum_abs, seq_max_abs, seq_sum_d = out
-    big = max(int(cu[r1] - cu[r0]) for r0, r1 in plan)
+    pr = np.array(plan, np.int64)
+    big = int((cu[pr[:, 1]] - cu[pr[:, 0]]).max())
     bigl = -(-big // LANES) * LANES       # buffers padded to whole rows of lanes
     pos_sum = np.zeros(maxlen)
     if not use_med:                       # no token is below -1 or in [-1, -2]
@@ -292,7 +325,7 @@ def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK, threads: int
     br = _brackets(tok, taus)
     if br is None:
         return None
-    T, med_lo, med_hi, use_med = br
+    T, med_lo, med_hi, use_med, guess = br
     vtok, offsets, first = _split_long(tok, chunk)
     plan = vtok.plan(chunk)
     seq_sum_abs = np.zeros(vtok.n_seqs)
@@ -341,21 +374,22 @@ def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK, threads: int
     ut = np.expm1(tv)
     n_tail = tv.size
 
-    # exact order statistics
+    # exact order statistics (tails: |d| > T >= 0, so no zeros; negatives sort first)
     n_zero = n - nnz
     atv = np.abs(tv)
-    neg, pos_t = tv[tv < 0], tv[tv > 0]
+    n_neg = int(np.count_nonzero(tv < 0))
+    n_pos = n_tail - n_neg
     # min/max of d: in the tails when there are any on that side; else every |d| <= T
-    if neg.size:
-        d_min = float(neg.min())
+    if n_neg:
+        d_min = float(tv.min())
     elif T == 0.0 or n_zero == n:
-        d_min = 0.0 if n_zero else float(pos_t.min())
+        d_min = 0.0 if n_zero else float(tv.min())
     else:
         return None
-    if pos_t.size:
-        d_max = float(pos_t.max())
+    if n_pos:
+        d_max = float(tv.max())
     elif T == 0.0 or n_zero == n:
-        d_max = 0.0 if n_zero else float(neg.max())
+        d_max = 0.0 if n_zero else float(tv.max())
     else:
         return None
     mv = np.concatenate(meds) if meds else np.zeros(0)
@@ -372,30 +406,27 @@ def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK, threads: int
             else:
                 return None
         if need_t:
-            part = np.partition(atv, need_t)
-            out.update({k + (n - n_tail): float(part[k]) for k in need_t})
+            out.update({k + (n - n_tail): v for k, v in _select(atv, need_t, guess["abs99"], kernels).items()})
         if need_m:
-            part = np.partition(mv, need_m)
-            out.update({k + below: float(part[k]) for k in need_m})
+            g = _subsample_guess(mv, need_m) if kernels is not None else None
+            out.update({k + below: v for k, v in _select(mv, need_m, g, kernels).items()})
         return out
 
-    def stat_d(ranks):
+    def stat_d(ranks):                    # rank k of d: rank k (negative) or k - (n - n_tail) in tv
         out, need_n, need_p = {}, [], []
         for k in ranks:
-            if k < neg.size:
+            if k < n_neg:
                 need_n.append(k)
-            elif k >= n - pos_t.size:
-                need_p.append(k - (n - pos_t.size))
+            elif k >= n - n_pos:
+                need_p.append(k - (n - n_tail))
             elif T == 0.0:
                 out[k] = 0.0
             else:
                 return None
         if need_n:
-            part = np.partition(neg, need_n)
-            out.update({k: float(part[k]) for k in need_n})
+            out.update(_select(tv, need_n, guess["d1"], kernels))
         if need_p:
-            part = np.partition(pos_t, need_p)
-            out.update({k + (n - pos_t.size): float(part[k]) for k in need_p})
+            out.update({k + (n - n_tail): v for k, v in _select(tv, need_p, guess["d99"], kernels).items()})
         return out
 
     s1 = float(seq_sum_d.sum())

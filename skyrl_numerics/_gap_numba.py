@@ -328,3 +328,17 @@ def scan_padded(a2, b2, m2, cu, lengths, offsets, cuts, tol_a, tol_b, T, med_lo,
         for q in range(3):
             csums[c, q] = _fold(lanes[q])
     return bad, nnz, below, nt, nm
+
+
+@_jit
+def narrow(x, lo, hi, out):
+    """One pass for the exact percentiles: (count of x < lo, count kept), the elements of x in
+    [lo, hi] copied in order to ``out``."""
+    below = 0
+    c = 0
+    for i in range(x.size):
+        v = x[i]
+        below += v < lo
+        out[c] = v
+        c += (v >= lo) & (v <= hi)
+    return below, c
