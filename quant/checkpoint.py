@@ -47,7 +47,7 @@ from skyrl_numerics.errors import InputError
 from . import codecs as C
 from .api import dequantize, quantize, requantize
 from .qtensor import QTensor
-from .recipes_int4 import pack_int4_to_int32, unpack_int4_from_int32
+from .recipes_int4 import pack_int4_to_int32
 
 FORMATS = ("modelopt_nvfp4", "ct_nvfp4", "ct_int4", "ct_int4_g128", "ct_fp8_channel", "ct_fp8_block",
            "modelopt_fp8", "deepseek_fp8")
@@ -226,7 +226,7 @@ def write_fake_quantized_checkpoint(src_dir, out_dir, recipe: str, should_quanti
 
 
 def _nvfp4_qtensors(n: str, codes, scales, glob, convention: str, dtype, gname: str) -> dict[str, QTensor]:
-    """QTensors of one stored NVFP4 parameter ``n`` (2-D, or 3-D stacked experts -> ``n[e]``)."""
+    """QTensors of one NVFP4 parameter ``n`` held in memory (2-D, or 3-D stacked experts -> ``n[e]``)."""
     if codes.dtype != torch.uint8 or scales.dtype != torch.float8_e4m3fn:
         raise InputError(f"NVFP4 weight {n}: expected uint8 codes and float8_e4m3fn scales, "
                          f"got {codes.dtype} and {scales.dtype}", field=n)
@@ -249,49 +249,63 @@ def _nvfp4_qtensors(n: str, codes, scales, glob, convention: str, dtype, gname: 
                                  (codes.shape[1], cols), dtype, dict(opts)) for e in range(codes.shape[0])}
 
 
-def _int4_qtensors(n: str, packed, scales, shape, dtype) -> dict[str, QTensor]:
-    shape = tuple(int(s) for s in shape.tolist())
-    if len(shape) not in (2, 3) or tuple(packed.shape) != (*shape[:-1], -(-shape[-1] // 8)) \
-            or scales.shape[:-1] != packed.shape[:-1] or shape[-1] % scales.shape[-1]:
-        raise InputError(f"INT4 weight {n}: packed {tuple(packed.shape)} / scale {tuple(scales.shape)} do not "
-                         f"match weight_shape {shape}", field=n)
-    group = shape[-1] // scales.shape[-1]
+def _config_int4_group(d: Path) -> int | None:
+    """The INT4 ``group_size`` config.json's compressed-tensors groups name, if exactly one."""
+    try:
+        qc = json.loads((d / "config.json").read_text()).get("quantization_config") or {}
+        sizes = {w.get("group_size") for g in (qc.get("config_groups") or {}).values()
+                 for w in [(g or {}).get("weights") or {}] if w.get("type") == "int" and w.get("num_bits") == 4}
+    except (OSError, ValueError, AttributeError):
+        return None
+    return sizes.pop() if len(sizes) == 1 and isinstance(next(iter(sizes)), int) else None
 
-    def one(p, s):
-        return QTensor("int4_g32", unpack_int4_from_int32(p, shape[-1]), s, None, (1, group), tuple(shape[-2:]),
-                       dtype, {"group": group, "scale_dtype": s.dtype})
-    if len(shape) == 2:
-        return {n: one(packed, scales)}
-    return {f"{n}[{e}]": one(packed[e], scales[e]) for e in range(shape[0])}
+
+def _layout_of(t, P: str, int4_group: int | None = None):
+    """The stored layout of weight ``P`` from its tensors' names and dtypes (``None``: an FP8
+    layout, which ``load_qtensors`` does not read); a spec whose companions are missing is
+    refused by ``read_param``, naming the missing tensor."""
+    from .qat_inputs import Spec
+    has = lambda sfx: P + sfx in t                                                   # noqa: E731
+    dt = t.meta[P][0] if P in t else None
+    if has("_scale_2"):
+        return Spec("modelopt_nvfp4", "tensor names")
+    if has("_global_scale"):
+        return Spec("ct_nvfp4", "tensor names")
+    if has("_shape") or (has("_packed") and t.meta[P + "_packed"][0] == "I32"):
+        if not (has("_shape") and has("_scale")):
+            return Spec("ct_int4", "tensor names", group_size=1)      # read_param names what is missing
+        n = int(t[P + "_shape"].reshape(-1)[-1]) if t.meta[P + "_shape"][1] else 0
+        ns = t.meta[P + "_scale"][1][-1] if t.meta[P + "_scale"][1] else 0
+        if int4_group is not None and int4_group > 0:
+            return Spec("ct_int4", "config.json group_size", group_size=int4_group)
+        if ns <= 0 or n <= 0 or (n % ns and ns != 1):
+            raise InputError(f"{P}: {ns} group scales per row do not divide the {n} columns of {P}_shape",
+                             field=P + "_scale", source=t.src(P + "_scale"))
+        return Spec("ct_int4", "tensor names", group_size=n // ns if n % ns == 0 else n)
+    if has("_packed"):
+        return Spec("ct_nvfp4", "tensor names")
+    if dt in ("F8_E4M3", "F8_E5M2") or has("_scale_inv"):
+        return None
+    if dt == "U8" or has("_scale"):
+        return Spec("modelopt_nvfp4", "tensor names")
+    return None
 
 
 def load_qtensors(model_dir, dtype: torch.dtype = torch.bfloat16) -> dict[str, QTensor]:
     """Every quantized weight of a checkpoint as a :class:`QTensor` (keys: the parameter name
     ``P``, e.g. ``X.weight``; for a 3-D stacked expert tensor one entry per expert, ``P[e]``).
-    Codes and scales are kept as stored (no dequantization)."""
-    from safetensors import safe_open
-    d = Path(model_dir)
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise InputError(f"no *.safetensors files in {d}", field="model_dir")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(f), "pt") as fh:
-            for k in fh.keys():
-                tensors[k] = fh.get_tensor(k)
+    Codes and scales are kept as stored (no dequantization). The layout of each weight is read
+    from its tensor names (modelopt NVFP4, compressed-tensors NVFP4 / INT4) and validated as
+    ``qat-check --base`` does (:func:`.qat_inputs.read_param`: dtypes, shapes, finite
+    non-negative scales, missing companions refused)."""
+    from .qat_inputs import Tensors, read_param, stored_weights
+    t = Tensors(Path(model_dir), "model_dir")
+    g = _config_int4_group(Path(model_dir))
     out: dict[str, QTensor] = {}
-    for k, v in tensors.items():
-        if not k.endswith("_scale"):
-            continue
-        n = k[: -len("_scale")]
-        if f"{n}_scale_2" in tensors and n in tensors:                       # modelopt NVFP4
-            out.update(_nvfp4_qtensors(n, tensors[n], v, tensors[f"{n}_scale_2"], "modelopt", dtype,
-                                       f"{n}_scale_2"))
-        elif f"{n}_global_scale" in tensors and f"{n}_packed" in tensors:   # compressed-tensors NVFP4
-            out.update(_nvfp4_qtensors(n, tensors[f"{n}_packed"], v, tensors[f"{n}_global_scale"],
-                                       "compressed_tensors", dtype, f"{n}_global_scale"))
-        elif f"{n}_packed" in tensors and f"{n}_shape" in tensors:          # compressed-tensors INT4
-            out.update(_int4_qtensors(n, tensors[f"{n}_packed"], v, tensors[f"{n}_shape"], dtype))
+    for P in stored_weights(t, ("", "_packed")):
+        spec = _layout_of(t, P, g)
+        if spec is not None:
+            out.update(read_param(t, P, spec, dtype))
     return out
 
 
@@ -336,33 +350,6 @@ def _scale_bits(q: QTensor) -> torch.Tensor:
     return s.view(torch.uint8) if s.dtype.itemsize == 1 else s
 
 
-def _scale_values(q: QTensor) -> torch.Tensor:
-    s = q.scales
-    if s.dtype == torch.float8_e4m3fn:
-        return C.decode(s.view(torch.uint8), C.E4M3)
-    return s.float()
-
-
-def check_stored_scales(name: str, q: QTensor) -> None:
-    """Refuse stored scales no writer produces: negative block / group scales (their codes
-    re-encode under the negated scale, so the round trip alone passes them) and a zero INT4 group
-    scale (compressed-tensors stores eps for an all-zero group; a 0 makes ``w / s`` 0/0). A zero
-    or NaN NVFP4 block scale is left to the round trip, which reports the tensor as DIFF."""
-    v = _scale_values(q)
-    neg = v < 0
-    if bool(neg.any()):
-        idx = int(neg.flatten().nonzero()[0])
-        raise InputError(f"{name}: stored scale {float(v.flatten()[idx])} at flat index {idx} is negative",
-                         field="scale", index=idx)
-    if q.recipe == "int4_g32":
-        zero = v == 0
-        if bool(zero.any()):
-            idx = int(zero.flatten().nonzero()[0])
-            raise InputError(f"{name}: INT4 group scale at flat index {idx} is 0 (compressed-tensors stores eps "
-                             f"for an all-zero group; codes cannot be decoded against a 0 scale)",
-                             field="scale", index=idx)
-
-
 def qat_check(model_dir, dtype: torch.dtype = torch.bfloat16) -> QATCheckReport:
     """Check that a quantized checkpoint round-trips through a trainer holding ``dtype`` weights."""
     qts = load_qtensors(model_dir, dtype)
@@ -371,7 +358,6 @@ def qat_check(model_dir, dtype: torch.dtype = torch.bfloat16) -> QATCheckReport:
                          field="model_dir")
     rep = QATCheckReport(str(model_dir))
     for name, q in sorted(qts.items()):
-        check_stored_scales(name, q)
         w = dequantize(q, dtype)
         st = requantize(w, q)
         dy = quantize(w, q.recipe, **{k: v for k, v in q.opts.items() if k in ("convention", "tile", "group")})

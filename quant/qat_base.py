@@ -47,7 +47,9 @@ from skyrl_numerics.errors import InputError
 
 from . import codecs as C
 from .api import quantize
-from .checkpoint import load_qtensors
+from .qat_inputs import (ALL_SUFFIXES, LAYOUTS, Spec, Tensors, check_unclaimed, ct_top_level, ct_weights_spec,
+                         deepseek_spec, modelopt_spec, read_json, read_param, stored_weights)
+from .qat_schemes import fusion_group, global_matches, nvfp4_global_candidates
 from .qtensor import QTensor
 
 SCHEMES = ("ct_int4", "ct_nvfp4", "ct_fp8", "modelopt_nvfp4", "modelopt_fp8", "deepseek_fp8_block")
@@ -55,189 +57,98 @@ SCHEMES = ("ct_int4", "ct_nvfp4", "ct_fp8", "modelopt_nvfp4", "modelopt_fp8", "d
 
 @dataclass
 class Scheme:
-    """What the quantized checkpoint's config says: ``kind`` (one of :data:`SCHEMES`), the recipe
-    options it fixes, and where it was read."""
+    """What the quantized checkpoint's config says: ``kind`` (one of :data:`SCHEMES`), the
+    validated per-group :class:`~.qat_inputs.Spec` s, where it was read, and for compressed-tensors
+    each group's ``targets`` and the ``ignore`` list (modelopt: ``exclude_modules``)."""
 
     kind: str
     source: str
-    groups: list[dict] = field(default_factory=list)   # compressed-tensors weight args per group
-    block: tuple[int, int] | None = None               # fp8 block strategies
+    specs: list[Spec] = field(default_factory=list)
+    targets: list[list[str]] = field(default_factory=list)
+    ignore: list[str] = field(default_factory=list)
 
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise InputError(f"cannot read {path}: {e}", field=path.name) from None
-
-
-def _ct_kind(name: str, w: dict, fmt: str | None) -> tuple[str, tuple[int, int] | None]:
-    typ, bits, strat = w.get("type"), w.get("num_bits"), w.get("strategy")
-    if typ == "int" and bits == 4 and strat == "group" and w.get("symmetric", True):
-        gs = w.get("group_size")
-        if not isinstance(gs, int) or gs <= 0:
-            raise InputError(f"compressed-tensors group {name}: int4 group strategy needs a positive group_size, "
-                             f"got {gs!r}", field="quantization_config")
-        return "ct_int4", None
-    if typ == "float" and bits == 4 and strat == "tensor_group" and w.get("group_size", 16) == 16:
-        return "ct_nvfp4", None
-    if typ == "float" and bits == 8 and strat in ("channel", "block", "tensor"):
-        if strat == "channel":
-            return "ct_fp8", (1, -1)
-        if strat == "tensor":
-            return "ct_fp8", (-1, -1)
-        bs = w.get("block_structure")
-        if not (isinstance(bs, (list, tuple)) and len(bs) == 2 and all(isinstance(b, int) and b > 0 for b in bs)):
-            raise InputError(f"compressed-tensors group {name}: block strategy needs block_structure [r, c], "
-                             f"got {bs!r}", field="quantization_config")
-        return "ct_fp8", (int(bs[0]), int(bs[1]))
-    raise InputError(f"unknown compressed-tensors scheme in group {name} (format {fmt!r}): weights "
-                     f"type={typ!r} num_bits={bits!r} strategy={strat!r}; supported: int4 group, nvfp4 "
-                     f"tensor_group, fp8 channel/block/tensor", field="quantization_config")
+    @property
+    def block(self) -> tuple[int, int] | None:
+        return self.specs[0].block if self.specs else None
 
 
 def detect_scheme(quant_dir) -> Scheme:
-    """Read the quantization scheme from ``QUANT_DIR``'s own config (see the module doc)."""
+    """Read and validate the quantization scheme from ``QUANT_DIR``'s own config (module doc)."""
     d = Path(quant_dir)
     if not d.is_dir():
         raise InputError(f"{d} is not a directory", field="quant_dir")
     hf = d / "hf_quant_config.json"
-    cfg = _read_json(d / "config.json") if (d / "config.json").exists() else {}
+    cfg = read_json(d / "config.json") if (d / "config.json").exists() else {}
     qc = cfg.get("quantization_config")
     if hf.exists():
-        h = _read_json(hf)
-        algo = (h.get("quantization") or h).get("quant_algo")
-        src = "hf_quant_config.json"
-    elif isinstance(qc, dict) and qc.get("quant_method") == "modelopt":
-        algo = qc.get("quant_algo") or (qc.get("quantization") or {}).get("quant_algo")
-        src = "config.json quantization_config"
-    elif qc is None:
+        h = read_json(hf)
+        q = h.get("quantization", h)
+        spec = modelopt_spec(q, "hf_quant_config.json quantization")
+        return Scheme(spec.kind, "hf_quant_config.json", [spec], ignore=list(q.get("exclude_modules") or []))
+    if qc is None:
         raise InputError(f"no quantization config in {d}: config.json has no 'quantization_config' and "
                          f"there is no hf_quant_config.json", field="quantization_config")
-    elif not isinstance(qc, dict):
+    if not isinstance(qc, dict):
         raise InputError(f"config.json 'quantization_config' must be an object, got {type(qc).__name__}",
                          field="quantization_config")
-    else:
-        algo = None
-        src = "config.json quantization_config"
-    if algo is not None or hf.exists() or (isinstance(qc, dict) and qc.get("quant_method") == "modelopt"):
-        if algo == "NVFP4":
-            return Scheme("modelopt_nvfp4", src)
-        if algo == "FP8":
-            return Scheme("modelopt_fp8", src)
-        raise InputError(f"unknown modelopt quant_algo {algo!r} in {src}; supported: NVFP4, FP8",
-                         field="quant_algo")
+    src = "config.json quantization_config"
     method = qc.get("quant_method")
+    if method == "modelopt":
+        q = qc.get("quantization", qc) if isinstance(qc.get("quantization"), dict) else qc
+        spec = modelopt_spec(q, src)
+        return Scheme(spec.kind, src, [spec], ignore=list(q.get("exclude_modules") or q.get("ignore") or []))
     if method == "compressed-tensors":
+        ct_top_level(qc, src)
         groups = qc.get("config_groups")
         if not isinstance(groups, dict) or not groups:
-            raise InputError("compressed-tensors quantization_config has no config_groups", field="config_groups")
-        kinds, args = set(), []
+            raise InputError(f"{src}: compressed-tensors quantization_config has no config_groups",
+                             field="config_groups")
+        specs, targets = [], []
         for gname, g in groups.items():
-            w = (g or {}).get("weights")
-            if not isinstance(w, dict):
-                raise InputError(f"compressed-tensors group {gname} has no weights arguments", field="config_groups")
-            kind, block = _ct_kind(gname, w, g.get("format") or qc.get("format"))
-            kinds.add(kind)
-            args.append({**w, "_kind": kind, "_block": block, "_group": gname})
-        if len(kinds) > 1:
-            return Scheme("compressed-tensors mixed: " + ", ".join(sorted(kinds)), src, args)
-        return Scheme(kinds.pop(), src, args, args[0]["_block"])
+            where = f"{src} config_groups.{gname}"
+            if not isinstance(g, dict) or not isinstance(g.get("weights"), dict):
+                raise InputError(f"{where} has no weights arguments", field="weights")
+            tg = g.get("targets")
+            if not (isinstance(tg, list) and tg and all(isinstance(x, str) and x for x in tg)):
+                raise InputError(f"{where}: targets must be a non-empty list of module class names / 're:' "
+                                 f"patterns, got {tg!r}", field="targets")
+            fmt = g["format"] if g.get("format") is not None else qc.get("format")     # the group's wins
+            specs.append(ct_weights_spec(where, g["weights"], fmt))
+            targets.append(list(tg))
+        kinds = sorted({sp.kind for sp in specs})
+        kind = kinds[0] if len(kinds) == 1 and len(specs) == 1 else "compressed-tensors groups: " + ", ".join(kinds)
+        return Scheme(kind, src, specs, targets, list(qc.get("ignore") or []))
     if method == "fp8":
-        bs = qc.get("weight_block_size")
-        if not (isinstance(bs, (list, tuple)) and len(bs) == 2):
-            raise InputError(f"quant_method fp8 without weight_block_size [128, 128] (got {bs!r}); only the "
-                             f"DeepSeek-V3 block format is supported", field="weight_block_size")
-        return Scheme("deepseek_fp8_block", src, block=(int(bs[0]), int(bs[1])))
+        return Scheme("deepseek_fp8_block", src, [deepseek_spec(qc, src)])
     raise InputError(f"unknown quant_method {method!r} in {src}; supported: compressed-tensors, modelopt, fp8",
                      field="quant_method")
 
 
-# ------------------------------------------------------------------------------------- tensors
-class _Lazy:
-    """Name -> tensor over every ``*.safetensors`` file of a directory, read on access."""
-
-    def __init__(self, d: Path, what: str):
-        from safetensors import safe_open
-        self.files = sorted(d.glob("*.safetensors"))
-        if not self.files:
-            raise InputError(f"no *.safetensors files in {d}", field=what)
-        self.where: dict[str, Path] = {}
-        for f in self.files:
-            with safe_open(str(f), "pt") as fh:
-                for k in fh.keys():
-                    self.where[k] = f
-
-    def __contains__(self, k):
-        return k in self.where
-
-    def __getitem__(self, k) -> torch.Tensor:
-        from safetensors import safe_open
-        with safe_open(str(self.where[k]), "pt") as fh:
-            return fh.get_tensor(k)
-
-
-def _check_scales(name: str, s: torch.Tensor, what: str) -> None:
-    v = C.decode(s.view(torch.uint8), C.E4M3) if s.dtype == torch.float8_e4m3fn else s.float()
-    if not bool(torch.isfinite(v).all()):
-        idx = int((~torch.isfinite(v)).flatten().nonzero()[0])
-        raise InputError(f"{name}: {what} holds a non-finite value", field=what, index=idx)
-    if bool((v < 0).any()):
-        idx = int((v < 0).flatten().nonzero()[0])
-        raise InputError(f"{name}: {what} holds a negative value", field=what, index=idx)
-
-
-def _fp8_qtensors(tensors: _Lazy, scheme: Scheme, dtype) -> dict[str, QTensor]:
-    suffix = "_scale_inv" if scheme.kind == "deepseek_fp8_block" else "_scale"
-    out: dict[str, QTensor] = {}
-    for k in sorted(tensors.where):
-        if k + suffix not in tensors:
-            continue
-        w = tensors[k]
-        if w.dtype != torch.float8_e4m3fn:
-            continue                                     # e.g. an input_scale / k_scale's owner
-        s = tensors[k + suffix]
-        if not s.is_floating_point() or s.dtype.itemsize == 1:
-            raise InputError(f"{k}: {k + suffix} must be a float32/bfloat16 scale tensor, got {s.dtype}",
-                             field=k + suffix)
-        _check_scales(k, s, k + suffix)
-        mats = [(k, w, s)] if w.dim() <= 2 else [(f"{k}[{e}]", w[e], s[e] if s.dim() == w.dim() else s)
-                                                  for e in range(w.shape[0])]
-        for n, we, se in mats:
-            if scheme.kind == "deepseek_fp8_block":
-                recipe, opts = "fp8_block", {"block": scheme.block}
-            elif scheme.kind == "modelopt_fp8":
-                recipe, opts = "fp8_channel", {"block": (-1, -1), "scale_dtype": torch.float32}
-            else:
-                recipe, opts = "fp8_channel", {"block": scheme.block, "scale_dtype": se.dtype}
-            out[n] = QTensor(recipe, we, se, None, opts["block"], tuple(we.shape), dtype, opts)
-    return out
+def _excluded(P: str, patterns: list[str]) -> str | None:
+    import fnmatch
+    mod = P[: -len(".weight")] if P.endswith(".weight") else P
+    return next((pat for pat in patterns if fnmatch.fnmatchcase(mod, pat) or fnmatch.fnmatchcase(P, pat)), None)
 
 
 def quantized_tensors(quant_dir, scheme: Scheme, dtype=torch.bfloat16) -> dict[str, QTensor]:
-    """The stored quantized weights of ``quant_dir`` as QTensors, per the detected scheme."""
+    """The stored quantized weights of ``quant_dir`` as QTensors, validated (:mod:`.qat_inputs`)."""
     d = Path(quant_dir)
-    if scheme.kind in ("ct_fp8", "modelopt_fp8", "deepseek_fp8_block"):
-        qts = _fp8_qtensors(_Lazy(d, "quant_dir"), scheme, dtype)
-    elif scheme.kind.startswith("compressed-tensors mixed"):
-        raise InputError(f"{scheme.kind}: one scheme per checkpoint is supported", field="config_groups")
-    else:
-        want = {"ct_int4": "int4_g32", "ct_nvfp4": "nvfp4", "modelopt_nvfp4": "nvfp4"}[scheme.kind]
-        conv = {"ct_nvfp4": "compressed_tensors", "modelopt_nvfp4": "modelopt"}.get(scheme.kind)
-        qts = {n: q for n, q in load_qtensors(d, dtype).items()
-               if q.recipe == want and (conv is None or q.opts.get("convention") == conv)}
-        for n, q in qts.items():
-            _check_scales(n, q.scales, "scale")
-            if q.global_scale is not None:
-                g = q.global_scale
-                if not bool(torch.isfinite(g)) or float(g) <= 0:
-                    raise InputError(f"{n}: global scale {float(g)} must be finite and > 0", field="global_scale")
-            if scheme.kind == "ct_int4" and scheme.groups:
-                gs = scheme.groups[0].get("group_size")
-                if q.scales.shape[-1] != -(-q.shape[-1] // gs):
-                    raise InputError(f"{n}: {q.scales.shape[-1]} scales per row do not fit group_size {gs} over "
-                                     f"{q.shape[-1]} columns", field="group_size")
-                q.opts["group"], q.block = gs, (1, gs)        # a row shorter than a group: one padded group
+    t = Tensors(d, "quant_dir")
+    if len(scheme.specs) != 1:
+        raise InputError(f"{scheme.kind}: one config group per checkpoint is supported", field="config_groups")
+    spec = scheme.specs[0]
+    code_sfx = LAYOUTS[spec.kind][0]
+    qts: dict[str, QTensor] = {}
+    claimed: set[str] = set()
+    for P in stored_weights(t, (code_sfx,)):
+        if scheme.kind.startswith("modelopt") and scheme.ignore:
+            pat = _excluded(P, scheme.ignore)
+            if pat is not None:
+                raise InputError(f"{P}: stored quantized, but exclude_modules pattern {pat!r} ({scheme.source}) "
+                                 f"says its module stays unquantized", field="exclude_modules", source=t.src(P))
+        qts.update(read_param(t, P, spec, dtype))
+        claimed |= {P + s for s in ALL_SUFFIXES} | {P}
+    check_unclaimed(t, claimed, scheme.kind)
     if not qts:
         raise InputError(f"no quantized weights of scheme {scheme.kind} (from {scheme.source}) in {d}",
                          field="quant_dir")
@@ -248,7 +159,7 @@ _EXPERT = re.compile(r"(?P<pre>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_p
 _FUSED = re.compile(r"(?P<pre>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)\[(?P<e>\d+)\]")
 
 
-def _base_tensor(name: str, base: _Lazy) -> tuple[str, torch.Tensor]:
+def _base_tensor(name: str, base: Tensors) -> tuple[str, torch.Tensor]:
     """The base tensor matching quantized tensor ``name`` (``P`` or ``P[e]``) -> (base name, tensor)."""
     m = re.fullmatch(r"(.*)\[(\d+)\]", name)
     p, e = (m.group(1), int(m.group(2))) if m else (name, None)
@@ -330,7 +241,8 @@ class QATBaseReport:
     def summary(self) -> dict:
         return {"tensors": len(self.rows), "exact": sum(r["exact"] for r in self.rows),
                 "code_mismatches": sum(r["code_mismatches"] for r in self.rows),
-                "scale_mismatches": sum(r["scale_mismatches"] for r in self.rows)}
+                "scale_mismatches": sum(r["scale_mismatches"] for r in self.rows),
+                "global_mismatches": sum(r.get("global_mismatch", False) for r in self.rows)}
 
     def to_dict(self) -> dict:
         return {"quant_dir": self.quant_dir, "base_dir": self.base_dir, "scheme": self.scheme,
@@ -345,16 +257,18 @@ class QATBaseReport:
         lines = [head]
         for r in self.rows:
             lines.append(f"  {r['name']:<60} {r['recipe']:<11} {'exact' if r['exact'] else 'DIFF '} "
-                         f"codes {r['code_mismatches']}/{r['codes']}  scales {r['scale_mismatches']}/{r['scales']}")
+                         f"codes {r['code_mismatches']}/{r['codes']}  scales {r['scale_mismatches']}/{r['scales']}"
+                         + ("  global DIFF" if r.get("global_mismatch") else ""))
         f = self.first_mismatch
         if f is not None:
             lines.append(f"first mismatching tensor: {f['name']} (base {f['base_name']}): {f['code_mismatches']} of "
-                         f"{f['codes']} codes and {f['scale_mismatches']} of {f['scales']} scales differ; "
+                         f"{f['codes']} codes and {f['scale_mismatches']} of {f['scales']} scales differ"
+                         f"{' (and the global scale)' if f.get('global_mismatch') else ''}; "
                          f"{s['tensors'] - s['exact']} of {s['tensors']} tensors mismatch")
         return "\n".join(lines)
 
 
-def _rows(qts: dict[str, QTensor], base: _Lazy, observer) -> list[dict]:
+def _rows(qts: dict[str, QTensor], base: Tensors, observer) -> list[dict]:
     rows = []
     for name in sorted(qts):
         q = qts[name]
@@ -374,9 +288,17 @@ def _rows(qts: dict[str, QTensor], base: _Lazy, observer) -> list[dict]:
             ours_s = ours_s.to(theirs_s.dtype)
         cm = int((_code_bits(r) != _code_bits(q)).sum())
         sm = int((_scale_bits(ours_s) != _scale_bits(theirs_s)).sum())
+        gok = True
+        if q.recipe == "nvfp4":                   # the stored global itself: own or fusion-group amax
+            group = fusion_group(name, qts)
+            amaxes = [w.float().abs().amax()]
+            if len(group) > 1:
+                amaxes.append(torch.stack([_base_tensor(n, base)[1].float().abs().amax() for n in group]).amax())
+            gok = global_matches(q.global_scale, nvfp4_global_candidates(q.opts["convention"], amaxes, w.dtype))
         rows.append({"name": name, "base_name": bname, "recipe": q.recipe, "shape": list(q.shape),
                      "codes": int(_code_bits(q).numel()), "code_mismatches": cm,
-                     "scales": int(theirs_s.numel()), "scale_mismatches": sm, "exact": cm == 0 and sm == 0})
+                     "scales": int(theirs_s.numel()), "scale_mismatches": sm, "global_mismatch": not gok,
+                     "exact": cm == 0 and sm == 0 and gok})
     return rows
 
 
@@ -390,7 +312,7 @@ def qat_check_base(quant_dir, base_dir, observer: str = "auto") -> QATBaseReport
     bdir = Path(base_dir)
     if not bdir.is_dir():
         raise InputError(f"{bdir} is not a directory", field="base_dir")
-    base = _Lazy(bdir, "base_dir")
+    base = Tensors(bdir, "base_dir")
     qts = quantized_tensors(quant_dir, scheme)
     rep = QATBaseReport(str(quant_dir), str(base_dir), scheme.kind)
     if scheme.kind != "ct_nvfp4":

@@ -239,21 +239,29 @@ def _cmd_qat_check(args) -> int:
     first mismatching tensor). Without: re-encode the checkpoint's own dequantized weights."""
     from skyrl_numerics.report import write_json
 
+    out = Path(args.json) if args.json else None
+    if out is not None and (out.is_dir() or (out.parent.exists() and not out.parent.is_dir())):
+        raise InputError(f"--json {out}: not a writable file path", field="json")
+
+    def dump(payload):       # written atomically (temp file + rename): never half a file
+        if out is not None:
+            try:
+                write_json(out, payload)
+            except OSError as e:
+                raise InputError(f"--json {out}: cannot write: {e}", field="json") from None
+
     if args.base is not None:
         from skyrl_numerics.quant import qat_check_base
 
         rep = qat_check_base(args.model_dir, args.base, observer=args.observer)
+        dump(rep.to_dict())
         print(rep.to_text())
-        if args.json:
-            write_json(Path(args.json), rep.to_dict())
         return 0 if rep.ok else 1
     from skyrl_numerics.quant import qat_check
 
     rep = qat_check(args.model_dir)
+    dump({"model_dir": str(args.model_dir), "ok": rep.ok, "summary": rep.summary(), "rows": rep.rows})
     print(rep.to_text())
-    if args.json:
-        write_json(Path(args.json), {"model_dir": str(args.model_dir), "ok": rep.ok,
-                                     "summary": rep.summary(), "rows": rep.rows})
     return 0 if rep.ok else 1
 
 

@@ -67,12 +67,12 @@ def test_qat_check_detects_corrupted_scale(bf16_ckpt, tmp_path, fmt):
     t = load_file(str(f))
     k = "model.layers.0.mlp.experts.0.down_proj.weight_scale"
     s = t[k].view(torch.uint8).clone()
-    s[0, 0] = 0x7F                                         # a NaN block scale: decodes to NaN
+    s[0, 1] = 0x7F                                         # a NaN block scale: refused, naming it
     t[k] = s.view(torch.float8_e4m3fn)
     save_file(t, str(f))
-    rep = qat_check(tmp_path)
-    bad = [r for r in rep.rows if not r["static_exact"]]
-    assert not rep.ok and [r["name"] for r in bad] == ["model.layers.0.mlp.experts.0.down_proj.weight"]
+    with pytest.raises(InputError, match="non-finite") as ei:
+        qat_check(tmp_path)
+    assert ei.value.field == k and ei.value.index == 1 and k in str(ei.value)
 
 
 def test_qat_check_errors(tmp_path, bf16_ckpt):
@@ -177,16 +177,24 @@ def test_fused_3d_corrupted_and_malformed(fused_ckpt, tmp_path):
     t = load_file(str(f))
     k = "model.layers.0.mlp.experts.down_proj_scale"
     assert t[k].shape == (8, 128, 4) and t["model.layers.0.mlp.experts.down_proj_global_scale"].shape == (8,)
+    orig = t[k]
     s = t[k].view(torch.uint8).clone()
-    s[3, 0, 0] = 0x7F                                     # NaN block scale in expert 3 only
+    s[3, 0, 0] = 0x00                                     # zero block scale in expert 3 only: DIFF
     t[k] = s.view(torch.float8_e4m3fn)
     save_file(t, str(f))
     rep = qat_check(tmp_path)
     assert not rep.ok and [r["name"] for r in rep.rows if not r["static_exact"]] == \
         ["model.layers.0.mlp.experts.down_proj[3]"]
+    s[3, 0, 0] = 0xFF                                     # -NaN: refused, naming the tensor and index
+    t[k] = s.view(torch.float8_e4m3fn)
+    save_file(t, str(f))
+    with pytest.raises(InputError, match="non-finite") as ei:
+        load_qtensors(tmp_path)
+    assert ei.value.field == k and ei.value.index == 3 * 128 * 4
+    t[k] = orig
     t["model.layers.0.mlp.experts.down_proj_global_scale"] = torch.ones(7)   # one global per expert needed
     save_file(t, str(f))
-    with pytest.raises(InputError, match="expected 8"):
+    with pytest.raises(InputError, match=r"expected \(8,\)"):
         load_qtensors(tmp_path)
 
 
@@ -319,9 +327,9 @@ def test_qat_check_cannot_see_consistent_finite_scale_edits_base_does(bf16_ckpt,
                                                ("ct_nvfp4", "_global_scale", -3.0)])
 def test_qat_check_refuses_a_negative_global_scale(written, tmp_path, fmt, suffix, value):
     d = _edited(written, fmt, suffix, _set_first(value), tmp_path)
-    with pytest.raises(InputError, match="global_scale must be finite and >= 0") as ei:
+    with pytest.raises(InputError, match="must be >= 0") as ei:
         qat_check(d)
-    assert ei.value.field == "global_scale"
+    assert ei.value.field == TARGET + suffix and ei.value.source == "model.safetensors"
 
 
 def test_qat_check_int4_zero_scale_names_the_tensor(written, tmp_path, capsys):
@@ -329,7 +337,7 @@ def test_qat_check_int4_zero_scale_names_the_tensor(written, tmp_path, capsys):
     d = _edited(written, "ct_int4", "_scale", _set_first(0.0), tmp_path)
     with pytest.raises(InputError) as ei:
         qat_check(d)
-    assert TARGET in str(ei.value) and ei.value.field == "scale" and ei.value.index == 0, str(ei.value)
+    assert TARGET in str(ei.value) and ei.value.field == TARGET + "_scale" and ei.value.index == 0, str(ei.value)
     assert main(["qat-check", str(d)]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and TARGET in err
@@ -344,4 +352,5 @@ def test_qat_check_refuses_a_negative_block_scale(written, tmp_path, fmt):
     d = _edited(written, fmt, "_scale", neg, tmp_path)
     with pytest.raises(InputError) as ei:
         qat_check(d)
-    assert ei.value.field == "scale" and TARGET in str(ei.value) and "negative" in str(ei.value), str(ei.value)
+    assert ei.value.field == TARGET + "_scale" and "holds -" in str(ei.value) and "must be" in str(ei.value), \
+        str(ei.value)

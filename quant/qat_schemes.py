@@ -1,0 +1,53 @@
+"""Scheme details of ``qat-check --base`` beyond one tensor: which stored weights share an NVFP4
+global scale (fused projections), and the globals a writer can have stored for them.
+
+NVFP4 writers give projections that serving fuses one global (modelopt's export unifies the amax
+of q/k/v and of gate/up; vLLM takes one scale for a fused layer), so a stored global must be the
+value of the tensor's own amax or of its fusion group's: ``g = fl(A / 2688)`` (modelopt,
+``weight_scale_2``) or ``G = fl(2688 / A)`` (compressed-tensors ``weight_global_scale``, in float32,
+or in the observer's dtype: llm-compressor divides in bf16 for bf16 weights). Checking codes and
+block scales alone cannot see a global edited by an ulp: the block scales and codes recomputed
+with the edited global usually come out the same.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+_PROJ = re.compile(r"(?P<pre>.*\.)(?P<p>q_proj|k_proj|v_proj|gate_proj|up_proj)(?P<post>\.weight)")
+
+
+def fusion_group(name: str, names) -> list[str]:
+    """The stored weights that share ``name``'s global: its q/k/v or gate/up siblings present in
+    ``names`` (``name`` alone otherwise; a fused ``gate_up_proj[e]`` is already one matrix)."""
+    m = _PROJ.fullmatch(name)
+    if not m:
+        return [name]
+    sib = next(g for g in _SIBLINGS if m.group("p") in g)
+    return [n for n in (f"{m.group('pre')}{p}{m.group('post')}" for p in sib) if n == name or n in names]
+
+
+def nvfp4_global_candidates(convention: str, amaxes, weight_dtype) -> list[torch.Tensor]:
+    """float32 0-d globals a writer stores for a tensor whose own / fusion-group amax is in
+    ``amaxes`` (float32 0-d)."""
+    f32 = torch.float32
+    out = []
+    for A in amaxes:
+        A = A.to(f32).reshape(())
+        if float(A) == 0:
+            out.append(torch.zeros((), dtype=f32))                 # all-zero tensor (recipes_nvfp4)
+        if convention == "modelopt":
+            out.append(A / 2688.0)
+            continue
+        for dt in dict.fromkeys((f32, weight_dtype)):
+            a = A.to(dt)
+            g = (2688.0 / torch.clamp(a, min=torch.finfo(dt).tiny)).to(f32)
+            out.append(torch.where(torch.isfinite(g), g, torch.ones((), dtype=f32)))
+    return out
+
+
+def global_matches(stored: torch.Tensor, candidates) -> bool:
+    s = stored.to(torch.float32).reshape(()).view(torch.int32)
+    return any(bool(s == c.reshape(()).view(torch.int32)) for c in candidates)
