@@ -33,7 +33,7 @@ def _jit(fn):
     try:
         return njit(nogil=True, cache=True, error_model="numpy")(fn)
     except RuntimeError:      # no writable cache location at all: compile per process
-        return njit(nogil=True, cache=False, error_model="numpy")(fn)
+        return njit(nogil=True, cache=True, error_model="numpy")(fn)
 
 
 @_jit
@@ -138,7 +138,7 @@ def _fold(x):
 @_jit
 def _chunk(ca, cb, c0, cu, lengths, offsets, r0, r1, tol_a, tol_b, T, med_lo, med_hi, coef,
            D, AD, tails, nt, meds, nm, part, pos_sum, seq_sum_abs, seq_max_abs, seq_sum_d,
-           lanes, stk, fstk, mx):
+           lanes, stk, fstk, mx, F, F64):
     """One chunk: rows [r0, r1), whose tokens are ca/cb (row r starts at cu[r] - c0).
     Returns (bad, nnz, below, nt, nm): the counts, and the candidate counts after appending
     this chunk's tail values (d, |d| > T) to ``tails`` and median-bracket values (|d|) to
@@ -170,6 +170,7 @@ def _chunk(ca, cb, c0, cu, lengths, offsets, r0, r1, tol_a, tol_b, T, med_lo, me
             AD[j] = ad
             nnz += ad > 0.0
             below += ad < med_lo
+            F[j] = np.uint8((ad > T) | (((ad >= med_lo) & (ad <= med_hi)) << 1))
             z = d if ad <= T else 0.0
             z2 = z * z
             g = z2 * (((((c7 * z + c6) * z + c5) * z + c4) * z + c3) * z + c2)
@@ -188,6 +189,7 @@ def _chunk(ca, cb, c0, cu, lengths, offsets, r0, r1, tol_a, tol_b, T, med_lo, me
         AD[j] = ad
         nnz += ad > 0.0
         below += ad < med_lo
+        F[j] = np.uint8((ad > T) | (((ad >= med_lo) & (ad <= med_hi)) << 1))
         z = d if ad <= T else 0.0
         z2 = z * z
         g = z2 * (((((c7 * z + c6) * z + c5) * z + c4) * z + c3) * z + c2)
@@ -195,14 +197,19 @@ def _chunk(ca, cb, c0, cu, lengths, offsets, r0, r1, tol_a, tol_b, T, med_lo, me
         l2[q] += z2
         lg[q] += g
         lu[q] += u * u
-    # candidates for the exact percentiles (a few % of the tokens): branch-free stores, so the
-    # cost does not depend on how many there are (one test per token, no mispredictions)
-    for j in range(k):
-        ad = AD[j]
-        tails[nt] = D[j]
-        nt += ad > T
-        meds[nm] = ad
-        nm += (ad >= med_lo) & (ad <= med_hi)
+    # candidates for the exact percentiles (a few % of the tokens), in token order: pass 1 left
+    # a flag byte per token (1: tail, 2: median bracket); words of 8 flags that are all 0 are
+    # skipped, the others stored branch-free
+    for j in range(k, (k + 7) // 8 * 8):
+        F[j] = 0
+    for w in range((k + 7) // 8):
+        if F64[w] != 0:
+            for j in range(8 * w, min(8 * w + 8, k)):
+                f = F[j]
+                tails[nt] = D[j]
+                nt += f & 1
+                meds[nm] = AD[j]
+                nm += f >> 1
     # per sequence / per position
     pmin = offsets[r0]
     pmax = offsets[r0]
@@ -261,6 +268,8 @@ def scan_flat(a, b, cu, lengths, offsets, cuts, tol_a, tol_b, T, med_lo, med_hi,
     stk = np.empty((64, 3), np.int64)
     fstk = np.empty((64, 2))
     mx = np.empty(LANES)
+    F = np.empty((D.size + 15) // 8 * 8, np.uint8)
+    F64 = F.view(np.uint64)
     bad = 0
     nnz = 0
     below = 0
@@ -271,7 +280,7 @@ def scan_flat(a, b, cu, lengths, offsets, cuts, tol_a, tol_b, T, med_lo, med_hi,
         c0, c1 = cu[r0], cu[r1]
         b_, z_, w_, nt, nm = _chunk(a[c0:c1], b[c0:c1], c0, cu, lengths, offsets, r0, r1, tol_a, tol_b,
                                     T, med_lo, med_hi, coef, D, AD, tails, nt, meds, nm, part, pos_sum,
-                                    seq_sum_abs, seq_max_abs, seq_sum_d, lanes, stk, fstk, mx)
+                                    seq_sum_abs, seq_max_abs, seq_sum_d, lanes, stk, fstk, mx, F, F64)
         bad += b_
         nnz += z_
         below += w_
@@ -289,6 +298,8 @@ def scan_padded(a2, b2, m2, cu, lengths, offsets, cuts, tol_a, tol_b, T, med_lo,
     stk = np.empty((64, 3), np.int64)
     fstk = np.empty((64, 2))
     mx = np.empty(LANES)
+    F = np.empty((D.size + 15) // 8 * 8, np.uint8)
+    F64 = F.view(np.uint64)
     bad = 0
     nnz = 0
     below = 0
@@ -321,7 +332,7 @@ def scan_padded(a2, b2, m2, cu, lengths, offsets, cuts, tol_a, tol_b, T, med_lo,
                     k += m2[r, t]
         b_, z_, w_, nt, nm = _chunk(CA[:k], CB[:k], cu[r0], cu, lengths, offsets, r0, r1, tol_a, tol_b,
                                     T, med_lo, med_hi, coef, D, AD, tails, nt, meds, nm, part, pos_sum,
-                                    seq_sum_abs, seq_max_abs, seq_sum_d, lanes, stk, fstk, mx)
+                                    seq_sum_abs, seq_max_abs, seq_sum_d, lanes, stk, fstk, mx, F, F64)
         bad += b_
         nnz += z_
         below += w_
