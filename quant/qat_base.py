@@ -49,9 +49,10 @@ from . import codecs as C
 from .api import quantize
 from .qat_inputs import (ALL_SUFFIXES, LAYOUTS, Spec, Tensors, check_unclaimed, ct_top_level, ct_weights_spec,
                          deepseek_spec, modelopt_spec, read_json, read_param, stored_weights)
-from .qat_schemes import fusion_group, global_matches, nvfp4_global_candidates
+from .qat_schemes import ct_group_of, fusion_group, global_matches, module_of, nvfp4_global_candidates
 from .qtensor import QTensor
 
+LINEAR = ("Linear",)       # class of a stored weight's module: a Linear layer (or a fused expert stack)
 SCHEMES = ("ct_int4", "ct_nvfp4", "ct_fp8", "modelopt_nvfp4", "modelopt_fp8", "deepseek_fp8_block")
 
 
@@ -130,25 +131,57 @@ def _excluded(P: str, patterns: list[str]) -> str | None:
     return next((pat for pat in patterns if fnmatch.fnmatchcase(mod, pat) or fnmatch.fnmatchcase(P, pat)), None)
 
 
+def _spec_for(P: str, scheme: Scheme, t: Tensors) -> Spec:
+    """The config group that quantizes stored weight ``P``: compressed-tensors by its ``targets`` /
+    ``ignore`` (:func:`.qat_schemes.ct_group_of`), else the one scheme (modelopt: not excluded)."""
+    if scheme.targets:
+        gi, why = ct_group_of(P, LINEAR, scheme)
+        if gi is None and why:
+            raise InputError(f"{P}: stored quantized, but {scheme.source} ignore entry {why[7:]!r} leaves module "
+                             f"{module_of(P)} unquantized", field="ignore", source=t.src(P) or t.src(P + "_packed"))
+        if gi is None:
+            raise InputError(f"{P}: stored quantized, but no config group's targets match module {module_of(P)} "
+                             f"({scheme.source})", field="targets", source=t.src(P) or t.src(P + "_packed"))
+        return scheme.specs[gi]
+    if scheme.kind.startswith("modelopt") and scheme.ignore:
+        pat = _excluded(P, scheme.ignore)
+        if pat is not None:
+            raise InputError(f"{P}: stored quantized, but exclude_modules pattern {pat!r} ({scheme.source}) "
+                             f"says its module stays unquantized", field="exclude_modules", source=t.src(P))
+    return scheme.specs[0]
+
+
+def _check_unquantized_targets(t: Tensors, scheme: Scheme, claimed: set[str]) -> None:
+    """A Linear weight (2-D float ``X.weight``, embeddings aside) that a compressed-tensors group
+    targets and ``ignore`` does not list must be stored quantized: a loader (vLLM) would look for
+    its packed tensors."""
+    for k, (dt, shape) in sorted(t.meta.items()):
+        if k in claimed or not k.endswith(".weight") or len(shape) != 2 or dt not in ("BF16", "F16", "F32") \
+                or "embed" in k:
+            continue
+        gi, why = ct_group_of(k, LINEAR, scheme)
+        if gi is not None:
+            raise InputError(f"{k}: stored in {dt}, but config group {scheme.specs[gi].where.split('.')[-1]} "
+                             f"targets module {module_of(k)} and ignore does not list it", field="ignore",
+                             source=t.src(k))
+
+
 def quantized_tensors(quant_dir, scheme: Scheme, dtype=torch.bfloat16) -> dict[str, QTensor]:
-    """The stored quantized weights of ``quant_dir`` as QTensors, validated (:mod:`.qat_inputs`)."""
+    """The stored quantized weights of ``quant_dir`` as QTensors, each read with its config
+    group's layout and validated (:mod:`.qat_inputs`)."""
     d = Path(quant_dir)
     t = Tensors(d, "quant_dir")
-    if len(scheme.specs) != 1:
-        raise InputError(f"{scheme.kind}: one config group per checkpoint is supported", field="config_groups")
-    spec = scheme.specs[0]
-    code_sfx = LAYOUTS[spec.kind][0]
     qts: dict[str, QTensor] = {}
     claimed: set[str] = set()
-    for P in stored_weights(t, (code_sfx,)):
-        if scheme.kind.startswith("modelopt") and scheme.ignore:
-            pat = _excluded(P, scheme.ignore)
-            if pat is not None:
-                raise InputError(f"{P}: stored quantized, but exclude_modules pattern {pat!r} ({scheme.source}) "
-                                 f"says its module stays unquantized", field="exclude_modules", source=t.src(P))
-        qts.update(read_param(t, P, spec, dtype))
+    for P in stored_weights(t, tuple(sorted({LAYOUTS[sp.kind][0] for sp in scheme.specs}))):
+        spec = _spec_for(P, scheme, t)
+        for n, q in read_param(t, P, spec, dtype).items():
+            q.opts["_group"] = spec.where
+            qts[n] = q
         claimed |= {P + s for s in ALL_SUFFIXES} | {P}
     check_unclaimed(t, claimed, scheme.kind)
+    if scheme.targets:
+        _check_unquantized_targets(t, scheme, claimed)
     if not qts:
         raise InputError(f"no quantized weights of scheme {scheme.kind} (from {scheme.source}) in {d}",
                          field="quant_dir")
@@ -296,6 +329,7 @@ def _rows(qts: dict[str, QTensor], base: Tensors, observer) -> list[dict]:
                 amaxes.append(torch.stack([_base_tensor(n, base)[1].float().abs().amax() for n in group]).amax())
             gok = global_matches(q.global_scale, nvfp4_global_candidates(q.opts["convention"], amaxes, w.dtype))
         rows.append({"name": name, "base_name": bname, "recipe": q.recipe, "shape": list(q.shape),
+                     "group": q.opts.get("_group"),
                      "codes": int(_code_bits(q).numel()), "code_mismatches": cm,
                      "scales": int(theirs_s.numel()), "scale_mismatches": sm, "global_mismatch": not gok,
                      "exact": cm == 0 and sm == 0 and gok})
@@ -315,7 +349,7 @@ def qat_check_base(quant_dir, base_dir, observer: str = "auto") -> QATBaseReport
     base = Tensors(bdir, "base_dir")
     qts = quantized_tensors(quant_dir, scheme)
     rep = QATBaseReport(str(quant_dir), str(base_dir), scheme.kind)
-    if scheme.kind != "ct_nvfp4":
+    if all(sp.kind != "ct_nvfp4" for sp in scheme.specs):
         rep.rows = _rows(qts, base, None)
         return rep
     first = next(iter(sorted(qts)))

@@ -51,3 +51,46 @@ def nvfp4_global_candidates(convention: str, amaxes, weight_dtype) -> list[torch
 def global_matches(stored: torch.Tensor, candidates) -> bool:
     s = stored.to(torch.float32).reshape(()).view(torch.int32)
     return any(bool(s == c.reshape(()).view(torch.int32)) for c in candidates)
+
+
+# ------------------------------------------------------------ compressed-tensors targets / ignore
+def module_of(P: str) -> str:
+    """The module a stored weight belongs to (``X.weight`` -> ``X``; a fused stack param is its own)."""
+    return P[: -len(".weight")] if P.endswith(".weight") else P
+
+
+def _name_match(name: str, target: str) -> bool:
+    if target.startswith("re:"):
+        try:
+            return re.match(target[3:], name) is not None
+        except re.error as e:
+            from skyrl_numerics.errors import InputError
+            raise InputError(f"target {target!r} is not a valid regex: {e}", field="targets") from None
+    return target == name
+
+
+def ct_targets_match(name: str, classes, targets) -> list[str]:
+    """compressed-tensors ``match_targets``: the targets matching module ``name`` of class names
+    ``classes``, most specific first — exact names and ``re:`` patterns (sorted: plain names before
+    patterns, then alphabetically), then class names."""
+    ordered = sorted(targets, key=lambda x: ("re:" in x, x))
+    hits = [t for t in ordered if _name_match(name, t)]
+    return hits + [t for t in ordered if t in classes and t not in hits]
+
+
+def ct_group_of(P: str, classes, scheme) -> tuple[int | None, str | None]:
+    """(index of the config group that quantizes weight ``P``, the target that decided it) under
+    compressed-tensors' rules (``apply_quantization_config``): a module named in ``ignore`` (name,
+    ``re:`` pattern or class) is left alone; otherwise every target string maps to the *last* group
+    listing it, and the most specific matching target picks the group. ``(None, None)``: no group
+    (or ignored: then the target is ``"ignore:<entry>"``)."""
+    mod = module_of(P)
+    for ig in scheme.ignore:
+        if _name_match(mod, ig) or ig in classes:
+            return None, f"ignore:{ig}"
+    owner = {}
+    for i, tg in enumerate(scheme.targets):
+        for t in tg:
+            owner[t] = i
+    hits = ct_targets_match(mod, classes, list(owner))
+    return (owner[hits[0]], hits[0]) if hits else (None, None)

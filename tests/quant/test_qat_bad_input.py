@@ -202,7 +202,8 @@ CT_W = ["num_bits", "type", "symmetric", "group_size", "strategy", "block_struct
 def _paths(qc):
     if qc["quant_method"] == "compressed-tensors":
         return ([("config_groups", "group_0", "weights", k) for k in CT_W] + [("config_groups", "group_0", "format"),
-                ("quant_method",), ("format",), ("quantization_status",), ("config_groups", "group_0", "targets")])
+                ("quant_method",), ("format",), ("quantization_status",), ("config_groups", "group_0", "targets"),
+                ("ignore",)])
     if qc["quant_method"] == "modelopt":
         return [("quant_method",), ("quant_algo",), ("group_size",)]
     return [("quant_method",), ("weight_block_size",), ("fmt",)]
@@ -223,7 +224,8 @@ def _equivalent(qc, path, new, scale_dtype) -> bool:
                                                                                                    qc.get("format"))) or (k == "quantization_status" and new == "compressed")
             or (k == "block_structure" and new is None and grp.get("weights", {}).get("strategy") != "block")
             or (k == "group_size" and new is None and fp8) or (k == "group_size" and new == 16 and "quant_algo" in qc)
-            or (k == "fmt" and new == "e4m3") or (k == "targets" and new == ["Linear"]))
+            or (k == "fmt" and new == "e4m3") or (k == "targets" and new == ["Linear"])
+            or (path == ("ignore",) and new in (None, []) and not qc.get("ignore")))
 
 
 @pytest.mark.parametrize("fmt", FMTS)
