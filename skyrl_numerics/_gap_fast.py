@@ -53,6 +53,8 @@ _TAYLOR_ERR = 1e-13       # K is the smallest order whose truncation bound 2 T^(
 _SAMPLE = 1 << 16         # tokens sampled (in 128 runs of 512) to place the percentile brackets
 LANES = 64                # lanes of the chunk token sums (= _gap_numba.LANES)
 _COEF = tuple(1.0 / math.factorial(k) for k in range(2, 8))   # c2 .. c7 of the Horner series
+_RUN = 8                  # chunks per run: the unit of work of a thread (results do not depend
+                          # on the number of threads: runs are combined in run order)
 _LONG = 2048              # mean sequence length from which per-position sums are added by slices
                           # (one ~1-3 µs Python step per sequence, vs ~2 ns/token for bincount)
 
@@ -169,11 +171,15 @@ def _scan(tok: Tokens, plan, T, med_lo, med_hi, use_med, K, out, offsets, maxlen
     pr = np.array(plan, np.int64)
     big = int((cu[pr[:, 1]] - cu[pr[:, 0]]).max())
     bigl = -(-big // LANES) * LANES       # buffers padded to whole rows of lanes
-    pos_sum = np.zeros(maxlen)
+    rr = np.arange(pr[0, 0], pr[-1, 1])
+    lens_run = lengths[rr]
+    plo = int(offsets[rr][lens_run > 0].min())        # positions this run touches: [plo, phi)
+    phi = int((offsets[rr] + lens_run).max())
+    pos_sum = np.zeros(phi - plo)
     if not use_med:                       # no token is below -1 or in [-1, -2]
         med_lo, med_hi = -1.0, -2.0
     if kernels is not None:
-        return _scan_numba(tok, plan, T, med_lo, med_hi, K, big, pos_sum, out, offsets, tol, kernels)
+        return _scan_numba(tok, plan, T, med_lo, med_hi, K, big, pos_sum, plo, maxlen, out, offsets, tol, kernels)
     D, AD = np.empty(bigl), np.empty(bigl)
     ok = True
     nnz = below = 0
@@ -206,13 +212,13 @@ def _scan(tok: Tokens, plan, T, med_lo, med_hi, use_med, K, out, offsets, maxlen
         # pos_sum (the compiled kernel does the same)
         if lens.min() == lens.max() and offs.min() == offs.max():
             L = int(lens[0])
-            pos_sum[o0:o0 + L] += ad.reshape(-1, L).sum(axis=0)
+            pos_sum[o0 - plo:o0 - plo + L] += ad.reshape(-1, L).sum(axis=0)
         elif k >= _LONG * lens.size:      # long sequences on average: add each as a slice
             lo, hi = int(offs.min()), int((offs + lens).max())
             part = np.zeros(hi - lo)
             for s0, L, o in zip(starts.tolist(), lens.tolist(), offs.tolist()):
                 part[o - lo:o - lo + L] += ad[s0:s0 + L]
-            pos_sum[lo:hi] += part
+            pos_sum[lo - plo:hi - plo] += part
         else:                             # position in sequence: cumsum of 1s, reset at starts
             pos = POS[:k]
             pos.fill(1)
@@ -220,7 +226,7 @@ def _scan(tok: Tokens, plan, T, med_lo, med_hi, use_med, K, out, offsets, maxlen
             pos[0] = o0
             np.cumsum(pos, out=pos)
             part = np.bincount(pos, weights=ad)
-            pos_sum[:part.size] += part
+            pos_sum[:part.size - plo] += part[plo:]
         np.less(ad, med_lo, out=tb)
         below += int(np.count_nonzero(tb))
         np.greater_equal(ad, med_lo, out=tb)
@@ -241,30 +247,30 @@ def _scan(tok: Tokens, plan, T, med_lo, med_hi, use_med, K, out, offsets, maxlen
         np.add(z, g, out=u)
         np.multiply(u, u, out=u)
         sums.append(tuple(_fold(x.reshape(-1, LANES).sum(axis=0)) for x in (z2, g, u)))
-    return dict(sums=sums, nnz=nnz, below=below, ok=ok, tails=tails, meds=meds, pos_sum=pos_sum)
+    return dict(sums=sums, nnz=nnz, below=below, ok=ok, tails=tails, meds=meds, pos_sum=pos_sum, plo=plo)
 
 
-def _scan_numba(tok: Tokens, plan, T, med_lo, med_hi, K, big, pos_sum, out, offsets, tol, nb) -> dict:
+def _scan_numba(tok: Tokens, plan, T, med_lo, med_hi, K, big, pos_sum, plo, maxlen, out, offsets, tol, nb) -> dict:
     """:func:`_scan` through the compiled kernels: one call for the whole run of chunks."""
     cu = tok.cu
     seq_sum_abs, seq_max_abs, seq_sum_d = out
     cuts = np.array([r0 for r0, _ in plan] + [plan[-1][1]], np.int64)
     ntok = int(cu[plan[-1][1]] - cu[plan[0][0]])
-    D, AD, part = np.empty(big), np.empty(big), np.empty(pos_sum.size)
+    D, AD, part = np.empty(big), np.empty(big), np.empty(maxlen)
     tails, meds = np.empty(ntok), np.empty(ntok)    # pages are touched only as far as used
     csums = np.empty((len(plan), 3))
     coef = np.array(_COEF[:K - 1] + (0.0,) * (7 - K))
     # numpy compares x <= tol in x's dtype (tol is a weak Python float): the same here
     tol_a, tol_b = float(tok.a.dtype.type(tol)), float(tok.b.dtype.type(tol))
     common = (cu, tok.lengths, offsets, cuts, tol_a, tol_b, T, med_lo, med_hi, coef, D, AD)
-    rest = (tails, meds, part, pos_sum, seq_sum_abs, seq_max_abs, seq_sum_d, csums)
+    rest = (tails, meds, part, pos_sum, plo, seq_sum_abs, seq_max_abs, seq_sum_d, csums)
     if tok.mask2d is None:
         bad, nnz, below, nt, nm = nb.scan_flat(tok.a, tok.b, *common, *rest)
     else:
         CA, CB = np.empty(big + 1, tok.a.dtype), np.empty(big + 1, tok.b.dtype)
         bad, nnz, below, nt, nm = nb.scan_padded(tok.a, tok.b, tok.mask2d.view(np.uint8), *common, CA, CB, *rest)
     return dict(sums=[tuple(c) for c in csums.tolist()], nnz=int(nnz), below=int(below), ok=bad == 0,
-                tails=[tails[:nt].copy()], meds=[meds[:nm].copy()], pos_sum=pos_sum)
+                tails=[tails[:nt].copy()], meds=[meds[:nm].copy()], pos_sum=pos_sum, plo=plo)
 
 
 def _split_long(tok: Tokens, chunk: int):
@@ -335,14 +341,14 @@ def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK, threads: int
     maxlen = int(tok.lengths.max())
     kernels = _pick_kernel(vtok, kernel)
     K = _taylor_order(T)
-    nt = min(threads, len(plan))
+    runs = [plan[i:i + _RUN] for i in range(0, len(plan), _RUN)]
+    nt = min(threads, len(runs))
     if nt <= 1:
-        parts = [_scan(vtok, plan, T, med_lo, med_hi, use_med, K, out, offsets, maxlen, tol, kernels)]
+        parts = [_scan(vtok, run, T, med_lo, med_hi, use_med, K, out, offsets, maxlen, tol, kernels) for run in runs]
     else:
         from concurrent.futures import ThreadPoolExecutor
 
-        runs = [plan[i * len(plan) // nt:(i + 1) * len(plan) // nt] for i in range(nt)]
-        with ThreadPoolExecutor(nt) as ex:
+        with ThreadPoolExecutor(nt) as ex:   # runs handed out as threads free up (map keeps the order)
             parts = list(ex.map(lambda run: _scan(vtok, run, T, med_lo, med_hi, use_med, K, out, offsets,
                                                   maxlen, tol, kernels), runs))
     if first is not None:                 # pieces of split sequences back into whole sequences
@@ -353,9 +359,9 @@ def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK, threads: int
         real[2][ne] = np.add.reduceat(seq_sum_d, first)
         seq_sum_abs, seq_max_abs, seq_sum_d = real
     pos_cnt = position_count(tok.lengths)
-    pos_sum = parts[0]["pos_sum"]
-    for q in parts[1:]:
-        pos_sum = pos_sum + q["pos_sum"]
+    pos_sum = np.zeros(maxlen)
+    for q in parts:                       # in run order
+        pos_sum[q["plo"]:q["plo"] + q["pos_sum"].size] += q["pos_sum"]
     chunk_sums = [c for q in parts for c in q["sums"]]
     z2_small, k3_small, u2_small = (math.fsum(c[i] for c in chunk_sums) for i in range(3))
     nnz = sum(q["nnz"] for q in parts)

@@ -137,10 +137,10 @@ def _fold(x):
 
 @_jit
 def _chunk(ca, cb, c0, cu, lengths, offsets, r0, r1, tol_a, tol_b, T, med_lo, med_hi, coef,
-           D, AD, tails, nt, meds, nm, part, pos_sum, seq_sum_abs, seq_max_abs, seq_sum_d,
+           D, AD, tails, nt, meds, nm, part, pos_sum, pbase, seq_sum_abs, seq_max_abs, seq_sum_d,
            lanes, stk, fstk, mx, F, F64):
     """One chunk: rows [r0, r1), whose tokens are ca/cb (row r starts at cu[r] - c0).
-    Returns (bad, nnz, below, nt, nm): the counts, and the candidate counts after appending
+    ``pos_sum[p - pbase]`` accumulates position p. Returns (bad, nnz, below, nt, nm): the counts, and the candidate counts after appending
     this chunk's tail values (d, |d| > T) to ``tails`` and median-bracket values (|d|) to
     ``meds``; the lane sums of z², g, u² (z = d on |d| <= T, else 0; g = z²·P(z), the Horner
     series of e^z − 1 − z; u = z + g) are left in ``lanes`` (float64 [3, LANES])."""
@@ -255,13 +255,13 @@ def _chunk(ca, cb, c0, cu, lengths, offsets, r0, r1, tol_a, tol_b, T, med_lo, me
             m0 = max(m0, v)
         seq_max_abs[r] = m0
     for p in range(pmin, pmax):
-        pos_sum[p] += part[p]
+        pos_sum[p - pbase] += part[p]
     return bad, nnz, below, nt, nm
 
 
 @_jit
 def scan_flat(a, b, cu, lengths, offsets, cuts, tol_a, tol_b, T, med_lo, med_hi, coef,
-              D, AD, tails, meds, part, pos_sum, seq_sum_abs, seq_max_abs, seq_sum_d, csums):
+              D, AD, tails, meds, part, pos_sum, pbase, seq_sum_abs, seq_max_abs, seq_sum_d, csums):
     """A run of chunks of flat input: chunk c is rows [cuts[c], cuts[c+1]). Returns
     (bad, nnz, below, n_tails, n_meds); ``csums[c]`` = chunk c's folded (Σz², Σg, Σu²)."""
     lanes = np.empty((3, LANES))
@@ -279,7 +279,7 @@ def scan_flat(a, b, cu, lengths, offsets, cuts, tol_a, tol_b, T, med_lo, med_hi,
         r0, r1 = cuts[c], cuts[c + 1]
         c0, c1 = cu[r0], cu[r1]
         b_, z_, w_, nt, nm = _chunk(a[c0:c1], b[c0:c1], c0, cu, lengths, offsets, r0, r1, tol_a, tol_b,
-                                    T, med_lo, med_hi, coef, D, AD, tails, nt, meds, nm, part, pos_sum,
+                                    T, med_lo, med_hi, coef, D, AD, tails, nt, meds, nm, part, pos_sum, pbase,
                                     seq_sum_abs, seq_max_abs, seq_sum_d, lanes, stk, fstk, mx, F, F64)
         bad += b_
         nnz += z_
@@ -291,7 +291,7 @@ def scan_flat(a, b, cu, lengths, offsets, cuts, tol_a, tol_b, T, med_lo, med_hi,
 
 @_jit
 def scan_padded(a2, b2, m2, cu, lengths, offsets, cuts, tol_a, tol_b, T, med_lo, med_hi, coef,
-                D, AD, CA, CB, tails, meds, part, pos_sum, seq_sum_abs, seq_max_abs, seq_sum_d, csums):
+                D, AD, CA, CB, tails, meds, part, pos_sum, pbase, seq_sum_abs, seq_max_abs, seq_sum_d, csums):
     """:func:`scan_flat` for padded [B, T] input with a mask: each chunk's masked tokens are
     first compacted, in order, into CA/CB (one element of slack)."""
     lanes = np.empty((3, LANES))
@@ -331,7 +331,7 @@ def scan_padded(a2, b2, m2, cu, lengths, offsets, cuts, tol_a, tol_b, T, med_lo,
                     CB[k] = b2[r, t]
                     k += m2[r, t]
         b_, z_, w_, nt, nm = _chunk(CA[:k], CB[:k], cu[r0], cu, lengths, offsets, r0, r1, tol_a, tol_b,
-                                    T, med_lo, med_hi, coef, D, AD, tails, nt, meds, nm, part, pos_sum,
+                                    T, med_lo, med_hi, coef, D, AD, tails, nt, meds, nm, part, pos_sum, pbase,
                                     seq_sum_abs, seq_max_abs, seq_sum_d, lanes, stk, fstk, mx, F, F64)
         bad += b_
         nnz += z_
