@@ -1,18 +1,20 @@
 """gap.measure on 10M tokens vs one numpy pass ``np.abs(a - b).mean()`` over the same arrays.
 
-Goal (issue 2): the full report <= 3x that single pass. Both are timed in the same process on
-the same float32 arrays (best of several runs); the reported number is the ratio.
+Goal (issue 14): the full report <= 3x that single pass. Both are timed in the same process on
+the same float32 arrays, interleaved (baseline, measure, baseline, measure, ...) over several
+rounds; the reported numbers are medians (times and per-round ratios), wall clock and process
+CPU time (all threads; steadier when other work shares the cores).
 
 Layouts: flat + cu_seqlens with short (1..2000) and long (2K..16K, RL-reasoning-like) responses,
-padded [B, 2000] with a right-padding mask, and the plain full-array reference path
-(``measure_reference``) for scale. ``measure`` uses its default threads (up to 8, at most
-``os.cpu_count()``); the ``threads=1`` row shows the single-core cost. ``numba:`` rows run the
-optional compiled scan (bitwise-equal report; ``SKYRL_NUMERICS_NUMBA=1`` selects it in
-``measure``); they appear when numba imports.
+padded [B, 2000] with a right-padding mask (baseline over the masked tokens only, already
+compacted), and the plain full-array reference path (``measure_reference``) for scale.
+``measure`` uses its default scan (compiled with numba when it imports) and default threads (up
+to 8, at most ``os.cpu_count()``); the ``threads=1`` row shows the single-core cost; ``numpy:``
+rows run the pure-numpy fallback scan (``SKYRL_NUMERICS_NUMBA=0``; bitwise-equal report).
 
-Tokens: ``SKYRL_BENCH_GAP_TOKENS`` (default 10_000_000). Run as a script for a markdown table
-(``python benchmarks/bench_gap.py``) or under pytest-benchmark
-(``pytest benchmarks/bench_gap.py --benchmark-only``).
+Tokens: ``SKYRL_BENCH_GAP_TOKENS`` (default 10_000_000), rounds: ``SKYRL_BENCH_GAP_ROUNDS``
+(default 7). Run as a script for a markdown table (``python benchmarks/bench_gap.py``) or under
+pytest-benchmark (``pytest benchmarks/bench_gap.py --benchmark-only``).
 """
 from __future__ import annotations
 
@@ -60,46 +62,44 @@ def baseline(a, b):
     return np.abs(a - b).mean()
 
 
-def _has_numba() -> bool:
-    try:
-        import numba  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def _timed(fn, clock):
+    t = clock()
+    fn()
+    return clock() - t
 
 
-def rows(repeat=5):
+def cases():
     a, b, cu, pa, pb, pm, cu_long = make_data()
+    ca, cb = pa[pm], pb[pm]
     out = []
-    cases = [
-        ("flat + cu_seqlens, short seqs", lambda: measure(a, b, cu_seqlens=cu), a.size),
-        ("flat + cu_seqlens, short seqs, threads=1", lambda: measure(a, b, cu_seqlens=cu, threads=1), a.size),
-        ("flat + cu_seqlens, long seqs", lambda: measure(a, b, cu_seqlens=cu_long), a.size),
-        ("padded [B, 2000] + mask", lambda: measure(pa, pb, pm), int(pm.sum())),
-    ]
-    if _has_numba():
-        cases += [
-            ("numba: flat + cu_seqlens, short seqs", lambda: measure(a, b, cu_seqlens=cu, _kernel="numba"), a.size),
-            ("numba: flat + cu_seqlens, short seqs, threads=1",
-             lambda: measure(a, b, cu_seqlens=cu, threads=1, _kernel="numba"), a.size),
-            ("numba: flat + cu_seqlens, long seqs", lambda: measure(a, b, cu_seqlens=cu_long, _kernel="numba"), a.size),
-            ("numba: padded [B, 2000] + mask", lambda: measure(pa, pb, pm, _kernel="numba"), int(pm.sum())),
+    for tag, kw in (("", {}), ("numpy: ", {"_kernel": "numpy"})):
+        out += [
+            (f"{tag}flat + cu_seqlens, short seqs", lambda kw=kw: measure(a, b, cu_seqlens=cu, **kw), (a, b)),
+            (f"{tag}flat + cu_seqlens, short seqs, threads=1",
+             lambda kw=kw: measure(a, b, cu_seqlens=cu, threads=1, **kw), (a, b)),
+            (f"{tag}flat + cu_seqlens, long seqs", lambda kw=kw: measure(a, b, cu_seqlens=cu_long, **kw), (a, b)),
+            (f"{tag}padded [B, 2000] + mask", lambda kw=kw: measure(pa, pb, pm, **kw), (ca, cb)),
         ]
-    cases += [
-        ("reference (full arrays)", lambda: measure_reference(a, b, cu_seqlens=cu), a.size),
-    ]
-    for name, fn, n_tok in cases:
-        fn()  # warm up
-        base_a, base_b = (a, b) if "padded" not in name else (pa[pm], pb[pm])
-        rep = 2 if "reference" in name else repeat
-        t_base = _best(lambda: baseline(base_a, base_b), repeat)
-        t = _best(fn, rep)
-        t_base = min(t_base, _best(lambda: baseline(base_a, base_b), repeat))   # interleave
-        # CPU time of the whole process (all threads): robust to other load on the machine
-        c_base = _best(lambda: baseline(base_a, base_b), repeat, time.process_time)
-        c = _best(fn, rep, time.process_time)
-        out.append(dict(case=name, tokens=n_tok, baseline_ms=t_base * 1e3, measure_ms=t * 1e3,
-                        ratio=t / t_base, cpu_ratio=c / c_base, mtok_per_s=n_tok / t / 1e6))
+    out.append(("reference (full arrays)", lambda: measure_reference(a, b, cu_seqlens=cu), (a, b)))
+    return out
+
+
+def rows(rounds=None):
+    rounds = rounds or int(os.environ.get("SKYRL_BENCH_GAP_ROUNDS", 7))
+    out = []
+    for name, fn, (ba, bb) in cases():
+        fn()  # warm up (first use of the compiled scan in a process loads it from numba's cache)
+        rr = 2 if "reference" in name else rounds
+        res = {"wb": [], "wm": [], "cb": [], "cm": []}
+        for _ in range(rr):
+            for key, f, clock in (("wb", lambda: baseline(ba, bb), time.perf_counter), ("wm", fn, time.perf_counter),
+                                  ("cb", lambda: baseline(ba, bb), time.process_time), ("cm", fn, time.process_time)):
+                res[key].append(_timed(f, clock))
+        med = {k: float(np.median(v)) for k, v in res.items()}
+        out.append(dict(case=name, tokens=ba.size, baseline_ms=med["wb"] * 1e3, measure_ms=med["wm"] * 1e3,
+                        ratio=float(np.median(np.array(res["wm"]) / np.array(res["wb"]))),
+                        cpu_ratio=float(np.median(np.array(res["cm"]) / np.array(res["cb"]))),
+                        mtok_per_s=ba.size / med["wm"] / 1e6))
     return out
 
 
@@ -127,7 +127,7 @@ def test_measure(benchmark, data, layout, kernel):
         fn, ba, bb = (lambda: measure(a, b, cu_seqlens=cu_long, **kw)), a, b
     else:
         fn, ba, bb = (lambda: measure(pa, pb, pm, **kw)), pa[pm], pb[pm]
-    fn()                                  # warm up (numba: compiles once per process)
+    fn()                                  # warm up (numba: loads the kernels from its cache)
     t_base = _best(lambda: baseline(ba, bb))
     rep = benchmark(fn)
     t = benchmark.stats.stats.min
@@ -137,10 +137,15 @@ def test_measure(benchmark, data, layout, kernel):
 
 
 if __name__ == "__main__":
-    print(f"gap.measure vs np.abs(a - b).mean(), {N:,} float32 tokens, best of runs, "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n")
+    rounds = int(os.environ.get("SKYRL_BENCH_GAP_ROUNDS", 7))
+    load0 = os.getloadavg()
+    t0 = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+    table = rows(rounds)
+    load1 = os.getloadavg()
+    print(f"gap.measure vs np.abs(a - b).mean(), {N:,} float32 tokens, medians of {rounds} interleaved rounds, "
+          f"{os.cpu_count()} CPUs, {t0} UTC, load average {load0[0]:.2f} (start) / {load1[0]:.2f} (end)\n")
     print("| case | tokens | numpy abs-mean (ms) | measure (ms) | wall ratio | CPU-time ratio | Mtok/s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for r in rows():
+    for r in table:
         print(f"| {r['case']} | {r['tokens']:,} | {r['baseline_ms']:.1f} | {r['measure_ms']:.1f} | "
               f"{r['ratio']:.2f} | {r['cpu_ratio']:.2f} | {r['mtok_per_s']:.0f} |")
