@@ -6,45 +6,145 @@ Stock torch on CPU is NOT batch-invariant (measured here, torch 2.13 + MKL, 2 th
   * ``x.mean(-1)`` / ``x.sum(-1)`` over rows longer than 32768 differ between M=1 and M>1
     (one row is split across threads; several rows are not).
 What this module does instead:
-  * matmul: pad M up to ``MIN_ROWS`` (16) and call one fp32 MKL GEMM through ``baddbmm``
-    (not ``mm``/``addmm``/``bmm``, so it can serve as the override of those ops without
-    recursing). For M >= 16 MKL's per-row summation order does not depend on M, the row's
-    position or the thread count: tested by hypothesis in tests/kernels/test_cpu.py and
-    checkable on any machine with :func:`check_cpu_invariance`. bf16/fp16 are computed in fp32
-    (exact products) and rounded once, like the Triton kernels.
+  * matmul: every GEMM runs as row blocks of exactly ``ROW_BLOCK`` (32) rows — M padded up to a
+    multiple — and every block is one fp32 MKL GEMM of the same shape (ROW_BLOCK, K) x (K, N),
+    on ONE thread, with both operands contiguous and 64-byte aligned. A row's bits then depend
+    only on (K, N) and its own values, never on M, on the row's position, on the number of
+    threads or on how the blocks are batched into calls. (Two weaker schemes fail on this
+    machine's MKL, measured: "pad M to >= 16, one GEMM" gives other bits from M ~ 200 rows on
+    when K >= 1024 even on one thread — Thinking Machines' test, fp32 M = 1 vs 2048 with
+    K = N = 4096, failed —, and a multi-threaded batched GEMM changes a block's bits with the
+    number of blocks.) Parallelism comes from splitting the blocks over a small thread pool, each
+    worker running single-threaded GEMMs; bits are the same for any split (tested). N below
+    ``MIN_ROWS`` (16) is padded too: MKL takes GEMV-like kernels for a skinny side. bf16/fp16
+    are computed in fp32 (exact products) and rounded once, like the Triton kernels. The calls
+    go through ``baddbmm`` (not ``mm``/``addmm``/``bmm``), so this can serve as the override of
+    those ops without recursing.
   * row reductions: rows cut into chunks of ``CHUNK`` (below torch's 32768 parallel grain, so
     one thread owns a chunk) and the chunk sums folded left to right.
 Everything else used (exp, log, rsqrt, amax, elementwise) is per element or order-free.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
-MIN_ROWS = 16
+MIN_ROWS = 16          # smallest N (columns) a GEMM is given
+ROW_BLOCK = 32         # rows per GEMM block (fixed: the bits of a row depend on it)
 CHUNK = 16384
+_ALIGN = 64            # bytes: operand base addresses MKL sees (its reproducibility condition)
+_PAR_MIN_FLOPS = 1 << 22   # below this a call stays on the calling thread (pool overhead ~50 us)
+
+_POOL = None
+_POOL_LOCK = threading.Lock()
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def _pool(n: int):
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL._max_workers < n:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _POOL = ThreadPoolExecutor(n, thread_name_prefix="skyrl-invariant-gemm")
+        return _POOL
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and t.data_ptr() % _ALIGN == 0
+
+
+def prepare_b(b: torch.Tensor) -> torch.Tensor:
+    """``b (K, N)`` as every GEMM here takes it: compute dtype, contiguous, 64-byte aligned, N
+    padded to a multiple of ``MIN_ROWS`` (so stacked copies keep every matrix aligned too). Idempotent (a prepared operand is returned as is), so a weight can be
+    prepared once and reused: the bits are the same as preparing it on every call."""
+    cd = _compute_dtype(b)
+    K, N = b.shape
+    if b.dtype == cd and N % MIN_ROWS == 0 and N > 0 and _aligned(b):
+        return b
+    Np = -(-max(N, 1) // MIN_ROWS) * MIN_ROWS
+    out = torch.empty((K, Np), dtype=cd) if Np == N else torch.zeros((K, Np), dtype=cd)
+    out[:, :N] = b                                      # (converts to cd while copying)
+    return out
+
+
+def _gemm_blocks(a: torch.Tensor, b: torch.Tensor, b_index: torch.Tensor | None = None) -> torch.Tensor:
+    """``a (n, ROW_BLOCK, K)`` contiguous, ``b (K, N)`` prepared or ``(G, K, N)`` with block i
+    using ``b[b_index[i]]`` -> ``(n, ROW_BLOCK, N)``: one single-threaded GEMM per block."""
+    n = a.shape[0]
+    K, N = b.shape[-2], b.shape[-1]
+    if b.dim() == 2:
+        bb = b.expand(n, K, N)
+    elif b_index is None:
+        bb = b
+    else:
+        bb = b.index_select(0, b_index)
+    out = torch.empty((n, ROW_BLOCK, N), dtype=a.dtype)
+    threads = torch.get_num_threads()
+    if threads > 1:
+        torch.set_num_threads(1)
+    try:
+        work = 2 * n * ROW_BLOCK * K * N
+        if threads > 1 and n > 1 and work >= _PAR_MIN_FLOPS:
+            parts = min(threads, n)
+            bounds = [n * j // parts for j in range(parts + 1)]
+            inference = torch.is_inference_mode_enabled()
+            futs = [_pool(parts).submit(_gemm_run_worker, out[lo:hi], a[lo:hi], bb[lo:hi], inference)
+                    for lo, hi in zip(bounds[:-1], bounds[1:])]
+            for f in futs:
+                f.result()
+        else:
+            _gemm_run(out, a, bb)
+    finally:
+        if threads > 1:
+            torch.set_num_threads(threads)
+    return out
+
+
+def _gemm_run(out, a, b) -> None:
+    out.baddbmm_(a, b, beta=0)
+
+
+def _gemm_run_worker(out, a, b, inference: bool) -> None:
+    # a pool thread has its own OpenMP thread count (the caller's set_num_threads(1) does not
+    # reach it): without this MKL runs the block multi-threaded there and the bits change; and
+    # its own inference mode (tensors made under the caller's inference_mode need it to be
+    # written in place)
+    torch.set_num_threads(1)
+    with torch.inference_mode(inference), torch.no_grad():
+        _gemm_run(out, a, b)
+
+
+def _row_blocks(a: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(..., M, K) -> (blocks, ROW_BLOCK, K) in the compute dtype, zero-padded to whole blocks (a
+    fresh, aligned buffer), and the number of blocks per matrix."""
+    M, K = a.shape[-2], a.shape[-1]
+    nb = max(1, -(-M // ROW_BLOCK))
+    lead = a.shape[:-2]
+    cd = _compute_dtype(a)
+    if nb * ROW_BLOCK == M:
+        buf = torch.empty((*lead, M, K), dtype=cd)
+    else:
+        buf = torch.zeros((*lead, nb * ROW_BLOCK, K), dtype=cd)
+    buf[..., :M, :] = a                                 # (converts to cd while copying)
+    return buf.view(-1, ROW_BLOCK, K), nb
+
+
 def matmul_2d(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
               out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """a (M, K) @ b (K, N) (+ bias) with a per-row result independent of M.
-
-    Both M and N are padded to at least ``MIN_ROWS``: MKL takes GEMV-like kernels for a skinny
-    side (seen here: N = 1 changed a row's bits between M = 16 and M = 18), and the invariance
-    rests on every call taking the same blocked GEMM."""
+    """a (M, K) @ b (K, N) (+ bias) with a per-row result independent of M (row blocks of
+    ``ROW_BLOCK``, one single-threaded GEMM each; see the module doc). ``b`` may be given
+    prepared (:func:`prepare_b`)."""
     out_dtype = out_dtype or a.dtype
     cd = _compute_dtype(a)
     M, N = a.shape[0], b.shape[1]
-    a32, b32 = a.to(cd), b.to(cd)
-    if M < MIN_ROWS:
-        a32 = torch.cat([a32, a32.new_zeros(MIN_ROWS - M, a32.shape[1])])
-    if N < MIN_ROWS:
-        b32 = torch.cat([b32, b32.new_zeros(b32.shape[0], MIN_ROWS - N)], dim=1)
-    out = torch.empty((1, a32.shape[0], b32.shape[1]), dtype=cd)
-    out = torch.baddbmm(out, a32.unsqueeze(0), b32.unsqueeze(0), beta=0)[0, :M, :N]
+    blocks, _ = _row_blocks(a)
+    bp = prepare_b(b)
+    out = _gemm_blocks(blocks, bp).view(-1, bp.shape[1])[:M, :N]
     if bias is not None:
         out = out + bias.to(cd)
     return out.to(out_dtype)
@@ -57,19 +157,22 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -
     return out.reshape(*lead, b.shape[1])
 
 
-def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a (B, M, K) @ b (B, K, N): one batched fp32 GEMM with M and N padded to ``MIN_ROWS``
-    (as :func:`matmul_2d`: MKL's skinny paths — seen here for N = 5, 6 — break row invariance)."""
+def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """a (B, M, K) @ b (B, K, N): each matrix's rows in blocks of ``ROW_BLOCK`` (as
+    :func:`matmul_2d`), all blocks of all matrices in one batched call of single-threaded GEMMs,
+    so a row's bits depend neither on M nor on B."""
     cd = _compute_dtype(a)
     B, M, K = a.shape
     N = b.shape[2]
-    a32, b32 = a.to(cd), b.to(cd)
-    if M < MIN_ROWS:
-        a32 = torch.cat([a32, a32.new_zeros(B, MIN_ROWS - M, K)], dim=1)
-    if N < MIN_ROWS:
-        b32 = torch.cat([b32, b32.new_zeros(B, K, MIN_ROWS - N)], dim=2)
-    out = torch.empty((B, a32.shape[1], b32.shape[2]), dtype=cd)
-    return torch.baddbmm(out, a32, b32, beta=0)[:, :M, :N].to(a.dtype)
+    blocks, nb = _row_blocks(a)
+    Np = -(-max(N, MIN_ROWS) // MIN_ROWS) * MIN_ROWS   # each matrix starts 64-byte aligned
+    bp = torch.empty((B, K, Np), dtype=cd) if Np == N else torch.zeros((B, K, Np), dtype=cd)
+    bp[:, :, :N] = b                                   # (converts to cd while copying)
+    if B == 1:
+        out = _gemm_blocks(blocks, bp[0])
+    else:
+        out = _gemm_blocks(blocks, bp, torch.arange(B).repeat_interleave(nb) if nb > 1 else None)
+    return out.view(B, nb * ROW_BLOCK, Np)[:, :M, :N].to(out_dtype or a.dtype)
 
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -223,13 +326,19 @@ def attention(q, k, v, causal: bool = True, scale: float | None = None, block_n:
     lens = kv_lens.repeat_interleave(Hkv)[:, None, None]           # (B*Hkv, 1, 1)
     scale = D ** -0.5 if scale is None else float(scale)
     g = H // Hkv
-    qf = q.float().reshape(B * Hkv, g * Sq, D)        # queries of one KV head share the GEMMs
-    # keys/values padded once to whole blocks (the same zeros the last block got before); MLA
-    # passes one tensor as k and v: converted once
+    qf = (q.float() if q.dtype == torch.float64 else q).reshape(B * Hkv, g * Sq, D)  # fp32 math;
+    # the queries of one KV head share the GEMMs
+    # keys/values padded once to whole blocks of zeros, converted to fp32 in the same copy; MLA
+    # passes one tensor as k and v: converted once. (bmm copies its operands into aligned
+    # buffers itself, so the per-block slices below are views.)
     pad = -Skv % block_n
-    kf = torch.nn.functional.pad(k.float().reshape(B * Hkv, Skv, D), (0, 0, 0, pad))
-    vf = kf if v is k else torch.nn.functional.pad(v.float().reshape(B * Hkv, Skv, D),
-                                                   (0, 0, 0, pad))
+
+    def padded(t):
+        out = torch.zeros((B * Hkv, Skv + pad, D)) if pad else torch.empty((B * Hkv, Skv, D))
+        out[:, :Skv] = t.reshape(B * Hkv, Skv, D)
+        return out
+    kf = padded(k)
+    vf = kf if v is k else padded(v)
     qpos = torch.arange(Sq).repeat(g)[None, :, None] + (lens - Sq)  # (B*Hkv, g*Sq, 1)
     m = torch.full((B * Hkv, g * Sq), float("-inf"))
     l_ = torch.zeros(B * Hkv, g * Sq)
@@ -237,7 +346,7 @@ def attention(q, k, v, causal: bool = True, scale: float | None = None, block_n:
     for n0 in range(0, Skv, block_n):
         kpos = torch.arange(n0, n0 + block_n)           # always a full block: same GEMM shapes
         kb, vb = kf[:, n0:n0 + block_n], vf[:, n0:n0 + block_n]
-        s = bmm(qf, kb.transpose(1, 2).contiguous()) * scale
+        s = bmm(qf, kb.transpose(1, 2), torch.float32) * scale
         invalid = kpos[None, None, :] >= lens
         if causal:
             invalid = invalid | (kpos[None, None, :] > qpos)
@@ -247,21 +356,31 @@ def attention(q, k, v, causal: bool = True, scale: float | None = None, block_n:
         alpha = (m - m_safe).exp()
         p = (s - m_safe.unsqueeze(-1)).exp()
         l_ = l_ * alpha + row_sum(p.reshape(-1, p.shape[-1])).reshape(l_.shape)
-        acc = acc * alpha.unsqueeze(-1) + bmm(p, vb.contiguous())
+        acc = acc * alpha.unsqueeze(-1) + bmm(p, vb)
         m = m_new
     out = (acc / l_.unsqueeze(-1)).reshape(B, Hkv, g, Sq, D).reshape(B, H, Sq, D)
     return out.to(q.dtype)
 
 
-def check_cpu_invariance(shapes=((64, 256, 256), (64, 1024, 128)), dtype=torch.float32,
-                         seed: int = 0) -> bool:
-    """True when this machine's BLAS gives :func:`matmul_2d` rows independent of M (M in 1..M)."""
+def check_cpu_invariance(shapes=((64, 256, 256), (64, 1024, 128), (260, 1024, 256)),
+                         dtype=torch.float32, seed: int = 0) -> bool:
+    """True when this machine's BLAS gives :func:`matmul_2d` rows independent of M (M in 1..M),
+    on the current thread count and on one thread."""
     g = torch.Generator().manual_seed(seed)
-    for M, K, N in shapes:
-        a = torch.randn(M, K, generator=g).to(dtype)
-        b = torch.randn(K, N, generator=g).to(dtype)
-        full = matmul_2d(a, b)
-        for m in (1, 2, 3, 5, 8, 15, 17, M // 2):
-            if not torch.equal(matmul_2d(a[:m], b), full[:m]):
+    threads = torch.get_num_threads()
+    try:
+        for M, K, N in shapes:
+            a = torch.randn(M, K, generator=g).to(dtype)
+            b = torch.randn(K, N, generator=g).to(dtype)
+            full = matmul_2d(a, b)
+            for m in (1, 2, 3, 5, 8, 15, 17, 31, 33, M // 2, M - 1):
+                if not torch.equal(matmul_2d(a[:m], b), full[:m]):
+                    return False
+            torch.set_num_threads(1)
+            one = matmul_2d(a, b)
+            torch.set_num_threads(threads)
+            if not torch.equal(one, full):
                 return False
+    finally:
+        torch.set_num_threads(threads)
     return True

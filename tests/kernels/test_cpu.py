@@ -35,6 +35,52 @@ def test_invariant_on_the_shapes_where_stock_mkl_is_not_here(threads):
     torch.testing.assert_close(full_mean, x.double().mean(-1).float(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_thinking_machines_case_large_k(dtype, threads):
+    """batch_invariant_ops' own check: row 0 of a (2048, 4096) @ (4096, 4096) product equals the
+    (1, 4096) product. A single padded MKL GEMM failed it here (fp32: MKL changes kernels with M
+    from ~200 rows on for K >= 1024); the fixed row blocks hold on 2 threads and on 1."""
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(2048, 4096, generator=g).to(dtype)
+    b = torch.randn(4096, 4096, generator=g).to(dtype)
+    full = cpu.matmul_2d(a, b)
+    assert torch.equal(cpu.matmul_2d(a[:1], b), full[:1])
+    assert torch.equal(cpu.matmul_2d(a[1000:1001], b), full[1000:1001])
+    threads(1)
+    assert torch.equal(cpu.matmul_2d(a[:300], b), full[:300])
+
+
+@settings(max_examples=12, deadline=None)
+@given(M=st.integers(1, 700), K=st.sampled_from([1, 100, 1024, 1100, 2048]),
+       N=st.sampled_from([1, 17, 256, 640]), m=st.integers(1, 700), lo=st.integers(0, 699),
+       nthreads=st.sampled_from([1, 2]))
+def test_matmul_rows_invariant_large(M, K, N, m, lo, nthreads):
+    """Rows of any prefix or window equal the full product's, for K and M where MKL's own
+    kernel choice changes with M, on 1 or 2 threads (the full product on the default count)."""
+    m, lo = min(m, M), min(lo, M - 1)
+    g = torch.Generator().manual_seed(M * 7 + K)
+    a, b = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g)
+    full = cpu.matmul_2d(a, b)
+    n = torch.get_num_threads()
+    torch.set_num_threads(nthreads)
+    try:
+        assert torch.equal(cpu.matmul_2d(a[:m], b), full[:m])
+        assert torch.equal(cpu.matmul_2d(a[lo:lo + m], b), full[lo:lo + m])
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_bmm_rows_independent_of_batch_and_m_large():
+    """cpu.bmm: a matrix's rows are the same alone, with a 1-row query, or inside a batch of 6
+    whose other matrices are larger (attention over many requests at once)."""
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(6, 400, 1024, generator=g), torch.randn(6, 1024, 192, generator=g)
+    full = cpu.bmm(a, b)
+    assert torch.equal(cpu.bmm(a[3:4], b[3:4]), full[3:4])
+    assert torch.equal(cpu.bmm(a[3:4, 100:101], b[3:4]), full[3:4, 100:101])
+    assert torch.equal(cpu.matmul_2d(a[3], b[3]), full[3])
+
+
 def test_check_cpu_invariance_holds_here():
     assert cpu.check_cpu_invariance()
 
@@ -137,3 +183,14 @@ def test_attention_decode_equals_prefill(H, Hkv, S, D):
         out = ops.attention(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], backend="cpu")
         assert torch.equal(out, prefill[:, :, t:t + 1]), f"query {t}"
     assert torch.equal(ops.attention(q[:1], k[:1], v[:1], backend="cpu"), prefill[:1])
+
+
+def test_pool_path_under_inference_mode(threads):
+    """vLLM runs the forward under ``torch.inference_mode``: the blocks split over the pool
+    threads are written there too, with the same bits as one thread."""
+    threads(2)
+    a, b = torch.randn(300, 512), torch.randn(512, 256)
+    with torch.inference_mode():
+        out = cpu.matmul_2d(a, b)
+    threads(1)
+    assert torch.equal(out, cpu.matmul_2d(a, b))
