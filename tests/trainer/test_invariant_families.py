@@ -375,3 +375,46 @@ def test_legacy_rope_scaling_config_gives_the_same_yarn_model():
     assert torch.equal(new["rope"].inv_freq, old["rope"].inv_freq)
     assert new["rope"].mscale == old["rope"].mscale and new["scale"] == old["scale"]
     assert new["scale"] > (64 + 64) ** -0.5      # mscale_all_dim = 1 raises the softmax scale
+
+
+@settings(max_examples=25, deadline=None)
+@given(T=st.integers(1, 90), E=st.sampled_from([1, 3, 8]), k=st.integers(1, 3),
+       h=st.sampled_from([16, 40, 128]), inter=st.sampled_from([8, 24, 64]),
+       seed=st.integers(0, 2**16), copy_limit=st.sampled_from([None, 0]))
+def test_grouped_experts_are_the_per_expert_loop_bitwise(T, E, k, h, inter, seed, copy_limit):
+    """The engine's grouped expert GEMMs (all experts' row blocks in one call; or per expert when
+    gathering weights would copy too much: ``copy_limit=0``) give the per-expert loop's bits —
+    the loop is what the training forward (with grad) runs — also after an in-place update of
+    one expert (the stacked fp32 cache is refreshed)."""
+    from skyrl_numerics.trainer.invariant import blocks
+
+    k = min(k, E)
+    with pytest.MonkeyPatch.context() as mp:
+        if copy_limit is not None:
+            mp.setattr(blocks, "GROUPED_COPY_BYTES", copy_limit)
+        _grouped_vs_loop(blocks, T, E, k, h, inter, seed)
+
+
+def _grouped_vs_loop(blocks, T, E, k, h, inter, seed):
+    g = torch.Generator().manual_seed(seed)
+    ws = [tuple(torch.randn(*s, generator=g).bfloat16() / 4 for s in ((inter, h), (inter, h), (h, inter)))
+          for _ in range(E)]
+    x = torch.randn(T, h, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    wt = torch.softmax(torch.randn(T, k, generator=g), -1)
+    with torch.no_grad():
+        grouped = blocks.routed_experts(x, ids, wt, lambda e: ws[e], num_experts=E)
+        looped = blocks.routed_experts(x, ids, wt, lambda e: ws[e])
+        assert torch.equal(grouped, looped)
+        assert torch.equal(blocks._grouped_expert_rows(x, ids, lambda e: ws[e], E),
+                           blocks._looped_expert_rows(x, ids, lambda e: ws[e]))
+        ws[E - 1][2].copy_(torch.randn(h, inter, generator=g).bfloat16())
+        again = blocks.routed_experts(x, ids, wt, lambda e: ws[e], num_experts=E)
+        assert torch.equal(again, blocks.routed_experts(x, ids, wt, lambda e: ws[e]))
+        if bool((ids == E - 1).any()):
+            assert not torch.equal(again, grouped)
+    # the training forward (weights with grad) takes the loop and gives the same bits
+    wg = [tuple(t.clone().requires_grad_(True) for t in trio) for trio in ws]
+    with torch.enable_grad():
+        train = blocks.routed_experts(x, ids, wt, lambda e: wg[e], num_experts=E)
+    assert torch.equal(train.detach(), again)

@@ -99,9 +99,11 @@ class _SkyrlInvariantForCausalLM(nn.Module):
             from vllm.forward_context import get_forward_context
 
             kv = kv[get_forward_context().virtual_engine]
-        flat = kv.view(-1).view(torch.uint8)          # raises rather than copy if not contiguous
         per_slot = 2 * self.attn[i].num_kv_heads * SLOT_HEAD * kv.element_size()
-        return flat.view(-1, per_slot)[:, :self.kv.row_bytes]
+        unit = _word(per_slot, self.kv.row_bytes)
+        flat = kv.view(-1).view(torch.uint8).view(unit)   # raises rather than copy if not contiguous
+        size = torch.tensor([], dtype=unit).element_size()
+        return flat.view(-1, per_slot // size)[:, :self.kv.row_bytes // size]
 
     def _plan(self, meta, device) -> list:
         """The step's request groups, computed once per forward (every layer shares the block
@@ -129,8 +131,9 @@ class _SkyrlInvariantForCausalLM(nn.Module):
             idx = idx[:, :L]
             pad = torch.arange(L)[None, :] >= torch.tensor(lens)[:, None]        # [n, L]
             idx = idx.masked_fill(pad, 0)     # padding reads slot 0, then is zeroed
-            plan.append((reqs, [(qsl[r], qsl[r + 1]) for r in reqs], lens, idx.reshape(-1),
-                         pad if bool(pad.any()) else None))
+            qidx = torch.cat([torch.arange(qsl[r], qsl[r + 1]) for r in reqs])
+            plan.append((reqs, qidx, qsl[reqs[0] + 1] - qsl[reqs[0]], lens, idx.reshape(-1),
+                         pad[:, :, None] if bool(pad.any()) else None))
         self._step_plan = plan
         return plan
 
@@ -144,19 +147,18 @@ class _SkyrlInvariantForCausalLM(nn.Module):
             return self.core._own_sequence_attend(i, q, rows)
         n = int(meta.num_actual_tokens)
         cache = self._slots(i)
-        cache[meta.slot_mapping[:n].long()] = self.kv.encode(i, rows[:n])
+        cache[meta.slot_mapping[:n].long()] = self.kv.encode(i, rows[:n]).view(cache.dtype)
         out = None
-        for reqs, spans, lens, idx, pad in self._plan(meta, q.device):
-            data = cache[idx].view(len(reqs), max(lens), self.kv.row_bytes)
+        for reqs, qidx, sq, lens, idx, pad in self._plan(meta, q.device):
+            data = cache[idx].view(len(reqs), max(lens), -1)
             if pad is not None:
-                data[pad] = 0      # finite padding (masked out by kv_lens)
-            R = self.kv.decode(i, data)
-            Q = torch.stack([q[a:b] for a, b in spans])
+                data.masked_fill_(pad, 0)      # finite padding (masked out by kv_lens)
+            R = self.kv.decode(i, data.view(torch.uint8))
+            Q = q[qidx].view(len(reqs), sq, *q.shape[1:])
             o = self.core.attn_core(i, Q, R, torch.tensor(lens) if len(reqs) > 1 else None)
             if out is None:
                 out = q.new_zeros((q.shape[0],) + tuple(o.shape[2:]))
-            for j, (a, b) in enumerate(spans):
-                out[a:b] = o[j]
+            out[qidx] = o.reshape(-1, *o.shape[2:])
         if out is None:
             return self.core._own_sequence_attend(i, q, rows)
         return out
@@ -173,6 +175,15 @@ class _SkyrlInvariantForCausalLM(nn.Module):
         kept = ((n, t) for n, t in weights if not self.core.ignored_weight(n))
         loaded = self.core.load_named(kept)
         return {f"core.params.{self.core._names[n]}" for n in loaded}
+
+
+def _word(per_slot: int, row_bytes: int) -> torch.dtype:
+    """The widest integer type whose size divides both the slot and the row (byte rows are
+    gathered and written as words: same bytes, far fewer elements)."""
+    for dt, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if per_slot % size == 0 and row_bytes % size == 0:
+            return dt
+    return torch.uint8
 
 
 def _make(hf_arch: str):

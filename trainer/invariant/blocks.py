@@ -51,10 +51,13 @@ def require(cond: bool, field: str, value, why: str) -> None:
 
 
 def _fp32_weight(w: torch.Tensor) -> torch.Tensor:
-    """``w`` as fp32, kept on the tensor with its ``_version`` (converted once per change)."""
+    """``w.T`` as the CPU GEMM takes it (fp32, contiguous, aligned: ``cpu.prepare_b``), kept on
+    the tensor with its ``_version`` (converted once per change)."""
+    from skyrl_numerics.kernels import cpu
+
     hit = getattr(w, "_skyrl_fp32", None)
     if hit is None or hit[0] != w._version:
-        hit = (w._version, w.detach().float())
+        hit = (w._version, cpu.prepare_b(w.detach().float().t()))
         w._skyrl_fp32 = hit
     return hit[1]
 
@@ -70,15 +73,41 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
         from skyrl_numerics.kernels import cpu
 
-        out = cpu.matmul_2d(x.reshape(-1, x.shape[-1]), _fp32_weight(w).t())
+        out = cpu.matmul_2d(x.reshape(-1, x.shape[-1]), _fp32_weight(w))[:, :w.shape[0]]
         return out.reshape(*x.shape[:-1], w.shape[0])
     return inv_matmul(x, w.t())
 
 
+def linear_many(x: torch.Tensor, ws) -> list[torch.Tensor]:
+    """``[linear(x, w) for w in ws]`` bit for bit; on the no-grad CPU path the row blocks of
+    ``x`` are built once for all the weights (q/k/v projections of one input)."""
+    from skyrl_numerics.kernels import cpu
+
+    if not (x.device.type == "cpu" and all(w.dtype == x.dtype for w in ws)
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in ws)))):
+        return [linear(x, w) for w in ws]
+    x2 = x.reshape(-1, x.shape[-1])
+    blocks, _ = cpu._row_blocks(x2.float())
+    M = x2.shape[0]
+    outs = []
+    for w in ws:
+        b = _fp32_weight(w)
+        o = cpu._gemm_blocks(blocks, b).view(-1, b.shape[1])[:M, :w.shape[0]].to(x.dtype)
+        outs.append(o.reshape(*x.shape[:-1], w.shape[0]))
+    return outs
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, per row in fp32, any leading shape."""
+    """RMSNorm over the last dim, per row in fp32, any leading shape (no-grad CPU: the kernel
+    itself, without the autograd wrapper; the same function computes it)."""
     lead = x.shape[:-1]
-    return _inv_rms_norm(x.reshape(-1, x.shape[-1]), w, eps).reshape(*lead, x.shape[-1])
+    x2 = x.reshape(-1, x.shape[-1])
+    if x.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+        from skyrl_numerics.kernels import cpu
+
+        return cpu.rms_norm(x2, w, eps)[0].reshape(*lead, x.shape[-1])
+    return _inv_rms_norm(x2, w, eps).reshape(*lead, x.shape[-1])
 
 
 # ---- RoPE -----------------------------------------------------------------------------------
@@ -124,11 +153,15 @@ class Rope:
              / _yarn_mscale(factor, float(rp.get("mscale_all_dim", 0)))) * attn_factor
         return cls(dim, inv, float(m), style)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x [T, H, dim]`` at ``positions [T]``, fp32 math, back to ``x.dtype``."""
+    def cos_sin(self, positions: torch.Tensor):
+        """``(cos, sin)`` ``[T, 1, dim/2]`` fp32 (times ``mscale``) at ``positions``."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]        # [T, dim/2]
-        cos = (freqs.cos() * self.mscale)[:, None, :]
-        sin = (freqs.sin() * self.mscale)[:, None, :]
+        return (freqs.cos() * self.mscale)[:, None, :], (freqs.sin() * self.mscale)[:, None, :]
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, cos_sin=None) -> torch.Tensor:
+        """Rotate ``x [T, H, dim]`` at ``positions [T]``, fp32 math, back to ``x.dtype``
+        (``cos_sin``: :meth:`cos_sin` of the same positions, to share it between q and k)."""
+        cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions)
         xf = x.float()
         if self.style == "neox":
             h = self.dim // 2
@@ -182,18 +215,118 @@ def swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     return linear(h, w_down)
 
 
-def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert) -> torch.Tensor:
+def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert,
+                   num_experts: int | None = None) -> torch.Tensor:
     """``sum_s weights[:, s] * expert(ids[:, s])(x)`` summed in slot order ``s = 0 .. k-1``.
 
     ``expert(e) -> (w_gate, w_up, w_down)``. Weights are cast to ``x.dtype`` before the products
-    (as the fused MoE kernels do); each token's result uses only its own rows."""
+    (as the fused MoE kernels do); each token's result uses only its own rows.
+
+    On CPU without autograd (the engine, and the trainer's no-grad logprobs) with
+    ``num_experts`` given, the experts run grouped (:func:`_grouped_expert_rows`): two GEMM calls
+    per layer instead of three per active expert. The bits are the per-expert loop's: every
+    GEMM of ``kernels.cpu`` is a row block of fixed shape on one thread, so which blocks share a
+    call does not change any result (tested against the loop)."""
     T, k = ids.shape
-    out = torch.zeros(T, k, x.shape[-1], dtype=x.dtype)
-    for e in torch.unique(ids).tolist():
-        tok, slot = (ids == e).nonzero(as_tuple=True)
-        out[tok, slot] = swiglu_mlp(x[tok], *expert(e))
+    if (num_experts is not None and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+            and not (torch.is_grad_enabled() and x.requires_grad)):
+        first = expert(0)[0]
+        if not (torch.is_grad_enabled() and first.requires_grad):
+            out = _grouped_expert_rows(x, ids, expert, num_experts)
+        else:
+            out = _looped_expert_rows(x, ids, expert)
+    else:
+        out = _looped_expert_rows(x, ids, expert)
     w = weights.to(x.dtype)
     acc = out[:, 0] * w[:, 0:1]
     for s in range(1, k):
         acc = acc + out[:, s] * w[:, s:s + 1]
     return acc
+
+
+def _looped_expert_rows(x, ids, expert) -> torch.Tensor:
+    """``out[t, s] = expert(ids[t, s])(x[t])`` ([T, k, hidden]), one expert at a time."""
+    T, k = ids.shape
+    out = torch.zeros(T, k, x.shape[-1], dtype=x.dtype)
+    for e in torch.unique(ids).tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        out[tok, slot] = swiglu_mlp(x[tok], *expert(e))
+    return out
+
+
+GROUPED_COPY_BYTES = 64 << 20   # above this, weights are not gathered per block (loop per expert)
+
+
+def _expert_stacks(expert, E: int):
+    """Every expert's prepared fp32 ``W^T`` stacked: ``gate_up [2E, H, Ip]`` (gates, then ups)
+    and ``down [E, I, Hp]``, cached on expert 0's gate weight with all 3E tensor versions; each
+    weight's own fp32 cache becomes a view into the stack (no second copy)."""
+    from skyrl_numerics.kernels import cpu
+
+    ws = [expert(e) for e in range(E)]
+    key = tuple(t._version for trio in ws for t in trio) + tuple(id(t) for t in ws[0])
+    hit = getattr(ws[0][0], "_skyrl_expert_stack", None)
+    if hit is not None and hit[0] == key:
+        return hit[1], hit[2]
+    gu = torch.stack([cpu.prepare_b(t.detach().float().t()) for t in
+                      [trio[0] for trio in ws] + [trio[1] for trio in ws]])
+    dn = torch.stack([cpu.prepare_b(trio[2].detach().float().t()) for trio in ws])
+    for e, (g, u, d) in enumerate(ws):
+        g._skyrl_fp32, u._skyrl_fp32 = (g._version, gu[e]), (u._version, gu[E + e])
+        d._skyrl_fp32 = (d._version, dn[e])
+    ws[0][0]._skyrl_expert_stack = (key, gu, dn)
+    return gu, dn
+
+
+def _grouped_expert_rows(x, ids, expert, E: int) -> torch.Tensor:
+    """The rows of :func:`_looped_expert_rows`, all experts at once: the (token, slot) pairs are
+    sorted by expert (stable), each expert's rows padded to whole ``ROW_BLOCK`` blocks, and every
+    block runs against its expert's weight — gate and up in one call, down in a second."""
+    from skyrl_numerics.kernels import cpu
+
+    T, k = ids.shape
+    H = x.shape[-1]
+    RB = cpu.ROW_BLOCK
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    e_sorted = flat[order]
+    counts = torch.bincount(flat, minlength=E)
+    nblk = (counts + RB - 1) // RB                                   # blocks per expert
+    first_blk = torch.cumsum(nblk, 0) - nblk
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(flat.numel()) - starts[e_sorted]
+    dest = first_blk[e_sorted] * RB + rank                           # row in the block buffer
+    n = int(nblk.sum())
+    blk_expert = torch.repeat_interleave(torch.arange(E), nblk)      # [n]
+    gu, dn = _expert_stacks(expert, E)
+    I = expert(0)[0].shape[0]
+    a = torch.zeros(n * RB, H, dtype=torch.float32)
+    a[dest] = x[order // k].float()
+    a = a.view(n, RB, H)
+    copy_bytes = 2 * n * gu.shape[1] * gu.shape[2] * 4
+    if copy_bytes <= GROUPED_COPY_BYTES:
+        r = cpu._gemm_blocks(torch.cat([a, a]), gu, torch.cat([blk_expert, blk_expert + E]))
+        g, u = r[:n], r[n:]
+    else:
+        g = torch.empty(n, RB, gu.shape[2])
+        u = torch.empty(n, RB, gu.shape[2])
+        lo = 0
+        for e, c in enumerate(nblk.tolist()):
+            if c:
+                g[lo:lo + c] = cpu._gemm_blocks(a[lo:lo + c], gu[e])
+                u[lo:lo + c] = cpu._gemm_blocks(a[lo:lo + c], gu[E + e])
+                lo += c
+    h = (torch.nn.functional.silu(g[..., :I].to(x.dtype)) * u[..., :I].to(x.dtype)).float()
+    if copy_bytes <= GROUPED_COPY_BYTES:
+        y = cpu._gemm_blocks(h.contiguous(), dn, blk_expert)
+    else:
+        y = torch.empty(n, RB, dn.shape[2])
+        lo = 0
+        for e, c in enumerate(nblk.tolist()):
+            if c:
+                y[lo:lo + c] = cpu._gemm_blocks(h[lo:lo + c].contiguous(), dn[e])
+                lo += c
+    rows = y.view(n * RB, -1)[dest, :H].to(x.dtype)                 # sorted (token, slot) order
+    out = torch.empty(T * k, H, dtype=x.dtype)
+    out[order] = rows
+    return out.view(T, k, H)

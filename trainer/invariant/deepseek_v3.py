@@ -227,7 +227,8 @@ class InvariantDeepseekV3(InvariantCausalLM):
             w, ids = softmax_topk(logits, d.top_k, d.norm_topk_prob)
             w = w * d.routed_scaling
         self._route(i - d.first_dense, ids)
-        out = routed_experts(x, ids, w, lambda e: self._mlp(p + f"experts.{e}."))
+        out = routed_experts(x, ids, w, lambda e: self._mlp(p + f"experts.{e}."),
+                             num_experts=d.experts)
         if d.n_shared:
             out = out + swiglu_mlp(x, *self._mlp(p + "shared_experts."))
         return out
