@@ -267,6 +267,8 @@ def _layout_of(t, P: str, int4_group: int | None = None):
     from .qat_inputs import Spec
     has = lambda sfx: P + sfx in t                                                   # noqa: E731
     dt = t.meta[P][0] if P in t else None
+    if has("_blocks") or has("_scales"):
+        return Spec("gpt_oss_mxfp4", "tensor names", block=(1, 32))
     if has("_scale_2"):
         return Spec("modelopt_nvfp4", "tensor names")
     if has("_global_scale"):

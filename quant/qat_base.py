@@ -48,12 +48,13 @@ from skyrl_numerics.errors import InputError
 from . import codecs as C
 from .api import quantize
 from .qat_inputs import (ALL_SUFFIXES, LAYOUTS, Spec, Tensors, check_unclaimed, ct_top_level, ct_weights_spec,
-                         deepseek_spec, modelopt_spec, read_json, read_param, stored_weights)
-from .qat_schemes import ct_group_of, fusion_group, global_matches, module_of, nvfp4_global_candidates
+                         deepseek_spec, modelopt_spec, mxfp4_spec, read_json, read_param, stored_weights)
+from .qat_schemes import (ct_group_of, fusion_group, global_matches, module_of, not_converted,
+                          nvfp4_global_candidates)
 from .qtensor import QTensor
 
 LINEAR = ("Linear",)       # class of a stored weight's module: a Linear layer (or a fused expert stack)
-SCHEMES = ("ct_int4", "ct_nvfp4", "ct_fp8", "modelopt_nvfp4", "modelopt_fp8", "deepseek_fp8_block")
+SCHEMES = ("ct_int4", "ct_nvfp4", "ct_fp8", "modelopt_nvfp4", "modelopt_fp8", "deepseek_fp8_block", "gpt_oss_mxfp4")
 
 
 @dataclass
@@ -119,6 +120,9 @@ def detect_scheme(quant_dir) -> Scheme:
         kinds = sorted({sp.kind for sp in specs})
         kind = kinds[0] if len(kinds) == 1 and len(specs) == 1 else "compressed-tensors groups: " + ", ".join(kinds)
         return Scheme(kind, src, specs, targets, list(qc.get("ignore") or []))
+    if method == "mxfp4":
+        spec = mxfp4_spec(qc, src)
+        return Scheme("gpt_oss_mxfp4", src, [spec], ignore=list(qc.get("modules_to_not_convert") or []))
     if method == "fp8":
         return Scheme("deepseek_fp8_block", src, [deepseek_spec(qc, src)])
     raise InputError(f"unknown quant_method {method!r} in {src}; supported: compressed-tensors, modelopt, fp8",
@@ -143,11 +147,12 @@ def _spec_for(P: str, scheme: Scheme, t: Tensors) -> Spec:
             raise InputError(f"{P}: stored quantized, but no config group's targets match module {module_of(P)} "
                              f"({scheme.source})", field="targets", source=t.src(P) or t.src(P + "_packed"))
         return scheme.specs[gi]
-    if scheme.kind.startswith("modelopt") and scheme.ignore:
-        pat = _excluded(P, scheme.ignore)
+    if (scheme.kind.startswith("modelopt") or scheme.kind == "gpt_oss_mxfp4") and scheme.ignore:
+        pat = _excluded(P, scheme.ignore) if scheme.kind.startswith("modelopt") else not_converted(P, scheme.ignore)
         if pat is not None:
-            raise InputError(f"{P}: stored quantized, but exclude_modules pattern {pat!r} ({scheme.source}) "
-                             f"says its module stays unquantized", field="exclude_modules", source=t.src(P))
+            raise InputError(f"{P}: stored quantized, but the pattern {pat!r} ({scheme.source}) "
+                             f"says its module stays unquantized", source=t.src(P),
+                             field="exclude_modules" if scheme.kind.startswith("modelopt") else "modules_to_not_convert")
     return scheme.specs[0]
 
 
@@ -230,7 +235,7 @@ def _base_tensor(name: str, base: Tensors) -> tuple[str, torch.Tensor]:
 
 
 def _code_bits(q: QTensor) -> torch.Tensor:
-    if q.recipe == "nvfp4":
+    if q.recipe in ("nvfp4", "mxfp4"):
         return C.unpack_fp4(q.codes)
     c = q.codes
     return c.view(torch.uint8) if c.dtype.itemsize == 1 and c.is_floating_point() else c
@@ -241,6 +246,9 @@ def _scale_bits(s: torch.Tensor) -> torch.Tensor:
 
 
 def _requantize_from_base(q: QTensor, w: torch.Tensor, observer) -> QTensor:
+    """``observer``: compressed-tensors NVFP4 statistics dtype, or the MXFP4 scale mode."""
+    if q.recipe == "mxfp4":
+        return quantize(w, "mxfp4", scale_mode=observer)
     if q.recipe == "nvfp4":
         opts = {"convention": q.opts["convention"], "global_scale": q.global_scale}
         if q.opts["convention"] == "compressed_tensors":
@@ -261,6 +269,7 @@ class QATBaseReport:
     base_dir: str
     scheme: str
     observer_dtype: str | None = None
+    mx_scale_mode: str | None = None
     rows: list[dict] = field(default_factory=list)
 
     @property
@@ -279,13 +288,14 @@ class QATBaseReport:
 
     def to_dict(self) -> dict:
         return {"quant_dir": self.quant_dir, "base_dir": self.base_dir, "scheme": self.scheme,
-                "observer_dtype": self.observer_dtype, "ok": self.ok, "summary": self.summary(),
+                "observer_dtype": self.observer_dtype, "mx_scale_mode": self.mx_scale_mode, "ok": self.ok, "summary": self.summary(),
                 "first_mismatch": self.first_mismatch, "rows": self.rows}
 
     def to_text(self) -> str:
         s = self.summary()
         head = (f"qat-check {self.quant_dir} --base {self.base_dir}: scheme {self.scheme}"
                 + (f" (observer {self.observer_dtype})" if self.observer_dtype else "")
+                + (f" (scale mode {self.mx_scale_mode})" if self.mx_scale_mode else "")
                 + f": {'OK' if self.ok else 'MISMATCH'}, {s['exact']} of {s['tensors']} tensors exact")
         lines = [head]
         for r in self.rows:
@@ -306,6 +316,8 @@ def _rows(qts: dict[str, QTensor], base: Tensors, observer) -> list[dict]:
     for name in sorted(qts):
         q = qts[name]
         bname, w = _base_tensor(name, base)
+        if q.opts.get("base_layout") == "in_out" and w.dim() == 2:      # HF GptOss: [in, out] per expert
+            bname, w = f"{bname}.T", w.transpose(0, 1)
         if not w.is_floating_point():
             raise InputError(f"{name}: base tensor {bname} is {w.dtype}, expected a floating-point weight", field=name)
         if tuple(w.shape) != tuple(q.shape):
@@ -336,12 +348,18 @@ def _rows(qts: dict[str, QTensor], base: Tensors, observer) -> list[dict]:
     return rows
 
 
-def qat_check_base(quant_dir, base_dir, observer: str = "auto") -> QATBaseReport:
+MX_SCALE_MODES = ("floor", "rceil")
+
+
+def qat_check_base(quant_dir, base_dir, observer: str = "auto", mx_scale_mode: str = "auto") -> QATBaseReport:
     """Fake-quantize BASE_DIR's weights with QUANT_DIR's scheme and compare codes and scales
     bitwise (module doc). ``observer`` (compressed-tensors NVFP4 only): ``"auto"``, ``"weight"``
     (statistics in the base weight's dtype) or ``"float32"``."""
     if observer not in ("auto", "weight", "float32"):
         raise InputError(f"observer must be auto, weight or float32, got {observer!r}", field="observer")
+    if mx_scale_mode != "auto" and mx_scale_mode not in MX_SCALE_MODES:
+        raise InputError(f"mx_scale_mode must be auto or one of {MX_SCALE_MODES}, got {mx_scale_mode!r}",
+                         field="mx_scale_mode")
     scheme = detect_scheme(quant_dir)
     bdir = Path(base_dir)
     if not bdir.is_dir():
@@ -349,6 +367,12 @@ def qat_check_base(quant_dir, base_dir, observer: str = "auto") -> QATBaseReport
     base = Tensors(bdir, "base_dir")
     qts = quantized_tensors(quant_dir, scheme)
     rep = QATBaseReport(str(quant_dir), str(base_dir), scheme.kind)
+    if scheme.kind == "gpt_oss_mxfp4":
+        modes = [mx_scale_mode] if mx_scale_mode != "auto" else list(MX_SCALE_MODES)
+        best = max(((sum(r["exact"] for r in rows), -i, m, rows) for i, m in enumerate(modes)
+                    for rows in [_rows(qts, base, m)]), key=lambda b: b[:2])
+        rep.rows, rep.mx_scale_mode = best[3], best[2]
+        return rep
     if all(sp.kind != "ct_nvfp4" for sp in scheme.specs):
         rep.rows = _rows(qts, base, None)
         return rep

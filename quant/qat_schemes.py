@@ -94,3 +94,19 @@ def ct_group_of(P: str, classes, scheme) -> tuple[int | None, str | None]:
             owner[t] = i
     hits = ct_targets_match(mod, classes, list(owner))
     return (owner[hits[0]], hits[0]) if hits else (None, None)
+
+
+def not_converted(P: str, patterns) -> str | None:
+    """The ``modules_to_not_convert`` entry that keeps ``P``'s module in bf16, by transformers'
+    ``should_convert_module``: the pattern ``re.match``-es the module name (as a prefix), or the
+    name ends with it. ``P``'s module is its name without the last component."""
+    from skyrl_numerics.errors import InputError
+    for name in (P.rsplit(".", 1)[0], P):
+        for k in patterns:
+            try:
+                if re.match(f"{k}\\.", name) or re.match(k, name) or name.endswith(k):
+                    return k
+            except re.error as e:
+                raise InputError(f"modules_to_not_convert entry {k!r} is not a valid regex: {e}",
+                                 field="modules_to_not_convert") from None
+    return None
