@@ -612,3 +612,71 @@ def test_numba_kernel_any_chunking_property(batch, seed, chunk, threads, padded)
     else:
         tok = gap.normalize(a, b, None, np.concatenate([[0], np.cumsum(lens)]))
     _both_kernels(tok, chunk=chunk, threads=threads)
+
+
+@pytest.mark.parametrize("top", [1e-4, 2e-3, 1 / 64])
+def test_numba_kernel_bitwise_at_every_taylor_order(top):
+    """The kernel always runs the degree-7 Horner form with zero coefficients above K; numpy
+    runs the degree-K form: the same bits at K = 4, 5, 6."""
+    rng = np.random.default_rng(3)
+    d = rng.uniform(top / 20, top, 300_000) * rng.choice([-1, 1], 300_000)
+    b = -rng.uniform(1, 5, 300_000)
+    tok = gap.normalize(b + d, b, None, _cu(300_000, rng))
+    _both_kernels(tok, threads=2)
+
+
+def test_numpy_lane_sums_are_sequential_per_lane():
+    """The order both scans use: ``reshape(-1, LANES).sum(axis=0)`` adds row after row."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=fast.LANES * 300) * np.exp(rng.normal(0, 8, fast.LANES * 300))
+    acc = np.zeros(fast.LANES)
+    for row in x.reshape(-1, fast.LANES):
+        acc = acc + row
+    assert np.array_equal(x.reshape(-1, fast.LANES).sum(axis=0), acc)
+    h, y = fast.LANES, acc.copy()
+    while h > 1:
+        h //= 2
+        y = y[:h] + y[h:2 * h]
+    assert fast._fold(acc) == y[0]
+
+
+def test_kernel_selection_and_fallbacks(monkeypatch):
+    rng = np.random.default_rng(8)
+    a, b = _synthetic(20_000, 1e-3, rng)
+    tok = gap.normalize(a, b, None, _cu(20_000, rng))
+    monkeypatch.setenv("SKYRL_NUMERICS_NUMBA", "0")
+    assert fast._pick_kernel(tok, "auto") is None
+    monkeypatch.delenv("SKYRL_NUMERICS_NUMBA")
+    if _has_numba():
+        from skyrl_numerics import _gap_numba
+        assert fast._pick_kernel(tok, "auto") is _gap_numba        # the default when numba imports
+        assert _gap_numba.LANES == fast.LANES
+        # float16 (or non-contiguous) arrays: numpy under "auto", an error when numba is asked for
+        tok16 = gap.normalize(a.astype(np.float16), b.astype(np.float16), None, None)
+        assert fast._pick_kernel(tok16, "auto") is None
+        with pytest.raises(ValueError):
+            fast._pick_kernel(tok16, "numba")
+    monkeypatch.setattr(fast, "_NB", False)                        # numba missing
+    assert fast._pick_kernel(tok, "auto") is None
+    with pytest.raises(ImportError):
+        fast._pick_kernel(tok, "numba")
+    with pytest.raises(ValueError):
+        fast._pick_kernel(tok, "cuda")
+
+
+def test_numba_kernels_cache_to_numba_cache_dir(tmp_path):
+    """Compiled once, then loaded from disk: NUMBA_CACHE_DIR (or numba's own fallbacks for a
+    read-only install) receives the kernels."""
+    pytest.importorskip("numba")
+    import os
+    import subprocess
+    import sys
+
+    code = ("import numpy as np; from skyrl_numerics import gap; rng = np.random.default_rng(0); "
+            "b = -rng.random(300_000); a = np.minimum(b + rng.normal(0, 1e-3, b.size), 0); "
+            "print(gap.measure(a, b, cu_seqlens=np.array([0, 1000, 300_000])).n_tokens)")
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    env.pop("SKYRL_NUMERICS_NUMBA", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "300000"
+    assert list(tmp_path.rglob("*_gap_numba*.nbi")) and list(tmp_path.rglob("*.nbc"))
