@@ -51,6 +51,35 @@ def test_doctor_fake_quant_rows(tmp_path, vllm_qwen, capsys):
     assert matched["kl_k3"] < plain["kl_k3"]
 
 
+def test_doctor_serves_fake_quant_weights_in_place_like_a_fresh_engine(tmp_path, vllm_qwen):
+    """The fake-quant scenarios load their weights into the shared engine in place (no engine
+    start) and load the original ones back: the rollout is a fresh engine's on the served
+    checkpoint bit for bit, and the shared engine afterwards samples what it sampled before."""
+    from skyrl_numerics.doctor import SCENARIOS, _ServedInPlace, make_prompts
+    from skyrl_numerics.trainer import VLLMGenerator
+
+    spec = SCENARIOS["nvfp4 experts"]
+    assert spec.weights_only
+    model_dir = vllm_qwen.model_dir
+    served = spec.serve(model_dir)
+    prompts = make_prompts(4, 12, vllm_qwen.vocab_size, seed=3)
+    before = vllm_qwen.generate(prompts, max_tokens=16, seed=5)
+    with _ServedInPlace(vllm_qwen, model_dir, served) as eng:
+        assert eng is vllm_qwen and any(".mlp.experts." in n for n in _ServedInPlace(
+            vllm_qwen, model_dir, served).changed)
+        in_place = eng.generate(prompts, max_tokens=16, seed=5)
+    after = vllm_qwen.generate(prompts, max_tokens=16, seed=5)
+    assert after.rollout_logprobs.tobytes() == before.rollout_logprobs.tobytes()
+    assert in_place.rollout_logprobs.tobytes() != before.rollout_logprobs.tobytes()
+    fresh = VLLMGenerator(served, capture_routes=True)
+    try:
+        ref = fresh.generate(prompts, max_tokens=16, seed=5)
+    finally:
+        fresh.close()
+    assert ref.response_tokens.tobytes() == in_place.response_tokens.tobytes()
+    assert ref.rollout_logprobs.tobytes() == in_place.rollout_logprobs.tobytes()
+
+
 def test_doctor_batch_invariant_row(tmp_path, vllm_qwen_invariant):
     out = tmp_path / "bi"
     row = "+ batch-invariant (trainer and vLLM)"
