@@ -74,13 +74,15 @@ def _atomic_json(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _quantize_matrix(w: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
-    """``{suffix: tensor}`` for one 2-D matrix in ``fmt`` (suffixes appended to the param name)."""
+def _quantize_matrix(w: torch.Tensor, fmt: str, global_amax=None) -> dict[str, torch.Tensor]:
+    """``{suffix: tensor}`` for one 2-D matrix in ``fmt`` (suffixes appended to the param name).
+    ``global_amax`` (NVFP4 only): the amax the per-tensor global is computed from, e.g. the max
+    over the projections serving fuses (q/k/v, gate/up); default: this matrix's own."""
     if fmt == "modelopt_nvfp4":
-        q = quantize(w, "nvfp4", convention="modelopt")
+        q = quantize(w, "nvfp4", convention="modelopt", global_amax=global_amax)
         return {"": q.codes, "_scale": q.scales, "_scale_2": q.global_scale.reshape(())}
     if fmt == "ct_nvfp4":
-        q = quantize(w, "nvfp4", convention="compressed_tensors")
+        q = quantize(w, "nvfp4", convention="compressed_tensors", global_amax=global_amax)
         return {"_packed": q.codes, "_scale": q.scales, "_global_scale": q.global_scale.reshape(1)}
     if fmt in ("ct_int4", "ct_int4_g128"):
         q = quantize(w, "int4_g32", group=128 if fmt == "ct_int4_g128" else 32)
@@ -97,18 +99,19 @@ def _quantize_matrix(w: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
     raise InputError(f"unknown checkpoint format {fmt!r}; expected one of {FORMATS}", field="fmt")
 
 
-def quantize_weight_tensors(name: str, w: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
+def quantize_weight_tensors(name: str, w: torch.Tensor, fmt: str, global_amax=None) -> dict[str, torch.Tensor]:
     """The checkpoint tensors for one weight ``name`` in ``fmt``: a 2-D ``*.weight`` matrix, or a
     3-D ``[E, out, in]`` stack of expert matrices (each quantized on its own, results stacked;
-    per-expert globals ``[E]``)."""
+    per-expert globals ``[E]``). ``global_amax`` (NVFP4): a scalar, or ``[E]`` for a stack."""
     if fmt not in FORMATS:
         raise InputError(f"unknown checkpoint format {fmt!r}; expected one of {FORMATS}", field="fmt")
     if w.dim() == 2 and name.endswith(".weight"):
-        return {name + k: v for k, v in _quantize_matrix(w, fmt).items()}
+        return {name + k: v for k, v in _quantize_matrix(w, fmt, global_amax).items()}
     if w.dim() != 3:
         raise InputError(f"expected a 2-D '*.weight' tensor or a 3-D [E, out, in] expert stack, got {name} "
                          f"with shape {tuple(w.shape)}", field=name)
-    per = [_quantize_matrix(w[e], fmt) for e in range(w.shape[0])]
+    per = [_quantize_matrix(w[e], fmt, None if global_amax is None else global_amax[e])
+           for e in range(w.shape[0])]
     out = {}
     for k in per[0]:
         if k == "_shape":

@@ -331,7 +331,58 @@ def test_other_formats_round_trip_over_deltas(tmp_path, fmt):
     pub.publish(s0)
     assert not pub.publish(s1).is_full
     rec.sync()
+    grouped = {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.v_proj.weight"}
+    want, _ = serving_state(s1, fmt)
     for n in pub.last_quantized:
-        for k, v in quantize_weight_tensors(n, s1[n], fmt).items():
-            assert raw(rec.state[k]) == raw(v) and rec.state[k].dtype == v.dtype, k
+        ref = quantize_weight_tensors(n, s1[n], fmt)
+        for k, v in ref.items():
+            assert raw(rec.state[k]) == raw(want[k]) and rec.state[k].dtype == v.dtype, k
+            # NVFP4: q and v share their global (fused qkv), so they differ from the per-tensor writer
+            assert (raw(want[k]) == raw(v)) or (fmt == "modelopt_nvfp4" and n in grouped), k
     assert sorted(check_serving_tensors(rec.state, fmt)) == sorted(pub.last_quantized)
+
+
+@pytest.mark.parametrize("fmt,conv,gsfx", [("ct_nvfp4", "compressed_tensors", "_global_scale"),
+                                           ("modelopt_nvfp4", "modelopt", "_scale_2")])
+def test_nvfp4_fused_projections_share_one_global(fmt, conv, gsfx):
+    """q/k/v and gate/up (per expert for 3-D stacks too) get one global from the group's amax,
+    as modelopt's export (``preprocess_linear_fusion``: max of the members' amax) and vLLM's
+    fused qkv_proj / gate_up_proj need; each member's codes and scales are then
+    ``quantize(w, "nvfp4", global_amax=group amax)`` bit for bit. A projection outside any group
+    (o_proj) keeps its own global."""
+    from skyrl_numerics.trainer.sync.serving import fused_group
+
+    g = torch.Generator().manual_seed(7)
+    r = lambda *s, a=0.02: (torch.randn(*s, generator=g) * a).bfloat16()
+    p = "model.layers.3."
+    st = {p + "self_attn.q_proj.weight": r(64, 128), p + "self_attn.k_proj.weight": r(32, 128, a=0.2),
+          p + "self_attn.v_proj.weight": r(32, 128), p + "self_attn.o_proj.weight": r(128, 64),
+          p + "mlp.experts.1.gate_proj.weight": r(48, 128), p + "mlp.experts.1.up_proj.weight": r(48, 128, a=0.1),
+          p + "mlp.experts.gate_proj": r(3, 48, 128), p + "mlp.experts.up_proj": r(3, 48, 128, a=0.07)}
+    out, done = serving_state(st, fmt)
+    assert sorted(done) == sorted(st)
+    groups = {}
+    for n in st:
+        groups.setdefault(fused_group(n), []).append(n)
+    assert fused_group(p + "self_attn.o_proj.weight") is None
+    assert len(groups[p + "self_attn.qkv"]) == 3 and len(groups[p + "mlp.experts.1.gate_up"]) == 2
+    assert len(groups[p + "mlp.experts.gate_up"]) == 2        # the two 3-D stacks, per expert
+    for key, members in groups.items():
+        for n in members:
+            stack = st[n].dim() == 3
+            amax = torch.stack([st[x].float().abs().flatten(int(stack)).amax(-1) for x in members]).amax(0)
+            mats = list(st[n]) if stack else [st[n]]
+            for e, m in enumerate(mats):
+                ga = (amax[e] if stack else amax) if key is not None else None
+                q = quantize(m, "nvfp4", convention=conv, global_amax=ga)
+                code = out[n + ("_packed" if fmt == "ct_nvfp4" else "")]
+                assert raw(q.codes) == raw(code[e] if stack else code), (n, e)
+                assert raw(q.scales) == raw(out[n + "_scale"][e] if stack else out[n + "_scale"]), (n, e)
+                glob = out[n + gsfx].reshape(-1)[e if stack else 0]
+                assert raw(q.global_scale.reshape(())) == raw(glob.reshape(())), (n, e)
+        if key is not None:   # one global per group (per expert)
+            globs = [out[n + gsfx].reshape(-1) for n in members]
+            assert all(raw(x) == raw(globs[0]) for x in globs), key
+    # the k_proj amax (10x) sets the qkv global: q's own global would differ
+    own = quantize(st[p + "self_attn.q_proj.weight"], "nvfp4", convention=conv).global_scale
+    assert raw(own.reshape(())) != raw(out[p + "self_attn.q_proj.weight" + gsfx].reshape(()))

@@ -76,10 +76,56 @@ def make_selector(quantize: Callable[[str], bool] | Iterable[str] | None) -> Cal
                             and any(fnmatch.fnmatchcase(name, p) for p in pats))
 
 
+#: projections serving fuses into one GEMM (vLLM's qkv_proj / gate_up_proj / fused_qkv_a_proj)
+_FUSED = re.compile(r"^(?P<pre>.*\.)(?:(?P<qkv>q|k|v)_proj|(?P<gu>gate|up)_proj|"
+                    r"(?P<mla>q_a_proj|kv_a_proj_with_mqa))(?:\.weight)?$")   # 3-D stacks: no .weight
+
+
+def fused_group(name: str) -> str | None:
+    """The fusion group of a weight name (``<prefix>qkv``, ``<prefix>gate_up``, ``<prefix>qkv_a``)
+    or None. NVFP4 writers give every member of a group one per-tensor global, computed from the
+    group's amax (modelopt ``preprocess_linear_fusion``: max of the members' amax; llm-compressor
+    updates fused layers' global scales the same way), because the fused GEMM has one."""
+    m = _FUSED.match(name)
+    if m is None:
+        return None
+    kind = "qkv" if m["qkv"] else "gate_up" if m["gu"] else "qkv_a"
+    return m["pre"] + kind
+
+
+def _group_amax(state: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
+    """``{name: amax}`` shared within each fusion group (max over the members; per expert for
+    3-D stacks); a group whose members are not all 2-D or all stacks of one expert count is left
+    alone (each member its own global)."""
+    import torch
+
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        g = fused_group(n)
+        if g is not None:
+            groups.setdefault(g, []).append(n)
+    out = {}
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        if len({(state[n].dim(), state[n].shape[0] if state[n].dim() == 3 else 0)
+                for n in members}) != 1:
+            continue      # a 2-D and a 3-D member, or stacks of other expert counts
+        amax = None
+        for n in members:
+            t = state[n].detach().float().abs()
+            a = t.amax() if t.dim() == 2 else t.flatten(1).amax(1)
+            amax = a if amax is None else torch.maximum(amax, a)
+        out.update({n: amax for n in members})
+    return out
+
+
 def serving_state(state: Mapping[str, Any], fmt: str, select: Callable[[str, Any], bool] = default_selector
                   ) -> tuple[dict[str, Any], list[str]]:
     """``(tensors, quantized_names)``: ``state`` with each selected weight replaced by its serving
-    tensors in ``fmt`` (bitwise what ``quant.quantize`` gives for the format's recipe)."""
+    tensors in ``fmt`` (bitwise what ``quant.quantize`` gives for the format's recipe). NVFP4:
+    the members of a fusion group (:func:`fused_group`) share one global, from the group's amax
+    (``quantize(w, "nvfp4", global_amax=max amax)``)."""
     import torch
 
     from skyrl_numerics.quant.checkpoint import quantize_weight_tensors
@@ -89,6 +135,11 @@ def serving_state(state: Mapping[str, Any], fmt: str, select: Callable[[str, Any
         return dict(state), []
     out: dict[str, Any] = {}
     done: list[str] = []
+    shared = {}
+    if fmt in ("ct_nvfp4", "modelopt_nvfp4"):
+        picked = [n for n, t in state.items() if isinstance(t, torch.Tensor) and select(n, t)
+                  and bool(torch.isfinite(t).all())]
+        shared = _group_amax(state, picked)
     for name, t in state.items():
         if not isinstance(t, torch.Tensor):
             raise InputError(f"expected a torch.Tensor, got {type(t).__name__}", field=name)
@@ -102,7 +153,7 @@ def serving_state(state: Mapping[str, Any], fmt: str, select: Callable[[str, Any
             raise InputError(f"tensor {name!r}: non-finite weight at flat index {idx}: its {fmt} scales "
                              "would not be finite", field=name, index=idx)
         try:
-            q = quantize_weight_tensors(name, t.detach().cpu().contiguous(), fmt)
+            q = quantize_weight_tensors(name, t.detach().cpu().contiguous(), fmt, shared.get(name))
         except InputError as e:
             raise InputError(f"tensor {name!r} in {fmt}: {e.message}", field=name) from None
         except (ValueError, RuntimeError) as e:
