@@ -20,6 +20,10 @@ $(STAMP): pyproject.toml Makefile
 	# test-only vendor references for the NVFP4 / MX conventions (tests/quant/test_vendor_conventions.py):
 	# their reference quantization code runs on CPU; --no-deps keeps their GPU/CLI deps out.
 	$(BIN)/python -m pip install -q --no-deps "torchao==0.18.0" "nvidia-modelopt==0.47.0"
+	# modelopt's HF export (tests/quant/test_modelopt_export.py) also imports these; kept in their own
+	# folder, put on the path of the export's child process only.
+	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(VENV)/modelopt-export-deps \
+		"omegaconf==2.4.0" "pulp==3.3.2" "nvidia-ml-py==13.615.71" "scipy==1.17.1"
 	$(BIN)/python -c "import torch, vllm, transformers, triton; print('torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
 	touch $(STAMP)
 

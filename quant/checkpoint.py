@@ -88,6 +88,10 @@ def _quantize_matrix(w: torch.Tensor, fmt: str, global_amax=None) -> dict[str, t
         q = quantize(w, "int4_g32", group=128 if fmt == "ct_int4_g128" else 32)
         return {"_packed": pack_int4_to_int32(q.codes), "_scale": q.scales,
                 "_shape": torch.tensor(list(w.shape), dtype=torch.int64)}
+    if fmt == "modelopt_fp8":                  # modelopt's export: the quotient rounds in the weight dtype
+        from .qat_schemes import modelopt_fp8_quantize
+        q = modelopt_fp8_quantize(w)
+        return {"": q.codes, "_scale": q.scales.reshape(())}
     if fmt in ("ct_fp8_channel", "ct_fp8_block", "modelopt_fp8"):
         block = {"ct_fp8_channel": (1, -1), "ct_fp8_block": (128, 128), "modelopt_fp8": (-1, -1)}[fmt]
         sd = torch.float32 if fmt == "modelopt_fp8" else w.dtype      # ct: observer (= scale) dtype

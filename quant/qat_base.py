@@ -49,8 +49,8 @@ from . import codecs as C
 from .api import quantize
 from .qat_inputs import (ALL_SUFFIXES, LAYOUTS, Spec, Tensors, check_unclaimed, ct_top_level, ct_weights_spec,
                          deepseek_spec, modelopt_spec, mxfp4_spec, read_json, read_param, stored_weights)
-from .qat_schemes import (ct_group_of, fusion_group, global_matches, module_of, not_converted,
-                          nvfp4_global_candidates)
+from .qat_schemes import (ct_group_of, fusion_group, global_matches, modelopt_fp8_quantize, module_of,
+                          not_converted, nvfp4_global_candidates)
 from .qtensor import QTensor
 
 LINEAR = ("Linear",)       # class of a stored weight's module: a Linear layer (or a fused expert stack)
@@ -256,6 +256,8 @@ def _requantize_from_base(q: QTensor, w: torch.Tensor, observer) -> QTensor:
         return quantize(w, "nvfp4", **opts)
     if q.recipe == "int4_g32":
         return quantize(w, "int4_g32", group=q.opts["group"], scale_dtype=q.scales.dtype)
+    if q.opts.get("modelopt_export"):
+        return modelopt_fp8_quantize(w)
     if q.recipe == "fp8_block":
         return quantize(w, "fp8_block", block=q.opts["block"])
     return quantize(w, "fp8_channel", block=q.opts["block"], scale_dtype=q.opts["scale_dtype"])

@@ -403,7 +403,7 @@ def _qtensors(P, spec: Spec, codes, scales, glob, shape, dtype) -> dict[str, QTe
             block = (-1, -1) if spec.kind == "modelopt_fp8" else spec.block
             sd = torch.float32 if spec.kind == "modelopt_fp8" else s.dtype
             out[n] = QTensor("fp8_channel", c, s.reshape(-1, 1) if s.dim() < 2 else s, None, block, shp, dtype,
-                             {"block": block, "scale_dtype": sd})
+                             {"block": block, "scale_dtype": sd, "modelopt_export": spec.kind == "modelopt_fp8"})
     return out
 
 

@@ -110,3 +110,16 @@ def not_converted(P: str, patterns) -> str | None:
                 raise InputError(f"modules_to_not_convert entry {k!r} is not a valid regex: {e}",
                                  field="modules_to_not_convert") from None
     return None
+
+
+def modelopt_fp8_quantize(w: torch.Tensor):
+    """FP8 per-tensor weights as modelopt 0.47's HF export writes them (``to_quantized_weight``):
+    ``s = fl(amax / 448)`` (float32 0-d, ``weight_scale``) and ``codes = (w / s).to(e4m3)`` with
+    torch's promotion rules: a 0-d float32 scale does not promote a bf16 weight, so the quotient is
+    rounded to bf16 before the FP8 cast (a float32 division differs in a few % of the codes of a
+    bf16 weight)."""
+    from .api import quantize
+    q = quantize(w, "fp8_channel", block=(-1, -1), scale_dtype=torch.float32)
+    q.codes = (w / q.scales.reshape(())).to(torch.float8_e4m3fn)
+    q.opts["modelopt_export"] = True
+    return q
