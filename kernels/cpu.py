@@ -175,6 +175,30 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) 
     return out.view(B, nb * ROW_BLOCK, Np)[:, :M, :N].to(out_dtype or a.dtype)
 
 
+def _bmm_views(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:func:`bmm` without copying ``b``: its matrices go to the GEMM as the views they are (MKL
+    reads their strides: e.g. key blocks transposed). The row blocks are :func:`bmm`'s. For the
+    bits to be independent of M and B the caller passes ``b`` in one layout for every call of
+    one role (attention: key blocks always transposed, value blocks always as stored). Needs fp32
+    ``b`` with every matrix 64-byte aligned and N >= ``MIN_ROWS``; otherwise it is :func:`bmm`
+    (decided by dtype, shape and layout, which are fixed per role)."""
+    B, M, K = a.shape
+    N = b.shape[2]
+    if (b.dtype != torch.float32 or N < MIN_ROWS or b.data_ptr() % _ALIGN
+            or (b.stride(0) * 4) % _ALIGN or min(b.stride(1), b.stride(2)) != 1):
+        return bmm(a, b, out_dtype)
+    blocks, nb = _row_blocks(a)
+    if nb == 1:
+        out = _gemm_blocks(blocks, b).view(B, ROW_BLOCK, N)
+    else:  # one call per row block, so every call sees b's own matrices (never a gathered copy)
+        by = blocks.view(B, nb, ROW_BLOCK, K)
+        out = torch.empty((B, nb, ROW_BLOCK, N), dtype=blocks.dtype)
+        for j in range(nb):
+            out[:, j] = _gemm_blocks(by[:, j], b)
+        out = out.view(B, nb * ROW_BLOCK, N)
+    return out[:, :M].to(out_dtype or a.dtype)
+
+
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Rows offsets[e]:offsets[e+1] of x times w[e] (K, N), one invariant GEMM per expert."""
     out = torch.zeros((x.shape[0], w.shape[2]), dtype=x.dtype)
@@ -328,9 +352,10 @@ def attention(q, k, v, causal: bool = True, scale: float | None = None, block_n:
     g = H // Hkv
     qf = (q.float() if q.dtype == torch.float64 else q).reshape(B * Hkv, g * Sq, D)  # fp32 math;
     # the queries of one KV head share the GEMMs
-    # keys/values padded once to whole blocks of zeros, converted to fp32 in the same copy; MLA
-    # passes one tensor as k and v: converted once. (bmm copies its operands into aligned
-    # buffers itself, so the per-block slices below are views.)
+    # keys/values padded once to whole blocks of zeros, converted to fp32 in the same copy (a
+    # fresh aligned buffer, so every block slice below is aligned too); MLA passes one tensor as
+    # k and v: converted once. The GEMMs read the key blocks transposed and the value blocks as
+    # they are, in every call (_bmm_views).
     pad = -Skv % block_n
 
     def padded(t):
@@ -346,7 +371,7 @@ def attention(q, k, v, causal: bool = True, scale: float | None = None, block_n:
     for n0 in range(0, Skv, block_n):
         kpos = torch.arange(n0, n0 + block_n)           # always a full block: same GEMM shapes
         kb, vb = kf[:, n0:n0 + block_n], vf[:, n0:n0 + block_n]
-        s = bmm(qf, kb.transpose(1, 2), torch.float32) * scale
+        s = _bmm_views(qf, kb.transpose(1, 2), torch.float32) * scale
         invalid = kpos[None, None, :] >= lens
         if causal:
             invalid = invalid | (kpos[None, None, :] > qpos)
@@ -356,7 +381,7 @@ def attention(q, k, v, causal: bool = True, scale: float | None = None, block_n:
         alpha = (m - m_safe).exp()
         p = (s - m_safe.unsqueeze(-1)).exp()
         l_ = l_ * alpha + row_sum(p.reshape(-1, p.shape[-1])).reshape(l_.shape)
-        acc = acc * alpha.unsqueeze(-1) + bmm(p, vb)
+        acc = acc * alpha.unsqueeze(-1) + _bmm_views(p, vb)
         m = m_new
     out = (acc / l_.unsqueeze(-1)).reshape(B, Hkv, g, Sq, D).reshape(B, H, Sq, D)
     return out.to(q.dtype)

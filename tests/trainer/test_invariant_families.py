@@ -418,3 +418,35 @@ def _grouped_vs_loop(blocks, T, E, k, h, inter, seed):
     with torch.enable_grad():
         train = blocks.routed_experts(x, ids, wt, lambda e: wg[e], num_experts=E)
     assert torch.equal(train.detach(), again)
+
+
+@settings(max_examples=8, deadline=None)
+@given(data=st.data(), family_kv=st.sampled_from(CASES))
+def test_random_schedules_equal_trainer_forward(ckpt, data, family_kv):
+    """A larger sweep of batch compositions: 2-6 requests of 1-70 tokens, each step schedules a
+    random subset, each scheduled request a random chunk (1-24 tokens, or one decode token);
+    every token's hidden state equals the trainer's full-sequence forward of its request."""
+    family, kv = family_kv
+    m = _model(ckpt, family, kv)
+    n_req = data.draw(st.integers(2, 6))
+    lens = data.draw(st.lists(st.integers(1, 70), min_size=n_req, max_size=n_req))
+    seqs = [_ids(n, 100 + 7 * r + n) for r, n in enumerate(lens)]
+    eng = PagedEngine(m, seed=n_req)
+    pos = {r: 0 for r in range(n_req)}
+    got = {r: [] for r in range(n_req)}
+    with torch.no_grad():
+        while any(pos[r] < lens[r] for r in pos):
+            live = [r for r in pos if pos[r] < lens[r]]
+            pick = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=len(live), unique=True))
+            chunks = []
+            for r in pick:
+                n = min(data.draw(st.sampled_from([1, 1, 2, 5, 13, 24])), lens[r] - pos[r])
+                chunks.append((r, seqs[r][pos[r]:pos[r] + n], pos[r]))
+            h = eng.step(chunks)
+            off = 0
+            for r, x, _ in chunks:
+                got[r].append(h[off:off + len(x)])
+                off += len(x)
+                pos[r] += len(x)
+        for r in range(n_req):
+            assert torch.equal(torch.cat(got[r]), m.sequence_hidden(seqs[r])), (family, kv, r)
