@@ -268,7 +268,10 @@ def _scan_numba(tok: Tokens, plan, T, med_lo, med_hi, K, big, pos_sum, plo, maxl
         bad, nnz, below, nt, nm = nb.scan_flat(tok.a, tok.b, *common, *rest)
     else:
         CA, CB = np.empty(big + 1, tok.a.dtype), np.empty(big + 1, tok.b.dtype)
-        bad, nnz, below, nt, nm = nb.scan_padded(tok.a, tok.b, tok.mask2d.view(np.uint8), *common, CA, CB, *rest)
+        m8 = tok.mask2d.view(np.uint8)
+        m64 = (m8.reshape(-1).view(np.uint64) if m8.flags.c_contiguous and m8.size % 8 == 0
+               else np.zeros(0, np.uint64))
+        bad, nnz, below, nt, nm = nb.scan_padded(tok.a, tok.b, m8, m64, *common, CA, CB, *rest)
     return dict(sums=[tuple(c) for c in csums.tolist()], nnz=int(nnz), below=int(below), ok=bad == 0,
                 tails=[tails[:nt].copy()], meds=[meds[:nm].copy()], pos_sum=pos_sum, plo=plo)
 

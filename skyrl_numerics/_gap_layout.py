@@ -129,16 +129,17 @@ class Tokens:
             idx = (starts[:, None] + np.arange(run)[None, :]).reshape(-1)
             return self.a.take(idx).astype(np.float64), self.b.take(idx).astype(np.float64)
         # padded + mask: a window of masked tokens from each of `runs` rows drawn by length
+        # (all rows at once: the masked columns of the drawn rows, row-major, from np.nonzero)
         run = max(1, size // runs)
         rows = np.searchsorted(self.cu, rng.integers(0, self.n, runs), side="right") - 1
-        pa, pb = [], []
-        for row in rows.tolist():
-            idx = np.flatnonzero(self.mask2d[row])
-            s0 = int(rng.integers(0, max(idx.size - run, 0) + 1))
-            idx = idx[s0:s0 + run]
-            pa.append(self.a[row].take(idx))
-            pb.append(self.b[row].take(idx))
-        return np.concatenate(pa).astype(np.float64), np.concatenate(pb).astype(np.float64)
+        lens = self.lengths[rows]
+        s0 = rng.integers(0, np.maximum(lens - run, 0) + 1)
+        take = np.minimum(lens, run)
+        rr, cc = np.nonzero(self.mask2d[rows])
+        first = np.concatenate([[0], np.cumsum(lens)[:-1]]) + s0
+        sel = np.repeat(first - np.concatenate([[0], np.cumsum(take)[:-1]]), take) + np.arange(int(take.sum()))
+        r_, c_ = rows[rr[sel]], cc[sel]
+        return self.a[r_, c_].astype(np.float64), self.b[r_, c_].astype(np.float64)
 
 
 def position_count(lengths: np.ndarray) -> np.ndarray:

@@ -7,6 +7,8 @@ package's ``__pycache__``, else the user cache dir, e.g. ``~/.cache/numba``, for
 installs; without any writable place they compile per process). ``fastmath`` is off (no
 reassociation, no FMA contraction): every float operation is the IEEE operation written, so the
 bits do not depend on the compiler and the numpy scan reproduces them with elementwise ufuncs.
+``error_model="numpy"`` only drops the division-by-zero checks (the kernels divide only
+integers, by constants), which would otherwise sit in the vectorized loops.
 
 Summation orders (both scans; see ``_gap_fast`` for the error bounds):
 
@@ -290,9 +292,35 @@ def scan_flat(a, b, cu, lengths, offsets, cuts, tol_a, tol_b, T, med_lo, med_hi,
 
 
 @_jit
-def scan_padded(a2, b2, m2, cu, lengths, offsets, cuts, tol_a, tol_b, T, med_lo, med_hi, coef,
+def _all_set(m2, m64, r, t0, t1, W):
+    """All mask bytes m2[r, t0:t1] are 1: 8 at a time through ``m64`` (the whole mask viewed as
+    uint64, or an empty array when its size is not a multiple of 8), the ends byte by byte."""
+    b0 = r * W + t0
+    b1 = r * W + t1
+    if m64.size == 0 or t1 - t0 < 32:
+        for t in range(t0, t1):
+            if m2[r, t] != 1:
+                return False
+        return True
+    w0 = (b0 + 7) // 8
+    w1 = b1 // 8
+    for t in range(t0, t0 + (8 * w0 - b0)):
+        if m2[r, t] != 1:
+            return False
+    ok = True
+    for w in range(w0, w1):
+        ok &= m64[w] == np.uint64(0x0101010101010101)
+    for t in range(t1 - (b1 - 8 * w1), t1):
+        if m2[r, t] != 1:
+            return False
+    return ok
+
+
+@_jit
+def scan_padded(a2, b2, m2, m64, cu, lengths, offsets, cuts, tol_a, tol_b, T, med_lo, med_hi, coef,
                 D, AD, CA, CB, tails, meds, part, pos_sum, pbase, seq_sum_abs, seq_max_abs, seq_sum_d, csums):
-    """:func:`scan_flat` for padded [B, T] input with a mask: each chunk's masked tokens are
+    """:func:`scan_flat` for padded [B, T] input with a mask (``m2``: viewed as uint8 0/1 bytes,
+    ``m64``: as uint64 when possible, see :func:`_all_set`): each chunk's masked tokens are
     first compacted, in order, into CA/CB (one element of slack)."""
     lanes = np.empty((3, LANES))
     stk = np.empty((64, 3), np.int64)
@@ -316,11 +344,7 @@ def scan_padded(a2, b2, m2, cu, lengths, offsets, cuts, tol_a, tol_b, T, med_lo,
             t0 = 0
             while m2[r, t0] == 0:
                 t0 += 1
-            cnt = 0
-            if t0 + L <= W:
-                for t in range(t0, t0 + L):
-                    cnt += m2[r, t]      # (m2: the bool mask viewed as uint8)
-            if cnt == L:                  # one run of masked tokens (left/right padding): copy it
+            if t0 + L <= W and _all_set(m2, m64, r, t0, t0 + L, W):   # one run (left/right padding): copy it
                 for t in range(L):
                     CA[k + t] = a2[r, t0 + t]
                     CB[k + t] = b2[r, t0 + t]

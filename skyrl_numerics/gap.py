@@ -279,7 +279,7 @@ def measure(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, t
             _kernel: str = "auto") -> GapReport:
     """Measure the trainer–rollout logprob gap over the masked tokens. See the module doc.
 
-    ``threads``: CPU threads for the fast pass (default: up to 8, one per 256K tokens, at most
+    ``threads``: CPU threads for the fast pass (default: up to 8, one per 512K tokens, at most
     ``os.cpu_count()``). ``_path`` (testing): ``"auto"`` (fast pass above ``FAST_MIN_TOKENS``
     tokens), ``"fast"``, ``"reference"``. ``_kernel`` (testing, benchmarks): the fast pass's
     scan, ``"auto"`` (numba when it imports, unless ``SKYRL_NUMERICS_NUMBA=0``), ``"numpy"`` or

@@ -680,3 +680,29 @@ def test_numba_kernels_cache_to_numba_cache_dir(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "300000"
     assert list(tmp_path.rglob("*_gap_numba*.nbi")) and list(tmp_path.rglob("*.nbc"))
+
+
+@pytest.mark.parametrize("width", [40, 61, 64, 333])
+def test_numba_padded_run_check_and_left_padding(width):
+    """Padded rows are copied whole when their masked tokens form one run (checked 8 mask bytes
+    at a time): left, right and no padding, holes, widths not a multiple of 8."""
+    pytest.importorskip("numba")
+    from skyrl_numerics import _gap_numba
+
+    rng = np.random.default_rng(width)
+    rows = 48
+    m = np.zeros((rows, width), bool)
+    for r in range(rows):
+        t0, L = sorted(rng.integers(0, width + 1, 2))
+        m[r, t0:L] = True
+        if r % 5 == 0 and L - t0 > 2:
+            m[r, rng.integers(t0 + 1, L - 1)] = False          # a hole
+    m[0] = True
+    m8 = m.view(np.uint8)
+    m64 = m8.reshape(-1).view(np.uint64) if m8.size % 8 == 0 else np.zeros(0, np.uint64)
+    for r in range(rows):
+        for t0, t1 in [(0, width), (1, width - 1), (width // 3, width), (0, 1), (2, 2 + width // 2)]:
+            assert _gap_numba._all_set(m8, m64, r, t0, t1, width) == bool(m[r, t0:t1].all())
+    n = rows * width
+    a, b = _synthetic(n, 1e-3, rng)
+    _both_kernels(gap.normalize(a.reshape(rows, width), b.reshape(rows, width), m), chunk=500, threads=2)
