@@ -53,7 +53,7 @@ _TAYLOR_ERR = 1e-13       # K is the smallest order whose truncation bound 2 T^(
 _SAMPLE = 1 << 16         # tokens sampled (in 128 runs of 512) to place the percentile brackets
 LANES = 64                # lanes of the chunk token sums (= _gap_numba.LANES)
 _COEF = tuple(1.0 / math.factorial(k) for k in range(2, 8))   # c2 .. c7 of the Horner series
-_RUN = 8                  # chunks per run: the unit of work of a thread (results do not depend
+_RUN = 4                  # chunks per run: the unit of work of a thread (results do not depend
                           # on the number of threads: runs are combined in run order)
 _LONG = 2048              # mean sequence length from which per-position sums are added by slices
                           # (one ~1-3 µs Python step per sequence, vs ~2 ns/token for bincount)
