@@ -481,8 +481,10 @@ def _numba():
     if _NB is None:
         try:
             from skyrl_numerics import _gap_numba
-            assert _gap_numba.LANES == LANES
-            _NB = _gap_numba
-        except ImportError:
+        except Exception:                 # noqa: BLE001 (missing or broken numba: the numpy scan)
             _NB = False
+        else:
+            if _gap_numba.LANES != LANES:
+                raise AssertionError("_gap_numba.LANES != _gap_fast.LANES")
+            _NB = _gap_numba
     return _NB or None
