@@ -253,7 +253,7 @@ def _cmd_qat_check(args) -> int:
     if args.base is not None:
         from skyrl_numerics.quant import qat_check_base
 
-        rep = qat_check_base(args.model_dir, args.base, observer=args.observer)
+        rep = qat_check_base(args.model_dir, args.base, observer=args.observer, mx_scale_mode=args.mx_scale_mode)
         dump(rep.to_dict())
         print(rep.to_text())
         return 0 if rep.ok else 1
@@ -306,9 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser(
         "qat-check", help="does fake-quant of the base weights give the checkpoint's codes and scales?",
         description="With --base BASE_DIR: detect the scheme from QUANT_DIR's config (compressed-tensors "
-                    "INT4 / NVFP4 / FP8 channel or block, modelopt NVFP4 / FP8, DeepSeek-V3 FP8 blocks), "
+                    "INT4 / NVFP4 / FP8 channel or block, several config groups matched by targets / ignore, "
+                    "modelopt NVFP4 / FP8, DeepSeek-V3 FP8 blocks, GPT-OSS MXFP4 experts), "
                     "fake-quantize each matching bf16 tensor of BASE_DIR with it (NVFP4 global scales taken "
-                    "from the checkpoint) and compare codes and scales bitwise; exit 1 names the first "
+                    "from the checkpoint and checked against the tensor's or its fused group's amax) and "
+                    "compare codes and scales bitwise; exit 1 names the first "
                     "mismatching tensor. Without --base: a self-consistency check only (dequantize each "
                     "stored tensor, re-encode it with its stored scales): it cannot detect scales or codes "
                     "that are consistent but wrong (a block scale edited to another finite value, weights "
@@ -319,7 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--observer", default="auto", choices=["auto", "weight", "float32"],
                    help="compressed-tensors NVFP4: dtype of its block statistics (auto tries the weight dtype, "
                         "then float32)")
-    q.add_argument("--json", default=None, help="also write the per-tensor report here")
+    q.add_argument("--mx-scale-mode", default="auto", choices=["auto", "floor", "rceil"],
+                   help="GPT-OSS MXFP4: the E8M0 scale rule (auto tries floor, then rceil)")
+    q.add_argument("--json", default=None, help="also write the per-tensor report here (atomically)")
     q.set_defaults(func=_cmd_qat_check)
 
     t = sub.add_parser("train", help="a few GRPO steps on the tiny MoE with real vLLM, comparing "

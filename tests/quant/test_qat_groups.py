@@ -209,3 +209,70 @@ def test_group_assignment_matches_compressed_tensors():
             assert theirs.targets == ours.targets and theirs.weights == ours.weights, name
             seen.add(names[gi])
     assert seen == set(names)                     # every rule above decided at least one module
+
+
+# ---- targets / ignore corruption, judged by compressed-tensors itself ------------------------------
+POOL = ["Linear", "Embedding", "re:.*", r"re:.*mlp\.experts\.\d+\..*", r"re:.*mlp\.gate$", "lm_head",
+        "model.layers.0.mlp.gate", r"re:.*self_attn\..*", r"re:.*down_proj$", "model.layers.1.self_attn.q_proj",
+        r"re:.*experts\.2\..*", "model.layers.0.mlp.experts.1.up_proj", "re:[", r"re:.*\.(q|k)_proj$"]
+
+
+def _assignment(qc):
+    """{Linear module: (targets, weights) | None} as compressed-tensors' apply_quantization_config
+    decides it for ``qc``; None when it refuses the config."""
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    try:
+        cfg = QuantizationConfig.model_validate(qc)
+        m = TinyMoE(0)
+        apply_quantization_config(m, cfg)
+    except Exception:                                  # noqa: BLE001 - any refusal by the vendor
+        return None
+    out = {}
+    for name, mod in m.named_modules():
+        if isinstance(mod, nn.Linear):
+            s = getattr(mod, "quantization_scheme", None)
+            out[name] = None if s is None else s.weights.model_dump_json()   # what decides the stored bits
+    return out
+
+
+from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_targets_or_ignore_corruption_is_refused_or_a_mismatch(ckpts, data, capsys):
+    """One entry of a group's targets or of ignore replaced, deleted or added: whenever
+    compressed-tensors would quantize the modules differently than the checkpoint holds (or
+    refuses the config), qat-check refuses it or reports a mismatch; never OK."""
+    import copy
+    import tempfile
+    from pathlib import Path
+    cfg = json.loads((ckpts["mixed"] / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    lists = [("ignore",)] + [("config_groups", g, "targets") for g in qc["config_groups"]]
+    where = data.draw(st.sampled_from(lists))
+    new = copy.deepcopy(qc)
+    node = new
+    for p in where[:-1]:
+        node = node[p]
+    lst = node[where[-1]]
+    op = data.draw(st.sampled_from(["replace", "delete", "add"]))
+    if op == "add" or not lst:
+        lst.insert(data.draw(st.integers(0, len(lst))), data.draw(st.sampled_from(POOL)))
+    elif op == "delete":
+        del lst[data.draw(st.integers(0, len(lst) - 1))]
+    else:
+        lst[data.draw(st.integers(0, len(lst) - 1))] = data.draw(st.sampled_from(POOL))
+    theirs = _assignment(new)
+    assume(theirs != _assignment(qc))                  # a change that compressed-tensors can see
+    cfg["quantization_config"] = new
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp) / "q"
+        shutil.copytree(ckpts["mixed"], d)
+        (d / "config.json").write_text(json.dumps(cfg))
+        rc = main(["qat-check", str(d), "--base", str(ckpts["base"])])
+        out = capsys.readouterr()
+        assert rc in (1, 2), f"{where} {op}: ignore {new.get('ignore')} targets " \
+            f"{[g['targets'] for g in new['config_groups'].values()]}"

@@ -6,10 +6,16 @@ with our ``mxfp4`` recipe; transformers' own ``convert_moe_packed_tensors`` (the
 loading uses) must decode it to our dequantized values bitwise."""
 import json
 import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
+
+from test_qat_bad_input import _apply, _refused_or_mismatch, tensor_edit
 
 from skyrl_numerics.cli import main
 from skyrl_numerics.errors import InputError
@@ -95,6 +101,8 @@ def test_qat_check_base_passes_and_finds_the_scale_mode(ckpts, mode, capsys):
     assert [r["base_name"] for r in rep.rows if r["name"] == f"{GU}[3]"] == [f"{GU}[3].T"]
     other = "rceil" if mode == "floor" else "floor"
     assert not qat_check_base(ckpts[mode], ckpts["base0"], mx_scale_mode=other).ok   # the modes differ here
+    assert main(["qat-check", str(ckpts[mode]), "--base", str(ckpts["base0"]), "--mx-scale-mode", other]) == 1
+    capsys.readouterr()
     assert main(["qat-check", str(ckpts[mode]), "--base", str(ckpts["base0"])]) == 0
     assert f"(scale mode {mode}): OK, 16 of 16 tensors exact" in capsys.readouterr().out
     self_rep = qat_check(ckpts[mode])                     # the self-consistency check reads the layout too
@@ -140,3 +148,14 @@ def test_bad_mxfp4_input_exit_2(ckpts, tmp_path, capsys):
     with pytest.raises(InputError, match="model.layers.1.mlp.experts") as ei:
         qat_check_base(d, ckpts["base0"])
     assert ei.value.field == "modules_to_not_convert"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_tensor_corruption_is_refused_or_a_mismatch(ckpts, data, capsys):
+    """The single-corruption property of tests/quant/test_qat_bad_input.py on the MXFP4 layout."""
+    names = [k for k in load_file(str(ckpts["floor"] / "model.safetensors")) if k.endswith(("_blocks", "_scales"))]
+    _, _, fn = data.draw(tensor_edit(names))
+    with tempfile.TemporaryDirectory() as tmp:
+        _apply(ckpts["floor"], Path(tmp) / "q", fn)
+        _refused_or_mismatch(Path(tmp) / "q", ckpts["base0"], Path(tmp) / "out" / "r.json", capsys)
