@@ -38,6 +38,7 @@ _PAR_MIN_FLOPS = 1 << 22   # below this a call stays on the calling thread (pool
 
 _POOL = None
 _POOL_LOCK = threading.Lock()
+_GEMM_LOCK = threading.Lock()
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -84,6 +85,14 @@ def _gemm_blocks(a: torch.Tensor, b: torch.Tensor, b_index: torch.Tensor | None 
     else:
         bb = b.index_select(0, b_index)
     out = torch.empty((n, ROW_BLOCK, N), dtype=a.dtype)
+    # the thread count is process-wide: the lock keeps another Python thread's restore from
+    # giving a GEMM in flight more than one thread (which would change its bits)
+    with _GEMM_LOCK:
+        _gemm_locked(out, a, bb, n, K, N)
+    return out
+
+
+def _gemm_locked(out, a, bb, n: int, K: int, N: int) -> None:
     threads = torch.get_num_threads()
     if threads > 1:
         torch.set_num_threads(1)
@@ -102,7 +111,6 @@ def _gemm_blocks(a: torch.Tensor, b: torch.Tensor, b_index: torch.Tensor | None 
     finally:
         if threads > 1:
             torch.set_num_threads(threads)
-    return out
 
 
 def _gemm_run(out, a, b) -> None:

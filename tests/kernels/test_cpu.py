@@ -194,3 +194,19 @@ def test_pool_path_under_inference_mode(threads):
         out = cpu.matmul_2d(a, b)
     threads(1)
     assert torch.equal(out, cpu.matmul_2d(a, b))
+
+
+def test_concurrent_python_threads_get_the_same_bits(threads):
+    """The GEMMs set the (process-wide) thread count to one while they run; Python threads that
+    call matmul at the same time must neither race that setting nor change each other's bits."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    threads(2)
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(400, 1024, generator=g), torch.randn(1024, 512, generator=g)
+    want = cpu.matmul_2d(a, b)
+    with ThreadPoolExecutor(4) as ex:
+        outs = list(ex.map(lambda i: cpu.matmul_2d(a[i * 7:], b), range(12)))
+    for i, o in enumerate(outs):
+        assert torch.equal(o, want[i * 7:]), i
+    assert torch.get_num_threads() == 2
