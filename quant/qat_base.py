@@ -18,7 +18,13 @@ codes and scales a serving checkpoint holds? (``skyrl-numerics qat-check QUANT_D
    ``quant_method: fp8`` +       ``P`` E4M3, ``P_scale_inv``                      ``fp8_block``
    ``weight_block_size``         ``[out/128, in/128]``                            ``(128, 128)``
    (DeepSeek-V3)
+   ``quant_method: mxfp4``       ``P_blocks`` uint8 ``[E, out, in/32, 16]``,       ``mxfp4`` (floor |
+   (GPT-OSS experts)             ``P_scales`` E8M0 ``[E, out, in/32]``            rceil, found)
    ============================  ==============================================  ===================
+
+   Several compressed-tensors groups: each weight goes to the group whose ``targets`` match it
+   under compressed-tensors' own rules, ``ignore`` respected (:func:`.qat_schemes.ct_group_of`).
+   Every field and tensor is validated first (:mod:`.qat_inputs`).
 
    modelopt's config is ``hf_quant_config.json`` (``{"quantization": {"quant_algo": ...}}``) or
    ``config.json``'s ``quantization_config`` with ``quant_method: modelopt``.
@@ -36,7 +42,6 @@ keeping the one that matches more tensors (reported as ``observer_dtype``).
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,9 +53,9 @@ from skyrl_numerics.errors import InputError
 from . import codecs as C
 from .api import quantize
 from .qat_inputs import (ALL_SUFFIXES, LAYOUTS, Spec, Tensors, check_unclaimed, ct_top_level, ct_weights_spec,
-                         deepseek_spec, modelopt_spec, mxfp4_spec, read_json, read_param, stored_weights)
+                         deepseek_spec, modelopt_spec, read_json, read_param, stored_weights)
 from .qat_schemes import (ct_group_of, fusion_group, global_matches, modelopt_fp8_quantize, module_of,
-                          not_converted, nvfp4_global_candidates)
+                          mxfp4_spec, not_converted, nvfp4_global_candidates)
 from .qtensor import QTensor
 
 LINEAR = ("Linear",)       # class of a stored weight's module: a Linear layer (or a fused expert stack)

@@ -273,6 +273,6 @@ def test_targets_or_ignore_corruption_is_refused_or_a_mismatch(ckpts, data, caps
         shutil.copytree(ckpts["mixed"], d)
         (d / "config.json").write_text(json.dumps(cfg))
         rc = main(["qat-check", str(d), "--base", str(ckpts["base"])])
-        out = capsys.readouterr()
+        capsys.readouterr()
         assert rc in (1, 2), f"{where} {op}: ignore {new.get('ignore')} targets " \
             f"{[g['targets'] for g in new['config_groups'].values()]}"
