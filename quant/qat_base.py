@@ -330,6 +330,11 @@ def _rows(qts: dict[str, QTensor], base: Tensors, observer) -> list[dict]:
         if tuple(w.shape) != tuple(q.shape):
             raise InputError(f"{name}: base tensor {bname} has shape {tuple(w.shape)}, the quantized checkpoint "
                              f"holds {tuple(q.shape)}", field=name)
+        bad = ~torch.isfinite(w)
+        if bool(bad.any()):
+            i = int(bad.flatten().nonzero()[0])
+            raise InputError(f"{name}: base tensor {bname} holds {float(w.flatten()[i])} at flat index {i}; a "
+                             f"master weight must be finite", field=bname.split("[")[0], index=i)
         r = _requantize_from_base(q, w, observer)
         ours_s, theirs_s = r.scales, q.scales
         if ours_s.numel() != theirs_s.numel():

@@ -304,6 +304,18 @@ def test_base_tensor_missing_or_other_shape(ckpts, tmp_path):
     assert ei.value.field == Q
 
 
+@pytest.mark.parametrize("fmt", ["ct_int4", "modelopt_nvfp4", "deepseek_fp8"])
+def test_non_finite_base_weight_is_refused_naming_it(ckpts, tmp_path, fmt):
+    def nan(t):
+        w = t[Q].clone()
+        w[3, 7] = math.nan
+        t[Q] = w
+    b = _edit(ckpts["base"], tmp_path / "b", nan)
+    with pytest.raises(InputError, match="must be finite") as ei:
+        qat_check_base(ckpts[fmt], b)
+    assert ei.value.field == Q and ei.value.index == 3 * 128 + 7
+
+
 def test_json_is_written_atomically_and_refused_paths(ckpts, tmp_path, capsys):
     assert main(["qat-check", str(ckpts["ct_int4"]), "--base", str(ckpts["base"]), "--json", str(tmp_path)]) == 2
     assert "--json" in capsys.readouterr().err
