@@ -135,9 +135,12 @@ def detect_scheme(quant_dir) -> Scheme:
 
 
 def _excluded(P: str, patterns: list[str]) -> str | None:
+    """The modelopt ``exclude_modules`` entry that leaves ``P``'s module unquantized, as vLLM's
+    ``ModelOptQuantConfigBase.is_layer_excluded`` decides: the name, a substring of the module
+    name, or an ``fnmatch`` wildcard."""
     import fnmatch
-    mod = P[: -len(".weight")] if P.endswith(".weight") else P
-    return next((pat for pat in patterns if fnmatch.fnmatchcase(mod, pat) or fnmatch.fnmatchcase(P, pat)), None)
+    mod = module_of(P)
+    return next((pat for pat in patterns if pat == mod or pat in mod or fnmatch.fnmatch(mod, pat)), None)
 
 
 def _spec_for(P: str, scheme: Scheme, t: Tensors) -> Spec:

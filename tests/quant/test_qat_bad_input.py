@@ -293,6 +293,22 @@ def test_named_bad_tensor_is_refused_naming_it(ckpts, tmp_path, fmt, fn, field, 
     assert _refused_or_mismatch(q, ckpts["base"], tmp_path / "out" / "r.json", capsys) == 2
 
 
+@pytest.mark.parametrize("pattern", ["model.layers.0.self_attn.q_proj", "model.layers.*.self_attn.*",
+                                     "self_attn.k_proj", "model.layers.0"])
+def test_modelopt_excluded_module_stored_quantized_exit_2(ckpts, tmp_path, pattern):
+    """vLLM's is_layer_excluded (name, substring, fnmatch wildcard) would load it unquantized."""
+    d = tmp_path / "q"
+    shutil.copytree(ckpts["modelopt_nvfp4"], d)
+    (d / "hf_quant_config.json").write_text(json.dumps({"quantization": {
+        "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head", pattern]}}))
+    with pytest.raises(InputError, match="exclude_modules") as ei:
+        qat_check_base(d, ckpts["base"])
+    assert ei.value.field == "exclude_modules" and repr(pattern) in str(ei.value)
+    (d / "hf_quant_config.json").write_text(json.dumps({"quantization": {
+        "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head", "model.layers.0.mlp.gate"]}}))
+    assert qat_check_base(d, ckpts["base"]).ok
+
+
 def test_base_tensor_missing_or_other_shape(ckpts, tmp_path):
     b = _edit(ckpts["base"], tmp_path / "b", lambda t: t.pop(Q))
     with pytest.raises(InputError, match="missing from the base") as ei:
