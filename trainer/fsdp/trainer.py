@@ -40,6 +40,8 @@ from skyrl_numerics.rollout import Rollout
 from ..dist import rank_and_world, shard_rows
 from .forward import PolicyModel, make_micro_batch
 from ..losses import AGGREGATIONS, compute_advantages, masked_mean, ppo_clip_loss, token_advantages
+from ..step_parts import correct_micro_batches, kept_totals
+from ..step_parts import old_logprobs as resolve_old_logprobs
 
 __all__ = ["TrainerConfig", "FSDPTrainer"]
 
@@ -254,42 +256,12 @@ class FSDPTrainer:
         mbs = list(self.micro_batches(rollout, rows)) if len(rows) else []
         rollout_lp = torch.from_numpy(rollout.rollout_logprobs)
 
-        # log π_old, correction and keep mask per micro-batch
-        if old_logprobs is not None:
-            old_all = torch.as_tensor(np.asarray(old_logprobs, dtype=np.float32).reshape(-1))
-            if old_all.numel() != rollout.num_response_tokens:
-                raise InputError(f"expected {rollout.num_response_tokens} old logprobs, got {old_all.numel()}",
-                                 field="old_logprobs")
-        elif self._correction is not None:
-            old_all = torch.from_numpy(self.logprobs(rollout, local_only=True))
-        else:
-            old_all = None
-        per_mb = []
-        corr_metrics: dict[str, float] = {}
-        n_corr_tokens = 0.0
-        for mb in mbs:
-            ti = torch.from_numpy(mb.token_index)
-            w = keep = None
-            if self._correction is not None:
-                c = self._correction(old_all[ti], rollout_lp[ti], cu_seqlens=torch.from_numpy(mb.cu_seqlens))
-                w, keep = torch.as_tensor(c.weights).float(), torch.as_tensor(c.mask).bool()
-                n = float(c.metrics.get("n_tokens", len(ti)))
-                for k, v in c.metrics.items():
-                    if isinstance(v, (int, float)) and math.isfinite(v) and k != "n_tokens" and k != "n_seqs":
-                        corr_metrics[k] = corr_metrics.get(k, 0.0) + v * n
-                n_corr_tokens += n
-            per_mb.append((mb, ti, w, keep))
-
-        # global denominator
-        kept_tok = sum(float(len(ti)) if keep is None else float(keep.sum()) for _, ti, _, keep in per_mb)
-        kept_seq = 0.0
-        for mb, ti, _, keep in per_mb:
-            lens = np.diff(mb.cu_seqlens)
-            if keep is None:
-                kept_seq += float((lens > 0).sum())
-            else:
-                seg = np.repeat(np.arange(len(lens)), lens)
-                kept_seq += float(len(np.unique(seg[keep.numpy()])))
+        # log π_old, correction and keep mask per micro-batch; the global denominator
+        old_all = resolve_old_logprobs(rollout, old_logprobs, self._correction is not None,
+                                       lambda: self.logprobs(rollout, local_only=True))
+        per_mb, corr_metrics, n_corr_tokens = correct_micro_batches(mbs, self._correction, old_all,
+                                                                    rollout_lp)
+        kept_tok, kept_seq = kept_totals(per_mb)
         totals = self._all_reduce(torch.tensor([kept_tok, kept_seq], dtype=torch.float64))
         denom = float(totals[0] if cfg.aggregation == "token_mean" else totals[1])
 

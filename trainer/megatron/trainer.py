@@ -38,6 +38,8 @@ from skyrl_numerics.rollout import Rollout
 
 from ..fsdp.trainer import TrainerConfig, _batch_invariant_context, _correction_fn
 from ..losses import compute_advantages, masked_mean, ppo_clip_loss, token_advantages
+from ..step_parts import correct_micro_batches, kept_totals
+from ..step_parts import old_logprobs as resolve_old_logprobs
 
 __all__ = ["MegatronTrainer", "spawn_megatron"]
 
@@ -260,37 +262,10 @@ class MegatronTrainer:
         adv = token_advantages(seq_adv.float(), rollout.response_cu)
         mbs = list(self.micro_batches(rollout))
         rollout_lp = torch.from_numpy(rollout.rollout_logprobs)
-        if old_logprobs is not None:
-            old_all = torch.as_tensor(np.asarray(old_logprobs, dtype=np.float32).reshape(-1))
-            if old_all.numel() != rollout.num_response_tokens:
-                raise InputError(f"expected {rollout.num_response_tokens} old logprobs, got {old_all.numel()}",
-                                 field="old_logprobs")
-        elif self._correction is not None:
-            old_all = torch.from_numpy(self.logprobs(rollout))
-        else:
-            old_all = None
-        per_mb, corr_metrics, n_corr = [], {}, 0.0
-        for mb in mbs:
-            ti = torch.from_numpy(mb.token_index)
-            w = keep = None
-            if self._correction is not None:
-                c = self._correction(old_all[ti], rollout_lp[ti], cu_seqlens=torch.from_numpy(mb.cu_seqlens))
-                w, keep = torch.as_tensor(c.weights).float(), torch.as_tensor(c.mask).bool()
-                n = float(c.metrics.get("n_tokens", len(ti)))
-                for k, v in c.metrics.items():
-                    if isinstance(v, (int, float)) and math.isfinite(v) and k not in ("n_tokens", "n_seqs"):
-                        corr_metrics[k] = corr_metrics.get(k, 0.0) + v * n
-                n_corr += n
-            per_mb.append((mb, ti, w, keep))
-        kept_tok = sum(float(len(ti)) if keep is None else float(keep.sum()) for _, ti, _, keep in per_mb)
-        kept_seq = 0.0
-        for mb, ti, _, keep in per_mb:
-            lens = np.diff(mb.cu_seqlens)
-            if keep is None:
-                kept_seq += float((lens > 0).sum())
-            else:
-                seg = np.repeat(np.arange(len(lens)), lens)
-                kept_seq += float(len(np.unique(seg[keep.numpy()])))
+        old_all = resolve_old_logprobs(rollout, old_logprobs, self._correction is not None,
+                                       lambda: self.logprobs(rollout))
+        per_mb, corr_metrics, n_corr = correct_micro_batches(mbs, self._correction, old_all, rollout_lp)
+        kept_tok, kept_seq = kept_totals(per_mb)
         denom = kept_tok if cfg.aggregation == "token_mean" else kept_seq
 
         stats = torch.zeros(7, dtype=torch.float64)  # loss, low, high, ratio, ent, ppo_kl, n
