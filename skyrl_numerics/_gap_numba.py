@@ -28,14 +28,13 @@ import numpy as np
 from numba import njit, uint64
 
 LANES = 64            # lanes of the chunk-level sums (a power of two)
-NPOLY = 6             # Horner coefficients c2..c7 of e^d - 1 - d = d²·(c2 + d·(c3 + … + d·c7))
 
 
 def _jit(fn):
     try:
         return njit(nogil=True, cache=True, error_model="numpy")(fn)
     except RuntimeError:      # no writable cache location at all: compile per process
-        return njit(nogil=True, cache=True, error_model="numpy")(fn)
+        return njit(nogil=True, cache=False, error_model="numpy")(fn)
 
 
 @_jit

@@ -706,3 +706,13 @@ def test_numba_padded_run_check_and_left_padding(width):
     n = rows * width
     a, b = _synthetic(n, 1e-3, rng)
     _both_kernels(gap.normalize(a.reshape(rows, width), b.reshape(rows, width), m), chunk=500, threads=2)
+
+
+def test_numba_kernels_compile_without_a_cache_location():
+    """No writable cache location at all (numba: 'no locator available'): compiled per process."""
+    pytest.importorskip("numba")
+    from skyrl_numerics import _gap_numba
+
+    ns = {}
+    exec("def f(x):\n    return x + 1\n", ns)          # noqa: S102 (no source file: no cache locator)
+    assert _gap_numba._jit(ns["f"])(1) == 2
