@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import struct
 import warnings
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -74,6 +74,24 @@ def _buffer_digest(arr: np.ndarray) -> int:
 def _arrays_digest(values: np.ndarray, cu: np.ndarray, num_experts: int) -> int:
     meta = f"PackedRoutes|{ARRAYS_VERSION}|{num_experts}|{values.dtype.str}|{values.shape}|{cu.dtype.str}|{cu.shape}"
     return _xxh3(meta.encode(), cu, values)
+
+
+def check_arrays_digest(d, version: int, digest: Callable[[], int] | None) -> None:
+    """The optional ``version`` + ``digest`` pair of a ``to_arrays()`` dict (PackedRoutes and
+    PackedSupport): both or neither; ``version`` must be ``version``; ``digest`` a uint64 [1]
+    equal to ``digest()`` (``None``: the arrays' shape cannot be digested; checked later)."""
+    if ("version" in d) != ("digest" in d):
+        raise InputError("'version' and 'digest' come together", field="version" if "version" not in d else "digest")
+    if "version" not in d:
+        return
+    v = _int_scalar(d["version"], "version", 0, 1 << 62)
+    if v != version:
+        raise InputError(f"unsupported version {v}, expected {version}", field="version")
+    dg = np.asarray(d["digest"])
+    if dg.dtype != np.uint64 or dg.shape != (1,):
+        raise InputError(f"expected uint64 [1], got {dg.dtype} {dg.shape}", field="digest")
+    if digest is not None and int(dg[0]) != digest():
+        raise InputError("digest does not match the arrays (corrupt or edited)", field="digest")
 
 
 def _int_scalar(x, field: str, lo: int, hi: int) -> int:
@@ -332,17 +350,8 @@ class PackedRoutes:
             raise InputError(f"dtype {values.dtype}, expected {id_dtype(E)} for {E} experts", field="values")
         if cu.dtype != np.int32:
             raise InputError(f"dtype {cu.dtype}, expected int32", field="cu_seqlens")
-        if ("version" in d) != ("digest" in d):
-            raise InputError("'version' and 'digest' come together", field="version" if "version" not in d else "digest")
-        if "version" in d:
-            v = _int_scalar(d["version"], "version", 0, 1 << 62)
-            if v != ARRAYS_VERSION:
-                raise InputError(f"unsupported version {v}, expected {ARRAYS_VERSION}", field="version")
-            dg = np.asarray(d["digest"])
-            if dg.dtype != np.uint64 or dg.shape != (1,):
-                raise InputError(f"expected uint64 [1], got {dg.dtype} {dg.shape}", field="digest")
-            if values.ndim == 3 and int(dg[0]) != _arrays_digest(values, cu, E):
-                raise InputError("digest does not match the arrays (corrupt or edited)", field="digest")
+        check_arrays_digest(d, ARRAYS_VERSION,
+                            (lambda: _arrays_digest(values, cu, E)) if values.ndim == 3 else None)
         return cls(values, cu, E)
 
     # ---- buffer -------------------------------------------------------------------------------------

@@ -229,7 +229,7 @@ class PackedSupport:
     def from_arrays(cls, d: Mapping[str, np.ndarray]) -> "PackedSupport":
         """Inverse of :meth:`to_arrays`: exact dtypes (int32 ids, int64 offsets), no unknown keys;
         ``version`` and ``digest`` checked when present (both or neither)."""
-        from .routes import _int_scalar
+        from .routes import _int_scalar, check_arrays_digest
 
         for key in d:
             if key not in ("token_ids", "offsets", "vocab_size", "version", "digest"):
@@ -243,17 +243,7 @@ class PackedSupport:
         if off.dtype != np.int64 or off.ndim != 1:
             raise InputError(f"expected 1-D int64, got {off.dtype} of shape {off.shape}", field="offsets")
         V = None if d.get("vocab_size") is None else _int_scalar(d["vocab_size"], "vocab_size", 1, 2 ** 31)
-        if ("version" in d) != ("digest" in d):
-            raise InputError("'version' and 'digest' come together", field="version" if "version" not in d else "digest")
-        if "version" in d:
-            v = _int_scalar(d["version"], "version", 0, 1 << 62)
-            if v != ARRAYS_VERSION:
-                raise InputError(f"unsupported version {v}, expected {ARRAYS_VERSION}", field="version")
-            dg = np.asarray(d["digest"])
-            if dg.dtype != np.uint64 or dg.shape != (1,):
-                raise InputError(f"expected uint64 [1], got {dg.dtype} {dg.shape}", field="digest")
-            if int(dg[0]) != _arrays_digest(ids, off, V):
-                raise InputError("digest does not match the arrays (corrupt or edited)", field="digest")
+        check_arrays_digest(d, ARRAYS_VERSION, lambda: _arrays_digest(ids, off, V))
         return cls(ids, off, V)
 
 
