@@ -135,11 +135,19 @@ class Tokens:
         lens = self.lengths[rows]
         s0 = rng.integers(0, np.maximum(lens - run, 0) + 1)
         take = np.minimum(lens, run)
-        rr, cc = np.nonzero(self.mask2d[rows])
-        first = np.concatenate([[0], np.cumsum(lens)[:-1]]) + s0
-        sel = np.repeat(first - np.concatenate([[0], np.cumsum(take)[:-1]]), take) + np.arange(int(take.sum()))
-        r_, c_ = rows[rr[sel]], cc[sel]
-        return self.a[r_, c_].astype(np.float64), self.b[r_, c_].astype(np.float64)
+        m = self.mask2d[rows]
+        W = m.shape[1]
+        t0 = m.argmax(axis=1)                                  # first masked column
+        last = W - 1 - m[:, ::-1].argmax(axis=1)
+        one_run = last - t0 + 1 == lens                        # (the usual left/right padding)
+        base = np.concatenate([[0], np.cumsum(take)[:-1]])
+        col = np.repeat(t0 + s0 - base, take) + np.arange(int(take.sum()))
+        rowrep = np.repeat(np.arange(rows.size), take)
+        for i in np.flatnonzero(~one_run).tolist():            # rows with holes: through nonzero
+            col[base[i]:base[i] + take[i]] = np.flatnonzero(m[i])[s0[i]:s0[i] + take[i]]
+        flat = rows[rowrep] * W + col
+        return (self.a.reshape(-1).take(flat).astype(np.float64),
+                self.b.reshape(-1).take(flat).astype(np.float64))
 
 
 def position_count(lengths: np.ndarray) -> np.ndarray:

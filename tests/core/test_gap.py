@@ -716,3 +716,31 @@ def test_numba_kernels_compile_without_a_cache_location():
     ns = {}
     exec("def f(x):\n    return x + 1\n", ns)          # noqa: S102 (no source file: no cache locator)
     assert _gap_numba._jit(ns["f"])(1) == 2
+
+
+def test_padded_sample_takes_runs_of_masked_tokens():
+    """Tokens.sample on padded + mask: windows of consecutive masked tokens of the drawn rows
+    (one-run rows by slicing, rows with holes through their masked columns)."""
+    rng = np.random.default_rng(12)
+    for _ in range(20):
+        rows, width = 50, int(rng.integers(5, 60))
+        a, b = -rng.random((rows, width)), -rng.random((rows, width))
+        m = np.zeros((rows, width), bool)
+        for r in range(rows):
+            t0, t1 = sorted(rng.integers(0, width + 1, 2))
+            m[r, t0:t1] = True
+            if r % 3 == 0 and t1 - t0 > 2:
+                m[r, rng.integers(t0 + 1, t1 - 1)] = False
+        m[0, 0] = True
+        tok = gap.normalize(a, b, m)
+        if tok.n <= 200:
+            continue
+        sa, sb = tok.sample(200, runs=16)
+        r2 = np.random.default_rng(0)                    # the draws sample() makes (seed 0)
+        drawn = np.searchsorted(tok.cu, r2.integers(0, tok.n, 16), side="right") - 1
+        lens = tok.lengths[drawn]
+        s0 = r2.integers(0, np.maximum(lens - 12, 0) + 1)
+        take = np.minimum(lens, 12)
+        cols = [np.flatnonzero(m[r])[s:s + t] for r, s, t in zip(drawn, s0, take)]
+        np.testing.assert_array_equal(sa, np.concatenate([a[r][c] for r, c in zip(drawn, cols)]))
+        np.testing.assert_array_equal(sb, np.concatenate([b[r][c] for r, c in zip(drawn, cols)]))
