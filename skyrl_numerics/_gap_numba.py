@@ -140,11 +140,12 @@ def _fold(x):
 def _chunk(ca, cb, c0, cu, lengths, offsets, r0, r1, tol_a, tol_b, T, med_lo, med_hi, coef,
            D, AD, tails, nt, meds, nm, part, pos_sum, pbase, seq_sum_abs, seq_max_abs, seq_sum_d,
            lanes, stk, fstk, mx, F, F64):
-    """One chunk: rows [r0, r1), whose tokens are ca/cb (row r starts at cu[r] - c0).
-    ``pos_sum[p - pbase]`` accumulates position p. Returns (bad, nnz, below, nt, nm): the counts, and the candidate counts after appending
-    this chunk's tail values (d, |d| > T) to ``tails`` and median-bracket values (|d|) to
-    ``meds``; the lane sums of z², g, u² (z = d on |d| <= T, else 0; g = z²·P(z), the Horner
-    series of e^z − 1 − z; u = z + g) are left in ``lanes`` (float64 [3, LANES])."""
+    """One chunk: rows [r0, r1), whose tokens are ca/cb (row r starts at cu[r] - c0);
+    ``pos_sum[p - pbase]`` accumulates position p. Returns (bad, nnz, below, nt, nm): the
+    counts, and the candidate counts after appending this chunk's tail values (d, |d| > T) to
+    ``tails`` and median-bracket values (|d|) to ``meds`` (in token order). The lane sums of z²,
+    g, u² (z = d on |d| <= T, else 0; g = z²·P(z), the Horner series of e^z − 1 − z;
+    u = z + g) are left in ``lanes`` (float64 [3, LANES]): token j goes to lane j % LANES."""
     k = ca.size
     c2, c3, c4, c5, c6, c7 = coef[0], coef[1], coef[2], coef[3], coef[4], coef[5]
     bad = 0
