@@ -150,6 +150,9 @@ def matmul_2d(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None
     out_dtype = out_dtype or a.dtype
     cd = _compute_dtype(a)
     M, N = a.shape[0], b.shape[1]
+    if M == 0 or N == 0 or a.shape[1] == 0:    # empty product (e.g. an expert without tokens)
+        out = torch.zeros((M, N), dtype=cd)
+        return (out if bias is None else out + bias.to(cd)).to(out_dtype)
     blocks, _ = _row_blocks(a)
     bp = prepare_b(b)
     out = _gemm_blocks(blocks, bp).view(-1, bp.shape[1])[:M, :N]
@@ -161,7 +164,7 @@ def matmul_2d(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """(..., K) @ (K, N)."""
     lead = a.shape[:-1]
-    out = matmul_2d(a.reshape(-1, a.shape[-1]), b, bias)
+    out = matmul_2d(a.reshape(lead.numel(), a.shape[-1]), b, bias)
     return out.reshape(*lead, b.shape[1])
 
 
@@ -172,6 +175,8 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) 
     cd = _compute_dtype(a)
     B, M, K = a.shape
     N = b.shape[2]
+    if 0 in (B, M, K, N):
+        return torch.zeros((B, M, N), dtype=cd).to(out_dtype or a.dtype)
     blocks, nb = _row_blocks(a)
     Np = -(-max(N, MIN_ROWS) // MIN_ROWS) * MIN_ROWS   # each matrix starts 64-byte aligned
     bp = torch.empty((B, K, Np), dtype=cd) if Np == N else torch.zeros((B, K, Np), dtype=cd)

@@ -60,7 +60,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
         check_same("bias", bias.shape[0], b.shape[1], "bias length must equal b.shape[1] (N)")
     be = resolve_backend(backend, a)
     lead = a.shape[:-1]
-    a2 = a.reshape(-1, a.shape[-1])
+    a2 = a.reshape(lead.numel(), a.shape[-1])      # (not -1: K may be 0)
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or
                                     (bias is not None and bias.requires_grad)):
         out = _Matmul.apply(a2, b, bias, be)

@@ -210,3 +210,14 @@ def test_concurrent_python_threads_get_the_same_bits(threads):
     for i, o in enumerate(outs):
         assert torch.equal(o, want[i * 7:]), i
     assert torch.get_num_threads() == 2
+
+
+@pytest.mark.parametrize("M,K,N", [(0, 8, 8), (8, 0, 8), (8, 8, 0), (0, 0, 0), (40, 0, 3)])
+def test_empty_products(M, K, N):
+    """Empty GEMMs (an expert that got no tokens: its weight gradient has K = 0) are zeros of the
+    right shape, with the bias added; bmm too."""
+    a, b, c = torch.randn(M, K), torch.randn(K, N), torch.randn(N)
+    assert torch.equal(cpu.matmul_2d(a, b), torch.zeros(M, N))
+    assert torch.equal(cpu.matmul_2d(a, b, c), torch.zeros(M, N) + c)
+    assert torch.equal(ops.matmul(a.bfloat16(), b.bfloat16(), backend="cpu"), torch.zeros(M, N).bfloat16())
+    assert torch.equal(cpu.bmm(a[None].expand(3, M, K), b[None].expand(3, K, N)), torch.zeros(3, M, N))
