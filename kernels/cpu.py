@@ -139,7 +139,7 @@ def _row_blocks(a: torch.Tensor) -> tuple[torch.Tensor, int]:
     else:
         buf = torch.zeros((*lead, nb * ROW_BLOCK, K), dtype=cd)
     buf[..., :M, :] = a                                 # (converts to cd while copying)
-    return buf.view(-1, ROW_BLOCK, K), nb
+    return buf.view(lead.numel() * nb, ROW_BLOCK, K), nb
 
 
 def matmul_2d(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
@@ -197,7 +197,7 @@ def _bmm_views(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None =
     (decided by dtype, shape and layout, which are fixed per role)."""
     B, M, K = a.shape
     N = b.shape[2]
-    if (b.dtype != torch.float32 or N < MIN_ROWS or b.data_ptr() % _ALIGN
+    if (0 in (B, M, K) or b.dtype != torch.float32 or N < MIN_ROWS or b.data_ptr() % _ALIGN
             or (b.stride(0) * 4) % _ALIGN or min(b.stride(1), b.stride(2)) != 1):
         return bmm(a, b, out_dtype)
     blocks, nb = _row_blocks(a)

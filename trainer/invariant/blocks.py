@@ -286,6 +286,8 @@ def _grouped_expert_rows(x, ids, expert, E: int) -> torch.Tensor:
 
     T, k = ids.shape
     H = x.shape[-1]
+    if T == 0:
+        return torch.zeros(0, k, H, dtype=x.dtype)
     RB = cpu.ROW_BLOCK
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
