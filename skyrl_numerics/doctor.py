@@ -383,7 +383,12 @@ class _ServedInPlace:
         from skyrl_numerics.trainer.sync.vllm import update_vllm_weights
 
         if self.changed:
-            update_vllm_weights(self.engine, self.served, changed=self.changed)
+            try:
+                update_vllm_weights(self.engine, self.served, changed=self.changed)
+            except BaseException:
+                # a load that failed part-way must not leave the shared engine serving a mix
+                update_vllm_weights(self.engine, self.base, changed=self.changed)
+                raise
         return self.engine
 
     def __exit__(self, *exc):

@@ -65,3 +65,38 @@ def test_family_specific_rows_name_their_family(qwen_moe_dir):
                 and not r.scenario.startswith("batch-invariant")]
     assert specific, "expected DeepSeek-only rows"
     assert all(skip_reason(r, ctx) == "a row for deepseek_v3 only" for r in specific)
+
+
+def test_served_in_place_restores_the_engine_after_a_failed_load(tmp_path, monkeypatch):
+    """Fault injection into the weight load: when loading the served weights fails part-way, the
+    original weights are loaded back before the error propagates (the shared engine must not
+    serve a mix); a successful scenario loads them back on exit. (The engine is a stand-in: only
+    the calls are observed; the real engine round trip is tests/e2e/test_doctor.py.)"""
+    import torch
+    from safetensors.torch import save_file
+
+    from skyrl_numerics import doctor
+    from skyrl_numerics.trainer.sync import vllm as sync_vllm
+
+    base, served = tmp_path / "base", tmp_path / "served"
+    for d, v in ((base, 1.0), (served, 2.0)):
+        d.mkdir()
+        save_file({"model.layers.0.mlp.experts.0.up_proj.weight": torch.full((4, 4), v),
+                   "model.norm.weight": torch.ones(4)}, str(d / "model.safetensors"))
+    calls = []
+
+    def fake_update(engine, tensors, changed):
+        calls.append(float(tensors["model.layers.0.mlp.experts.0.up_proj.weight"][0, 0]))
+        if len(calls) == 1 and engine == "failing":
+            raise RuntimeError("worker died mid-load")
+    monkeypatch.setattr(sync_vllm, "update_vllm_weights", fake_update)
+    sip = doctor._ServedInPlace("failing", base, served)
+    assert sip.changed == ["model.layers.0.mlp.experts.0.up_proj.weight"]
+    with pytest.raises(RuntimeError, match="mid-load"):
+        with sip:
+            pass
+    assert calls == [2.0, 1.0]
+    calls.clear()
+    with doctor._ServedInPlace("ok", base, served):
+        assert calls == [2.0]
+    assert calls == [2.0, 1.0]
