@@ -278,6 +278,23 @@ def _expert_stacks(expert, E: int):
     return gu, dn
 
 
+def _expert_gemm(a: torch.Tensor, stack: torch.Tensor, blk_index: torch.Tensor, nblk: list[int]):
+    """Row blocks ``a [n, RB, K]`` (grouped by weight, ``nblk[j]`` blocks for ``stack[j]``) times
+    their weights: one call with the weights gathered per block, or — when that gather would copy
+    more than ``GROUPED_COPY_BYTES`` — one call per weight. Same bits either way (fixed blocks)."""
+    from skyrl_numerics.kernels import cpu
+
+    if a.shape[0] * stack.shape[1] * stack.shape[2] * 4 <= GROUPED_COPY_BYTES:
+        return cpu._gemm_blocks(a, stack, blk_index)
+    out = torch.empty(a.shape[0], a.shape[1], stack.shape[2])
+    lo = 0
+    for j, c in enumerate(nblk):
+        if c:
+            out[lo:lo + c] = cpu._gemm_blocks(a[lo:lo + c], stack[j])
+            lo += c
+    return out
+
+
 def _grouped_expert_rows(x, ids, expert, E: int) -> torch.Tensor:
     """The rows of :func:`_looped_expert_rows`, all experts at once: the (token, slot) pairs are
     sorted by expert (stable), each expert's rows padded to whole ``ROW_BLOCK`` blocks, and every
@@ -305,29 +322,11 @@ def _grouped_expert_rows(x, ids, expert, E: int) -> torch.Tensor:
     a = torch.zeros(n * RB, H, dtype=torch.float32)
     a[dest] = x[order // k].float()
     a = a.view(n, RB, H)
-    copy_bytes = 2 * n * gu.shape[1] * gu.shape[2] * 4
-    if copy_bytes <= GROUPED_COPY_BYTES:
-        r = cpu._gemm_blocks(torch.cat([a, a]), gu, torch.cat([blk_expert, blk_expert + E]))
-        g, u = r[:n], r[n:]
-    else:
-        g = torch.empty(n, RB, gu.shape[2])
-        u = torch.empty(n, RB, gu.shape[2])
-        lo = 0
-        for e, c in enumerate(nblk.tolist()):
-            if c:
-                g[lo:lo + c] = cpu._gemm_blocks(a[lo:lo + c], gu[e])
-                u[lo:lo + c] = cpu._gemm_blocks(a[lo:lo + c], gu[E + e])
-                lo += c
+    counts_blk = nblk.tolist()
+    g, u = _expert_gemm(torch.cat([a, a]), gu, torch.cat([blk_expert, blk_expert + E]),
+                        counts_blk + counts_blk).split(n)
     h = (torch.nn.functional.silu(g[..., :I].to(x.dtype)) * u[..., :I].to(x.dtype)).float()
-    if copy_bytes <= GROUPED_COPY_BYTES:
-        y = cpu._gemm_blocks(h.contiguous(), dn, blk_expert)
-    else:
-        y = torch.empty(n, RB, dn.shape[2])
-        lo = 0
-        for e, c in enumerate(nblk.tolist()):
-            if c:
-                y[lo:lo + c] = cpu._gemm_blocks(h[lo:lo + c].contiguous(), dn[e])
-                lo += c
+    y = _expert_gemm(h.contiguous(), dn, blk_expert, counts_blk)
     rows = y.view(n * RB, -1)[dest, :H].to(x.dtype)                 # sorted (token, slot) order
     out = torch.empty(T * k, H, dtype=x.dtype)
     out[order] = rows
