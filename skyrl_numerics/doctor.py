@@ -365,13 +365,13 @@ class _ServedInPlace:
     20-50 s on CPU; the rollouts are a fresh engine's on the served checkpoint, bit for bit
     (tests/e2e/test_doctor.py)."""
 
-    def __init__(self, engine, base_dir: Path, served_dir: Path):
+    def __init__(self, engine, base_dir: Path, served_dir: Path, base: dict | None = None):
         import torch
 
         from skyrl_numerics.trainer.invariant.base import load_checkpoint_tensors
 
         self.engine = engine
-        self.base = load_checkpoint_tensors(base_dir)
+        self.base = base if base is not None else load_checkpoint_tensors(base_dir)   # (read once per run)
         self.served = load_checkpoint_tensors(served_dir)
         if set(self.base) != set(self.served) or any(
                 self.base[k].shape != self.served[k].shape or self.base[k].dtype != self.served[k].dtype
@@ -465,6 +465,7 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
     with Progress(disable=not progress, transient=True) as prog:
         task = prog.add_task("starting vLLM engine", total=len(scenarios) + len(selected))
         gen = None
+        base_tensors = None   # the model's tensors, read once for the in-place scenarios
         for sc in scenarios:
             spec = SCENARIOS[sc]
             prog.update(task, description=f"sampling: {sc}")
@@ -475,7 +476,9 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
                 if in_place:   # the shared engine, serving the scenario's weights for a while
                     base = get_generator(model_dir, **ekw, capture_routes=ckpt.is_moe and not no_routes)
                     gen = gen or base
-                    with _ServedInPlace(base, model_dir, spec.serve(model_dir)) as engine:
+                    served_ip = _ServedInPlace(base, model_dir, spec.serve(model_dir), base_tensors)
+                    base_tensors = served_ip.base
+                    with served_ip as engine:
                         engine.generate([[2, 3]], max_tokens=2)   # as every engine: warm-up
                         sc_prompts = prompts or make_prompts(n_prompts, prompt_len,
                                                              engine.vocab_size, seed)
