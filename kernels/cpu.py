@@ -6,7 +6,7 @@ Stock torch on CPU is NOT batch-invariant (measured here, torch 2.13 + MKL, 2 th
   * ``x.mean(-1)`` / ``x.sum(-1)`` over rows longer than 32768 differ between M=1 and M>1
     (one row is split across threads; several rows are not).
 What this module does instead:
-  * matmul: every GEMM runs as row blocks of exactly ``ROW_BLOCK`` (32) rows — M padded up to a
+  * matmul: every GEMM runs as row blocks of exactly ``ROW_BLOCK`` (16) rows — M padded up to a
     multiple — and every block is one fp32 MKL GEMM of the same shape (ROW_BLOCK, K) x (K, N),
     on ONE thread, with both operands contiguous and 64-byte aligned. A row's bits then depend
     only on (K, N) and its own values, never on M, on the row's position, on the number of
@@ -31,7 +31,11 @@ import threading
 import torch
 
 MIN_ROWS = 16          # smallest N (columns) a GEMM is given
-ROW_BLOCK = 32         # rows per GEMM block (fixed: the bits of a row depend on it)
+ROW_BLOCK = 16         # rows per GEMM block (fixed: the bits of a row depend on it). 16, not 32:
+                       # a decode step of 16 requests is one block, and an expert's few rows
+                       # pad to less (same speed per row as 32 on large M up to K = 1024)
+ATTN_ROW_BLOCK = 4     # rows per block in attention's GEMMs: a decode query has only
+                       # H / Hkv rows per KV head (2 for the tiny Qwen3, 4-16 for real GQA)
 CHUNK = 16384
 _ALIGN = 64            # bytes: operand base addresses MKL sees (its reproducibility condition)
 _PAR_MIN_FLOPS = 1 << 22   # below this a call stays on the calling thread (pool overhead ~50 us)
@@ -74,9 +78,10 @@ def prepare_b(b: torch.Tensor) -> torch.Tensor:
 
 
 def _gemm_blocks(a: torch.Tensor, b: torch.Tensor, b_index: torch.Tensor | None = None) -> torch.Tensor:
-    """``a (n, ROW_BLOCK, K)`` contiguous, ``b (K, N)`` prepared or ``(G, K, N)`` with block i
-    using ``b[b_index[i]]`` -> ``(n, ROW_BLOCK, N)``: one single-threaded GEMM per block."""
-    n = a.shape[0]
+    """``a (n, RB, K)`` contiguous (RB = ``ROW_BLOCK`` or ``ATTN_ROW_BLOCK``), ``b (K, N)``
+    prepared or ``(G, K, N)`` with block i using ``b[b_index[i]]`` -> ``(n, RB, N)``: one
+    single-threaded GEMM per block."""
+    n, rb = a.shape[0], a.shape[1]
     K, N = b.shape[-2], b.shape[-1]
     if b.dim() == 2:
         bb = b.expand(n, K, N)
@@ -84,7 +89,7 @@ def _gemm_blocks(a: torch.Tensor, b: torch.Tensor, b_index: torch.Tensor | None 
         bb = b
     else:
         bb = b.index_select(0, b_index)
-    out = torch.empty((n, ROW_BLOCK, N), dtype=a.dtype)
+    out = torch.empty((n, rb, N), dtype=a.dtype)
     # the thread count is process-wide: the lock keeps another Python thread's restore from
     # giving a GEMM in flight more than one thread (which would change its bits)
     with _GEMM_LOCK:
@@ -97,7 +102,7 @@ def _gemm_locked(out, a, bb, n: int, K: int, N: int) -> None:
     if threads > 1:
         torch.set_num_threads(1)
     try:
-        work = 2 * n * ROW_BLOCK * K * N
+        work = 2 * n * a.shape[1] * K * N
         if threads > 1 and n > 1 and work >= _PAR_MIN_FLOPS:
             parts = min(threads, n)
             bounds = [n * j // parts for j in range(parts + 1)]
@@ -127,19 +132,19 @@ def _gemm_run_worker(out, a, b, inference: bool) -> None:
         _gemm_run(out, a, b)
 
 
-def _row_blocks(a: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(..., M, K) -> (blocks, ROW_BLOCK, K) in the compute dtype, zero-padded to whole blocks (a
+def _row_blocks(a: torch.Tensor, rb: int = ROW_BLOCK) -> tuple[torch.Tensor, int]:
+    """(..., M, K) -> (blocks, rb, K) in the compute dtype, zero-padded to whole blocks (a
     fresh, aligned buffer), and the number of blocks per matrix."""
     M, K = a.shape[-2], a.shape[-1]
-    nb = max(1, -(-M // ROW_BLOCK))
+    nb = max(1, -(-M // rb))
     lead = a.shape[:-2]
     cd = _compute_dtype(a)
-    if nb * ROW_BLOCK == M:
+    if nb * rb == M:
         buf = torch.empty((*lead, M, K), dtype=cd)
     else:
-        buf = torch.zeros((*lead, nb * ROW_BLOCK, K), dtype=cd)
+        buf = torch.zeros((*lead, nb * rb, K), dtype=cd)
     buf[..., :M, :] = a                                 # (converts to cd while copying)
-    return buf.view(lead.numel() * nb, ROW_BLOCK, K), nb
+    return buf.view(lead.numel() * nb, rb, K), nb
 
 
 def matmul_2d(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
@@ -168,8 +173,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -
     return out.reshape(*lead, b.shape[1])
 
 
-def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """a (B, M, K) @ b (B, K, N): each matrix's rows in blocks of ``ROW_BLOCK`` (as
+def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None,
+        rb: int = ROW_BLOCK) -> torch.Tensor:
+    """a (B, M, K) @ b (B, K, N): each matrix's rows in blocks of ``rb`` (as
     :func:`matmul_2d`), all blocks of all matrices in one batched call of single-threaded GEMMs,
     so a row's bits depend neither on M nor on B."""
     cd = _compute_dtype(a)
@@ -177,7 +183,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) 
     N = b.shape[2]
     if 0 in (B, M, K, N):
         return torch.zeros((B, M, N), dtype=cd).to(out_dtype or a.dtype)
-    blocks, nb = _row_blocks(a)
+    blocks, nb = _row_blocks(a, rb)
     Np = -(-max(N, MIN_ROWS) // MIN_ROWS) * MIN_ROWS   # each matrix starts 64-byte aligned
     bp = torch.empty((B, K, Np), dtype=cd) if Np == N else torch.zeros((B, K, Np), dtype=cd)
     bp[:, :, :N] = b                                   # (converts to cd while copying)
@@ -185,10 +191,11 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) 
         out = _gemm_blocks(blocks, bp[0])
     else:
         out = _gemm_blocks(blocks, bp, torch.arange(B).repeat_interleave(nb) if nb > 1 else None)
-    return out.view(B, nb * ROW_BLOCK, Np)[:, :M, :N].to(out_dtype or a.dtype)
+    return out.view(B, nb * rb, Np)[:, :M, :N].to(out_dtype or a.dtype)
 
 
-def _bmm_views(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def _bmm_views(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None,
+               rb: int = ROW_BLOCK) -> torch.Tensor:
     """:func:`bmm` without copying ``b``: its matrices go to the GEMM as the views they are (MKL
     reads their strides: e.g. key blocks transposed). The row blocks are :func:`bmm`'s. For the
     bits to be independent of M and B the caller passes ``b`` in one layout for every call of
@@ -199,16 +206,16 @@ def _bmm_views(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None =
     N = b.shape[2]
     if (0 in (B, M, K) or b.dtype != torch.float32 or N < MIN_ROWS or b.data_ptr() % _ALIGN
             or (b.stride(0) * 4) % _ALIGN or min(b.stride(1), b.stride(2)) != 1):
-        return bmm(a, b, out_dtype)
-    blocks, nb = _row_blocks(a)
+        return bmm(a, b, out_dtype, rb)
+    blocks, nb = _row_blocks(a, rb)
     if nb == 1:
-        out = _gemm_blocks(blocks, b).view(B, ROW_BLOCK, N)
+        out = _gemm_blocks(blocks, b).view(B, rb, N)
     else:  # one call per row block, so every call sees b's own matrices (never a gathered copy)
-        by = blocks.view(B, nb, ROW_BLOCK, K)
-        out = torch.empty((B, nb, ROW_BLOCK, N), dtype=blocks.dtype)
+        by = blocks.view(B, nb, rb, K)
+        out = torch.empty((B, nb, rb, N), dtype=blocks.dtype)
         for j in range(nb):
             out[:, j] = _gemm_blocks(by[:, j], b)
-        out = out.view(B, nb * ROW_BLOCK, N)
+        out = out.view(B, nb * rb, N)
     return out[:, :M].to(out_dtype or a.dtype)
 
 
@@ -221,6 +228,33 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> t
         if hi > lo:
             out[lo:hi] = matmul_2d(x[lo:hi], w[e])
     return out
+
+
+VEC_ELEMS = 64       # a multiple of every ATen vector loop step (2 vectors: 32 fp32 / 64 bf16 on AVX-512)
+PIECE = 32768        # torch's GRAIN_SIZE: an elementwise call on at most this many elements is one thread
+
+
+def elementwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for a per-element ``fn`` (sigmoid, silu), with every element computed by ATen's
+    vectorized loop. ATen runs the last ``n % (2 · vector width)`` elements of a contiguous
+    loop — and of each thread's chunk — through a scalar version of the op, and for sigmoid and
+    silu that version rounds differently (measured here: ~4 % of fp32 elements differ by an
+    ulp), so an element's bits would depend on the size of the tensor it sits in (a router's
+    ``[T, E]`` scores with E = 8 and T odd) and on the thread count. Here the flattened input is
+    cut into pieces of ``PIECE`` elements (one thread each), the last zero-padded to a multiple
+    of ``VEC_ELEMS``: the same vector code for every element, whatever the shape."""
+    n = x.numel()
+    if n <= PIECE and n % VEC_ELEMS == 0 and x.is_contiguous():
+        return fn(x)
+    flat = x.reshape(-1)
+    padded = -(-n // VEC_ELEMS) * VEC_ELEMS
+    if padded != n:
+        flat = torch.nn.functional.pad(flat, (0, padded - n))
+    if padded <= PIECE:
+        out = fn(flat.contiguous())
+    else:
+        out = torch.cat([fn(flat[lo:lo + PIECE].contiguous()) for lo in range(0, padded, PIECE)])
+    return out[:n].view(x.shape)
 
 
 def row_sum(x: torch.Tensor) -> torch.Tensor:
@@ -345,11 +379,27 @@ def rms_norm_backward(g, x, w, rstd, rows_per_block: int = 256):
     return dx, dw.to(w.dtype)
 
 
+ATTN_PASS_BYTES = 32 << 20   # score/probability bytes per pass over a group of key blocks
+
+
 def attention(q, k, v, causal: bool = True, scale: float | None = None, block_n: int = 64,
               kv_lens: torch.Tensor | None = None):
     """Online softmax over fixed key blocks [0, block_n), [block_n, 2 block_n), ... in order;
-    every product through :func:`bmm` (invariant in the number of queries), so token-by-token
-    decode over a KV cache equals full prefill bit for bit.
+    every product through single-threaded GEMMs of fixed shape (row blocks of
+    ``ATTN_ROW_BLOCK`` queries against one key block), so token-by-token decode over a KV cache
+    equals full prefill bit for bit. With ``m_j``, ``l_j``, ``acc_j`` after key block ``j``
+    (``m_{-1} = -inf``, ``l_{-1} = 0``, ``acc_{-1} = 0``)::
+
+        s_j = (q K_j^T) * scale, masked to -inf      (keys past the sequence end / causal)
+        m_j = max(m_{j-1}, rowmax s_j);   m*_j = 0 where m_j = -inf else m_j
+        alpha_j = exp(m_{j-1} - m*_j);    p_j = exp(s_j - m*_j)
+        l_j = l_{j-1} * alpha_j + rowsum p_j;   acc_j = acc_{j-1} * alpha_j + p_j V_j
+        out = acc_last / l_last
+
+    Everything but the two recurrences is computed for a group of key blocks at once (one GEMM
+    call for the scores, one for ``p V``; ``m_j`` by a running max): the same elementwise ops on
+    the same values, so the same bits as one block at a time (tested against that loop), with
+    a few dozen torch calls per layer instead of ~30 per key block.
 
     ``kv_lens`` (B,): sequence b has only its first ``kv_lens[b]`` keys (the rest is padding) and
     its queries sit at the end of those. Blocks past a sequence's end are fully masked and leave
@@ -357,47 +407,96 @@ def attention(q, k, v, causal: bool = True, scale: float | None = None, block_n:
     bits it gets alone."""
     B, H, Sq, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
+    if 0 in (B, Sq, D):
+        return torch.zeros((B, H, Sq, D), dtype=q.dtype)
     if kv_lens is None:
         kv_lens = torch.full((B,), Skv, dtype=torch.long)
     kv_lens = torch.as_tensor(kv_lens, dtype=torch.long).reshape(B)
-    lens = kv_lens.repeat_interleave(Hkv)[:, None, None]           # (B*Hkv, 1, 1)
+    BH, g = B * Hkv, H // Hkv
+    R = g * Sq                                       # query rows per (sequence, KV head)
+    lens = kv_lens.repeat_interleave(Hkv)[:, None, None, None]      # (BH, 1, 1, 1)
     scale = D ** -0.5 if scale is None else float(scale)
-    g = H // Hkv
-    qf = (q.float() if q.dtype == torch.float64 else q).reshape(B * Hkv, g * Sq, D)  # fp32 math;
+    qf = (q.float() if q.dtype == torch.float64 else q).reshape(BH, R, D)  # fp32 math;
     # the queries of one KV head share the GEMMs
     # keys/values padded once to whole blocks of zeros, converted to fp32 in the same copy (a
-    # fresh aligned buffer, so every block slice below is aligned too); MLA passes one tensor as
-    # k and v: converted once. The GEMMs read the key blocks transposed and the value blocks as
-    # they are, in every call (_bmm_views).
-    pad = -Skv % block_n
+    # fresh aligned buffer, so every block is aligned too); MLA passes one tensor as k and v:
+    # converted once. The GEMMs read the key blocks transposed and the value blocks as stored.
+    nblk = max(1, -(-Skv // block_n))
+    Sp = nblk * block_n
 
-    def padded(t):
-        out = torch.zeros((B * Hkv, Skv + pad, D)) if pad else torch.empty((B * Hkv, Skv, D))
-        out[:, :Skv] = t.reshape(B * Hkv, Skv, D)
+    def padded(t):           # (BH, Sp, D) fp32, zeros past Skv: one converting copy
+        out = torch.empty((BH, Sp, D))
+        out.view(B, Hkv, Sp, D)[:, :, :Skv] = t
+        if Sp > Skv:
+            out[:, Skv:] = 0
         return out
     kf = padded(k)
     vf = kf if v is k else padded(v)
-    qpos = torch.arange(Sq).repeat(g)[None, :, None] + (lens - Sq)  # (B*Hkv, g*Sq, 1)
-    m = torch.full((B * Hkv, g * Sq), float("-inf"))
-    l_ = torch.zeros(B * Hkv, g * Sq)
-    acc = torch.zeros(B * Hkv, g * Sq, D)
-    for n0 in range(0, Skv, block_n):
-        kpos = torch.arange(n0, n0 + block_n)           # always a full block: same GEMM shapes
-        kb, vb = kf[:, n0:n0 + block_n], vf[:, n0:n0 + block_n]
-        s = _bmm_views(qf, kb.transpose(1, 2), torch.float32) * scale
-        invalid = kpos[None, None, :] >= lens
-        if causal:
-            invalid = invalid | (kpos[None, None, :] > qpos)
-        s = s.masked_fill(invalid, float("-inf"))
-        m_new = torch.maximum(m, s.amax(-1))
-        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        alpha = (m - m_safe).exp()
+    qblocks, nb = _row_blocks(qf, ATTN_ROW_BLOCK)
+    Rp = nb * ATTN_ROW_BLOCK
+    # Everything below runs on the padded query rows (R .. Rp-1 are zero queries): a GEMM row
+    # depends only on its own operand row, so the real rows keep their bits and the padded
+    # ones are dropped at the end — no re-blocking of the probabilities per key block.
+    qblocks = qblocks.view(BH, nb, ATTN_ROW_BLOCK, D)
+    # a causal query sits at position qpos <= len - 1, so "past the end" is implied by "after
+    # the query"; padded rows get the last query's position
+    last = lens[..., 0] - 1                                               # (BH, 1, 1)
+    if causal:
+        qi = torch.arange(Rp).remainder_(Sq)          # row r: query r % Sq of head r // Sq
+        qi[R:] = Sq - 1
+        qpos = qi[None, :, None] + (last - (Sq - 1))
+    else:
+        qpos = last.expand(BH, Rp, 1)
+    qpos = qpos[:, None]                                                  # (BH, 1, Rp, 1)
+    m = torch.full((BH, Rp), float("-inf"))
+    l_ = torch.zeros(BH, Rp)
+    acc = torch.zeros(BH, Rp, D)
+    group = max(1, ATTN_PASS_BYTES // (BH * Rp * block_n * 4))
+    for j0 in range(0, nblk, group):
+        G = min(group, nblk - j0)
+        kb, vb = _key_blocks(kf, j0, G, block_n), _key_blocks(vf, j0, G, block_n)
+        s = _attn_gemm(qblocks[:, None].expand(BH, G, nb, ATTN_ROW_BLOCK, D),
+                       kb.transpose(1, 2)) * scale                  # (BH, G, Rp, block_n)
+        kpos = torch.arange(j0 * block_n, (j0 + G) * block_n).view(1, G, 1, block_n)
+        s = s.masked_fill(kpos > qpos, float("-inf"))
+        m_all = torch.maximum(s.amax(-1).cummax(1).values, m[:, None])   # m_j, (BH, G, Rp)
+        m_safe = m_all.nan_to_num(nan=float("nan"), posinf=0.0, neginf=0.0)  # 0 where +-inf
+        alpha = (torch.cat([m[:, None], m_all[:, :-1]], 1) - m_safe).exp()
         p = (s - m_safe.unsqueeze(-1)).exp()
-        l_ = l_ * alpha + row_sum(p.reshape(-1, p.shape[-1])).reshape(l_.shape)
-        acc = acc * alpha.unsqueeze(-1) + _bmm_views(p, vb)
-        m = m_new
-    out = (acc / l_.unsqueeze(-1)).reshape(B, Hkv, g, Sq, D).reshape(B, H, Sq, D)
+        rs = row_sum(p.view(-1, block_n)).view(BH, G, Rp)
+        pv = _attn_gemm(p.view(BH, G, nb, ATTN_ROW_BLOCK, block_n), vb)   # (BH, G, Rp, D)
+        for j in range(G):
+            l_ = l_ * alpha[:, j] + rs[:, j]
+            acc = acc * alpha[:, j].unsqueeze(-1) + pv[:, j]
+        m = m_all[:, -1]
+    out = (acc[:, :R] / l_[:, :R].unsqueeze(-1)).reshape(B, Hkv, g, Sq, D).reshape(B, H, Sq, D)
     return out.to(q.dtype)
+
+
+def _key_blocks(t: torch.Tensor, j0: int, G: int, block_n: int) -> torch.Tensor:
+    """Key (or value) blocks ``j0 .. j0+G-1`` of every sequence·head of ``t (BH, Sp, D)`` as
+    ``(BH·G, block_n, D)``: a view when the group is every block, else a contiguous copy — the
+    same matrix layout either way, which is all a GEMM sees."""
+    BH, Sp, D = t.shape
+    if G * block_n == Sp:
+        return t.view(BH * G, block_n, D)
+    return t[:, j0 * block_n:(j0 + G) * block_n].reshape(BH * G, block_n, D)
+
+
+def _attn_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Attention's products for G key blocks at once: row blocks ``a (BH, G, nb, RB, K)`` (any
+    strides), ``b (BH·G, K, N)`` fp32 matrices (key blocks as transposed views, value blocks as
+    stored) -> ``(BH, G, nb·RB, N)``. One GEMM call per row-block index, each pairing every
+    (sequence·head, key block) with its own matrix of ``b``: every GEMM sees a contiguous
+    ``(RB, K)`` block and a ``b`` matrix in the same layout, whatever G, nb or BH are."""
+    BH, G, nb, RB, K = a.shape
+    N = b.shape[-1]
+    if nb == 1:
+        return _gemm_blocks(a.reshape(BH * G, RB, K), b).view(BH, G, RB, N)
+    out = torch.empty((BH, G, nb, RB, N), dtype=torch.float32)
+    for j in range(nb):
+        out[:, :, j] = _gemm_blocks(a[:, :, j].reshape(BH * G, RB, K), b).view(BH, G, RB, N)
+    return out.view(BH, G, nb * RB, N)
 
 
 def check_cpu_invariance(shapes=((64, 256, 256), (64, 1024, 128), (260, 1024, 256)),
