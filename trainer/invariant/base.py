@@ -53,6 +53,7 @@ class InvariantCausalLM(nn.Module):
         self.dtype = dtype
         self.params = nn.ParameterDict()
         self._names: dict[str, str] = {}
+        self._expert_lists: dict[str, list] = {}
         self.route_hook: Callable[[int, torch.Tensor], None] | None = None
 
     # ---- weights --------------------------------------------------------------------------
@@ -75,6 +76,20 @@ class InvariantCausalLM(nn.Module):
 
     def w(self, name: str) -> torch.Tensor:
         return self.params[self._names[name]]
+
+    def expert_weights(self, prefix: str, num_experts: int) -> list:
+        """``[(w_gate, w_up, w_down)]`` of experts ``0 .. E-1`` named ``{prefix}{e}.gate_proj.weight``
+        etc.: the parameters themselves, looked up once per layer (a decode step would otherwise
+        spend ~3E dict lookups per layer). Loading copies into these tensors in place; a
+        parameter replaced by another object (e.g. wrapped by FSDP) is noticed and looked up again."""
+        hit = self._expert_lists.get(prefix)
+        if (hit is None or len(hit) != num_experts
+                or hit[0][0] is not self.w(f"{prefix}0.gate_proj.weight")
+                or hit[-1][2] is not self.w(f"{prefix}{num_experts - 1}.down_proj.weight")):
+            hit = [tuple(self.w(f"{prefix}{e}.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj"))
+                   for e in range(num_experts)]
+            self._expert_lists[prefix] = hit
+        return hit
 
     def hf_names(self) -> list[str]:
         return list(self._names)
@@ -146,6 +161,7 @@ class InvariantCausalLM(nn.Module):
         from .blocks import rms_norm
 
         eps = self.dims.eps
+        self._cos_sin = None          # RoPE's cos/sin of these positions: once per forward
         h = self.embed(input_ids)
         for i in range(self.dims.layers):
             p = f"model.layers.{i}."
@@ -157,6 +173,14 @@ class InvariantCausalLM(nn.Module):
     def attn_core(self, layer: int, q: torch.Tensor, rows: torch.Tensor,
                   kv_lens: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
+
+    def rope_cos_sin(self, positions: torch.Tensor):
+        """``self.rope.cos_sin(positions)``, computed once per :meth:`forward_tokens` (every
+        layer rotates at the same positions)."""
+        hit = getattr(self, "_cos_sin", None)
+        if hit is None or hit[0] is not positions:
+            hit = self._cos_sin = (positions, self.rope.cos_sin(positions))
+        return hit[1]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.w("model.embed_tokens.weight")[input_ids]

@@ -98,6 +98,47 @@ def linear_many(x: torch.Tensor, ws) -> list[torch.Tensor]:
     return outs
 
 
+def head_matmuls(x: torch.Tensor, mats) -> torch.Tensor:
+    """``stack([x[:, h] @ mats[h] for h in heads], 1)`` — one matmul per head (MLA's absorbed
+    ``W_UK`` / ``W_UV``), ``x [T, H, K]``, ``mats`` a list of ``[K, N]`` -> ``[T, H, N]`` in
+    ``x.dtype``. Each product is :func:`skyrl_numerics.kernels.matmul`'s; on the no-grad CPU
+    path all heads run in one GEMM call per row block against the heads' fp32 operands,
+    prepared once per weight change (:func:`_head_stack`): the same blocks against the same
+    prepared matrices, so the same bits (tested against the per-head loop)."""
+    T, H, K = x.shape
+    if not (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+            and all(m.dtype == x.dtype for m in mats)
+            and not (torch.is_grad_enabled() and (x.requires_grad or any(m.requires_grad for m in mats)))):
+        return torch.stack([inv_matmul(x[:, h].contiguous(), mats[h]) for h in range(H)], dim=1)
+    from skyrl_numerics.kernels import cpu
+
+    N = mats[0].shape[1]
+    stack = _head_stack(mats)                                         # [H, K, Np]
+    blocks, nb = cpu._row_blocks(x.transpose(0, 1).float())           # [H·nb, RB, K]
+    by = blocks.view(H, nb, blocks.shape[1], K)
+    out = torch.empty((H, nb, blocks.shape[1], stack.shape[2]))
+    for j in range(nb):           # one call per row block: each head's GEMM sees its own matrix
+        out[:, j] = cpu._gemm_blocks(by[:, j], stack)
+    out = out.view(H, -1, stack.shape[2])[:, :T, :N]
+    return out.to(x.dtype).transpose(0, 1)
+
+
+def _head_stack(mats) -> torch.Tensor:
+    """``[prepare_b(m.float()) for m in mats]`` stacked, cached on the first matrix's base
+    tensor with its version (the per-head matrices are views of one weight)."""
+    from skyrl_numerics.kernels import cpu
+
+    base = mats[0]._base if mats[0]._base is not None else mats[0]
+    key = (base._version, tuple((m.data_ptr(), tuple(m.shape), tuple(m.stride())) for m in mats))
+    cache = getattr(base, "_skyrl_head_stacks", None)
+    if cache is None:
+        cache = base._skyrl_head_stacks = {}
+    hit = cache.get(key[1])
+    if hit is None or hit[0] != key[0]:
+        hit = cache[key[1]] = (key[0], torch.stack([cpu.prepare_b(m.detach().float()) for m in mats]))
+    return hit[1]
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, per row in fp32, any leading shape (no-grad CPU: the kernel
     itself, without the autograd wrapper; the same function computes it)."""
@@ -108,6 +149,22 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
         return cpu.rms_norm(x2, w, eps)[0].reshape(*lead, x.shape[-1])
     return _inv_rms_norm(x2, w, eps).reshape(*lead, x.shape[-1])
+
+
+def rms_norm_heads(parts, eps: float) -> torch.Tensor:
+    """``cat([rms_norm(x, w, eps) for x, w in parts], dim=1)`` bit for bit, for ``x [T, H_i, D]``
+    with a ``[D]`` weight each (Qwen3's q_norm / k_norm): on the no-grad CPU path one call with
+    each head's weight row laid out beside it (the same products per element)."""
+    xs = [x for x, _ in parts]
+    if not (all(x.device.type == "cpu" for x in xs)
+            and not (torch.is_grad_enabled() and any(x.requires_grad or w.requires_grad for x, w in parts))):
+        return torch.cat([rms_norm(x, w, eps) for x, w in parts], dim=1)
+    from skyrl_numerics.kernels import cpu
+
+    x = torch.cat(xs, dim=1)
+    T, H, D = x.shape
+    w = torch.cat([w.expand(xi.shape[1], D) for xi, w in parts]).expand(T, H, D).reshape(T * H, D)
+    return cpu.rms_norm(x.reshape(T * H, D), w, eps)[0].view(T, H, D)
 
 
 # ---- RoPE -----------------------------------------------------------------------------------
@@ -173,6 +230,22 @@ class Rope:
         return out.to(x.dtype)
 
 
+# ---- shape-independent elementwise ops ------------------------------------------------------
+def _elementwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` with every element's bits independent of ``x``'s size and the thread count
+    (:func:`skyrl_numerics.kernels.cpu.elementwise`: torch's CPU sigmoid/silu round their
+    tail elements differently); on GPU the op as it is."""
+    if x.device.type != "cpu":
+        return fn(x)
+    from skyrl_numerics.kernels import cpu
+
+    return cpu.elementwise(fn, x)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return _elementwise(torch.nn.functional.silu, x)
+
+
 # ---- routers --------------------------------------------------------------------------------
 def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool):
     """Softmax over experts in fp32, top-k per token; ``(weights fp32, ids)``."""
@@ -192,7 +265,7 @@ def sigmoid_group_topk(logits: torch.Tensor, bias: torch.Tensor | None, k: int, 
         ids = top-k of c over the kept groups (others -inf);  w = s[ids]
         w = w / (sum w + 1e-20) if renormalize;  w = w * routed_scaling_factor
     """
-    s = torch.sigmoid(logits.float())
+    s = _elementwise(torch.sigmoid, logits.float())
     c = s if bias is None else s + bias.float()
     T, E = c.shape
     if n_group > 1:
@@ -211,7 +284,7 @@ def sigmoid_group_topk(logits: torch.Tensor, bias: torch.Tensor | None, k: int, 
 # ---- MLPs -----------------------------------------------------------------------------------
 def swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                w_down: torch.Tensor) -> torch.Tensor:
-    h = torch.nn.functional.silu(linear(x, w_gate)) * linear(x, w_up)
+    h = silu(linear(x, w_gate)) * linear(x, w_up)
     return linear(h, w_down)
 
 
@@ -301,33 +374,37 @@ def _grouped_expert_rows(x, ids, expert, E: int) -> torch.Tensor:
     block runs against its expert's weight — gate and up in one call, down in a second."""
     from skyrl_numerics.kernels import cpu
 
+    import numpy as np
+
     T, k = ids.shape
     H = x.shape[-1]
     if T == 0:
         return torch.zeros(0, k, H, dtype=x.dtype)
     RB = cpu.ROW_BLOCK
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
+    # the bookkeeping is integer arithmetic on a few hundred ids: numpy, not dozens of tiny
+    # torch calls (stable argsort: the same order torch's stable sort gives)
+    flat = ids.reshape(-1).numpy()
+    order = np.argsort(flat, kind="stable")
     e_sorted = flat[order]
-    counts = torch.bincount(flat, minlength=E)
+    counts = np.bincount(flat, minlength=E)
     nblk = (counts + RB - 1) // RB                                   # blocks per expert
-    first_blk = torch.cumsum(nblk, 0) - nblk
-    starts = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(flat.numel()) - starts[e_sorted]
-    dest = first_blk[e_sorted] * RB + rank                           # row in the block buffer
+    first_blk = np.cumsum(nblk) - nblk
+    starts = np.cumsum(counts) - counts
+    dest = torch.from_numpy(first_blk[e_sorted] * RB + np.arange(flat.size) - starts[e_sorted])
     n = int(nblk.sum())
-    blk_expert = torch.repeat_interleave(torch.arange(E), nblk)      # [n]
+    blk_expert = np.repeat(np.arange(E), nblk)                       # [n]
     gu, dn = _expert_stacks(expert, E)
     I = expert(0)[0].shape[0]
     a = torch.zeros(n * RB, H, dtype=torch.float32)
-    a[dest] = x[order // k].float()
+    a[dest] = x[torch.from_numpy(order // k)].float()
     a = a.view(n, RB, H)
     counts_blk = nblk.tolist()
-    g, u = _expert_gemm(torch.cat([a, a]), gu, torch.cat([blk_expert, blk_expert + E]),
+    g, u = _expert_gemm(a.expand(2, n, RB, H).reshape(2 * n, RB, H), gu,
+                        torch.from_numpy(np.concatenate([blk_expert, blk_expert + E])),
                         counts_blk + counts_blk).split(n)
-    h = (torch.nn.functional.silu(g[..., :I].to(x.dtype)) * u[..., :I].to(x.dtype)).float()
-    y = _expert_gemm(h.contiguous(), dn, blk_expert, counts_blk)
+    h = (silu(g[..., :I].to(x.dtype)) * u[..., :I].to(x.dtype)).float()
+    y = _expert_gemm(h.contiguous(), dn, torch.from_numpy(blk_expert), counts_blk)
     rows = y.view(n * RB, -1)[dest, :H].to(x.dtype)                 # sorted (token, slot) order
     out = torch.empty(T * k, H, dtype=x.dtype)
-    out[order] = rows
+    out[torch.from_numpy(order)] = rows
     return out.view(T, k, H)

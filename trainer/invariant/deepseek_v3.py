@@ -31,7 +31,7 @@ import torch
 from skyrl_numerics.kernels import matmul as inv_matmul
 
 from .base import Attend, InvariantCausalLM
-from .blocks import (Rope, _yarn_mscale, linear, require, rms_norm, routed_experts,
+from .blocks import (Rope, _yarn_mscale, head_matmuls, linear, require, rms_norm, routed_experts,
                      sigmoid_group_topk, softmax_topk, swiglu_mlp)
 from .kv_format import KVFormat, parse_kv_spec
 
@@ -201,17 +201,16 @@ class InvariantDeepseekV3(InvariantCausalLM):
         else:
             q = linear(x, self.w(p + "q_proj.weight"))
         q = q.view(T, d.heads, d.nope + d.rope)
-        q_nope, q_pe = q[..., :d.nope], self.rope(q[..., d.nope:], positions)
+        cs = self.rope_cos_sin(positions)
+        q_nope, q_pe = q[..., :d.nope], self.rope(q[..., d.nope:], positions, cs)
         kv_a = linear(x, self.w(p + "kv_a_proj_with_mqa.weight"))
         c = rms_norm(kv_a[:, :R], self.w(p + "kv_a_layernorm.weight"), d.eps)
-        k_pe = self.rope(kv_a[:, None, R:], positions)[:, 0]
+        k_pe = self.rope(kv_a[:, None, R:], positions, cs)[:, 0]
         rows = torch.cat([c, k_pe], dim=-1)
         wkv = self.w(p + "kv_b_proj.weight").view(d.heads, d.nope + d.v_dim, R)
-        q_lat = torch.stack([inv_matmul(q_nope[:, h].contiguous(), wkv[h, :d.nope])
-                             for h in range(d.heads)], dim=1)                     # [T, H, R]
+        q_lat = head_matmuls(q_nope, [wkv[h, :d.nope] for h in range(d.heads)])   # [T, H, R]
         o_lat = attend(i, torch.cat([q_lat, q_pe], dim=-1), rows)                 # [T, H, R]
-        o = torch.stack([linear(o_lat[:, h].contiguous(), wkv[h, d.nope:])
-                         for h in range(d.heads)], dim=1)                         # [T, H, Dv]
+        o = head_matmuls(o_lat, [wkv[h, d.nope:].t() for h in range(d.heads)])   # [T, H, Dv]
         return linear(o.reshape(T, d.heads * d.v_dim), self.w(p + "o_proj.weight"))
 
     def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
@@ -227,7 +226,7 @@ class InvariantDeepseekV3(InvariantCausalLM):
             w, ids = softmax_topk(logits, d.top_k, d.norm_topk_prob)
             w = w * d.routed_scaling
         self._route(i - d.first_dense, ids)
-        out = routed_experts(x, ids, w, lambda e: self._mlp(p + f"experts.{e}."),
+        out = routed_experts(x, ids, w, self.expert_weights(p + "experts.", d.experts).__getitem__,
                              num_experts=d.experts)
         if d.n_shared:
             out = out + swiglu_mlp(x, *self._mlp(p + "shared_experts."))

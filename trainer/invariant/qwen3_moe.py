@@ -18,7 +18,8 @@ import torch
 from skyrl_numerics.kernels import attention as inv_attention
 
 from .base import Attend, InvariantCausalLM, invariant_trainer_logprobs  # noqa: F401 (re-export)
-from .blocks import Rope, linear, linear_many, require, rms_norm, routed_experts, softmax_topk
+from .blocks import (Rope, linear, linear_many, require, rms_norm_heads, routed_experts,
+                     softmax_topk)
 from .kv_format import KVFormat, parse_kv_spec
 
 
@@ -111,9 +112,8 @@ class InvariantQwen3Moe(InvariantCausalLM):
         d, p = self.dims, f"model.layers.{i}.mlp."
         w, ids = softmax_topk(linear(x, self.w(p + "gate.weight")), d.top_k, d.norm_topk_prob)
         self._route(i, ids)
-        return routed_experts(x, ids, w, lambda e: (
-            self.w(p + f"experts.{e}.gate_proj.weight"), self.w(p + f"experts.{e}.up_proj.weight"),
-            self.w(p + f"experts.{e}.down_proj.weight")), num_experts=d.experts)
+        return routed_experts(x, ids, w, self.expert_weights(p + "experts.", d.experts).__getitem__,
+                              num_experts=d.experts)
 
     def attn_core(self, layer, q, rows, kv_lens):
         """q ``[n, Sq, H, D]``, rows ``[n, L, 2·Hkv·D]`` -> ``[n, Sq, H, D]``."""
@@ -131,11 +131,12 @@ class InvariantQwen3Moe(InvariantCausalLM):
         T = x.shape[0]
         q, k, v = linear_many(x, [self.w(p + "q_proj.weight"), self.w(p + "k_proj.weight"),
                                   self.w(p + "v_proj.weight")])
-        q = rms_norm(q.view(T, d.heads, d.head_dim), self.w(p + "q_norm.weight"), d.eps)
-        k = rms_norm(k.view(T, d.kv_heads, d.head_dim), self.w(p + "k_norm.weight"), d.eps)
+        # q and k normalized per head and rotated together (per element: the same bits as apart)
+        qk = rms_norm_heads([(q.view(T, d.heads, d.head_dim), self.w(p + "q_norm.weight")),
+                             (k.view(T, d.kv_heads, d.head_dim), self.w(p + "k_norm.weight"))], d.eps)
+        qk = self.rope(qk, positions, self.rope_cos_sin(positions))
+        q, k = qk[:, :d.heads], qk[:, d.heads:]
         v = v.view(T, d.kv_heads, d.head_dim)
-        cs = self.rope.cos_sin(positions)
-        q, k = self.rope(q, positions, cs), self.rope(k, positions, cs)
         rows = torch.cat([k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
         o = attend(i, q, rows)
         return linear(o.reshape(T, d.heads * d.head_dim), self.w(p + "o_proj.weight"))
