@@ -105,14 +105,19 @@ class _SkyrlInvariantForCausalLM(nn.Module):
         size = torch.tensor([], dtype=unit).element_size()
         return flat.view(-1, per_slot // size)[:, :self.kv.row_bytes // size]
 
-    def _plan(self, meta, device) -> list:
+    def _plan(self, meta, device):
         """The step's request groups, computed once per forward (every layer shares the block
         table): requests with the same number of queries (all decodes: 1) share one attention
         call over a right-padded batch; ``kv_lens`` keeps each request's bits what they are alone
-        (tested). Per group: (requests, query slices, kv lengths, flat slot index, padding mask).
-        (The padded batch is the CPU path's; on GPU each request runs alone.)"""
+        (tested). Returns (slots to write, groups); per group: (number of requests, query index
+        or None when the group is every token in order, queries per request, longest length,
+        kv lengths, flat slot index, padding mask). (The padded batch is the CPU path's; on GPU
+        each request runs alone.)"""
         if self._step_plan is not None:
             return self._step_plan
+        import numpy as np
+
+        n_tok = int(meta.num_actual_tokens)
         qsl = meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens.tolist()
         bs = self.block_size
@@ -121,21 +126,24 @@ class _SkyrlInvariantForCausalLM(nn.Module):
         for r in range(len(qsl) - 1):
             if qsl[r + 1] > qsl[r]:
                 by_len.setdefault(qsl[r + 1] - qsl[r] if batched else -r, []).append(r)
-        plan = []
+        groups = []
         for reqs in by_len.values():
-            lens = [seq_lens[r] for r in reqs]
-            L = max(lens)
+            lens = np.array([seq_lens[r] for r in reqs])
+            L = int(lens.max())
             nblk = -(-L // bs)
-            blocks = meta.block_table[reqs, :nblk].long()                      # [n, nblk]
-            idx = (blocks[:, :, None] * bs + torch.arange(bs)[None, None, :]).reshape(len(reqs), -1)
-            idx = idx[:, :L]
-            pad = torch.arange(L)[None, :] >= torch.tensor(lens)[:, None]        # [n, L]
-            idx = idx.masked_fill(pad, 0)     # padding reads slot 0, then is zeroed
-            qidx = torch.cat([torch.arange(qsl[r], qsl[r + 1]) for r in reqs])
-            plan.append((reqs, qidx, qsl[reqs[0] + 1] - qsl[reqs[0]], lens, idx.reshape(-1),
-                         pad[:, :, None] if bool(pad.any()) else None))
-        self._step_plan = plan
-        return plan
+            blocks = meta.block_table[reqs, :nblk].long().numpy()              # [n, nblk]
+            idx = (blocks[:, :, None] * bs + np.arange(bs)[None, None, :]).reshape(len(reqs), -1)
+            pad = np.arange(L)[None, :] >= lens[:, None]                       # [n, L]
+            idx = np.where(pad, 0, idx[:, :L])     # padding reads slot 0, then is zeroed
+            qidx = np.concatenate([np.arange(qsl[r], qsl[r + 1]) for r in reqs])
+            in_order = len(qidx) == n_tok and bool((qidx == np.arange(n_tok)).all())
+            groups.append((len(reqs), None if in_order else torch.from_numpy(qidx),
+                           qsl[reqs[0] + 1] - qsl[reqs[0]], L,
+                           torch.from_numpy(lens) if len(reqs) > 1 else None,
+                           torch.from_numpy(idx.reshape(-1)),
+                           torch.from_numpy(pad[:, :, None]) if pad.any() else None))
+        self._step_plan = (meta.slot_mapping[:n_tok].long(), groups)
+        return self._step_plan
 
     def _attend(self, i: int, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         from vllm.forward_context import get_forward_context
@@ -145,17 +153,22 @@ class _SkyrlInvariantForCausalLM(nn.Module):
             meta = meta.get(self.attn[i].layer_name)
         if meta is None:  # profiling / dummy run: no cache, one causal sequence
             return self.core._own_sequence_attend(i, q, rows)
-        n = int(meta.num_actual_tokens)
+        slots, groups = self._plan(meta, q.device)
+        n = slots.shape[0]
         cache = self._slots(i)
-        cache[meta.slot_mapping[:n].long()] = self.kv.encode(i, rows[:n]).view(cache.dtype)
+        cache[slots] = self.kv.encode(i, rows[:n]).view(cache.dtype)
         out = None
-        for reqs, qidx, sq, lens, idx, pad in self._plan(meta, q.device):
-            data = cache[idx].view(len(reqs), max(lens), -1)
+        for nreq, qidx, sq, L, kv_lens, idx, pad in groups:
+            data = cache[idx].view(nreq, L, -1)
             if pad is not None:
                 data.masked_fill_(pad, 0)      # finite padding (masked out by kv_lens)
             R = self.kv.decode(i, data.view(torch.uint8))
-            Q = q[qidx].view(len(reqs), sq, *q.shape[1:])
-            o = self.core.attn_core(i, Q, R, torch.tensor(lens) if len(reqs) > 1 else None)
+            if qidx is None and q.shape[0] == n:        # one group: every token, in order
+                o = self.core.attn_core(i, q.view(nreq, sq, *q.shape[1:]), R, kv_lens)
+                return o.reshape(-1, *o.shape[2:])
+            if qidx is None:
+                qidx = torch.arange(n)
+            o = self.core.attn_core(i, q[qidx].view(nreq, sq, *q.shape[1:]), R, kv_lens)
             if out is None:
                 out = q.new_zeros((q.shape[0],) + tuple(o.shape[2:]))
             out[qidx] = o.reshape(-1, *o.shape[2:])
