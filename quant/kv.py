@@ -44,8 +44,29 @@ def fp8_kv_write(x: torch.Tensor, k_scale) -> torch.Tensor:
 
 
 def fp8_kv_read(codes: torch.Tensor, k_scale, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``decode(code) * k_scale`` as ``dtype``."""
-    return (C.decode(codes, C.E4M3) * _scale(k_scale)).to(dtype)
+    """``decode(code) * k_scale`` as ``dtype``: the fp32 product rounded to ``dtype``, taken from
+    a 256-entry table of exactly those values (:func:`_read_table`) with one gather — a cache
+    read decodes the whole history every step, and the per-element decode, multiply and cast
+    were 3 passes over it (same bits for every code, NaNs included: tested)."""
+    c = codes if codes.dtype == torch.uint8 else codes.view(torch.uint8)
+    table = _read_table(float(_scale(k_scale)), dtype, c.device)
+    return table.index_select(0, c.reshape(-1).to(torch.int32)).view(c.shape)
+
+
+_READ_TABLES: dict = {}
+
+
+def _read_table(scale: float, dtype: torch.dtype, device) -> torch.Tensor:
+    """``(decode(code) * scale).to(dtype)`` for the 256 E4M3 codes (cached per scale/dtype)."""
+    key = (scale, dtype, str(device))
+    t = _READ_TABLES.get(key)
+    if t is None:
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        t = (C.decode(codes, C.E4M3) * torch.tensor(scale, dtype=torch.float32)).to(dtype).to(device)
+        if len(_READ_TABLES) > 256:
+            _READ_TABLES.clear()
+        _READ_TABLES[key] = t
+    return t
 
 
 def fp8_kv_roundtrip(x: torch.Tensor, k_scale) -> torch.Tensor:

@@ -54,3 +54,18 @@ def test_ds_mla_layout_and_roundtrip():
     assert float(rel.max()) <= 2 ** -4 + 1e-6
     with pytest.raises(InputError):
         ds_mla_cache_write(kv_c[:, :256], k_pe)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5, 0.37, 3.1e-3, 17.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_kv_read_table_is_the_formula_for_every_code(scale, dtype):
+    """The read's 256-entry table gives, code for code, ``(decode(code) * k_scale).to(dtype)``
+    computed element by element (NaN codes 0x7F / 0xFF included, bit for bit), for any layout."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    want = (C.decode(codes, C.E4M3) * torch.tensor(scale)).to(dtype)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    got = fp8_kv_read(codes, scale, dtype)
+    assert got.dtype == dtype and torch.equal(got.view(bits), want.view(bits))
+    grid = codes.view(16, 16)
+    got = fp8_kv_read(grid.t()[2:9], torch.tensor(scale), dtype)          # a strided view
+    assert torch.equal(got.view(bits), want.view(16, 16).t()[2:9].contiguous().view(bits))

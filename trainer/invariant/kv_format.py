@@ -126,13 +126,12 @@ class KVFormat:
         fmt, s = self.format, self.split
         if fmt == "auto":
             return data.contiguous().view(self.dtype)
-        if fmt == "fp8":
+        if fmt == "fp8":    # straight to the model dtype: decode * scale is fp32, rounded once
             ks, vs = self._scales(layer)
-            if self.kind == "mla":
-                c, pe = Q.mla_cache_read(data, ks, s)
-                return torch.cat([c, pe], -1).to(self.dtype)
-            return torch.cat([Q.fp8_kv_read(data[..., :s], ks), Q.fp8_kv_read(data[..., s:], vs)],
-                             -1).to(self.dtype)
+            if self.kind == "mla":     # mla_cache_read's [kv_c | k_pe], both with k_scale
+                return Q.fp8_kv_read(data, ks, self.dtype)
+            return torch.cat([Q.fp8_kv_read(data[..., :s], ks, self.dtype),
+                              Q.fp8_kv_read(data[..., s:], vs, self.dtype)], -1)
         c, pe = Q.ds_mla_cache_read(data)
         return torch.cat([c.to(self.dtype), pe.to(self.dtype)], -1)
 
