@@ -399,6 +399,75 @@ class _ServedInPlace:
         return False
 
 
+class _EngineStarts:
+    """Engines of the coming scenarios, each started one scenario ahead in a background thread
+    while the current one samples: on CPU an engine start is 20-50 s of process spawn, imports
+    and profiling, most of the doctor's time. At most one start is in flight, and only when
+    the machine has memory for one more engine beside those running (:func:`_room_for_engine`);
+    ``SKYRL_NUMERICS_DOCTOR_PREFETCH=0`` turns it off. An engine that fails to start fails its
+    scenario when that scenario asks for it, as a synchronous start would; engines started but
+    never used are closed by :meth:`close`."""
+
+    def __init__(self, plan: dict, enabled: bool):
+        self.plan = plan            # scenario -> build() of the engine it starts
+        self.enabled = enabled
+        self.futures: dict = {}
+        self.used: set = set()
+        self.ahead_started: list = []   # scenarios whose engine started in the background
+        self.pool = None
+
+    def get(self, scenario: str):
+        self.used.add(scenario)
+        fut = self.futures.pop(scenario, None)
+        return fut.result() if fut is not None else self.plan[scenario]()
+
+    def ahead(self, scenarios: list, i: int, room: Callable[[], bool]) -> None:
+        """Start the engine of the next scenario after ``scenarios[i]`` that builds one."""
+        if not self.enabled or any(not f.done() for f in self.futures.values()):
+            return
+        nxt = next((s for s in scenarios[i + 1:] if s in self.plan and s not in self.used), None)
+        if nxt is None or nxt in self.futures or not room():
+            return
+        if self.pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix="doctor-engine-start")
+        self.futures[nxt] = self.pool.submit(self.plan[nxt])
+        self.ahead_started.append(nxt)
+
+    def close(self, own: set) -> None:
+        """Close the unused engines of ``own`` scenarios (after their start finishes)."""
+        for sc, fut in self.futures.items():
+            try:
+                engine = fut.result()
+            except Exception:
+                continue
+            if sc in own:
+                engine.close()
+        self.futures.clear()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+
+
+def _room_for_engine(ckpt) -> bool:
+    """True on CPU when available RAM holds two more engines of this checkpoint: vLLM CPU
+    reserves ``gpu_memory_utilization`` (0.1) of RAM for the KV cache, plus the weights (twice:
+    loading) and ~1.5 GiB of process and library memory. False on GPU (engines there share the
+    device's memory by ``gpu_memory_utilization``) and when psutil is missing."""
+    try:
+        import psutil
+        import torch
+
+        if torch.cuda.is_available():
+            return False
+        vm = psutil.virtual_memory()
+    except Exception:
+        return False
+    weights = int(getattr(ckpt, "weight_bytes", 0) or 0)
+    one = 0.1 * vm.total + 2 * weights + 1.5 * (1 << 30)
+    return vm.available > 2 * one
+
+
 def _one_line(e: BaseException) -> str:
     msg = " ".join(str(e).split())
     return f"{type(e).__name__}: {msg[:300]}" if msg else type(e).__name__
@@ -462,58 +531,80 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
     no_routes = None   # why the engine could not capture routes (R3 rows are then skipped)
     log = logging.getLogger("skyrl_numerics.doctor")
     out_rows, rollouts, scored = [], {}, {}
+    import os
+
+    def _kinds(spec):
+        in_place = spec.serve is not None and spec.weights_only and not spec.engine
+        own = (spec.serve is not None and not in_place) or "kv_cache" in spec.engine
+        return in_place, own
+
+    plan, own_scenarios = {}, set()
+    for sc in scenarios:
+        spec = SCENARIOS[sc]
+        in_place, own = _kinds(spec)
+        if spec.serve is None and spec.engine and not own:     # a shared engine variant
+            plan[sc] = lambda spec=spec: get_generator(model_dir, **{**ekw, **spec.engine})
+        elif own and spec.serve is None:   # a one-off engine variant, closed once sampled
+            plan[sc] = lambda spec=spec: VLLMGenerator(model_dir, **{**ekw, **spec.engine})
+            own_scenarios.add(sc)
+        elif own:                          # another checkpoint: its own engine, closed once sampled
+            plan[sc] = lambda spec=spec: VLLMGenerator(spec.serve(model_dir), **ekw,
+                                                       capture_routes=True)
+            own_scenarios.add(sc)
+    starts = _EngineStarts(plan, os.environ.get("SKYRL_NUMERICS_DOCTOR_PREFETCH", "1") != "0")
     with Progress(disable=not progress, transient=True) as prog:
         task = prog.add_task("starting vLLM engine", total=len(scenarios) + len(selected))
         gen = None
         base_tensors = None   # the model's tensors, read once for the in-place scenarios
-        for sc in scenarios:
-            spec = SCENARIOS[sc]
-            prog.update(task, description=f"sampling: {sc}")
-            in_place = spec.serve is not None and spec.weights_only and not spec.engine
-            own = (spec.serve is not None and not in_place) or "kv_cache" in spec.engine
-            engine = None
-            try:
-                if in_place:   # the shared engine, serving the scenario's weights for a while
-                    base = get_generator(model_dir, **ekw, capture_routes=ckpt.is_moe and not no_routes)
-                    gen = gen or base
-                    served_ip = _ServedInPlace(base, model_dir, spec.serve(model_dir), base_tensors)
-                    base_tensors = served_ip.base
-                    with served_ip as engine:
-                        engine.generate([[2, 3]], max_tokens=2)   # as every engine: warm-up
-                        sc_prompts = prompts or make_prompts(n_prompts, prompt_len,
-                                                             engine.vocab_size, seed)
-                        rollouts[sc] = engine.generate(sc_prompts, max_tokens=max_tokens,
-                                                       seed=seed, **spec.sampling)
-                    prog.advance(task)
-                    continue
-                if spec.serve is None and spec.engine and not own:
-                    engine = get_generator(model_dir, **{**ekw, **spec.engine})
-                    gen = gen or engine
-                elif own and spec.serve is None:  # a one-off engine variant, closed once sampled
-                    engine = VLLMGenerator(model_dir, **{**ekw, **spec.engine})
-                elif spec.serve is None:
-                    try:
-                        gen = engine = get_generator(model_dir, **ekw,
-                                                     capture_routes=ckpt.is_moe and not no_routes)
-                    except RuntimeError as e:  # vLLM's model for this MoE: no router capture hook
-                        if not ckpt.is_moe or "route capture" not in str(e):
-                            raise
-                        log.exception("doctor: route capture unavailable, engine without it")
-                        no_routes = _one_line(e)
-                        gen = engine = get_generator(model_dir, **ekw, capture_routes=False)
-                else:  # another checkpoint: its own engine, closed once sampled
-                    engine = VLLMGenerator(spec.serve(model_dir), **ekw, capture_routes=True)
-                engine.generate([[2, 3]], max_tokens=2)  # warm-up, so tokens/s compares engines
-                sc_prompts = prompts or make_prompts(n_prompts, prompt_len, engine.vocab_size, seed)
-                rollouts[sc] = engine.generate(sc_prompts, max_tokens=max_tokens, seed=seed,
-                                               **spec.sampling)
-            except Exception as e:  # the rows of this scenario show it; the traceback: the log
-                log.exception("doctor: scenario %r failed", sc)
-                failed[sc] = _one_line(e)
-            if own and engine is not None:
-                info = engine.info
-                engine.close()
-            prog.advance(task)
+        try:
+            for i, sc in enumerate(scenarios):
+                spec = SCENARIOS[sc]
+                prog.update(task, description=f"sampling: {sc}")
+                in_place, own = _kinds(spec)
+                engine = None
+                try:
+                    if in_place:   # the shared engine, serving the scenario's weights for a while
+                        base = get_generator(model_dir, **ekw, capture_routes=ckpt.is_moe and not no_routes)
+                        gen = gen or base
+                        served_ip = _ServedInPlace(base, model_dir, spec.serve(model_dir), base_tensors)
+                        base_tensors = served_ip.base
+                        starts.ahead(scenarios, i, lambda: _room_for_engine(ckpt))
+                        with served_ip as engine:
+                            engine.generate([[2, 3]], max_tokens=2)   # as every engine: warm-up
+                            sc_prompts = prompts or make_prompts(n_prompts, prompt_len,
+                                                                 engine.vocab_size, seed)
+                            rollouts[sc] = engine.generate(sc_prompts, max_tokens=max_tokens,
+                                                           seed=seed, **spec.sampling)
+                        prog.advance(task)
+                        continue
+                    if sc in plan:                  # a shared engine variant or an own engine
+                        engine = starts.get(sc)
+                        if sc not in own_scenarios:
+                            gen = gen or engine
+                    elif spec.serve is None:
+                        try:
+                            gen = engine = get_generator(model_dir, **ekw,
+                                                         capture_routes=ckpt.is_moe and not no_routes)
+                        except RuntimeError as e:  # vLLM's model for this MoE: no router capture hook
+                            if not ckpt.is_moe or "route capture" not in str(e):
+                                raise
+                            log.exception("doctor: route capture unavailable, engine without it")
+                            no_routes = _one_line(e)
+                            gen = engine = get_generator(model_dir, **ekw, capture_routes=False)
+                    starts.ahead(scenarios, i, lambda: _room_for_engine(ckpt))
+                    engine.generate([[2, 3]], max_tokens=2)  # warm-up, so tokens/s compares engines
+                    sc_prompts = prompts or make_prompts(n_prompts, prompt_len, engine.vocab_size, seed)
+                    rollouts[sc] = engine.generate(sc_prompts, max_tokens=max_tokens, seed=seed,
+                                                   **spec.sampling)
+                except Exception as e:  # the rows of this scenario show it; the traceback: the log
+                    log.exception("doctor: scenario %r failed", sc)
+                    failed[sc] = _one_line(e)
+                if own and engine is not None:
+                    info = engine.info
+                    engine.close()
+                prog.advance(task)
+        finally:
+            starts.close(own_scenarios)   # a start never used (e.g. after an error)
         for row in selected:
             prog.update(task, description=f"trainer: {row.name}")
             why = skipped[row.name]
@@ -549,6 +640,7 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
                     else "seeded random ids", max_tokens=max_tokens, seed=seed,
                     engine_args={k: repr(v) if not isinstance(v, (int, float, str, bool, type(None)))
                                  else v for k, v in ekw.items()}, trainer_dtype=dtype,
+                    engines_started_ahead=sorted(starts.ahead_started),
                     scenarios={s: {**SCENARIOS[s].sampling,
                                    "description": SCENARIOS[s].description}
                                for s in scenarios})
