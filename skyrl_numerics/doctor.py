@@ -306,8 +306,11 @@ class DoctorResult:
         return {
             "engine": self.engine, "engine_version": self.engine_version,
             "model_dir": str(self.model_dir), "model": self.model, "settings": self.settings,
-            "rows": [{"name": r.name, **r.extra, "summary": r.report.summary(),
-                      "report": r.report.to_dict()} for r in self.rows],
+            "rows": [{"name": r.name, **{k: v for k, v in r.extra.items() if not k.startswith("_")},
+                      **({"vLLM tok/s beside an engine start": True}
+                         if r.extra.get("_vLLM tok/s mark") else {}),
+                      "summary": r.report.summary(), "report": r.report.to_dict()}
+                     for r in self.rows],
         }
 
 
@@ -415,6 +418,10 @@ class _EngineStarts:
         self.used: set = set()
         self.ahead_started: list = []   # scenarios whose engine started in the background
         self.pool = None
+
+    def busy(self) -> bool:
+        """Is an engine starting right now (it shares the cores with the sampling engine)?"""
+        return any(not f.done() for f in self.futures.values())
 
     def get(self, scenario: str):
         self.used.add(scenario)
@@ -552,6 +559,7 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
                                                        capture_routes=True)
             own_scenarios.add(sc)
     starts = _EngineStarts(plan, os.environ.get("SKYRL_NUMERICS_DOCTOR_PREFETCH", "1") != "0")
+    beside_start: dict[str, bool] = {}   # scenario sampled while another engine was starting
     with Progress(disable=not progress, transient=True) as prog:
         task = prog.add_task("starting vLLM engine", total=len(scenarios) + len(selected))
         gen = None
@@ -573,8 +581,10 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
                             engine.generate([[2, 3]], max_tokens=2)   # as every engine: warm-up
                             sc_prompts = prompts or make_prompts(n_prompts, prompt_len,
                                                                  engine.vocab_size, seed)
+                            beside_start[sc] = starts.busy()
                             rollouts[sc] = engine.generate(sc_prompts, max_tokens=max_tokens,
                                                            seed=seed, **spec.sampling)
+                            beside_start[sc] |= starts.busy()
                         prog.advance(task)
                         continue
                     if sc in plan:                  # a shared engine variant or an own engine
@@ -594,8 +604,10 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
                     starts.ahead(scenarios, i, lambda: _room_for_engine(ckpt))
                     engine.generate([[2, 3]], max_tokens=2)  # warm-up, so tokens/s compares engines
                     sc_prompts = prompts or make_prompts(n_prompts, prompt_len, engine.vocab_size, seed)
+                    beside_start[sc] = starts.busy()
                     rollouts[sc] = engine.generate(sc_prompts, max_tokens=max_tokens, seed=seed,
                                                    **spec.sampling)
+                    beside_start[sc] |= starts.busy()
                 except Exception as e:  # the rows of this scenario show it; the traceback: the log
                     log.exception("doctor: scenario %r failed", sc)
                     failed[sc] = _one_line(e)
@@ -628,6 +640,10 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
             report = measure(lp, ro.rollout_logprobs, cu_seqlens=ro.response_cu)
             extra = {"scenario": row.scenario, "note": row.note,
                      "vLLM tok/s": ro.meta.get("tokens_per_s"), "status": "measured"}
+            if beside_start.get(row.scenario):
+                extra["_vLLM tok/s mark"] = ("†", "sampled while the next engine started in the "
+                                            "background (SKYRL_NUMERICS_DOCTOR_PREFETCH=0: "
+                                            "throughput without it)")
             out_rows.append(ReportRow(row.name, report, np.abs(lp - ro.rollout_logprobs), extra))
             # each scenario's rollout is kept with its first row's trainer logprobs, so the
             # written file is a complete dump for `skyrl-numerics gap FILE`

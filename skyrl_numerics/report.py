@@ -51,17 +51,27 @@ def render_table(rows: list[ReportRow], title: str, console=None) -> None:
     t.add_column("tokens", justify="right")
     for c, _, _ in COLUMNS:
         t.add_column(c, justify="right")
-    extra_keys = sorted({k for r in rows for k in r.extra if k != "note"})
+    # keys starting with "_" are not columns; "_<key> mark" = (mark, footnote) flags a cell
+    extra_keys = sorted({k for r in rows for k in r.extra if k != "note" and not k.startswith("_")})
     for k in extra_keys:
         t.add_column(k, justify="right")
+    footnotes = {}
     for r in rows:
         s = r.report.summary()
         cells = [r.name, str(s.get("n_tokens", "-"))]
         cells += [_fmt(s.get(key), f) for _, key, f in COLUMNS]
-        cells += [_fmt(r.extra.get(k), "{:.4g}") if isinstance(r.extra.get(k), (int, float))
-                  else str(r.extra.get(k, "-")) for k in extra_keys]
+        for k in extra_keys:
+            v = r.extra.get(k)
+            cell = _fmt(v, "{:.4g}") if isinstance(v, (int, float)) else str(r.extra.get(k, "-"))
+            mark = r.extra.get(f"_{k} mark")
+            if mark:
+                cell += mark[0]
+                footnotes[mark[0]] = mark[1]
+            cells.append(cell)
         t.add_row(*cells)
     console.print(t)
+    for mark, text in footnotes.items():
+        console.print(f"  [dim]{mark} {text}[/dim]")
     for r in rows:
         if r.extra.get("note"):
             console.print(f"  [dim]{r.name}: {r.extra['note']}[/dim]")

@@ -81,9 +81,24 @@ def test_next_engine_starts_while_the_current_one_samples(monkeypatch, qwen_moe_
     fp8 = next(m for m in made if m.kw.get("kv_cache") == "fp8")
     assert fp8.closed == 1 and all(m.closed == 0 for m in made if m is not fp8)   # own: closed once
     assert all(r.extra["status"] == "measured" for r in res.rows)
+    # the base engine sampled beside the next engine's start: its tok/s is flagged, in the
+    # table (a footnote mark) and in report.json
+    d = {r["name"]: r for r in res.to_dict()["rows"]}
+    assert d[ROWS[0]]["vLLM tok/s beside an engine start"] is True
+    assert not any(k.startswith("_") for r in d.values() for k in r)
+    from io import StringIO
+
+    from rich.console import Console
+
+    from skyrl_numerics.report import render_table
+
+    buf = StringIO()
+    render_table(res.rows, "t", console=Console(file=buf, width=400))
+    assert "†" in buf.getvalue() and "next engine started in the background" in buf.getvalue()
 
     res0, made0, ev0 = _run(monkeypatch, qwen_moe_dir, room=True, env="0")
     assert all(e[2] for e in ev0 if e[0] == "start")           # off: every start in line
+    assert not any("vLLM tok/s beside an engine start" in r for r in res0.to_dict()["rows"])
     for a, b in zip(res.rows, res0.rows):                       # and the same table
         assert a.name == b.name and a.report.summary() == b.report.summary()
 
