@@ -170,3 +170,8 @@ def test_head_matmuls_equal_the_per_head_loop(T, H, K, N):
         W.mul_(2)                                                     # in-place weight change
         want = torch.stack([inv_matmul(x[:, h].contiguous(), mats[h]) for h in range(H)], 1)
         assert torch.equal(blocks.head_matmuls(x, mats), want)       # cache follows the version
+        own = [m.clone() for m in mats]                               # separate tensors: any one
+        assert torch.equal(blocks.head_matmuls(x, own), want)        # changing in place is seen
+        own[-1].mul_(-1)
+        want = torch.stack([inv_matmul(x[:, h].contiguous(), own[h]) for h in range(H)], 1)
+        assert torch.equal(blocks.head_matmuls(x, own), want)

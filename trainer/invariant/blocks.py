@@ -125,11 +125,14 @@ def head_matmuls(x: torch.Tensor, mats) -> torch.Tensor:
 
 def _head_stack(mats) -> torch.Tensor:
     """``[prepare_b(m.float()) for m in mats]`` stacked, cached on the first matrix's base
-    tensor with its version (the per-head matrices are views of one weight)."""
+    tensor (the per-head matrices are usually views of one weight) and rebuilt when any of
+    their tensors' versions changes (an in-place update)."""
     from skyrl_numerics.kernels import cpu
 
-    base = mats[0]._base if mats[0]._base is not None else mats[0]
-    key = (base._version, tuple((m.data_ptr(), tuple(m.shape), tuple(m.stride())) for m in mats))
+    bases = [m._base if m._base is not None else m for m in mats]
+    base = bases[0]
+    key = (tuple(b._version for b in bases),
+           tuple((m.data_ptr(), tuple(m.shape), tuple(m.stride())) for m in mats))
     cache = getattr(base, "_skyrl_head_stacks", None)
     if cache is None:
         cache = base._skyrl_head_stacks = {}
