@@ -131,17 +131,18 @@ class _SkyrlInvariantForCausalLM(nn.Module):
             lens = np.array([seq_lens[r] for r in reqs])
             L = int(lens.max())
             nblk = -(-L // bs)
-            blocks = meta.block_table[reqs, :nblk].long().numpy()              # [n, nblk]
+            blocks = meta.block_table[reqs, :nblk].long().cpu().numpy()        # [n, nblk]
             idx = (blocks[:, :, None] * bs + np.arange(bs)[None, None, :]).reshape(len(reqs), -1)
             pad = np.arange(L)[None, :] >= lens[:, None]                       # [n, L]
             idx = np.where(pad, 0, idx[:, :L])     # padding reads slot 0, then is zeroed
             qidx = np.concatenate([np.arange(qsl[r], qsl[r + 1]) for r in reqs])
             in_order = len(qidx) == n_tok and bool((qidx == np.arange(n_tok)).all())
-            groups.append((len(reqs), None if in_order else torch.from_numpy(qidx),
+            on = lambda a: torch.from_numpy(a).to(device)   # noqa: E731 (bookkeeping: host)
+            groups.append((len(reqs), None if in_order else on(qidx),
                            qsl[reqs[0] + 1] - qsl[reqs[0]], L,
                            torch.from_numpy(lens) if len(reqs) > 1 else None,
-                           torch.from_numpy(idx.reshape(-1)),
-                           torch.from_numpy(pad[:, :, None]) if pad.any() else None))
+                           on(idx.reshape(-1)),
+                           on(np.ascontiguousarray(pad[:, :, None])) if pad.any() else None))
         self._step_plan = (meta.slot_mapping[:n_tok].long(), groups)
         return self._step_plan
 
@@ -167,7 +168,7 @@ class _SkyrlInvariantForCausalLM(nn.Module):
                 o = self.core.attn_core(i, q.view(nreq, sq, *q.shape[1:]), R, kv_lens)
                 return o.reshape(-1, *o.shape[2:])
             if qidx is None:
-                qidx = torch.arange(n)
+                qidx = torch.arange(n, device=q.device)
             o = self.core.attn_core(i, q[qidx].view(nreq, sq, *q.shape[1:]), R, kv_lens)
             if out is None:
                 out = q.new_zeros((q.shape[0],) + tuple(o.shape[2:]))
