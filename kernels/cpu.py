@@ -173,9 +173,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -
     return out.reshape(*lead, b.shape[1])
 
 
-def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None,
-        rb: int = ROW_BLOCK) -> torch.Tensor:
-    """a (B, M, K) @ b (B, K, N): each matrix's rows in blocks of ``rb`` (as
+def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """a (B, M, K) @ b (B, K, N): each matrix's rows in blocks of ``ROW_BLOCK`` (as
     :func:`matmul_2d`), all blocks of all matrices in one batched call of single-threaded GEMMs,
     so a row's bits depend neither on M nor on B."""
     cd = _compute_dtype(a)
@@ -183,7 +182,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None,
     N = b.shape[2]
     if 0 in (B, M, K, N):
         return torch.zeros((B, M, N), dtype=cd).to(out_dtype or a.dtype)
-    blocks, nb = _row_blocks(a, rb)
+    blocks, nb = _row_blocks(a)
     Np = -(-max(N, MIN_ROWS) // MIN_ROWS) * MIN_ROWS   # each matrix starts 64-byte aligned
     bp = torch.empty((B, K, Np), dtype=cd) if Np == N else torch.zeros((B, K, Np), dtype=cd)
     bp[:, :, :N] = b                                   # (converts to cd while copying)
@@ -191,32 +190,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None,
         out = _gemm_blocks(blocks, bp[0])
     else:
         out = _gemm_blocks(blocks, bp, torch.arange(B).repeat_interleave(nb) if nb > 1 else None)
-    return out.view(B, nb * rb, Np)[:, :M, :N].to(out_dtype or a.dtype)
-
-
-def _bmm_views(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None,
-               rb: int = ROW_BLOCK) -> torch.Tensor:
-    """:func:`bmm` without copying ``b``: its matrices go to the GEMM as the views they are (MKL
-    reads their strides: e.g. key blocks transposed). The row blocks are :func:`bmm`'s. For the
-    bits to be independent of M and B the caller passes ``b`` in one layout for every call of
-    one role (attention: key blocks always transposed, value blocks always as stored). Needs fp32
-    ``b`` with every matrix 64-byte aligned and N >= ``MIN_ROWS``; otherwise it is :func:`bmm`
-    (decided by dtype, shape and layout, which are fixed per role)."""
-    B, M, K = a.shape
-    N = b.shape[2]
-    if (0 in (B, M, K) or b.dtype != torch.float32 or N < MIN_ROWS or b.data_ptr() % _ALIGN
-            or (b.stride(0) * 4) % _ALIGN or min(b.stride(1), b.stride(2)) != 1):
-        return bmm(a, b, out_dtype, rb)
-    blocks, nb = _row_blocks(a, rb)
-    if nb == 1:
-        out = _gemm_blocks(blocks, b).view(B, rb, N)
-    else:  # one call per row block, so every call sees b's own matrices (never a gathered copy)
-        by = blocks.view(B, nb, rb, K)
-        out = torch.empty((B, nb, rb, N), dtype=blocks.dtype)
-        for j in range(nb):
-            out[:, j] = _gemm_blocks(by[:, j], b)
-        out = out.view(B, nb * rb, N)
-    return out[:, :M].to(out_dtype or a.dtype)
+    return out.view(B, nb * ROW_BLOCK, Np)[:, :M, :N].to(out_dtype or a.dtype)
 
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

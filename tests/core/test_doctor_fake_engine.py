@@ -8,7 +8,6 @@ import pytest
 
 from skyrl_numerics import doctor
 from skyrl_numerics.rollout import Rollout
-from skyrl_numerics.trainer.engine import generator
 from skyrl_numerics.trainer.engine.generator import EngineInfo
 
 pytest.importorskip("vllm")  # inspect_checkpoint reads vLLM's model registry
@@ -35,18 +34,9 @@ class FakeEngine:
                                   engine_version="0", meta={"tokens_per_s": 1.0})
 
 
-def test_no_route_capture_and_failing_scenario(monkeypatch, qwen_moe_dir):
+def test_no_route_capture_and_failing_scenario(fake_engines, qwen_moe_dir):
     FakeEngine.calls = []
-    cache = {}
-
-    def get(model_dir, **kw):
-        key = tuple(sorted(kw.items()))
-        if key not in cache:
-            cache[key] = FakeEngine(model_dir, **kw)
-        return cache[key]
-
-    monkeypatch.setattr(generator, "get_generator", get)
-    monkeypatch.setattr(generator, "VLLMGenerator", FakeEngine)
+    fake_engines(FakeEngine)
     rows = ["baseline: HF trainer, bf16", "+ R3 (router replay)",
             "top-p/top-k: + support replay", "top-p/top-k: HF trainer, full-vocab"]
     res = doctor.run_doctor(rows=rows, n_prompts=2, prompt_len=4, max_tokens=3, progress=False,

@@ -12,7 +12,6 @@ import pytest
 
 from skyrl_numerics import doctor
 from skyrl_numerics.rollout import Rollout
-from skyrl_numerics.trainer.engine import generator
 from skyrl_numerics.trainer.engine.generator import EngineInfo
 
 pytest.importorskip("vllm")  # inspect_checkpoint reads vLLM's model registry
@@ -47,22 +46,15 @@ class FakeEngine:
         self.closed += 1
 
 
-def _run(monkeypatch, qwen_moe_dir, room: bool, env: str | None = None):
+def _run(monkeypatch, fake_engines, qwen_moe_dir, room: bool, env: str | None = None):
     FakeEngine.events = []
-    made, cache = [], {}
+    made = []
 
     def vllm_generator(model_dir, **kw):
         made.append(FakeEngine(model_dir, **kw))
         return made[-1]
 
-    def get(model_dir, **kw):
-        key = tuple(sorted(kw.items()))
-        if key not in cache:
-            cache[key] = vllm_generator(model_dir, **kw)
-        return cache[key]
-
-    monkeypatch.setattr(generator, "get_generator", get)
-    monkeypatch.setattr(generator, "VLLMGenerator", vllm_generator)
+    fake_engines(vllm_generator)
     monkeypatch.setattr(doctor, "_room_for_engine", lambda ckpt: room)
     if env is not None:
         monkeypatch.setenv("SKYRL_NUMERICS_DOCTOR_PREFETCH", env)
@@ -71,8 +63,8 @@ def _run(monkeypatch, qwen_moe_dir, room: bool, env: str | None = None):
     return res, made, list(FakeEngine.events)
 
 
-def test_next_engine_starts_while_the_current_one_samples(monkeypatch, qwen_moe_dir):
-    res, made, ev = _run(monkeypatch, qwen_moe_dir, room=True)
+def test_next_engine_starts_while_the_current_one_samples(monkeypatch, fake_engines, qwen_moe_dir):
+    res, made, ev = _run(monkeypatch, fake_engines, qwen_moe_dir, room=True)
     starts = [e for e in ev if e[0] == "start"]
     assert [s[2] for s in starts] == [True, False, False]      # base here, the next two ahead
     # the batch-invariant engine started before the base engine's scenario finished sampling
@@ -96,15 +88,15 @@ def test_next_engine_starts_while_the_current_one_samples(monkeypatch, qwen_moe_
     render_table(res.rows, "t", console=Console(file=buf, width=400))
     assert "†" in buf.getvalue() and "next engine started in the background" in buf.getvalue()
 
-    res0, made0, ev0 = _run(monkeypatch, qwen_moe_dir, room=True, env="0")
+    res0, made0, ev0 = _run(monkeypatch, fake_engines, qwen_moe_dir, room=True, env="0")
     assert all(e[2] for e in ev0 if e[0] == "start")           # off: every start in line
     assert not any("vLLM tok/s beside an engine start" in r for r in res0.to_dict()["rows"])
     for a, b in zip(res.rows, res0.rows):                       # and the same table
         assert a.name == b.name and a.report.summary() == b.report.summary()
 
 
-def test_no_start_ahead_without_memory_for_another_engine(monkeypatch, qwen_moe_dir):
-    res, made, ev = _run(monkeypatch, qwen_moe_dir, room=False)
+def test_no_start_ahead_without_memory_for_another_engine(monkeypatch, fake_engines, qwen_moe_dir):
+    res, made, ev = _run(monkeypatch, fake_engines, qwen_moe_dir, room=False)
     assert all(e[2] for e in ev if e[0] == "start")
     assert len(made) == 3 and all(r.extra["status"] == "measured" for r in res.rows)
 

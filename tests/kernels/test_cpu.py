@@ -222,4 +222,5 @@ def test_empty_products(M, K, N):
     assert torch.equal(ops.matmul(a.bfloat16(), b.bfloat16(), backend="cpu"), torch.zeros(M, N).bfloat16())
     assert torch.equal(cpu.bmm(a[None].expand(3, M, K), b[None].expand(3, K, N)), torch.zeros(3, M, N))
     assert torch.equal(cpu.bmm(torch.randn(0, M, K), torch.randn(0, K, N)), torch.zeros(0, M, N))
-    assert torch.equal(cpu._bmm_views(torch.randn(0, M, K), torch.randn(0, K, N)), torch.zeros(0, M, N))
+    q = torch.randn(2, 4, 0, 16)                       # attention with no queries
+    assert cpu.attention(q, torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16)).shape == (2, 4, 0, 16)

@@ -16,6 +16,20 @@ from skyrl_numerics.kernels import cpu, matmul as inv_matmul, reference as ref
 from skyrl_numerics.trainer.invariant import blocks
 
 
+def _bmm_views(a, b, rb):
+    """``a (B, M, K) @ b (B, K, N)`` with ``a`` in zero-padded row blocks of ``rb`` and ``b``'s
+    fp32 matrices passed to the GEMM as the views they are (key blocks transposed, value blocks
+    as stored): one call per row-block index, as the one-block-at-a-time attention did."""
+    B, M, K = a.shape
+    N = b.shape[2]
+    blocks, nb = cpu._row_blocks(a, rb)
+    by = blocks.view(B, nb, rb, K)
+    out = torch.empty((B, nb, rb, N))
+    for j in range(nb):
+        out[:, j] = cpu._gemm_blocks(by[:, j], b)
+    return out.view(B, nb * rb, N)[:, :M]
+
+
 def attention_block_loop(q, k, v, causal=True, scale=None, block_n=64, kv_lens=None):
     """The online softmax one key block at a time, each product a row-blocked GEMM:
 
@@ -45,7 +59,7 @@ def attention_block_loop(q, k, v, causal=True, scale=None, block_n=64, kv_lens=N
     for n0 in range(0, Skv, block_n):
         kpos = torch.arange(n0, n0 + block_n)
         kb, vb = kf[:, n0:n0 + block_n], vf[:, n0:n0 + block_n]
-        s = cpu._bmm_views(qf, kb.transpose(1, 2), torch.float32, rb) * scale
+        s = _bmm_views(qf, kb.transpose(1, 2), rb) * scale
         invalid = kpos[None, None, :] >= lens
         if causal:
             invalid = invalid | (kpos[None, None, :] > qpos)
@@ -55,7 +69,7 @@ def attention_block_loop(q, k, v, causal=True, scale=None, block_n=64, kv_lens=N
         alpha = (m - m_safe).exp()
         p = (s - m_safe.unsqueeze(-1)).exp()
         l_ = l_ * alpha + cpu.row_sum(p.reshape(-1, block_n)).reshape(l_.shape)
-        acc = acc * alpha.unsqueeze(-1) + cpu._bmm_views(p, vb, rb=rb)
+        acc = acc * alpha.unsqueeze(-1) + _bmm_views(p, vb, rb)
         m = m_new
     out = (acc / l_.unsqueeze(-1)).reshape(B, Hkv, g, Sq, D).reshape(B, H, Sq, D)
     return out.to(q.dtype)
