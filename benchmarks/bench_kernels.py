@@ -45,7 +45,7 @@ def test_log_softmax(benchmark, M, V):
           f"ratio {stock / inv:.2f}")
 
 
-@pytest.mark.parametrize("S", [128])
+@pytest.mark.parametrize("S", [128, 512])
 def test_attention_prefill(benchmark, S):
     q, k, v = torch.randn(1, 4, S, 64), torch.randn(1, 2, S, 64), torch.randn(1, 2, S, 64)
     kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)

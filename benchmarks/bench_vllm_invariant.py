@@ -11,6 +11,7 @@ whose logprobs equal the trainer's bitwise for each engine.
 
     .venv/bin/python benchmarks/bench_vllm_invariant.py [--family qwen3_moe|deepseek_v3]
         [--kv-cache auto,fp8[,fp8_ds_mla]] [--prompts 16] [--max-tokens 64]
+        [--config '{"hidden_size": 1024, ...}']   # overrides of the tiny config (a larger model)
 
 One invariant engine per ``--kv-cache`` format (the trainer simulates the same format).
 """
@@ -30,6 +31,8 @@ def main() -> None:
     ap.add_argument("--pause", type=float, default=1.5, help="seconds between turns")
     ap.add_argument("--family", default="qwen3_moe")
     ap.add_argument("--kv-cache", default="auto", help="comma-separated invariant cache formats")
+    ap.add_argument("--config", default="{}",
+                    help="JSON object of config overrides for the family's tiny model")
     args = ap.parse_args()
 
     import numpy as np
@@ -40,7 +43,7 @@ def main() -> None:
     from skyrl_numerics.trainer.invariant import from_checkpoint
     from skyrl_numerics.trainer.invariant.base import invariant_trainer_logprobs
 
-    model_dir = build_tiny_model(args.family)
+    model_dir = build_tiny_model(args.family, **json.loads(args.config))
     prompts = make_prompts(args.prompts, args.prompt_len, 512, seed=0)
     results = {}
     variants = [("stock", {})] + [

@@ -189,3 +189,52 @@ def test_head_matmuls_equal_the_per_head_loop(T, H, K, N):
         own[-1].mul_(-1)
         want = torch.stack([inv_matmul(x[:, h].contiguous(), own[h]) for h in range(H)], 1)
         assert torch.equal(blocks.head_matmuls(x, own), want)
+
+
+@settings(max_examples=12, deadline=None)
+@given(Hkv=st.sampled_from([1, 2]), g=st.sampled_from([1, 2, 3]), S=st.integers(65, 330),
+       B=st.integers(1, 2), padded=st.booleans(), zeros=st.sampled_from(["none", "neg", "block"]),
+       passes=st.sampled_from([1, 3, 8]), seed=st.integers(0, 2 ** 16))
+def test_causal_prefill_skipping_masked_blocks_equals_the_block_loop(Hkv, g, S, B, padded, zeros,
+                                                                    passes, seed):
+    """A causal prefill long enough to have (row block, key block) pairs above the diagonal: the
+    kernel skips them, the loop computes them. Bits equal, signs of zeros included — also with
+    values that are all negative (products 0 · v = -0) or a whole block of zero values (an
+    exactly zero ``acc``)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hkv * g, S, 16, generator=gen).bfloat16()
+    k = torch.randn(B, Hkv, S, 16, generator=gen).bfloat16()
+    v = torch.randn(B, Hkv, S, 16, generator=gen).bfloat16()
+    if zeros == "neg":
+        v = -v.abs()
+    elif zeros == "block":
+        v[:, :, :64] = 0
+    lens = torch.randint(S - 70, S + 1, (B,), generator=gen).clamp_(min=S // 2) if padded else None
+    if lens is not None:
+        lens = torch.maximum(lens, torch.tensor(1))
+        q = q[:, :, :int(lens.min())]                    # queries sit at each sequence's end
+    want = attention_block_loop(q, k, v, True, None, 64, lens)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu, "ATTN_CAUSAL_PASSES", passes)
+        got = cpu.attention(q, k, v, True, None, 64, lens)
+    assert torch.equal(_bits(got), _bits(want))
+    if zeros == "block" and lens is None:                # the first 64 queries see only zeros
+        assert torch.equal(_bits(got[:, :, :64]), _bits(torch.zeros_like(got[:, :, :64])))
+
+
+@settings(max_examples=200, deadline=None)
+@given(Sq=st.integers(1, 300), extra=st.integers(0, 300), g=st.integers(1, 9),
+       key0=st.integers(0, 700))
+def test_first_row_block_is_the_first_block_that_sees_the_key(Sq, extra, g, key0):
+    """``_first_row_block`` against its definition: row r (query-major, rows padded to whole
+    blocks) is query min(r // g, Sq - 1) at position query + max_last - (Sq - 1)."""
+    rb = cpu.ATTN_ROW_BLOCK
+    max_last = Sq - 1 + extra
+    nb = -(-Sq * g // rb)
+    pos = [min(r // g, Sq - 1) + max_last - (Sq - 1) for r in range(nb * rb)]
+    sees = [b for b in range(nb) if max(pos[b * rb:(b + 1) * rb]) >= key0]
+    want = sees[0] if sees else None
+    got = cpu._first_row_block(key0, max_last, Sq, g, rb)
+    assert (got >= nb) if want is None else (got == want)
+    # every later block sees the key too (what makes a pass's rows a suffix)
+    assert sees == list(range(sees[0], nb)) if sees else True
