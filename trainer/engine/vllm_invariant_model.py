@@ -111,8 +111,8 @@ class _SkyrlInvariantForCausalLM(nn.Module):
         call over a right-padded batch; ``kv_lens`` keeps each request's bits what they are alone
         (tested). Returns (slots to write, groups); per group: (number of requests, query index
         or None when the group is every token in order, queries per request, longest length,
-        kv lengths, flat slot index, padding mask). (The padded batch is the CPU path's; on GPU
-        each request runs alone.)"""
+        kv lengths, flat slot index, flat indices of the padding rows or None). (The padded batch
+        is the CPU path's; on GPU each request runs alone.)"""
         if self._step_plan is not None:
             return self._step_plan
         import numpy as np
@@ -142,7 +142,7 @@ class _SkyrlInvariantForCausalLM(nn.Module):
                            qsl[reqs[0] + 1] - qsl[reqs[0]], L,
                            torch.from_numpy(lens) if len(reqs) > 1 else None,
                            on(idx.reshape(-1)),
-                           on(np.ascontiguousarray(pad[:, :, None])) if pad.any() else None))
+                           on(np.flatnonzero(pad)) if pad.any() else None))
         self._step_plan = (meta.slot_mapping[:n_tok].long(), groups)
         return self._step_plan
 
@@ -160,10 +160,10 @@ class _SkyrlInvariantForCausalLM(nn.Module):
         cache[slots] = self.kv.encode(i, rows[:n]).view(cache.dtype)
         out = None
         for nreq, qidx, sq, L, kv_lens, idx, pad in groups:
-            data = cache.index_select(0, idx).view(nreq, L, -1)   # (3x faster than cache[idx])
-            if pad is not None:
-                data.masked_fill_(pad, 0)      # finite padding (masked out by kv_lens)
-            R = self.kv.decode(i, data.view(torch.uint8))
+            data = cache.index_select(0, idx)                     # (3x faster than cache[idx])
+            if pad is not None:                # finite padding (masked out by kv_lens); rows
+                data.index_fill_(0, pad, 0)    # by index: 4x faster than a broadcast mask
+            R = self.kv.decode(i, data.view(nreq, L, -1).view(torch.uint8))
             if qidx is None and q.shape[0] == n:        # one group: every token, in order
                 o = self.core.attn_core(i, q.view(nreq, sq, *q.shape[1:]), R, kv_lens)
                 return o.reshape(-1, *o.shape[2:])
