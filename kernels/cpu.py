@@ -440,10 +440,10 @@ def attention(q, k, v, causal: bool = True, scale: float | None = None, block_n:
     # a causal query sits at position qpos <= len - 1, so "past the end" is implied by "after
     # the query"; padded rows get the last query's position
     last = lens[..., 0] - 1                                               # (BH, 1, 1)
-    if causal:
+    if causal and Sq > 1:
         qi = (torch.arange(Rp) // g).clamp_(max=Sq - 1)
         qpos = qi[None, :, None] + (last - (Sq - 1))
-    else:
+    else:                    # (one causal query per sequence — decode — sits at its last key)
         qpos = last.expand(BH, Rp, 1)
     qpos = qpos[:, None]                                                  # (BH, 1, Rp, 1)
     max_last = int(kv_lens.max()) - 1

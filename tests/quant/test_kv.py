@@ -58,9 +58,19 @@ def test_ds_mla_layout_and_roundtrip():
 
 @pytest.mark.parametrize("scale", [1.0, 0.5, 0.37, 3.1e-3, 17.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_fp8_kv_read_table_is_the_formula_for_every_code(scale, dtype):
+@pytest.mark.parametrize("lookup", ["compiled", "torch"])
+def test_fp8_kv_read_table_is_the_formula_for_every_code(scale, dtype, lookup, monkeypatch):
     """The read's 256-entry table gives, code for code, ``(decode(code) * k_scale).to(dtype)``
-    computed element by element (NaN codes 0x7F / 0xFF included, bit for bit), for any layout."""
+    computed element by element (NaN codes 0x7F / 0xFF included, bit for bit), for any layout —
+    through the compiled lookup (numba) and through the torch gather (its fallback)."""
+    from skyrl_numerics.quant import kv as Q
+
+    if lookup == "compiled":
+        assert Q._take() is not None            # numba is installed here (the Makefile's deps)
+        monkeypatch.setattr(Q, "_TAKE_MIN", 0)
+    else:
+        monkeypatch.setenv("SKYRL_NUMERICS_NUMBA", "0")
+        assert Q._take() is None
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     want = (C.decode(codes, C.E4M3) * torch.tensor(scale)).to(dtype)
     bits = torch.int32 if dtype == torch.float32 else torch.int16
@@ -69,3 +79,7 @@ def test_fp8_kv_read_table_is_the_formula_for_every_code(scale, dtype):
     grid = codes.view(16, 16)
     got = fp8_kv_read(grid.t()[2:9], torch.tensor(scale), dtype)          # a strided view
     assert torch.equal(got.view(bits), want.view(16, 16).t()[2:9].contiguous().view(bits))
+    big = torch.randint(0, 256, (3, 50, 70), dtype=torch.uint8)          # a cache-sized read
+    got = fp8_kv_read(big[:, ::2], scale, dtype)
+    assert got.shape == (3, 25, 70)
+    assert torch.equal(got.view(bits), want[big[:, ::2].long()].view(bits))
