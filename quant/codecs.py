@@ -192,6 +192,19 @@ def encode(x: torch.Tensor, fmt: MiniFloat | str, *, saturate: bool = True) -> t
     """Encode ``x`` to ``fmt`` codes (uint8, one code per element), RNE; see module doc for specials."""
     fmt = _fmt(fmt)
     xf = x.to(_work_dtype(x))
+    if fmt == E4M3 and saturate and xf.dtype == torch.float32 and xf.device.type == "cpu":
+        # torch's own float32 -> float8_e4m3fn cast rounds to nearest even with the same NaN
+        # codes (sign kept); clamped to +-448 first (satfinite: inf too; torch 2.13's CPU cast
+        # saturates by itself, the clamp keeps that on versions that map overflow to NaN) it
+        # equals the path below for every one of the 2^32 float32 inputs (checked exhaustively,
+        # torch 2.13 CPU; the test runs every bf16 pattern, the ties and the boundaries). Two
+        # passes instead of ~20.
+        return xf.clamp(-fmt.max_finite, fmt.max_finite).to(torch.float8_e4m3fn).view(torch.uint8)
+    return _encode_arith(xf, fmt, saturate)
+
+
+def _encode_arith(xf: torch.Tensor, fmt: MiniFloat, saturate: bool) -> torch.Tensor:
+    """:func:`encode` computed arithmetically from ``xf`` (float32 or float64), every format."""
     a = xf.abs()
     nan = torch.isnan(a)
     if fmt.nan_code is None and bool(nan.any()):

@@ -127,9 +127,11 @@ class _SkyrlInvariantForCausalLM(nn.Module):
         n_tok = int(meta.num_actual_tokens)
         qsl = meta.query_start_loc.cpu().numpy().astype(np.int64)
         seq_lens = meta.seq_lens.cpu().numpy().astype(np.int64)
-        table = meta.block_table.cpu().numpy()
         bs = self.block_size
         counts = np.diff(qsl)
+        # only the rows and columns in use go to the host (on CPU: a view)
+        cols = -(-int(seq_lens[:len(counts)].max(initial=1)) // bs)
+        table = meta.block_table[:len(counts), :cols].cpu().numpy()
         live = np.flatnonzero(counts > 0)
         if device.type == "cpu":           # requests with the same query count share a call
             keys = counts[live]
