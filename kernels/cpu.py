@@ -478,8 +478,10 @@ def attention(q, k, v, causal: bool = True, scale: float | None = None, block_n:
             a0 = a0 * alpha[:, j].unsqueeze(-1) + pv[:, j]
         if r0 == 0:
             m, l_, acc = m_all[:, -1], l0, a0
-        else:
-            m[:, r0:], l_[:, r0:], acc[:, r0:] = m_all[:, -1], l0, a0
+        else:                # (rebuilt, not written in place: autograd may hold the old rows)
+            m = torch.cat([m[:, :r0], m_all[:, -1]], 1)
+            l_ = torch.cat([l_[:, :r0], l0], 1)
+            acc = torch.cat([acc[:, :r0], a0], 1)
     res = acc[:, :R] / l_[:, :R].unsqueeze(-1)                             # (BH, R, D)
     out = torch.empty((B, H, Sq, D), dtype=q.dtype)
     out.view(B, Hkv, g, Sq, D).copy_(res.view(B, Hkv, Sq, g, D).transpose(2, 3))
