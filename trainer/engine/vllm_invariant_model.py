@@ -100,7 +100,7 @@ class _SkyrlInvariantForCausalLM(nn.Module):
             from vllm.forward_context import get_forward_context
 
             kv = kv[get_forward_context().virtual_engine]
-        key = (i, kv.data_ptr(), kv.numel(), kv.dtype)
+        key = (kv.data_ptr(), kv.numel(), kv.dtype)
         hit = self._slot_views.get(i)
         if hit is not None and hit[0] == key:     # (the views cost ~50 us a layer per step)
             return hit[1]
