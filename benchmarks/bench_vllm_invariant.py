@@ -12,8 +12,16 @@ whose logprobs equal the trainer's bitwise for each engine.
     .venv/bin/python benchmarks/bench_vllm_invariant.py [--family qwen3_moe|deepseek_v3]
         [--kv-cache auto,fp8[,fp8_ds_mla]] [--prompts 16] [--max-tokens 64]
         [--config '{"hidden_size": 1024, ...}']   # overrides of the tiny config (a larger model)
+        [--forward-times]
 
 One invariant engine per ``--kv-cache`` format (the trainer simulates the same format).
+
+``--forward-times`` also times each engine's model forward inside its worker (perf_counter
+around ``model.forward``, decode steps only: steps with one token per prompt) and the step
+period (one decode forward's start to the next), and reports medians in ms. A median over
+hundreds of steps moves far less with the machine's drift than tokens/s, and the period minus
+the forward is what the engine around the model costs. It sends a timing function to the workers,
+which needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (set by the script for its own engines).
 """
 from __future__ import annotations
 
@@ -33,7 +41,13 @@ def main() -> None:
     ap.add_argument("--kv-cache", default="auto", help="comma-separated invariant cache formats")
     ap.add_argument("--config", default="{}",
                     help="JSON object of config overrides for the family's tiny model")
+    ap.add_argument("--forward-times", action="store_true",
+                    help="also time the model forward per decode step inside each worker")
     args = ap.parse_args()
+    if args.forward_times:
+        import os
+
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"   # (to send _install_timer)
 
     import numpy as np
 
@@ -53,6 +67,8 @@ def main() -> None:
     for name, kw in variants:
         gens[name] = VLLMGenerator(model_dir, **kw)
         gens[name].generate([[2, 3]], max_tokens=2)
+        if args.forward_times:
+            gens[name].llm.collective_rpc(_install_timer, args=(args.prompts,))
     rates: dict[str, list[float]] = {name: [] for name, _ in variants}
     last = {}
     for r in range(args.repeats):
@@ -71,13 +87,63 @@ def main() -> None:
         results[name] = {"tokens_per_s": max(rates[name]), "tokens_per_s_rounds": rates[name],
                          "frac_bitwise_equal": float(np.mean(lp == ro.rollout_logprobs)),
                          "mean_abs_gap": float(np.mean(np.abs(lp - ro.rollout_logprobs)))}
+        if args.forward_times:
+            results[name]["worker_ms"] = _timing_summary(
+                gens[name].llm.collective_rpc(_fetch_timer)[0], args.prompts)
         gens[name].close()
     for name, _ in variants[1:]:
         results[f"ratio_{name}_over_stock"] = (results[name]["tokens_per_s"]
                                                / results["stock"]["tokens_per_s"])
         results[f"ratio_{name}_over_stock_median_of_rounds"] = float(np.median(
             [a / b for a, b in zip(rates[name], rates["stock"])]))
+        if args.forward_times:
+            for what in ("forward", "step"):
+                results[f"{what}_ratio_stock_over_{name}"] = (
+                    results["stock"]["worker_ms"][f"{what}_median"]
+                    / results[name]["worker_ms"][f"{what}_median"])
     print(json.dumps(results, indent=2))
+
+
+def _install_timer(worker, tokens: int) -> int:
+    """(In the worker.) Record (start, duration, tokens) of each model forward."""
+    model = worker.model_runner.model
+    forward = model.forward
+    times = model._skyrl_bench_times = []
+
+    def timed(*a, **kw):
+        ids = kw.get("input_ids", a[0] if a else None)
+        t0 = time.perf_counter()
+        out = forward(*a, **kw)
+        if ids is not None:
+            times.append((t0, time.perf_counter() - t0, int(ids.shape[0])))
+        return out
+    model.forward = timed
+    return 0
+
+
+def _fetch_timer(worker) -> list:
+    return list(worker.model_runner.model._skyrl_bench_times)
+
+
+def _timing_summary(rows, tokens: int) -> dict:
+    """Forward ms per decode step (``tokens`` tokens: one per prompt), the decode step period
+    (one decode forward's start to the next one's in the same batch, gaps under 0.25 s: the
+    whole engine step — scheduler, sampler, the worker round trip) and the forward of the
+    other steps (prefill, at the start of each batch)."""
+    import numpy as np
+
+    start = np.array([r[0] for r in rows])
+    fwd = np.array([r[1] for r in rows]) * 1e3
+    dec = np.array([r[2] == tokens for r in rows])
+    both = dec[1:] & dec[:-1]
+    gaps = (np.diff(start) * 1e3)[both]
+    period = gaps[gaps < 250.0]
+    q = lambda a, p: float(np.percentile(a, p)) if a.size else float("nan")  # noqa: E731
+    d = fwd[dec]
+    return {"forward_median": q(d, 50), "forward_p25": q(d, 25), "forward_p75": q(d, 75),
+            "step_median": q(period, 50), "rest_of_step_median": q(period, 50) - q(d, 50),
+            "decode_steps": int(d.size), "prefill_forward_median": q(fwd[~dec], 50),
+            "prefill_steps": int((~dec).sum())}
 
 
 if __name__ == "__main__":
