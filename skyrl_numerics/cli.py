@@ -84,10 +84,11 @@ def _cmd_doctor(args) -> int:
     import json
 
     from skyrl_numerics.doctor import run_doctor
-    from skyrl_numerics.report import render_table, write_json, write_plot
+    from skyrl_numerics.report import check_out_dir, plain, render_table, write_json, write_plot
 
     if args.model and args.family:
         raise InputError("give --model DIR or --family NAME, not both", field="model")
+    check_out_dir(args.out)              # before any engine starts
     if args.prompts < 1 or args.max_tokens < 1 or args.prompt_len < 1:
         raise InputError("--prompts, --prompt-len and --max-tokens must be >= 1", field="prompts")
     family = args.family or "qwen3_moe"
@@ -124,7 +125,7 @@ def _cmd_doctor(args) -> int:
             raise   # bad input: one line, nothing written (the log is dropped)
         except BaseException:
             if not elog.verbose:
-                console.print(f"doctor failed; vLLM log: {elog.keep(out / 'vllm.log')}")
+                console.print(f"doctor failed; vLLM log: {plain(elog.keep(out / 'vllm.log'))}")
             raise
         m = res.model
         who = (f"tiny {family}" if not args.model else
@@ -142,43 +143,47 @@ def _cmd_doctor(args) -> int:
             ro.save(out / f"rollout-{name.replace('/', '_')}.safetensors")
         if not elog.verbose:
             wrote.append(elog.keep(out / "vllm.log"))
-        console.print("wrote " + ", ".join(str(p) for p in wrote))
+        console.print("wrote " + ", ".join(plain(p) for p in wrote))
     failed = [r.name for r in res.rows if str(r.extra.get("status", "")).startswith("failed")]
     return 1 if failed else 0
 
 
 def _cmd_gap(args) -> int:
     from skyrl_numerics.gap import measure
-    from skyrl_numerics.report import ReportRow, render_table, write_json, write_plot
+    from skyrl_numerics.report import (ReportRow, check_out_dir, plain, render_table, write_files,
+                                       write_json, write_plot)
     from skyrl_numerics.rollout import Rollout
 
     import numpy as np
 
+    if args.out:
+        check_out_dir(args.out, names=("report.json", "gap.png"))   # before any work
     ro = Rollout.load(args.file)
     if ro.trainer_logprobs is None:
         raise InputError("no trainer logprobs in the file (field 'trainer_logprobs' in .jsonl "
                          "rows, array 'trainer_logprobs' in .safetensors)",
                          source=str(args.file), field="trainer_logprobs")
-    report = measure(ro.trainer_logprobs, ro.rollout_logprobs, cu_seqlens=ro.response_cu)
+    try:
+        report = measure(ro.trainer_logprobs, ro.rollout_logprobs, cu_seqlens=ro.response_cu)
+    except InputError as e:              # (name the file the values came from)
+        raise (e.with_source(str(args.file)) if e.source is None else e) from None
     row = ReportRow(Path(args.file).name, report,
                     np.abs(ro.trainer_logprobs - ro.rollout_logprobs))
     title = f"{args.file}: trainer vs {ro.engine} {ro.engine_version}"
     console = _console()
     render_table([row], title, console)
     if args.out:
-        out = Path(args.out)
-        write_json(out / "report.json", {"file": str(args.file), "engine": ro.engine,
-                                         "engine_version": ro.engine_version,
-                                         "sampling": ro.sampling, "summary": report.summary(),
-                                         "report": report.to_dict()})
-        write_plot(out / "gap.png", [row], title)
-        console.print(f"wrote {out / 'report.json'}, {out / 'gap.png'}")
+        payload = {"file": str(args.file), "engine": ro.engine, "engine_version": ro.engine_version,
+                   "sampling": ro.sampling, "summary": report.summary(), "report": report.to_dict()}
+        wrote = write_files(args.out, {"report.json": lambda p: write_json(p, payload),
+                                       "gap.png": lambda p: write_plot(p, [row], title)})
+        console.print("wrote " + ", ".join(plain(p) for p in wrote))
     return 0
 
 
 def _cmd_train(args) -> int:
     from skyrl_numerics.models import build_tiny_model
-    from skyrl_numerics.report import write_json
+    from skyrl_numerics.report import check_out_dir, plain, write_json
     from skyrl_numerics.trainer.loop import (CONFIGS, LoopSettings, run_loop, write_loop_plot)
 
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -186,6 +191,7 @@ def _cmd_train(args) -> int:
     if unknown:
         raise InputError(f"unknown configuration(s) {unknown}; known: {sorted(CONFIGS)}",
                          field="configs")
+    check_out_dir(args.out)              # before any engine starts
     settings = LoopSettings(steps=args.steps, prompts_per_step=args.prompts,
                             samples_per_prompt=args.samples, max_tokens=args.max_tokens,
                             seed=args.seed, off_policy=1 if args.async_ else 0,
@@ -228,7 +234,7 @@ def _cmd_train(args) -> int:
     console.print(t)
     write_json(out / "train.json", res.to_dict())
     write_loop_plot(out / "train.png", res)
-    console.print(f"wrote {out / 'train.json'}, {out / 'train.png'}"
+    console.print(f"wrote {plain(out / 'train.json')}, {plain(out / 'train.png')}"
                   + (f", {log_path}" if log_path else ""))
     return 0
 

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from .atomic import atomic_file
+from .errors import InputError
 
 # (column title, summary key, format)
 COLUMNS = [
@@ -41,12 +42,22 @@ def _fmt(v, f):
     return f.format(v)
 
 
+def plain(text) -> str:
+    """``text`` as rich prints it verbatim: markup-like brackets escaped (a path ``run[/x]`` or
+    an engine name from a file is not a style), and code points a terminal cannot encode (lone
+    surrogates, e.g. from undecodable file names) as ``\\udXXX`` escapes."""
+    from rich.markup import escape
+
+    return escape(str(text).encode("utf-8", "backslashreplace").decode("utf-8"))
+
+
 def render_table(rows: list[ReportRow], title: str, console=None) -> None:
+    """The rows as one rich table; every text is printed as given (:func:`plain`)."""
     from rich.console import Console
     from rich.table import Table
 
     console = console or Console()
-    t = Table(title=title, title_justify="left")
+    t = Table(title=plain(title), title_justify="left")
     t.add_column("configuration", style="bold")
     t.add_column("tokens", justify="right")
     for c, _, _ in COLUMNS:
@@ -58,7 +69,7 @@ def render_table(rows: list[ReportRow], title: str, console=None) -> None:
     footnotes = {}
     for r in rows:
         s = r.report.summary()
-        cells = [r.name, str(s.get("n_tokens", "-"))]
+        cells = [plain(r.name), str(s.get("n_tokens", "-"))]
         cells += [_fmt(s.get(key), f) for _, key, f in COLUMNS]
         for k in extra_keys:
             v = r.extra.get(k)
@@ -67,14 +78,71 @@ def render_table(rows: list[ReportRow], title: str, console=None) -> None:
             if mark:
                 cell += mark[0]
                 footnotes[mark[0]] = mark[1]
-            cells.append(cell)
+            cells.append(plain(cell))
         t.add_row(*cells)
     console.print(t)
     for mark, text in footnotes.items():
-        console.print(f"  [dim]{mark} {text}[/dim]")
+        console.print(f"  [dim]{plain(mark)} {plain(text)}[/dim]")
     for r in rows:
         if r.extra.get("note"):
-            console.print(f"  [dim]{r.name}: {r.extra['note']}[/dim]")
+            console.print(f"  [dim]{plain(r.name)}: {plain(r.extra['note'])}[/dim]")
+
+
+def check_out_dir(out, flag: str = "--out", names=()) -> Path:
+    """``out`` as a directory the outputs (files ``names``) can go to, checked before any work:
+    it is a directory or does not exist yet, its nearest existing ancestor is a writable
+    directory, and no output name is taken by a directory (nothing is created here). Otherwise
+    the project's error naming the flag and the path."""
+    import os
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"{flag} {plain(out)}: exists and is not a directory", field=flag.lstrip("-"))
+    for name in names:
+        if (out / name).is_dir():
+            raise InputError(f"{flag} {plain(out)}: {name} is a directory", field=flag.lstrip("-"))
+    anc = out
+    while not anc.exists():
+        if anc.parent == anc:
+            break
+        anc = anc.parent
+    if not anc.is_dir():
+        raise InputError(f"{flag} {plain(out)}: {plain(anc)} is not a directory", field=flag.lstrip("-"))
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {plain(out)}: {plain(anc)} is not writable", field=flag.lstrip("-"))
+    return out
+
+
+def write_files(out, writers: dict, flag: str = "--out") -> list[Path]:
+    """Write ``{name: write(path)}`` into the directory ``out`` as one unit: every file goes to
+    a temporary name first, and only when all are written are they renamed into place — an
+    error (a target that is a directory, a full disk) leaves none of them, and is the
+    project's error naming the path."""
+    import os
+    import tempfile
+
+    out = check_out_dir(out, flag, names=list(writers))
+    created = not out.exists()
+    tmps: dict[str, Path] = {}
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, write in writers.items():
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=out)
+            os.close(fd)
+            tmps[name] = Path(tmp)
+            write(tmps[name])
+        for name in writers:
+            os.replace(tmps.pop(name), out / name)
+    except BaseException as e:
+        for tmp in tmps.values():
+            tmp.unlink(missing_ok=True)
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        if isinstance(e, OSError):
+            raise InputError(f"{flag} {plain(out)}: cannot write: {e.strerror or e}",
+                             field=flag.lstrip("-")) from None
+        raise
+    return [out / name for name in writers]
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -97,6 +165,12 @@ def _json_default(o):
     if isinstance(o, Path):
         return str(o)
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+def _plot_text(text) -> str:
+    """``text`` as matplotlib draws it verbatim: ``$`` escaped (not mathtext), code points
+    a font cannot take (lone surrogates) as ``\\udXXX`` escapes."""
+    return str(text).encode("utf-8", "backslashreplace").decode("utf-8").replace("$", r"\$")
 
 
 def write_plot(path: Path, rows: list[ReportRow], title: str) -> None:
@@ -127,7 +201,7 @@ def write_plot(path: Path, rows: list[ReportRow], title: str) -> None:
         if m == 0:
             ax0.text(floor * 1.3, yi, "bitwise equal: every token", va="center", fontsize=8,
                      fontweight="bold")
-    ax0.set_yticks(y, [r.name for r in rows], fontsize=8)
+    ax0.set_yticks(y, [_plot_text(r.name) for r in rows], fontsize=8)
     ax0.set_xscale("log")
     ax0.set_xlim(floor, hi * 2)
     ax0.set_xlabel("|Δ logprob| (bar: mean; pale bar: max)")
@@ -139,11 +213,11 @@ def write_plot(path: Path, rows: list[ReportRow], title: str) -> None:
         zero = 1 - len(nz) / max(len(r.abs_delta), 1)
         if len(nz):
             ax1.hist(nz, bins=bins, histtype="step", linewidth=1.4, color=c,
-                     label=f"{r.name} ({zero:.0%} exactly 0)")
+                     label=f"{_plot_text(r.name)} ({zero:.0%} exactly 0)")
         curve = r.report.to_dict().get("per_position", {})
         mean = np.asarray(curve.get("mean_abs", []), dtype=float)
         if len(mean):
-            ax2.plot(np.arange(len(mean)), mean, label=r.name, linewidth=1.1, color=c)
+            ax2.plot(np.arange(len(mean)), mean, label=_plot_text(r.name), linewidth=1.1, color=c)
     ax1.set_xscale("log")
     ax1.set_xlabel("|Δ logprob| per token (trainer − engine)")
     ax1.set_ylabel("tokens")
@@ -153,7 +227,7 @@ def write_plot(path: Path, rows: list[ReportRow], title: str) -> None:
     ax2.set_ylabel("mean |Δ|")
     ax2.set_title("mean |Δ| by position")
     ax2.set_yscale("symlog", linthresh=1e-6)
-    fig.suptitle(title)
+    fig.suptitle(_plot_text(title))
     fig.tight_layout()
 
     def w(tmp):

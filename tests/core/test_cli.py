@@ -87,6 +87,25 @@ def test_qat_check_cli_on_a_written_checkpoint(tmp_path, fmt, capsys):
     assert rep["ok"] and rep["summary"]["tensors"] == len(names)
 
 
+@pytest.mark.parametrize("fmt", ["modelopt_nvfp4", "ct_int4"])
+@pytest.mark.parametrize("config", ["{not json", "[1, 2]"])
+def test_qat_check_cli_refuses_a_corrupt_config_without_base(tmp_path, fmt, config, capsys):
+    """Without --base the INT4 group size is read from config.json: a config.json that is not
+    a JSON object used to be ignored silently (a normal report, exit 0)."""
+    from skyrl_numerics.models import build_tiny_model
+    from skyrl_numerics.quant import write_quantized_checkpoint
+
+    src = build_tiny_model("qwen3_moe", cache_dir=tmp_path / "m", num_hidden_layers=1)
+    out = tmp_path / f"q-{fmt}"
+    write_quantized_checkpoint(src, out, fmt, lambda n: ".experts." in n)
+    (out / "config.json").write_text(config)
+    capsys.readouterr()                          # (the writer's own output)
+    assert main(["qat-check", str(out), "--json", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "config.json" in err, err
+    assert not (tmp_path / "r.json").exists()
+
+
 def test_qat_check_cli_refuses_a_nan_scale(tmp_path, capsys):
     import torch
     from safetensors.torch import load_file, save_file
@@ -150,3 +169,89 @@ def test_qat_check_cli_finite_scale_edits(tmp_path, capsys, edit):
     rc = main(["qat-check", str(out), "--base", str(src)])
     text = capsys.readouterr().out
     assert rc == 1 and name in text, text
+
+
+# ---- --out that cannot take the report, and texts that are not markup ----------------------
+def _one_line_error(capsys) -> str:
+    cap = capsys.readouterr()
+    err = cap.err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    assert cap.out == "", cap.out              # refused before anything is printed
+    return err
+
+
+@pytest.mark.parametrize("case", ["out_is_a_file", "out_below_a_file", "png_is_a_dir",
+                                  "json_is_a_dir"])
+def test_gap_out_that_cannot_take_the_report_exits_2_before_any_work(tmp_path, case, capsys):
+    f = _dump(tmp_path)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    out = {"out_is_a_file": blocker, "out_below_a_file": blocker / "sub"}.get(case, tmp_path / "out")
+    if case == "png_is_a_dir":
+        (out / "gap.png").mkdir(parents=True)
+    if case == "json_is_a_dir":
+        (out / "report.json").mkdir(parents=True)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    assert main(["gap", str(f), "--out", str(out)]) == 2
+    assert "--out" in _one_line_error(capsys)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before   # nothing written
+
+
+def test_gap_report_files_are_written_together_or_not_at_all(tmp_path, monkeypatch):
+    """The PNG failing after report.json was rendered leaves neither (nor a temp file), and
+    the error is the project's, naming --out."""
+    from skyrl_numerics import report
+    from skyrl_numerics.errors import InputError
+
+    def broken_plot(path, rows, title):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(report, "write_plot", broken_plot)
+    out = tmp_path / "out"
+    with pytest.raises(InputError, match="No space left"):
+        report.write_files(out, {"report.json": lambda p: report.write_json(p, {"a": 1}),
+                                 "gap.png": lambda p: report.write_plot(p, [], "t")})
+    assert not out.exists()
+    out.mkdir()
+    (out / "report.json").write_text("old")
+    with pytest.raises(InputError):
+        report.write_files(out, {"report.json": lambda p: report.write_json(p, {"a": 1}),
+                                 "gap.png": lambda p: report.write_plot(p, [], "t")})
+    assert [p.name for p in out.iterdir()] == ["report.json"]
+    assert (out / "report.json").read_text() == "old"            # the old report kept whole
+
+
+@pytest.mark.parametrize("engine", ["[/bold]", "[red]x[/red]", "\ud800", "a\\[b]", "$x", "cost $5 $"])
+def test_gap_prints_engine_names_and_paths_verbatim(tmp_path, engine, capsys):
+    """A name or path from the user's data is printed as text: rich markup in it is not
+    interpreted (``[/bold]`` used to crash the table, ``[bold]`` to vanish), a lone surrogate becomes an escape."""
+    rng = np.random.default_rng(1)
+    lp = [(-rng.random(4)).astype(np.float32)]
+    d = tmp_path / "run[bold]x"
+    d.mkdir()
+    f = Rollout.from_lists([[1, 2]], [[3, 4, 5, 6]], lp, trainer_logprobs=lp,
+                           engine=engine).save(d / "dump.jsonl")
+    out = tmp_path / "o[red]y"
+    assert main(["gap", str(f), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    shown = engine.encode("utf-8", "backslashreplace").decode()
+    assert shown in printed and "run[bold]x" in printed and "o[red]y" in printed
+    assert json.loads((out / "report.json").read_text())["engine"] == engine
+
+
+def test_gap_of_a_huge_but_valid_gap_reports_inf(tmp_path, capsys):
+    """Logprobs can be finite and still 1000 nats apart: the ratios are infinite, reported as
+    such (the table shows '-'), not an OverflowError."""
+    f = Rollout.from_lists([[1, 2]], [[3, 4]], [[-1000.0, -0.2]],
+                           trainer_logprobs=[[-0.1, -0.2]]).save(tmp_path / "big.safetensors")
+    assert main(["gap", str(f), "--out", str(tmp_path / "o")]) == 0
+    cap = capsys.readouterr()
+    assert cap.err == ""                        # no numpy overflow warnings either
+    rep = json.loads((tmp_path / "o" / "report.json").read_text())["summary"]
+    assert rep["ratio_max"] == float("inf") and rep["max_abs"] == pytest.approx(999.9, rel=1e-6)
+
+
+def test_gap_error_from_the_values_names_the_file(tmp_path, capsys):
+    f = Rollout.from_lists([[1], [1]], [[], []], [[], []], trainer_logprobs=[[], []]).save(
+        tmp_path / "empty.jsonl")
+    assert main(["gap", str(f)]) == 2
+    assert str(f) in _one_line_error(capsys)
