@@ -179,6 +179,14 @@ def _same(x, y) -> bool:
 
 
 # -- shared tail: formulas from sufficient statistics -----------------------------------------
+def _exp(x: float) -> float:
+    """``math.exp`` that reports ``inf`` where the result overflows (a gap above ~709 nats)."""
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
+
+
 def _finish(st: dict, tok: Tokens, taus) -> GapReport:
     n = st["n"]
     u1, u2 = st["u1"], st["u2"]
@@ -193,7 +201,7 @@ def _finish(st: dict, tok: Tokens, taus) -> GapReport:
     if ratio_std is None:
         ratio_std = math.sqrt(max(u2 / n - (u1 / n) ** 2, 0.0))
     lengths = tok.lengths
-    with np.errstate(invalid="ignore", divide="ignore"):
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):   # (inf: reported)
         seq_mean_abs = np.where(lengths > 0, st["seq_sum_abs"] / lengths, np.nan)
         seq_geo = np.where(lengths > 0, np.exp(st["seq_sum_d"] / np.maximum(lengths, 1)), np.nan)
     seq_max = np.where(lengths > 0, st["seq_max_abs"], np.nan)
@@ -204,9 +212,9 @@ def _finish(st: dict, tok: Tokens, taus) -> GapReport:
         p50_abs=float(st["p50_abs"]), p99_abs=float(st["p99_abs"]),
         frac_bitwise_equal=float(st["n_eq"] / n),
         kl_k1=float(-st["s1"] / n), kl_k2=float(st["s2"] / (2 * n)), kl_k3=float(st["k3"] / n),
-        chi2=float(chi2), ppl_ratio=float(math.exp(-st["s1"] / n)), ess=float(ess),
+        chi2=float(chi2), ppl_ratio=float(_exp(-st["s1"] / n)), ess=float(ess),
         ratio_mean=float(ratio_mean), ratio_std=float(ratio_std),
-        ratio_min=float(math.exp(st["d_min"])), ratio_max=float(math.exp(st["d_max"])),
+        ratio_min=float(_exp(st["d_min"])), ratio_max=float(_exp(st["d_max"])),
         ratio_p1=float(st["ratio_p1"]), ratio_p99=float(st["ratio_p99"]),
         extreme_frac={float(t): float(c / n) for t, c in zip(taus, st["n_extreme"])},
         position_mean_abs=st["pos_sum"] / np.maximum(pos_cnt, 1), position_count=pos_cnt,
@@ -216,8 +224,21 @@ def _finish(st: dict, tok: Tokens, taus) -> GapReport:
     )
 
 
+def _check_tol(tol) -> float:
+    """``logprob_tol``: a finite number >= 0 (a NaN would switch the positive-logprob check off)."""
+    if isinstance(tol, bool) or not isinstance(tol, (int, float, np.integer, np.floating)):
+        raise InputError(f"logprob_tol {tol!r}, expected a finite number >= 0", field="logprob_tol")
+    tol = float(tol)
+    if not (math.isfinite(tol) and tol >= 0):
+        raise InputError(f"logprob_tol {tol!r}, expected a finite number >= 0", field="logprob_tol")
+    return tol
+
+
 def _check_taus(taus) -> tuple:
-    taus = tuple(float(t) for t in taus)
+    try:
+        taus = tuple(float(t) for t in taus)
+    except (TypeError, ValueError):
+        raise InputError(f"taus {taus!r}, expected finite numbers >= 1", field="taus") from None
     for i, t in enumerate(taus):
         if not (t >= 1.0 and math.isfinite(t)):
             raise InputError(f"tau {t!r}, expected a finite value >= 1", field="taus", index=i)
@@ -239,8 +260,9 @@ def _reference_stats(tok: Tokens, taus, tol: float) -> dict:
         raise InputError("difference trainer - rollout overflows float64", field="rollout_logprobs")
     n = d.size
     absd = np.abs(d)
-    u = np.expm1(d)                       # r - 1, exact for small d
-    r = np.exp(d)
+    with np.errstate(over="ignore"):      # a gap above ~709 nats: r = inf, reported as such
+        u = np.expm1(d)                   # r - 1, exact for small d
+        r = np.exp(d)
     lengths, cu = tok.lengths, tok.cu
     ne = lengths > 0
     st_idx = cu[:-1][ne]
@@ -258,10 +280,12 @@ def _reference_stats(tok: Tokens, taus, tol: float) -> dict:
         chi2_terms = np.expm1(2 * d)
         u2 = (u * u).sum()
         ratio_std = float(np.std(r))
+    with np.errstate(invalid="ignore"):   # (quantiles next to an infinite ratio)
+        ratio_p1, ratio_p99 = np.quantile(r, 0.01), np.quantile(r, 0.99)
     return {
         "n": n, "sum_abs": absd.sum(), "max_abs": absd.max(),
         "p50_abs": np.quantile(absd, 0.5), "p99_abs": np.quantile(absd, 0.99),
-        "ratio_p1": np.quantile(r, 0.01), "ratio_p99": np.quantile(r, 0.99),
+        "ratio_p1": ratio_p1, "ratio_p99": ratio_p99,
         "n_eq": int(np.count_nonzero(a == b)),
         "s1": d.sum(), "s2": (d * d).sum(), "k3": (u - d).sum(),
         "u1": u.sum(), "u2": u2, "chi2": chi2_terms.mean(),
@@ -286,6 +310,7 @@ def measure(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, t
     ``"numba"``; the two give bitwise-equal reports.
     """
     taus = _check_taus(taus)
+    logprob_tol = _check_tol(logprob_tol)
     tok = normalize(trainer_logprobs, rollout_logprobs, mask, cu_seqlens)
     st = None
     if _path == "fast" or (_path == "auto" and tok.n > FAST_MIN_TOKENS):

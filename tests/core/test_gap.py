@@ -509,6 +509,32 @@ def test_cu_seqlens_errors():
 def test_bad_taus():
     e = _err(measure, FLAT_T, FLAT_R, taus=(2.0, 0.5))
     assert (e.field, e.index) == ("taus", 1)
+    assert _err(measure, FLAT_T, FLAT_R, taus=("x",)).field == "taus"
+    assert _err(measure, FLAT_T, FLAT_R, taus=3.0).field == "taus"          # not a sequence
+
+
+@pytest.mark.parametrize("path", ["reference", "fast"])
+@pytest.mark.parametrize("tol", [float("nan"), float("inf"), -1e-3, "x", None, True])
+def test_bad_logprob_tol_is_refused_on_both_paths(path, tol):
+    """A NaN tolerance used to switch the positive-logprob check off on the reference path
+    (a report over positive "logprobs") and to give a wrong cause on the fast path."""
+    pos = np.array([0.5, -1.0, -2.0])
+    e = _err(measure, pos, pos - 0.1, logprob_tol=tol, _path=path)
+    assert e.field == "logprob_tol"
+
+
+@pytest.mark.parametrize("path", ["reference", "fast"])
+def test_a_gap_of_a_thousand_nats_reports_infinite_ratios(path):
+    """Finite, valid logprobs whose difference overflows exp(): inf, not an OverflowError."""
+    import warnings
+
+    t = np.array([-0.1, -0.2, -1000.0] * 3)
+    r = np.array([-1000.0, -0.2, -0.1] * 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")               # and no numpy overflow warnings
+        rep = measure(t, r, _path=path).summary()
+    assert rep["ratio_max"] == math.inf and rep["ratio_min"] == 0.0
+    assert rep["max_abs"] == pytest.approx(999.9)
 
 
 def test_import_is_light():
