@@ -140,6 +140,24 @@ def _numpy(x):
     return np.asarray(x)
 
 
+def _non_finite(v, path: str = ""):
+    """The key path (``["temperature"]``) of the first NaN / infinite float inside a JSON-like
+    value, or None."""
+    if isinstance(v, float):
+        return None if math.isfinite(v) else path or "[]"
+    if isinstance(v, dict):
+        for k, x in v.items():
+            hit = _non_finite(x, f"{path}[{k!r}]")
+            if hit is not None:
+                return hit
+    elif isinstance(v, (list, tuple)):
+        for i, x in enumerate(v):
+            hit = _non_finite(x, f"{path}[{i}]")
+            if hit is not None:
+                return hit
+    return None
+
+
 def _first(bad: np.ndarray) -> int:
     return int(np.flatnonzero(bad.reshape(-1))[0])
 
@@ -384,6 +402,10 @@ class Rollout:
         for name, typ in (("engine", str), ("engine_version", str), ("sampling", dict), ("meta", dict)):
             if not isinstance(getattr(self, name), typ):
                 raise err(f"expected {typ.__name__}, got {type(getattr(self, name)).__name__}", field=name)
+        for name in ("sampling", "meta"):       # JSON has no NaN / Infinity (a report would not parse)
+            where = _non_finite(getattr(self, name))
+            if where is not None:
+                raise err(f"{name}{where} is not a finite number", field=name)
         if self.routes is not None:
             seq = np.asarray(self.routes.seq_lens)
             total = self.prompt_lens + self.response_lens
@@ -561,7 +583,9 @@ class Rollout:
         if "schema_version" not in meta:
             raise InputError("metadata 'schema_version' is missing", field="schema_version")
         sv = meta["schema_version"]
-        cls._check_version(int(sv) if sv.isdigit() and len(sv) < 10 else sv, "metadata")
+        # ASCII digits only: str.isdigit() also accepts "²" (int() refuses it) and "１"
+        cls._check_version(int(sv) if sv.isascii() and sv.isdigit() and len(sv) < 10 else sv,
+                           "metadata")
         sampling, m = js("sampling", {}), js("meta", {})
         for key, v in (("sampling", sampling), ("meta", m)):
             if not isinstance(v, dict):

@@ -318,6 +318,10 @@ def _rewrite_safetensors(path, arrays=None, meta=None, drop_digest=True):
     (None, {"schema_version": "2"}, "schema_version"),
     (None, {"schema_version": None}, "schema_version"),
     (None, {"schema_version": "01x"}, "schema_version"),
+    (None, {"sampling": '{"temperature": NaN}'}, "sampling"),    # JSON has no NaN
+    (None, {"meta": '{"a": [1, Infinity]}'}, "meta"),
+    (None, {"schema_version": "²"}, "schema_version"),       # isdigit() but not int()-able
+    (None, {"schema_version": "１"}, "schema_version"),       # a fullwidth 1 is not the integer 1
     (None, {"sampling": "[1, 2]"}, "sampling"),
     (None, {"meta": "{"}, "meta"),
     (None, {"vocab_size": "1.5"}, "vocab_size"),

@@ -172,8 +172,8 @@ class InvariantDeepseekV3(InvariantCausalLM):
     def ignored_weight(self, name: str) -> bool:
         # MTP draft layers (num_nextn_predict_layers) sit after the decoder; vLLM skips them too.
         parts = name.split(".")
-        return (len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
-                and int(parts[2]) >= self.dims.layers)
+        return (len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isascii()
+                and parts[2].isdigit() and int(parts[2]) >= self.dims.layers)
 
     def route_info(self) -> dict:
         d = self.dims
