@@ -257,12 +257,18 @@ def _nvfp4_qtensors(n: str, codes, scales, glob, convention: str, dtype, gname: 
 
 
 def _config_int4_group(d: Path) -> int | None:
-    """The INT4 ``group_size`` config.json's compressed-tensors groups name, if exactly one."""
+    """The INT4 ``group_size`` config.json's compressed-tensors groups name, if exactly one.
+    No config.json: None (the layouts come from the tensor names); a config.json that is not a
+    JSON object is the project's error naming it (never silently ignored)."""
+    from .qat_inputs import read_json
+
+    if not (d / "config.json").is_file():
+        return None
+    qc = read_json(d / "config.json").get("quantization_config") or {}
     try:
-        qc = json.loads((d / "config.json").read_text()).get("quantization_config") or {}
         sizes = {w.get("group_size") for g in (qc.get("config_groups") or {}).values()
                  for w in [(g or {}).get("weights") or {}] if w.get("type") == "int" and w.get("num_bits") == 4}
-    except (OSError, ValueError, AttributeError):
+    except AttributeError:          # groups that are not objects: no INT4 group size named
         return None
     return sizes.pop() if len(sizes) == 1 and isinstance(next(iter(sizes)), int) else None
 
