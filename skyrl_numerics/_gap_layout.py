@@ -62,7 +62,7 @@ def _mask_array(m, shape, row=None) -> np.ndarray:
         if bad.any():
             at = np.argwhere(bad)[0]
             r, i = (row, int(at[0])) if arr.ndim == 1 else (int(at[0]), int(at[1]))
-            raise InputError(f"value {arr[tuple(at)]!r}, expected 0/1 or bool", row=r, field="mask", index=i)
+            raise InputError(f"value {arr[tuple(at)].item()!r}, expected 0/1 or bool", row=r, field="mask", index=i)
         arr = arr.astype(bool)
     return arr
 
@@ -170,6 +170,9 @@ def _check_cu(cu, n: int) -> np.ndarray:
     if arr.ndim != 1 or arr.size < 2 or arr.dtype.kind not in "iu":
         raise InputError(f"expected a 1-D integer array [B+1], got shape {tuple(arr.shape)} dtype {arr.dtype}",
                          field="cu_seqlens")
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        i = int(np.argmax(arr > np.iinfo(np.int64).max))
+        raise InputError(f"value {int(arr[i])} does not fit int64", field="cu_seqlens", index=i)
     arr = arr.astype(np.int64)
     if arr[0] != 0:
         raise InputError(f"value {arr[0]}, expected 0", field="cu_seqlens", index=0)

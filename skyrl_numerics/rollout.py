@@ -652,7 +652,8 @@ class Rollout:
                 raise InputError(f"value {x!r} is not finite", row=row, field=key, index=j)
             elif abs(x) > _F32_MAX:
                 raise InputError(f"value {x!r} does not fit float32", row=row, field=key, index=j)
-        return v
+        # as floats: an integer beyond int64 (-10**30) would make the array an object array
+        return [float(x) for x in v]
 
     @classmethod
     def _read_jsonl(cls, path: Path) -> "Rollout":
@@ -713,7 +714,7 @@ class Rollout:
             for key in ("logprobs", "trainer_logprobs"):
                 if key not in obj:
                     continue
-                cls._values_field(obj[key], row, key)
+                obj[key] = cls._values_field(obj[key], row, key)   # (as floats)
                 if len(obj[key]) != n:
                     raise InputError(f"{len(obj[key])} values for {n} response tokens", row=row, field=key)
             g = obj.get("group_id", row)

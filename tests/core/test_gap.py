@@ -770,3 +770,12 @@ def test_padded_sample_takes_runs_of_masked_tokens():
         cols = [np.flatnonzero(m[r])[s:s + t] for r, s, t in zip(drawn, s0, take)]
         np.testing.assert_array_equal(sa, np.concatenate([a[r][c] for r, c in zip(drawn, cols)]))
         np.testing.assert_array_equal(sb, np.concatenate([b[r][c] for r, c in zip(drawn, cols)]))
+
+
+def test_messages_show_the_values_themselves():
+    """No numpy reprs (``np.float64(0.5)``) and no wrapped integers in the one-line errors."""
+    x = np.array([-1.0, -1.0, -1.0])
+    e = _err(measure, x, x, mask=np.array([1, 0.5, 1]))
+    assert (e.field, e.index) == ("mask", 1) and "value 0.5," in str(e) and "np." not in str(e)
+    e = _err(measure, x, x, cu_seqlens=np.array([0, 2 ** 63 + 5, 3], np.uint64))
+    assert (e.field, e.index) == ("cu_seqlens", 1) and str(2 ** 63 + 5) in str(e)

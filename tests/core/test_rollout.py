@@ -434,3 +434,12 @@ def _load_or_refuse_any(p):
         except InputError as e:
             assert "\n" not in str(e) and p.name in str(e)
             return None
+
+
+def test_jsonl_integer_logprob_beyond_int64_loads_as_a_float(tmp_path):
+    """-10**30 fits float32; as a Python int beyond int64 it used to make the row an object
+    array and the load fail naming no row."""
+    p = tmp_path / "big.jsonl"
+    p.write_text(_hdr() + "\n" + json.dumps({**GOOD, "logprobs": [-1, -10 ** 30]}) + "\n")
+    r = Rollout.load(p)
+    assert r.rollout_logprobs.tolist() == [-1.0, np.float32(-1e30)]
