@@ -220,6 +220,10 @@ class Tensors:
 
     def __init__(self, d: Path, what: str):
         from safetensors import safe_open
+        if not d.exists():
+            raise InputError(f"{d}: not found", field=what)
+        if not d.is_dir():
+            raise InputError(f"{d}: not a directory", field=what)
         self.files = sorted(d.glob("*.safetensors"))
         if not self.files:
             raise InputError(f"no *.safetensors files in {d}", field=what)

@@ -255,3 +255,16 @@ def test_gap_error_from_the_values_names_the_file(tmp_path, capsys):
         tmp_path / "empty.jsonl")
     assert main(["gap", str(f)]) == 2
     assert str(f) in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize("what", ["missing", "a_file", "empty_dir"])
+def test_qat_check_cli_names_what_is_wrong_with_the_directory(tmp_path, what, capsys):
+    d = tmp_path / "q"
+    if what == "a_file":
+        d.write_text("x")
+    if what == "empty_dir":
+        d.mkdir()
+    assert main(["qat-check", str(d)]) == 2
+    err = capsys.readouterr().err.strip()
+    expect = {"missing": "not found", "a_file": "not a directory", "empty_dir": "no *.safetensors"}[what]
+    assert len(err.splitlines()) == 1 and expect in err and str(d) in err, err
