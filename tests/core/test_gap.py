@@ -779,3 +779,12 @@ def test_messages_show_the_values_themselves():
     assert (e.field, e.index) == ("mask", 1) and "value 0.5," in str(e) and "np." not in str(e)
     e = _err(measure, x, x, cu_seqlens=np.array([0, 2 ** 63 + 5, 3], np.uint64))
     assert (e.field, e.index) == ("cu_seqlens", 1) and str(2 ** 63 + 5) in str(e)
+
+
+@pytest.mark.parametrize("path", ["reference", "fast"])
+def test_differences_whose_sum_overflows_are_refused_on_both_paths(path):
+    """Finite float64 logprobs near -1.7e308: |d| sums to inf. Both paths say so (the
+    reference used to return inf statistics with warnings while the fast pass refused)."""
+    t = np.full(10, -1.7e308)
+    e = _err(measure, t, np.zeros(10), _path=path)
+    assert e.field == "rollout_logprobs" and "overflows" in str(e)
