@@ -260,7 +260,9 @@ def _reference_stats(tok: Tokens, taus, tol: float) -> dict:
         raise InputError("difference trainer - rollout overflows float64", field="rollout_logprobs")
     n = d.size
     absd = np.abs(d)
-    if not math.isfinite(float(absd.sum())):   # (as the fast pass: its sums would overflow)
+    with np.errstate(over="ignore"):
+        total = float(absd.sum())
+    if not math.isfinite(total):           # (as the fast pass: its sums would overflow)
         raise InputError("difference trainer - rollout overflows float64", field="rollout_logprobs")
     with np.errstate(over="ignore"):      # a gap above ~709 nats: r = inf, reported as such
         u = np.expm1(d)                   # r - 1, exact for small d
