@@ -74,24 +74,148 @@ def config_hash(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _weight_names(path: Path) -> list[str]:
+# safetensors dtype names -> bytes per element
+_ST_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "F4": 1,
+              "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
+              "I64": 8, "U64": 8, "F64": 8}
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+def _read_header(f: Path, src: str) -> dict:
+    """The tensor entries of a safetensors file's header, checked against the file: a JSON
+    object of ``{"dtype", "shape", "data_offsets"}`` entries whose byte ranges match their
+    shapes and lie inside the data (a truncated file is refused, naming the tensor)."""
+    def bad(msg):
+        return InputError(f"{f.name} is not a readable safetensors file ({msg})", source=src,
+                          field="weights")
+    try:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if not 0 < n < 1 << 30:
+                raise bad(f"header length {n}")
+            header = json.loads(fh.read(n))
+    except OSError as e:
+        raise bad(e) from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise bad(f"header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise bad(f"header is a JSON {type(header).__name__}, not an object")
+    data = size - 8 - n
+    out = {}
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        if not (isinstance(e, dict) and e.get("dtype") in _ST_DTYPES
+                and isinstance(e.get("shape"), list) and isinstance(e.get("data_offsets"), list)
+                and len(e["data_offsets"]) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                        for x in e["shape"] + e["data_offsets"])):
+            raise bad(f"tensor {name!r}: entry {str(e)[:120]} is not a dtype, shape and data_offsets")
+        lo, hi = e["data_offsets"]
+        numel = 1
+        for d in e["shape"]:
+            numel *= d
+        want = -(-numel // 2) if e["dtype"] == "F4" else numel * _ST_DTYPES[e["dtype"]]
+        if hi < lo or hi - lo != want:
+            raise bad(f"tensor {name!r}: data_offsets {e['data_offsets']} hold {hi - lo} bytes, its "
+                      f"{e['dtype']} shape {e['shape']} needs {want}")
+        if hi > data:
+            raise bad(f"tensor {name!r} ends at byte {hi} of a {data}-byte data section "
+                      "(the file is truncated)")
+        out[name] = e
+    return out
+
+
+def _weight_headers(path: Path) -> dict[str, dict]:
+    """Every safetensors tensor entry of the checkpoint, by name (headers only; see
+    :func:`_read_header`), with a sharded checkpoint's index checked against its shards."""
+    src = str(path)
     files = sorted(path.glob("*.safetensors"))
-    names: list[str] = []
+    entries: dict[str, dict] = {}
+    where: dict[str, str] = {}
     for f in files:
+        for name, e in _read_header(f, src).items():
+            if name in entries:
+                raise InputError(f"tensor {name!r} is in both {where[name]} and {f.name}",
+                                 source=src, field="weights")
+            entries[name], where[name] = e, f.name
+    for idx in sorted(path.glob("*.safetensors.index.json")):
         try:
-            with open(f, "rb") as fh:
-                n = int.from_bytes(fh.read(8), "little")
-                if not 0 < n < 1 << 30:
-                    raise ValueError(f"header length {n}")
-                header = json.loads(fh.read(n))
-        except (OSError, ValueError) as e:
-            raise InputError(f"{f.name} is not a readable safetensors file ({e})",
-                             source=str(path), field="weights") from None
-        names += [k for k in header if k != "__metadata__"]
+            wm = json.loads(idx.read_text()).get("weight_map")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+            raise InputError(f"{idx.name} is not a JSON object with a weight_map ({e})",
+                             source=src, field="weights") from None
+        if not isinstance(wm, dict):
+            raise InputError(f"{idx.name}: 'weight_map' must be an object", source=src, field="weights")
+        for name, shard in wm.items():
+            if not isinstance(shard, str) or not (path / shard).is_file():
+                raise InputError(f"{idx.name} maps {name!r} to shard {shard!r}, which is not in "
+                                 "the directory", source=src, field="weights")
+            if where.get(name) != shard:
+                raise InputError(f"{idx.name} maps {name!r} to {shard}, but "
+                                 + (f"it is in {where[name]}" if name in where else "no shard holds it"),
+                                 source=src, field="weights")
     if not files and not list(path.glob("pytorch_model*.bin")):
         raise InputError("no weight files (*.safetensors or pytorch_model*.bin): not a checkpoint",
-                         source=str(path), field="weights")
-    return names
+                         source=src, field="weights")
+    return entries
+
+
+def _weight_names(path: Path) -> list[str]:
+    return list(_weight_headers(path))
+
+
+def _check_weights_match_config(config: dict, entries: dict, src: str) -> None:
+    """What the safetensors headers can show against config.json without building the model
+    (checked only where the checkpoint uses the standard decoder names): the embedding and the
+    lm-head (required when ``tie_word_embeddings`` is false) of shape ``[vocab_size,
+    hidden_size]`` in a float dtype, and ``model.layers.<i>`` for every ``i <
+    num_hidden_layers`` and no more (DeepSeek's MTP layers, ``num_nextn_predict_layers``, may
+    follow); config numbers finite, ``num_hidden_layers >= 1``."""
+    import math
+    import re
+
+    for k, v in config.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            raise InputError(f"config.json: {k} is {v}, not a finite number", source=src, field=k)
+        if (isinstance(v, int) and not isinstance(v, bool) and v < 0
+                and (k.endswith(("_size", "_dim")) or k.startswith(("num_", "n_")))):
+            raise InputError(f"config.json: {k} is {v}; a size or count cannot be negative",
+                             source=src, field=k)
+    L = config.get("num_hidden_layers")
+    if L is not None and (isinstance(L, bool) or not isinstance(L, int) or L < 1):
+        raise InputError(f"config.json: num_hidden_layers must be an integer >= 1, got {L!r}",
+                         source=src, field="num_hidden_layers")
+    V, H = config.get("vocab_size"), config.get("hidden_size")
+    if "model.embed_tokens.weight" in entries:      # (the standard decoder layout)
+        heads = ["model.embed_tokens.weight"]
+        if "lm_head.weight" in entries:
+            heads.append("lm_head.weight")
+        elif config.get("tie_word_embeddings") is False:
+            raise InputError("weight 'lm_head.weight' is missing (config.json has "
+                             "tie_word_embeddings false)", source=src, field="lm_head.weight")
+        quantized = bool(config.get("quantization_config"))
+        for name in heads:
+            e = entries[name]
+            if isinstance(V, int) and isinstance(H, int) and e["shape"] != [V, H]:
+                raise InputError(f"weight {name!r} has shape {e['shape']}; config.json's vocab_size "
+                                 f"and hidden_size say [{V}, {H}]", source=src, field=name)
+            if not quantized and e["dtype"] not in _FLOAT_DTYPES:
+                raise InputError(f"weight {name!r} is {e['dtype']}, not a float dtype (and the "
+                                 "config has no quantization_config)", source=src, field=name)
+    layers = {int(m.group(1)) for n in entries for m in [re.match(r"model\.layers\.(\d+)\.", n)] if m}
+    if layers and isinstance(L, int):
+        extra = config.get("num_nextn_predict_layers") or 0
+        extra = extra if isinstance(extra, int) and not isinstance(extra, bool) else 0
+        missing = sorted(set(range(L)) - layers)
+        if missing:
+            raise InputError(f"config.json has num_hidden_layers {L}, but the weights have no "
+                             f"model.layers.{missing[0]}", source=src, field="num_hidden_layers")
+        if max(layers) >= L + extra:
+            raise InputError(f"the weights have model.layers.{max(layers)}, but config.json has "
+                             f"num_hidden_layers {L}" + (f" (+ {extra} MTP)" if extra else ""),
+                             source=src, field="num_hidden_layers")
 
 
 def inspect_checkpoint(path: str | os.PathLike, *, engine_args: dict | None = None,
@@ -119,7 +243,9 @@ def inspect_checkpoint(path: str | os.PathLike, *, engine_args: dict | None = No
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
         raise InputError("config.json has no 'model_type'", source=src, field="model_type")
-    names = _weight_names(path)
+    entries = _weight_headers(path)
+    names = list(entries)
+    _check_weights_match_config(config, entries, src)
     vocab = config.get("vocab_size")
     if vocab is None and isinstance(config.get("text_config"), dict):
         vocab = config["text_config"].get("vocab_size")
@@ -214,6 +340,10 @@ def check_memory(info: CheckpointInfo, copies: dict[str, int], *,
     ``copies``: ``{what: bytes per parameter}`` (e.g. ``{"engine bfloat16": 2, "trainer float32":
     4}``). Returns the estimate in bytes. The KV cache is not counted (vLLM CPU sizes it from
     ``gpu_memory_utilization``)."""
+    for what, b in copies.items():
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise InputError(f"bytes per parameter of {what!r} must be an integer >= 1, got {b!r}",
+                             field="memory")
     if info.params is None:
         return 0
     need = info.params * sum(copies.values())
@@ -238,6 +368,9 @@ def load_prompts_file(file: str | os.PathLike, info: CheckpointInfo, *, max_toke
     or (when the checkpoint has a tokenizer) a string / ``{"prompt": str}`` / ``{"text": str}``.
     Blank lines are skipped. Errors name the file, the line (1-based) and the index."""
     src = str(file)
+    for name, v in (("max_tokens", max_tokens), ("max_model_len", max_model_len)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InputError(f"{name} must be an integer >= 1, got {v!r}", field=name.replace("_", "-"))
     try:
         text = Path(file).read_text(encoding="utf-8")
     except IsADirectoryError:
@@ -248,7 +381,8 @@ def load_prompts_file(file: str | os.PathLike, info: CheckpointInfo, *, max_toke
         raise InputError(f"cannot read ({e})", source=src) from None
     tok = None
     out: list[list[int]] = []
-    for ln, line in enumerate(text.splitlines(), start=1):
+    # lines end at "\n" only (splitlines() also breaks at \v, \x1c, \u2028...: wrong line numbers)
+    for ln, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
