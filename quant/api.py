@@ -76,10 +76,77 @@ def quantize(x: torch.Tensor, recipe: str, **opts) -> QTensor:
 
 
 def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Decode a :class:`QTensor` to ``dtype`` (default: the original dtype)."""
-    _check_recipe(q.recipe)
+    """Decode a :class:`QTensor` to ``dtype`` (default: the original dtype). The QTensor is
+    checked against its recipe's layout first (:func:`check_qtensor`): codes, scales or a
+    layout that do not belong together are refused, never decoded into other numbers."""
+    check_qtensor(q)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise InputError(f"dtype {dtype!r}: dequantize returns a floating-point tensor", field="dtype")
     with torch.no_grad():
         return _DQ[q.recipe](q).to(dtype or q.dtype)
+
+
+_FP8_CODES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def check_qtensor(q: QTensor) -> None:
+    """InputError unless ``q`` is laid out as its recipe writes it (:class:`QTensor`): for the
+    2-D view ``[R, C]`` of ``q.shape``, codes of the recipe's dtype in the input's shape (FP4:
+    ``[..., C/2]`` bytes), block scales ``[ceil(R/br), ceil(C/bc)]`` of the recipe's scale dtype
+    (not negative where they are a float type), and NVFP4's one float32 global scale (its
+    value is the convention's, as a checkpoint stores it: checked by whoever reads it)."""
+    if not isinstance(q, QTensor):
+        raise InputError(f"expected a QTensor, got {type(q).__name__}", field="q")
+    _check_recipe(q.recipe)
+    r = q.recipe
+
+    def bad(what, field):
+        return InputError(f"QTensor ({r}): {what}", field=field)
+    shape = tuple(q.shape) if isinstance(q.shape, (tuple, list, torch.Size)) else None
+    if (not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape)):
+        raise bad(f"shape {q.shape!r} is not a tuple of sizes", "shape")
+    if not (isinstance(q.dtype, torch.dtype) and q.dtype.is_floating_point):
+        raise bad(f"dtype {q.dtype!r} is not a floating-point dtype", "dtype")
+    blk = tuple(q.block) if isinstance(q.block, (tuple, list)) else ()
+    if len(blk) != 2 or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in blk):
+        raise bad(f"block {q.block!r} is not two positive sizes", "block")
+    for name in ("codes", "scales"):
+        if not isinstance(getattr(q, name), torch.Tensor):
+            raise bad(f"{name} is {type(getattr(q, name)).__name__}, not a tensor", name)
+    C = shape[-1]
+    R = 1
+    for d in shape[:-1]:
+        R *= d
+    fp4 = r in ("mxfp4", "nvfp4")
+    want_codes = (torch.uint8,) if fp4 else (torch.int8,) if r == "int4_g32" else _FP8_CODES
+    if q.codes.dtype not in want_codes:
+        raise bad(f"codes are {q.codes.dtype}, expected {' or '.join(map(str, want_codes))}", "codes")
+    want_shape = shape[:-1] + (C // 2,) if fp4 else shape
+    if tuple(q.codes.shape) != want_shape or (fp4 and C % 2):
+        raise bad(f"codes have shape {tuple(q.codes.shape)}, expected {want_shape} for shape {shape}",
+                  "codes")
+    want_scales = (-(-R // blk[0]), -(-C // blk[1]))
+    if tuple(q.scales.shape) != want_scales:
+        raise bad(f"scales have shape {tuple(q.scales.shape)}, expected {want_scales} (blocks "
+                  f"{blk} of [{R}, {C}])", "scales")
+    sd = q.scales.dtype
+    if r in ("mxfp8", "mxfp4"):
+        ok = sd == torch.float8_e8m0fnu
+    elif r == "nvfp4":
+        ok = sd == torch.float8_e4m3fn
+    else:
+        ok = sd.is_floating_point and sd not in _FP8_CODES + (torch.float8_e8m0fnu,)
+    if not ok:
+        raise bad(f"scales are {sd}, not the recipe's scale dtype", "scales")
+    # (inf / NaN scales are what quantize makes of inf / NaN inputs: decoded as documented)
+    if r not in ("mxfp8", "mxfp4", "nvfp4") and bool((q.scales < 0).any()):
+        raise bad("scales hold a negative value", "scales")
+    if r == "nvfp4":
+        g = q.global_scale
+        if not (isinstance(g, torch.Tensor) and g.numel() == 1 and g.dtype == torch.float32):
+            raise bad(f"global_scale must be one float32, got {g!r}", "global_scale")
+    elif q.global_scale is not None:
+        raise bad("global_scale is set, but only nvfp4 has one", "global_scale")
 
 
 def requantize(x: torch.Tensor, like: QTensor) -> QTensor:
