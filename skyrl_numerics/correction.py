@@ -8,7 +8,10 @@ float64 for float64 input; computed in float64, no grad); numpy in → numpy out
 
 Notation per valid token t of sequence i: ``d_t = log π_train − log π_rollout`` and
 ``r_t = exp(d_t)``; ``S_i = Σ_t d_t`` (so ``Π_t r_t = exp(S_i)``), ``L_i`` the number of valid
-tokens. All bounds are inclusive, all comparisons are done on logs (no overflow).
+tokens. All bounds are inclusive, all comparisons are done on logs (no overflow). Only the
+differences ``d_t`` are used, so the inputs need not be <= 0 (shifted logprobs or log-ratios
+against 0 work); they must be finite real arrays of the same shape (NaN, inf, complex, bool,
+scalars and non-integer ``cu_seqlens`` are refused), bounds and caps numbers > 0.
 
 ==================  ========================================================================
 ``token_tis``       w_t = min(r_t, C)                                    (truncated IS)
@@ -75,7 +78,7 @@ class _Batch:
         import torch
 
         self.numpy = not is_torch(trainer)
-        a, b = self._tensor(trainer, FIELDS[0]), self._tensor(rollout, FIELDS[1])
+        a, b = self._tensor(trainer, FIELDS[0], True), self._tensor(rollout, FIELDS[1], True)
         self.out_dtype = torch.float64 if (self.numpy or a.dtype == torch.float64) else torch.float32
         if a.dim() not in (1, 2):
             raise InputError(f"expected 1-D (flat) or 2-D [B, T] (padded), got shape {tuple(a.shape)}",
@@ -92,7 +95,10 @@ class _Batch:
             if cu_seqlens is None:
                 cu = torch.tensor([0, n], device=a.device)
             else:
-                cu = self._tensor(cu_seqlens, "cu_seqlens").to(a.device).long()
+                cu = self._tensor(cu_seqlens, "cu_seqlens").to(a.device)
+                if cu.dtype.is_floating_point or cu.dtype == torch.bool:
+                    raise InputError(f"expected integers, got {cu.dtype}", field="cu_seqlens")
+                cu = cu.long()
                 ok = (cu.dim() == 1 and cu.numel() >= 2 and int(cu[0]) == 0 and int(cu[-1]) == n
                       and bool((cu[1:] >= cu[:-1]).all()))
                 if not ok:
@@ -130,15 +136,22 @@ class _Batch:
         self.d, self.valid = d, v
 
     @staticmethod
-    def _tensor(x, fld):
+    def _tensor(x, fld, logprobs: bool = False):
+        """A tensor of real numbers (logprobs: not bool either); 0-d is refused, not widened."""
         import torch
 
         if is_torch(x):
-            return x.detach()
-        arr = np.asarray(x)
-        if arr.dtype.kind not in "fiub":
-            raise InputError(f"dtype {arr.dtype} is not a real number type", field=fld)
-        return torch.from_numpy(np.ascontiguousarray(arr))
+            t = x.detach()
+            if t.is_complex() or (logprobs and t.dtype == torch.bool):
+                raise InputError(f"dtype {t.dtype} is not a real number type", field=fld)
+        else:
+            arr = np.asarray(x)
+            if arr.dtype.kind not in ("fiu" if logprobs else "fiub"):
+                raise InputError(f"dtype {arr.dtype} is not a real number type", field=fld)
+            t = torch.from_numpy(np.ascontiguousarray(arr).reshape(arr.shape))
+        if t.dim() == 0:
+            raise InputError("expected an array of values, got a scalar", field=fld)
+        return t
 
     def _raise_at(self, bad, fld, what, values=None):
         import torch
@@ -240,9 +253,19 @@ def _below_cap(x, cap):
 def _log_bound(x, default=None):
     if x is None:
         return default
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+        raise InputError(f"bound {x!r} is not a number", field="bounds")
     if not (x > 0):
         raise InputError(f"bound {x!r} must be > 0", field="bounds")
     return math.log(x)
+
+
+def _cap(cap) -> float:
+    """A truncation cap C: a number > 0 (``inf``: no truncation)."""
+    if cap is None:
+        raise InputError("cap is required (a number > 0)", field="bounds")
+    _log_bound(cap)
+    return float(cap)
 
 
 def _bounds(lo, hi):
@@ -283,8 +306,7 @@ def token_tis(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None,
     import torch
 
     b = _Batch(trainer_logprobs, rollout_logprobs, mask, cu_seqlens)
-    _log_bound(cap)
-    c = float(cap)
+    c = _cap(cap)
 
     def compute(b):
         r = torch.exp(b.d)
@@ -295,8 +317,7 @@ def token_tis(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None,
 def sequence_tis(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, cap: float = 5.0) -> Correction:
     """Sequence truncated IS: ``w_i = min(Π_t r_t, C) = min(exp(S_i), C)`` on all tokens of i."""
     b = _Batch(trainer_logprobs, rollout_logprobs, mask, cu_seqlens)
-    _log_bound(cap)
-    c = float(cap)
+    c = _cap(cap)
 
     def compute(b):
         import torch
@@ -354,6 +375,8 @@ def outlier_veto(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=No
     b = _Batch(trainer_logprobs, rollout_logprobs, mask, cu_seqlens)
     llo = _log_bound(lo, -math.inf)
     lhi = _log_bound(hi, math.inf)
+    if llo > lhi:
+        raise InputError(f"lower bound {lo!r} > upper bound {hi!r}", field="bounds")
 
     def compute(b):
         bad = ((b.d < llo) | (b.d > lhi)) & b.valid

@@ -350,3 +350,46 @@ def test_cuda_in_cuda_out():
     torch.testing.assert_close(flat.weights.cpu(), C.sequence_tis(TRAIN, ROLL, MASK, cap=2.0).weights[MASK])
     rep = gap.measure(TRAIN.to(dev), ROLL.to(dev), MASK.to(dev))
     assert rep.n_tokens == 5
+
+
+# ---- inputs that used to be taken as something else ------------------------------------
+ALL = [C.token_tis, C.sequence_tis, C.geometric_mask, C.product_mask, C.outlier_veto,
+       C.token_mask, C.masked_is]
+
+
+def _kw(fn):
+    return {"cap": 2.0} if fn in (C.token_tis, C.sequence_tis) else {"hi": 2.0}
+
+
+@pytest.mark.parametrize("fn", ALL, ids=lambda f: f.__name__)
+def test_inputs_that_are_not_logprob_arrays_are_refused(fn):
+    flat = torch.tensor([-1.0, -2.0, -0.5])
+    cases = [
+        (torch.tensor([-1.0, -2.0, -0.5], dtype=torch.complex128), flat, {}, "trainer_logprobs"),
+        (np.array([True, False, True]), flat.numpy(), {}, "trainer_logprobs"),
+        (np.float64(-1.0), np.float64(-1.0), {}, "trainer_logprobs"),     # 0-d: not widened
+        (flat, flat, {"cu_seqlens": np.array([0, 1.9, 3])}, "cu_seqlens"),  # not truncated
+        (flat, flat, {"cu_seqlens": torch.tensor([0.0, 2.0, 3.0])}, "cu_seqlens"),
+    ]
+    for a, b, kw, field in cases:
+        with pytest.raises(InputError) as e:
+            fn(a, b, **kw, **_kw(fn))
+        assert e.value.field == field, (a, str(e.value))
+
+
+@pytest.mark.parametrize("fn", ALL, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("bad", ["2", True, None, [2.0]])
+def test_thresholds_that_are_not_numbers_are_refused(fn, bad):
+    x = torch.tensor([-1.0, -2.0])
+    key = "cap" if fn in (C.token_tis, C.sequence_tis) else "hi"
+    if bad is None and key == "hi" and fn is C.outlier_veto:
+        return                                  # (hi=None is outlier_veto's "no upper side")
+    with pytest.raises(InputError) as e:
+        fn(x, x, **{key: bad})
+    assert e.value.field == "bounds"
+
+
+def test_outlier_veto_refuses_lo_above_hi():
+    x = torch.tensor([-1.0, -2.0])
+    with pytest.raises(InputError, match="lower bound"):
+        C.outlier_veto(x, x, lo=3.0, hi=2.0)
