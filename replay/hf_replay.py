@@ -53,9 +53,9 @@ def _routers_or_raise(model) -> list[tuple[str, torch.nn.Module]]:
 
 
 def _as_lens(seq_lens) -> np.ndarray:
-    if isinstance(seq_lens, torch.Tensor):
-        seq_lens = seq_lens.detach().cpu().numpy()
-    return np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+    from .routes import exact_ints
+
+    return exact_ints(seq_lens, "seq_lens").reshape(-1)
 
 
 def padded_token_index(routes: PackedRoutes, seq_len: int) -> torch.Tensor:
@@ -144,7 +144,13 @@ def route_replay(model: torch.nn.Module, routes: PackedRoutes, *, seq_lens=None,
         key = (n, device, in_shape.shape)  # the padded layout depends on each call's [B, S]
         if key not in cache:
             if token_index is not None:
-                ti = torch.as_tensor(token_index, dtype=torch.long).reshape(-1)
+                from .routes import exact_ints
+
+                ti = torch.from_numpy(exact_ints(token_index, "token_index").reshape(-1))
+                if ti.numel() and int(ti.min()) < -1:
+                    raise InputError(f"token_index {int(ti.min())}: rows are >= 0, or -1 for the "
+                                     "model's own routing", field="token_index",
+                                     index=int(torch.argmin(ti)))
                 if ti.numel() != n:
                     raise InputError(f"token_index has {ti.numel()} entries, the forward has {n} tokens",
                                      field="token_index")

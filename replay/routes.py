@@ -41,6 +41,35 @@ from skyrl_numerics.errors import InputError
 
 from .bitpack import bits_for, pack_bits, packed_nbytes, unpack_bits
 
+
+def exact_ints(x, field: str) -> np.ndarray:
+    """``x`` (list, numpy or torch) as int64, refusing what would silently become other integers:
+    bools, and floats that are not whole finite numbers (``2.7`` is not a length, ``1.9`` not a
+    token id)."""
+    if hasattr(x, "detach"):                      # torch, without importing it here
+        x = x.detach().cpu().numpy()
+    a = np.asarray(x)
+    if a.dtype == object:
+        try:
+            a = a.astype(np.float64)
+        except (TypeError, ValueError):
+            raise InputError(f"expected integers, got {str(x)[:60]}", field=field) from None
+    if a.dtype.kind == "b" or a.dtype.kind not in "iuf":
+        raise InputError(f"expected integers, got dtype {a.dtype}", field=field)
+    if a.dtype.kind == "f":
+        bad = ~np.isfinite(a) | (a != np.floor(a))
+        if bad.any():
+            i = int(np.argmax(bad.reshape(-1)))
+            raise InputError(f"value {a.reshape(-1)[i].item()!r} is not an integer", field=field, index=i)
+    return a.astype(np.int64)
+
+
+def _exact_int(v, field: str) -> int:
+    """One integer (not a bool, not a float)."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise InputError(f"expected an integer, got {v!r}", field=field)
+    return int(v)
+
 MAGIC = b"SKRNRT01"
 # magic, version, flags, itemsize, bits, pad, E, L, k, B, T, nbytes, digest (xxh3-64)
 _HEADER = struct.Struct("<8sHHBBHIIIQQQQ")
@@ -194,7 +223,9 @@ class PackedRoutes:
     @classmethod
     def empty(cls, seq_lens: Sequence[int] | np.ndarray, num_layers: int, k: int, num_experts: int) -> "PackedRoutes":
         """Allocate the final contiguous buffer for ``seq_lens`` rows; fill ``seq(b)`` in place, then ``validate()``."""
-        seq_lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+        seq_lens = exact_ints(seq_lens, "seq_lens").reshape(-1)
+        num_layers, k = _exact_int(num_layers, "num_layers"), _exact_int(k, "k")
+        num_experts = _exact_int(num_experts, "num_experts")
         if seq_lens.size and seq_lens.min() < 0:
             raise InputError(f"negative sequence length {int(seq_lens.min())}", field="seq_lens",
                              index=int(np.argmin(seq_lens)))
@@ -289,6 +320,7 @@ class PackedRoutes:
 
     def seq(self, b: int) -> np.ndarray:
         """View (no copy) of sequence ``b``'s routes, shape ``[n_b, L, k]``."""
+        b = _exact_int(b, "seq")
         if not -self.num_seqs <= b < self.num_seqs:
             raise InputError(f"sequence {b} out of range for {self.num_seqs} sequences", field="seq", index=b)
         b %= self.num_seqs

@@ -77,7 +77,17 @@ class PackedSupport:
     @classmethod
     def from_sets(cls, sets: Iterable[Sequence[int]], vocab_size: int | None = None) -> "PackedSupport":
         """From per-token collections of ids (any order); duplicates are an error."""
-        rows = [np.asarray(sorted(s), dtype=np.int64) for s in sets]
+        from .routes import exact_ints
+
+        rows = []
+        for i, s in enumerate(sets):
+            if isinstance(s, (str, bytes)) or not hasattr(s, "__iter__"):
+                raise InputError(f"expected a collection of token ids, got {type(s).__name__}",
+                                 field="support", index=i)
+            try:
+                rows.append(np.sort(exact_ints(list(s), "support")))
+            except InputError as e:
+                raise InputError(e.message, field="support", index=i) from None
         for i, r in enumerate(rows):
             if r.size > 1 and (np.diff(r) == 0).any():
                 raise InputError(f"duplicate token id {int(r[np.argmax(np.diff(r) == 0)])} in a support",
@@ -90,6 +100,9 @@ class PackedSupport:
     @classmethod
     def full(cls, num_tokens: int, vocab_size: int) -> "PackedSupport":
         """Every token's support is the whole vocabulary (no truncation)."""
+        for name, v in (("num_tokens", num_tokens), ("vocab_size", vocab_size)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise InputError(f"{name} must be an integer >= 0, got {v!r}", field=name)
         ids = np.tile(np.arange(vocab_size, dtype=np.int32), num_tokens)
         return cls(ids, np.arange(num_tokens + 1, dtype=np.int64) * vocab_size, vocab_size, validate=False)
 
@@ -106,11 +119,21 @@ class PackedSupport:
         for i, d in enumerate(per_token):
             if d is None:
                 raise InputError("no logprobs for this token (request logprobs=n)", field="logprobs", index=i)
+            if not hasattr(d, "items"):
+                raise InputError(f"expected a dict of token id -> logprob, got {type(d).__name__}",
+                                 field="logprobs", index=i)
             keep = []
             for tok, lp in d.items():
-                v = float(getattr(lp, "logprob", lp))
-                if math.isnan(v):
-                    raise InputError(f"NaN logprob for token {tok}", field="logprobs", index=i)
+                if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
+                    raise InputError(f"token id {tok!r} is not an integer", field="logprobs", index=i)
+                try:
+                    v = float(getattr(lp, "logprob", lp))
+                except (TypeError, ValueError):
+                    raise InputError(f"logprob {lp!r} of token {tok} is not a number", field="logprobs",
+                                     index=i) from None
+                if math.isnan(v) or v > 1e-6:
+                    raise InputError(f"logprob {v!r} of token {tok} is not a logprob (NaN or > 0)",
+                                     field="logprobs", index=i)
                 if v != -math.inf:
                     keep.append(int(tok))
             if not keep:
@@ -153,6 +176,8 @@ class PackedSupport:
 
     def row(self, i: int) -> np.ndarray:
         """View (no copy) of token ``i``'s support ids."""
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise InputError(f"row index {i!r} is not an integer", field="support")
         if not 0 <= i < self.num_tokens:
             raise InputError(f"row {i} out of range for {self.num_tokens} tokens", field="support", index=i)
         return self.token_ids[self.offsets[i]:self.offsets[i + 1]]
