@@ -17,6 +17,7 @@ int4_g32       INT4 symmetric groups of 32, scale in the weight dtype; compresse
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Callable
 
 import torch
@@ -58,17 +59,56 @@ def recipe_options(recipe: str) -> tuple[str, ...]:
 
 
 def _check_recipe(recipe: str) -> None:
-    if recipe not in _Q:
+    if not isinstance(recipe, str) or recipe not in _Q:
         raise InputError(f"unknown recipe {recipe!r}; expected one of {', '.join(RECIPES)}", field="recipe")
+
+
+def _is_number(v) -> bool:
+    import numbers
+
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _check_opts(recipe: str, x, opts: dict) -> None:
+    """The options' types, and the input, before a recipe reads them: each is the project's
+    error naming the option (a string scale or a float block used to raise TypeError deep in a
+    recipe, a negative ``eps`` or ``scale_ub`` to be taken silently). Values a recipe checks
+    itself (block sizes, element formats, static scale tensors) are left to it."""
+    bad = sorted(set(opts) - set(recipe_options(recipe)))
+    if bad:
+        raise InputError(f"recipe {recipe!r} has no option(s) {bad}; it accepts {list(recipe_options(recipe))}",
+                         field="opts")
+    if isinstance(x, torch.Tensor) and x.dim() == 0:
+        raise InputError("a 0-d tensor has no blocks to quantize; reshape it to [1, 1]", field="x")
+    for k, v in opts.items():
+        if v is None:
+            continue
+        ok = True
+        if k in ("scale", "global_scale", "global_amax"):
+            ok = isinstance(v, torch.Tensor) or _is_number(v)
+        elif k == "eps":
+            ok = _is_number(v) and math.isfinite(v) and v >= 0
+        elif k == "scale_ub":
+            ok = _is_number(v) and math.isfinite(v) and v > 0
+        elif k in ("block", "tile"):
+            ok = (isinstance(v, (tuple, list)) and len(v) == 2
+                  and all(isinstance(b, int) and not isinstance(b, bool) for b in v))
+        elif k == "group":
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        elif k == "ue8m0":
+            ok = isinstance(v, bool)
+        elif k == "scale_dtype":
+            ok = isinstance(v, torch.dtype) and v.is_floating_point
+        elif k in ("elem", "scale_mode", "convention", "observer"):
+            ok = isinstance(v, str)
+        if not ok:
+            raise InputError(f"option {k}={v!r} is not valid for {recipe!r}", field=k)
 
 
 def quantize(x: torch.Tensor, recipe: str, **opts) -> QTensor:
     """Quantize ``x`` with a named recipe -> :class:`QTensor` (codes, scales, global scale, layout)."""
     _check_recipe(recipe)
-    bad = sorted(set(opts) - set(recipe_options(recipe)))
-    if bad:
-        raise InputError(f"recipe {recipe!r} has no option(s) {bad}; it accepts {list(recipe_options(recipe))}",
-                         field="opts")
+    _check_opts(recipe, x, opts)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise InputError(f"expected a floating-point tensor, got {getattr(x, 'dtype', type(x))}", field="x")
     with torch.no_grad():
@@ -181,9 +221,9 @@ def fake_quant(x: torch.Tensor, recipe: str, **opts) -> torch.Tensor:
     bitwise equal to the two-step reference (tests/quant/test_recipes_fast.py); options it does
     not cover (static scales, shapes that need padding) take the reference."""
     _check_recipe(recipe)
+    _check_opts(recipe, x, opts)
     fast = _FAST.get(recipe)
-    if (fast is not None and isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type == "cpu"
-            and not (set(opts) - set(recipe_options(recipe)))):
+    if (fast is not None and isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type == "cpu"):
         with torch.no_grad():
             y = fast(x.detach(), recipe, **opts)
         if y is not None:

@@ -47,7 +47,7 @@ def quantize_int4(x: torch.Tensor, group: int = 32, scale_dtype: torch.dtype | N
     scaled = xb / s
     if bool(torch.isnan(scaled).any()):
         idx = int(torch.isnan(from_blocks(scaled, info)).flatten().nonzero()[0])
-        raise InputError(f"NaN in int4 input (flat index {idx})", field="x", index=idx)
+        raise InputError(f"NaN or infinite value in int4 input (flat index {idx})", field="x", index=idx)
     q = C.encode_int4(scaled.clamp(-8, 7))
     return QTensor("int4_g32", from_blocks(q, info), s.reshape(s.shape[0], s.shape[2]), None, (1, group),
                    tuple(x.shape), x.dtype, {"group": group, "scale_dtype": s.dtype})

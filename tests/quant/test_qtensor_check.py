@@ -80,3 +80,40 @@ def test_dequantize_to_a_non_float_dtype_is_refused():
     with pytest.raises(InputError, match="dtype"):
         dequantize(q, torch.int32)
     assert dequantize(q, torch.float32).dtype == torch.float32
+
+
+@pytest.mark.parametrize("recipe,opts,field", [
+    ("fp8_tensor", {"scale": "x"}, "scale"),
+    ("nvfp4", {"global_amax": "x"}, "global_amax"),
+    ("fp8_token", {"scale_ub": "x"}, "scale_ub"),
+    ("fp8_token", {"scale_ub": -1.0}, "scale_ub"),          # used to saturate every code
+    ("fp8_block", {"eps": -1.0}, "eps"),
+    ("fp8_block", {"eps": float("nan")}, "eps"),            # used to give an all-NaN output
+    ("fp8_block", {"block": "x"}, "block"),
+    ("fp8_block", {"block": (1.5, 128)}, "block"),
+    ("fp8_block", {"ue8m0": "yes"}, "ue8m0"),
+    ("int4_g32", {"group": 2.5}, "group"),
+    ("int4_g32", {"group": "32"}, "group"),
+    ("int4_g32", {"scale_dtype": torch.int8}, "scale_dtype"),
+    ("fp8_channel", {"scale_dtype": "float32"}, "scale_dtype"),
+    ("nvfp4", {"tile": (1, 16.0)}, "tile"),
+])
+@pytest.mark.parametrize("api", ["quantize", "fake_quant"])
+def test_options_of_the_wrong_type_are_refused_naming_them(recipe, opts, field, api):
+    from skyrl_numerics.quant import fake_quant
+
+    x = torch.randn(8, 128).to(torch.bfloat16)
+    fn = quantize if api == "quantize" else fake_quant
+    with pytest.raises(InputError) as e:
+        fn(x, recipe, **opts)
+    assert e.value.field == field, str(e.value)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_scalars_and_unhashable_recipe_names_are_refused(recipe):
+    from skyrl_numerics.quant import fake_quant
+
+    with pytest.raises(InputError):
+        fake_quant(torch.tensor(1.0), recipe)
+    with pytest.raises(InputError):
+        fake_quant(torch.randn(4, 32), [recipe])
