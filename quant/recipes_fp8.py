@@ -74,7 +74,8 @@ def quantize_fp8_tensor(x: torch.Tensor, scale=None) -> QTensor:
     dynamic: ``s = max(amax(|x|) / 448, 1/(448*512))``; static: ``s = scale`` (e.g. a checkpoint's
     ``input_scale``). ``y = e4m3_rne(clamp(x * (1/s), -448, 448))`` — vLLM multiplies by the
     reciprocal rather than dividing. ``x_hat = y * s``.
-    An inf in ``x`` makes ``s = inf``: finite elements become 0 and the inf element NaN (as vLLM).
+    An inf in ``x`` makes ``s = inf``: the codes of finite elements are 0 and the inf element's
+    NaN (as vLLM), so ``x_hat = code * inf`` is NaN everywhere (``0 · inf``).
     """
     return _vllm_fp8("fp8_tensor", x, (-1, -1), scale, None)
 
