@@ -235,7 +235,7 @@ def _cmd_train(args) -> int:
     write_json(out / "train.json", res.to_dict())
     write_loop_plot(out / "train.png", res)
     console.print(f"wrote {plain(out / 'train.json')}, {plain(out / 'train.png')}"
-                  + (f", {log_path}" if log_path else ""))
+                  + (f", {plain(log_path)}" if log_path else ""))
     return 0
 
 

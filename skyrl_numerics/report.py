@@ -97,19 +97,19 @@ def check_out_dir(out, flag: str = "--out", names=()) -> Path:
 
     out = Path(out)
     if out.exists() and not out.is_dir():
-        raise InputError(f"{flag} {plain(out)}: exists and is not a directory", field=flag.lstrip("-"))
+        raise InputError(f"{flag} {out}: exists and is not a directory", field=flag.lstrip("-"))
     for name in names:
         if (out / name).is_dir():
-            raise InputError(f"{flag} {plain(out)}: {name} is a directory", field=flag.lstrip("-"))
+            raise InputError(f"{flag} {out}: {name} is a directory", field=flag.lstrip("-"))
     anc = out
     while not anc.exists():
         if anc.parent == anc:
             break
         anc = anc.parent
     if not anc.is_dir():
-        raise InputError(f"{flag} {plain(out)}: {plain(anc)} is not a directory", field=flag.lstrip("-"))
+        raise InputError(f"{flag} {out}: {anc} is not a directory", field=flag.lstrip("-"))
     if not os.access(anc, os.W_OK | os.X_OK):
-        raise InputError(f"{flag} {plain(out)}: {plain(anc)} is not writable", field=flag.lstrip("-"))
+        raise InputError(f"{flag} {out}: {anc} is not writable", field=flag.lstrip("-"))
     return out
 
 
@@ -139,7 +139,7 @@ def write_files(out, writers: dict, flag: str = "--out") -> list[Path]:
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()
         if isinstance(e, OSError):
-            raise InputError(f"{flag} {plain(out)}: cannot write: {e.strerror or e}",
+            raise InputError(f"{flag} {out}: cannot write: {e.strerror or e}",
                              field=flag.lstrip("-")) from None
         raise
     return [out / name for name in writers]

@@ -184,7 +184,7 @@ def _one_line_error(capsys) -> str:
                                   "json_is_a_dir"])
 def test_gap_out_that_cannot_take_the_report_exits_2_before_any_work(tmp_path, case, capsys):
     f = _dump(tmp_path)
-    blocker = tmp_path / "a_file"
+    blocker = tmp_path / "a_file[x]"              # (brackets: printed as they are, not escaped)
     blocker.write_text("x")
     out = {"out_is_a_file": blocker, "out_below_a_file": blocker / "sub"}.get(case, tmp_path / "out")
     if case == "png_is_a_dir":
@@ -193,7 +193,8 @@ def test_gap_out_that_cannot_take_the_report_exits_2_before_any_work(tmp_path, c
         (out / "report.json").mkdir(parents=True)
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     assert main(["gap", str(f), "--out", str(out)]) == 2
-    assert "--out" in _one_line_error(capsys)
+    err = _one_line_error(capsys)
+    assert "--out" in err and str(out) in err, err
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before   # nothing written
 
 
