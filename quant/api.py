@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from typing import Callable
 
 import torch
@@ -64,8 +65,6 @@ def _check_recipe(recipe: str) -> None:
 
 
 def _is_number(v) -> bool:
-    import numbers
-
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 

@@ -34,7 +34,7 @@ import torch
 from skyrl_numerics.errors import InputError
 
 from .hf_families import ROUTER_FAMILIES
-from .routes import PackedRoutes
+from .routes import PackedRoutes, exact_ints
 
 
 def find_routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -53,8 +53,6 @@ def _routers_or_raise(model) -> list[tuple[str, torch.nn.Module]]:
 
 
 def _as_lens(seq_lens) -> np.ndarray:
-    from .routes import exact_ints
-
     return exact_ints(seq_lens, "seq_lens").reshape(-1)
 
 
@@ -144,8 +142,6 @@ def route_replay(model: torch.nn.Module, routes: PackedRoutes, *, seq_lens=None,
         key = (n, device, in_shape.shape)  # the padded layout depends on each call's [B, S]
         if key not in cache:
             if token_index is not None:
-                from .routes import exact_ints
-
                 ti = torch.from_numpy(exact_ints(token_index, "token_index").reshape(-1))
                 if ti.numel() and int(ti.min()) < -1:
                     raise InputError(f"token_index {int(ti.min())}: rows are >= 0, or -1 for the "

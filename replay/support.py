@@ -36,6 +36,8 @@ import numpy as np
 
 from skyrl_numerics.errors import InputError
 
+from .routes import _exact_int, exact_ints
+
 
 class PackedSupport:
     """CSR support sets: ``token_ids`` (int32 ``[nnz]``) and ``offsets`` (int64 ``[N+1]``), one row per response token."""
@@ -77,8 +79,6 @@ class PackedSupport:
     @classmethod
     def from_sets(cls, sets: Iterable[Sequence[int]], vocab_size: int | None = None) -> "PackedSupport":
         """From per-token collections of ids (any order); duplicates are an error."""
-        from .routes import exact_ints
-
         rows = []
         for i, s in enumerate(sets):
             if isinstance(s, (str, bytes)) or not hasattr(s, "__iter__"):
@@ -101,8 +101,8 @@ class PackedSupport:
     def full(cls, num_tokens: int, vocab_size: int) -> "PackedSupport":
         """Every token's support is the whole vocabulary (no truncation)."""
         for name, v in (("num_tokens", num_tokens), ("vocab_size", vocab_size)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-                raise InputError(f"{name} must be an integer >= 0, got {v!r}", field=name)
+            if _exact_int(v, name) < 0:
+                raise InputError(f"{name} must be >= 0, got {v!r}", field=name)
         ids = np.tile(np.arange(vocab_size, dtype=np.int32), num_tokens)
         return cls(ids, np.arange(num_tokens + 1, dtype=np.int64) * vocab_size, vocab_size, validate=False)
 
@@ -176,8 +176,7 @@ class PackedSupport:
 
     def row(self, i: int) -> np.ndarray:
         """View (no copy) of token ``i``'s support ids."""
-        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
-            raise InputError(f"row index {i!r} is not an integer", field="support")
+        i = _exact_int(i, "support")
         if not 0 <= i < self.num_tokens:
             raise InputError(f"row {i} out of range for {self.num_tokens} tokens", field="support", index=i)
         return self.token_ids[self.offsets[i]:self.offsets[i + 1]]

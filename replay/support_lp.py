@@ -34,6 +34,7 @@ import torch
 
 from skyrl_numerics.errors import InputError
 
+from .routes import exact_ints
 from .support import PackedSupport
 
 
@@ -216,8 +217,6 @@ def support_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets
     if lm_head_weight.ndim != 2 or lm_head_weight.shape[1] != hidden.shape[1]:
         raise InputError(f"expected [V, {hidden.shape[1]}], got {tuple(lm_head_weight.shape)}", field="lm_head_weight")
     n, V = hidden.shape[0], lm_head_weight.shape[0]
-    from .routes import exact_ints
-
     targets = torch.from_numpy(exact_ints(targets, "targets")).to(hidden.device).reshape(-1)
     if targets.numel() != n:
         raise InputError(f"{targets.numel()} targets for {n} hidden rows", field="targets")

@@ -226,12 +226,10 @@ def _finish(st: dict, tok: Tokens, taus) -> GapReport:
 
 def _check_tol(tol) -> float:
     """``logprob_tol``: a finite number >= 0 (a NaN would switch the positive-logprob check off)."""
-    if isinstance(tol, bool) or not isinstance(tol, (int, float, np.integer, np.floating)):
+    ok = not isinstance(tol, bool) and isinstance(tol, (int, float, np.integer, np.floating))
+    if not (ok and math.isfinite(tol) and tol >= 0):
         raise InputError(f"logprob_tol {tol!r}, expected a finite number >= 0", field="logprob_tol")
-    tol = float(tol)
-    if not (math.isfinite(tol) and tol >= 0):
-        raise InputError(f"logprob_tol {tol!r}, expected a finite number >= 0", field="logprob_tol")
-    return tol
+    return float(tol)
 
 
 def _check_taus(taus) -> tuple:

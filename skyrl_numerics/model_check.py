@@ -162,10 +162,6 @@ def _weight_headers(path: Path) -> dict[str, dict]:
     return entries
 
 
-def _weight_names(path: Path) -> list[str]:
-    return list(_weight_headers(path))
-
-
 def _check_weights_match_config(config: dict, entries: dict, src: str) -> None:
     """What the safetensors headers can show against config.json without building the model
     (checked only where the checkpoint uses the standard decoder names): the embedding and the
