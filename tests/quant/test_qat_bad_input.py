@@ -220,6 +220,8 @@ def _equivalent(qc, path, new, scale_dtype) -> bool:
             or (k == "observer_kwargs" and new in ({}, None))
             or (k == "format" and fp8 and new in ("float-quantized", "naive-quantized"))
             or (path == ("format",) and "format" in grp)
+            # a group without its own format takes the global one: setting it to that is no change
+            or (k == "format" and len(path) > 1 and "format" not in grp and new == qc.get("format"))
             or (path[-1] == "format" and len(path) > 1 and new is None and qc.get("format") == grp.get("format",
                                                                                                    qc.get("format"))) or (k == "quantization_status" and new == "compressed")
             or (k == "block_structure" and new is None and grp.get("weights", {}).get("strategy") != "block")
