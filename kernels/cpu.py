@@ -1,4 +1,5 @@
-"""Batch-invariant CPU path built from stock torch ops (no Triton), fast enough for real use.
+"""Batch-invariant CPU path (no Triton), fast enough for real use: stock torch ops, and one
+fused C kernel for attention (:mod:`.cpu_attention`, built by :mod:`.native`).
 
 Stock torch on CPU is NOT batch-invariant (measured here, torch 2.13 + MKL, 2 threads):
   * fp32 ``torch.mm``: rows of an M<=5 product differ from the same rows inside a larger M
@@ -22,6 +23,8 @@ What this module does instead:
     those ops without recursing.
   * row reductions: rows cut into chunks of ``CHUNK`` (below torch's 32768 parallel grain, so
     one thread owns a chunk) and the chunk sums folded left to right.
+  * attention: every query row computed on its own by a fixed sequence of binary32 operations
+    (:mod:`.cpu_attention` writes it out), in C with a bitwise-equal torch specification.
 Everything else used (exp, log, rsqrt, amax, elementwise) is per element or order-free.
 """
 from __future__ import annotations
@@ -34,8 +37,6 @@ MIN_ROWS = 16          # smallest N (columns) a GEMM is given
 ROW_BLOCK = 16         # rows per GEMM block (fixed: the bits of a row depend on it). 16, not 32:
                        # a decode step of 16 requests is one block, and an expert's few rows
                        # pad to less (same speed per row as 32 on large M up to K = 1024)
-ATTN_ROW_BLOCK = 4     # rows per block in attention's GEMMs: a decode query has only
-                       # H / Hkv rows per KV head (2 for the tiny Qwen3, 4-16 for real GQA)
 CHUNK = 16384
 _ALIGN = 64            # bytes: operand base addresses MKL sees (its reproducibility condition)
 _PAR_MIN_FLOPS = 1 << 22   # below this a call stays on the calling thread (pool overhead ~50 us)
@@ -79,7 +80,7 @@ def prepare_b(b: torch.Tensor) -> torch.Tensor:
 
 def _gemm_blocks(a: torch.Tensor, b: torch.Tensor, b_index: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """``a (n, RB, K)`` contiguous (RB = ``ROW_BLOCK`` or ``ATTN_ROW_BLOCK``), ``b (K, N)``
+    """``a (n, RB, K)`` contiguous (RB = ``ROW_BLOCK``), ``b (K, N)``
     prepared or ``(G, K, N)`` with block i using ``b[b_index[i]]`` -> ``(n, RB, N)`` (into
     ``out`` when given: contiguous fp32): one single-threaded GEMM per block."""
     n, rb = a.shape[0], a.shape[1]
@@ -364,175 +365,15 @@ def rms_norm_backward(g, x, w, rstd, rows_per_block: int = 256):
     return dx, dw.to(w.dtype)
 
 
-ATTN_PASS_BYTES = 32 << 20   # score/probability bytes per pass over a group of key blocks
-ATTN_CAUSAL_PASSES = 8       # a causal prefill's key blocks go in at least this many passes, so
-                             # (row block, key block) pairs wholly above the diagonal are skipped
-
-
 def attention(q, k, v, causal: bool = True, scale: float | None = None, block_n: int = 64,
               kv_lens: torch.Tensor | None = None):
-    """Online softmax over fixed key blocks [0, block_n), [block_n, 2 block_n), ... in order;
-    every product through single-threaded GEMMs of fixed shape (row blocks of
-    ``ATTN_ROW_BLOCK`` queries against one key block), so token-by-token decode over a KV cache
-    equals full prefill bit for bit. With ``m_j``, ``l_j``, ``acc_j`` after key block ``j``
-    (``m_{-1} = -inf``, ``l_{-1} = 0``, ``acc_{-1} = 0``)::
+    """Causal (GQA) attention, one fused fixed-order kernel per row that the trainer and the
+    engine share: :func:`skyrl_numerics.kernels.cpu_attention.attention` (its module doc writes
+    the arithmetic out). Token-by-token decode over a KV cache equals full prefill bit for bit,
+    and a right-padded batch (``kv_lens``) gives every sequence the bits it gets alone."""
+    from .cpu_attention import attention as fused
 
-        s_j = (q K_j^T) * scale, masked to -inf      (keys past the sequence end / causal)
-        m_j = max(m_{j-1}, rowmax s_j);   m*_j = 0 where m_j = -inf else m_j
-        alpha_j = exp(m_{j-1} - m*_j);    p_j = exp(s_j - m*_j)
-        l_j = l_{j-1} * alpha_j + rowsum p_j;   acc_j = acc_{j-1} * alpha_j + p_j V_j
-        out = acc_last / l_last
-
-    Everything but the two recurrences is computed for a group of key blocks at once (one GEMM
-    call for the scores, one for ``p V``; ``m_j`` by a running max): the same elementwise ops on
-    the same values, so the same bits as one block at a time (tested against that loop).
-
-    Rows are query-major (row ``r`` = query ``r // g`` of head ``r % g`` of the KV head's group):
-    a GEMM row depends only on its own operand row, so the order changes no bits, and it sorts
-    the rows by position. A (row block, key block) pair whose keys all lie after every query of
-    the row block — above a causal diagonal, or past every sequence's end — is fully masked and
-    is skipped: such a step is an exact no-op. There ``m_j = m_{j-1}``, so ``alpha = exp(0) = 1``,
-    ``p = 0``, ``rowsum p = +0`` and ``p V`` is a sum of zero products, ``±0``; ``l`` and ``acc``
-    are never ``-0`` (they start at ``+0`` and only gain non-negative-scaled terms), so
-    ``x · 1 + (±0) = x`` for both. (This needs finite keys and values in the masked positions,
-    which the full computation needs too: ``0 · inf`` would be NaN.) A causal prefill
-    therefore runs its key blocks in at least ``ATTN_CAUSAL_PASSES`` passes, each starting at
-    the first row block that sees the pass's first key block.
-
-    ``kv_lens`` (B,): sequence b has only its first ``kv_lens[b]`` keys (the rest is padding) and
-    its queries sit at the end of those. Blocks past a sequence's end are fully masked and leave
-    (m, l, acc) exactly unchanged, so a padded batch gives every sequence the bits it gets
-    alone."""
-    B, H, Sq, D = q.shape
-    Hkv, Skv = k.shape[1], k.shape[2]
-    if 0 in (B, Sq, D):
-        return torch.zeros((B, H, Sq, D), dtype=q.dtype)
-    if kv_lens is None:
-        kv_lens = torch.full((B,), Skv, dtype=torch.long)
-    kv_lens = torch.as_tensor(kv_lens, dtype=torch.long).reshape(B)
-    BH, g = B * Hkv, H // Hkv
-    R = g * Sq                                       # query rows per (sequence, KV head)
-    lens = kv_lens.repeat_interleave(Hkv)[:, None, None, None]      # (BH, 1, 1, 1)
-    scale = D ** -0.5 if scale is None else float(scale)
-    # keys/values padded once to whole blocks of zeros, converted to fp32 in the same copy (a
-    # fresh aligned buffer, so every block is aligned too); MLA passes one tensor as k and v:
-    # converted once. The GEMMs read the key blocks transposed and the value blocks as stored.
-    nblk = max(1, -(-Skv // block_n))
-    Sp = nblk * block_n
-
-    def padded(t):           # (BH, Sp, D) fp32, zeros past Skv: one converting copy
-        out = torch.empty((BH, Sp, D))
-        out.view(B, Hkv, Sp, D)[:, :, :Skv] = t
-        if Sp > Skv:
-            out[:, Skv:] = 0
-        return out
-    kf = padded(k)
-    vf = kf if v is k else padded(v)
-    # query rows in fp32 row blocks, query-major, zero rows past R (one converting copy). The
-    # padded rows R .. Rp-1 go through everything and are dropped at the end: a GEMM row
-    # depends only on its own operand row, so the real rows keep their bits.
-    rb = ATTN_ROW_BLOCK
-    nb = max(1, -(-R // rb))
-    Rp = nb * rb
-    qbuf = torch.empty((BH, Rp, D)) if Rp == R else torch.zeros((BH, Rp, D))
-    qbuf[:, :R].view(B, Hkv, Sq, g, D).copy_(q.view(B, Hkv, g, Sq, D).transpose(2, 3))
-    qblocks = qbuf.view(BH, nb, rb, D)
-    # a causal query sits at position qpos <= len - 1, so "past the end" is implied by "after
-    # the query"; padded rows get the last query's position
-    last = lens[..., 0] - 1                                               # (BH, 1, 1)
-    if causal and Sq > 1:
-        qi = (torch.arange(Rp) // g).clamp_(max=Sq - 1)
-        qpos = qi[None, :, None] + (last - (Sq - 1))
-    else:                    # (one causal query per sequence — decode — sits at its last key)
-        qpos = last.expand(BH, Rp, 1)
-    qpos = qpos[:, None]                                                  # (BH, 1, Rp, 1)
-    max_last = int(kv_lens.max()) - 1
-    nblk_used = min(nblk, max_last // block_n + 1) if max_last >= 0 else 0
-    m = torch.full((BH, Rp), float("-inf"))
-    l_ = torch.zeros(BH, Rp)
-    acc = torch.zeros(BH, Rp, D)
-    group = max(1, ATTN_PASS_BYTES // (BH * Rp * block_n * 4))
-    if causal and Sq > 1:
-        group = min(group, max(1, -(-nblk_used // ATTN_CAUSAL_PASSES)))
-    for j0 in range(0, nblk_used, group):
-        G = min(group, nblk_used - j0)
-        b0 = _first_row_block(j0 * block_n, max_last, Sq, g, rb) if causal else 0
-        if b0 >= nb:                     # no query sees this key block (nor any later one)
-            break
-        r0 = b0 * rb
-        kb, vb = _key_blocks(kf, j0, G, block_n), _key_blocks(vf, j0, G, block_n)
-        s = _attn_gemm(qblocks[:, None, b0:].expand(BH, G, nb - b0, rb, D),
-                       kb.transpose(1, 2)) * scale                  # (BH, G, Rp - r0, block_n)
-        kpos = torch.arange(j0 * block_n, (j0 + G) * block_n).view(1, G, 1, block_n)
-        s = s.masked_fill(kpos > qpos[:, :, r0:], float("-inf"))
-        m0 = m[:, r0:]
-        m_all = torch.maximum(s.amax(-1).cummax(1).values, m0[:, None])  # m_j, (BH, G, rows)
-        m_safe = m_all.nan_to_num(nan=float("nan"), posinf=0.0, neginf=0.0)  # 0 where +-inf
-        alpha = (torch.cat([m0[:, None], m_all[:, :-1]], 1) - m_safe).exp()
-        p = (s - m_safe.unsqueeze(-1)).exp()
-        rs = row_sum(p.view(-1, block_n)).view(BH, G, Rp - r0)
-        pv = _attn_gemm(p.view(BH, G, nb - b0, rb, block_n), vb)   # (BH, G, Rp - r0, D)
-        l0, a0 = l_[:, r0:], acc[:, r0:]
-        for j in range(G):
-            l0 = l0 * alpha[:, j] + rs[:, j]
-            a0 = a0 * alpha[:, j].unsqueeze(-1) + pv[:, j]
-        if r0 == 0:
-            m, l_, acc = m_all[:, -1], l0, a0
-        else:                # (rebuilt, not written in place: autograd may hold the old rows)
-            m = torch.cat([m[:, :r0], m_all[:, -1]], 1)
-            l_ = torch.cat([l_[:, :r0], l0], 1)
-            acc = torch.cat([acc[:, :r0], a0], 1)
-    res = acc[:, :R] / l_[:, :R].unsqueeze(-1)                             # (BH, R, D)
-    out = torch.empty((B, H, Sq, D), dtype=q.dtype)
-    out.view(B, Hkv, g, Sq, D).copy_(res.view(B, Hkv, Sq, g, D).transpose(2, 3))
-    return out
-
-
-def _first_row_block(key0: int, max_last: int, Sq: int, g: int, rb: int) -> int:
-    """The first (query-major) row block with a query at or after key position ``key0`` in some
-    sequence: row ``r`` is query ``min(r // g, Sq - 1)``, at position ``query + last - (Sq - 1)``
-    in a sequence whose last key is ``last <= max_last``; row blocks are non-decreasing in
-    position, so every later block sees ``key0`` too. ``>= nb`` when no row does."""
-    t = key0 - max_last + Sq - 1          # the smallest query index that can see key0
-    if t <= 0:
-        return 0
-    if t > Sq - 1:
-        return 1 << 62
-    return max(0, -(-(t * g - rb + 1) // rb))
-
-
-def _key_blocks(t: torch.Tensor, j0: int, G: int, block_n: int) -> torch.Tensor:
-    """Key (or value) blocks ``j0 .. j0+G-1`` of every sequence·head of ``t (BH, Sp, D)`` as
-    ``(BH·G, block_n, D)``: a view when the group is every block, else a contiguous copy — the
-    same matrix layout either way, which is all a GEMM sees."""
-    BH, Sp, D = t.shape
-    if G * block_n == Sp:
-        return t.view(BH * G, block_n, D)
-    return t[:, j0 * block_n:(j0 + G) * block_n].reshape(BH * G, block_n, D)
-
-
-def _attn_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Attention's products for G key blocks at once: row blocks ``a (BH, G, nb, RB, K)``, each
-    ``a[i, j]`` contiguous, ``b (BH·G, K, N)`` fp32 matrices (key blocks as transposed views,
-    value blocks as stored) -> ``(BH, G, nb·RB, N)``. Every GEMM sees a contiguous ``(RB, K)``
-    block and a ``b`` matrix in the same layout whatever G, nb or BH are; the calls go the
-    shorter way: one per row-block index, pairing every (sequence·head, key block) with its own
-    matrix of ``b`` (decode: nb is 1), or one per (sequence·head, key block), its matrix shared
-    by all of that pair's row blocks (prefill: many row blocks)."""
-    BH, G, nb, RB, K = a.shape
-    N = b.shape[-1]
-    if nb == 1:
-        return _gemm_blocks(a.reshape(BH * G, RB, K), b).view(BH, G, RB, N)
-    out = torch.empty((BH, G, nb, RB, N), dtype=torch.float32)
-    if BH * G < nb:
-        bv = b.view(BH, G, K, N)
-        for i in range(BH):
-            for j in range(G):
-                _gemm_blocks(a[i, j], bv[i, j], out=out[i, j])
-    else:
-        for j in range(nb):
-            out[:, :, j] = _gemm_blocks(a[:, :, j].reshape(BH * G, RB, K), b).view(BH, G, RB, N)
-    return out.view(BH, G, nb * RB, N)
+    return fused(q, k, v, causal, scale, block_n, kv_lens)
 
 
 def check_cpu_invariance(shapes=((64, 256, 256), (64, 1024, 128), (260, 1024, 256)),

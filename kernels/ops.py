@@ -246,16 +246,18 @@ def mean(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype=None,
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
               scale: float | None = None, backend: str = "auto",
               kv_lens: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal (grouped-query) attention, q (B, H, Sq, D), k/v (B, Hkv, Skv, D), queries at the
-    end of the keys. Prefill (Sq = Skv) and token-by-token decode over a KV cache (Sq = 1,
-    Skv = t + 1) give the same bits for every query. Forward only."""
+    """Causal (grouped-query) attention, q (B, H, Sq, D), k (B, Hkv, Skv, D), v (B, Hkv, Skv, Dv)
+    (Dv = D for Triton), queries at the end of the keys. Prefill (Sq = Skv) and token-by-token
+    decode over a KV cache (Sq = 1, Skv = t + 1) give the same bits for every query. Forward
+    only."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_float(name, t, 4)
     check_dtype_match("q", q, "k", k)
     check_dtype_match("q", q, "v", v)
     B, H, Sq, D = q.shape
-    if k.shape != v.shape:
-        raise InputError(f"expected v shape {tuple(k.shape)} (same as k), got {tuple(v.shape)}", field="v")
+    if k.shape[:3] != v.shape[:3]:
+        raise InputError(f"expected v shape {tuple(k.shape[:3])} + (Dv,) (k's first three dims), "
+                         f"got {tuple(v.shape)}", field="v")
     check_same("k", (k.shape[0], k.shape[3]), (B, D), "k must be (B, Hkv, Skv, D) matching q's B and D")
     if H % k.shape[1]:
         raise InputError(f"q heads {H} must be a multiple of kv heads {k.shape[1]}", field="k")
@@ -273,6 +275,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
                              field="kv_lens")
         return cpu.attention(q, k, v, causal, scale, kv_lens=kl)
     if be == "triton":
+        if k.shape != v.shape:
+            raise InputError(f"the Triton kernel needs v shape {tuple(k.shape)} (same as k), "
+                             f"got {tuple(v.shape)}", field="v")
         if D & (D - 1) or D < 16:
             raise InputError(f"head dim must be a power of two >= 16 for Triton, got {D}", field="q")
         return _tl("tl_attention").attention(q, k, v, causal, scale)

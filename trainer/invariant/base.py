@@ -202,7 +202,8 @@ class InvariantCausalLM(nn.Module):
     def attention_op(self, q, k, v, scale: float, kv_lens=None) -> torch.Tensor:
         """The invariant attention kernel; with grad enabled (training) its forward bits are kept
         and the backward comes from the reference formula (:mod:`.train`)."""
-        if torch.is_grad_enabled() and kv_lens is None and (q.requires_grad or k.requires_grad):
+        if torch.is_grad_enabled() and kv_lens is None and (q.requires_grad or k.requires_grad
+                                                             or v.requires_grad):
             from .train import TrainableAttention
 
             return TrainableAttention.apply(q, k, v, scale)

@@ -185,10 +185,15 @@ class InvariantDeepseekV3(InvariantCausalLM):
 
         One KV head; the row serves as key and (its first R values) as value: each output
         column of the attention is its own dot product, so taking ``[..., :R]`` of the
-        attention over full rows is exactly the attention over the latent."""
+        attention over full rows is exactly the attention over the latent (on CPU the kernel
+        is given ``v = rows[..., :R]``, the same columns without computing the rest)."""
         kv = rows[:, None]
+        R = self.dims.kv_lora_rank
+        if q.device.type == "cpu":      # the CPU kernel takes the latent values as they are
+            return self.attention_op(q.transpose(1, 2), kv, kv[..., :R], self.scale,
+                                     kv_lens).transpose(1, 2)
         o = self.attention_op(q.transpose(1, 2), kv, kv, self.scale, kv_lens)
-        return o[..., :self.dims.kv_lora_rank].transpose(1, 2)
+        return o[..., :R].transpose(1, 2)
 
     def attention(self, i: int, x: torch.Tensor, positions: torch.Tensor,
                   attend: Attend) -> torch.Tensor:

@@ -1,0 +1,248 @@
+/* Batch-invariant causal attention for CPU: the fused kernel behind skyrl_numerics.kernels.cpu.attention.
+ *
+ * The arithmetic is specified, operation by operation, in kernels/cpu_attention.py (the
+ * docstring and the torch function `attention_spec`, which computes the same float32 operations
+ * in the same order, so its results are bitwise equal to this file's). In short, per query row
+ * (sequence b, head h, query i, at key position kv_len[b] - Sq + i):
+ *
+ *   keys 0 .. n-1 (n = position + 1 when causal, else kv_len[b]), in blocks of block_n
+ *   s_j   = dot8(q, k_j) * scale                      (dot8: 8 lanes, then a fixed fold)
+ *   m'    = max(m, max_j s_j);  m* = 0 if m' is +-inf else m'
+ *   alpha = exp_s(m - m*);  p_j = exp_s(s_j - m*)     (exp_s: the polynomial below)
+ *   l     = l * alpha + (((0 + p_0) + p_1) + ...)
+ *   acc_d = acc_d * alpha + (((0 + p_0 v_0d) + p_1 v_1d) + ...)
+ *   out_d = acc_d / l
+ *
+ * Only IEEE-754 binary32 +, -, *, / and comparisons are used, each rounded on its own: this
+ * file must be compiled with -ffp-contract=off (no fused multiply-add) and without -ffast-math
+ * (no reassociation); vector width is then free (lanes are independent). A row's bits depend
+ * only on its own query, its own keys/values and kv_len: not on the batch, the other rows, the
+ * number of threads, or prefill vs decode.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_BLOCK 256
+#define MAX_D 1024
+#define TILE 8            /* query rows sharing each key/value load (same KV head) */
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = ((uint32_t)x) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* exp_s(x): Cody-Waite reduction and Cephes' degree-5 polynomial, all in binary32, written
+ * without branches (so loops over it vectorize). x > 88 -> +inf; x <= -87 (and -inf) -> 0;
+ * NaN -> x. */
+static inline float exp_s(float x) {
+    float xc = x < -87.0f ? -87.0f : x;
+    xc = xc > 88.0f ? 88.0f : xc;
+    xc = (x != x) ? 0.0f : xc;
+    float t = xc * 1.44269502162933349609375f;         /* log2(e) as binary32 */
+    float n = (t + 12582912.0f) - 12582912.0f;        /* nearest integer, ties to even */
+    float r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float r2 = r * r;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r2 + r;
+    p = p + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &e, 4);
+    float out = p * two_n;
+    out = x > 88.0f ? INFINITY : out;
+    out = x > -87.0f ? out : 0.0f;
+    return (x != x) ? x : out;
+}
+
+static inline void load_row(float *dst, const void *base, int64_t off, int dtype, int n) {
+    if (dtype == 0) {
+        memcpy(dst, (const float *)base + off, (size_t)n * 4);
+    } else {
+        const uint16_t *src = (const uint16_t *)base + off;
+        for (int d = 0; d < n; d++) dst[d] = bf16_to_f32(src[d]);
+    }
+}
+
+/* s[t][j] = dot8(q_t, k_{j0+j}) * scale for the first T rows of a tile: lane c adds
+ * q[8u + c] k[8u + c] over u in order from +0, then ((a0 + a4) + (a2 + a6)) + ((a1 + a5) +
+ * (a3 + a7)). The T rows' chains are interleaved (one key load for all); T is a constant in
+ * each copy, so the loops unroll. Rows past the tile's real rows are computed, never used. */
+typedef float v8f __attribute__((vector_size(32)));   /* 8 lanes; elementwise IEEE ops */
+
+static inline v8f load8(const float *p) {
+    v8f x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+#define SCORES(T)                                                                        \
+    static void scores_##T(float s[][MAX_BLOCK], float qf[][MAX_D], const float *K,      \
+                           int64_t ksd, int64_t j0, int cnt, int D, float scale) {        \
+        const int D8 = D - D % 8;                                                        \
+        for (int j = 0; j < cnt; j++) {                                                  \
+            const float *kr = K + (j0 + j) * ksd;                                        \
+            v8f a[T];                                                                    \
+            for (int t = 0; t < T; t++) a[t] = (v8f){0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}; \
+            for (int u = 0; u < D8; u += 8) {                                            \
+                const v8f kv = load8(kr + u);                                            \
+                for (int t = 0; t < T; t++) a[t] = a[t] + load8(qf[t] + u) * kv;         \
+            }                                                                            \
+            for (int c = 0; D8 + c < D; c++)                                             \
+                for (int t = 0; t < T; t++) a[t][c] = a[t][c] + qf[t][D8 + c] * kr[D8 + c]; \
+            for (int t = 0; t < T; t++) {                                                \
+                const float b0 = a[t][0] + a[t][4], b1 = a[t][1] + a[t][5];              \
+                const float b2 = a[t][2] + a[t][6], b3 = a[t][3] + a[t][7];              \
+                s[t][j] = ((b0 + b2) + (b1 + b3)) * scale;                               \
+            }                                                                            \
+        }                                                                                \
+    }
+SCORES(1)
+SCORES(2)
+SCORES(4)
+SCORES(8)
+
+/* q, k, v: base pointers with element strides (b, h, s); the last dim is contiguous.
+ * dtype codes: 0 = float32, 1 = bfloat16. out: float32 contiguous [B, H, Sq, Dv].
+ * Computes the rows of the (sequence, KV head) pairs pair_lo .. pair_hi - 1 (pair = b * Hkv +
+ * kv head): each KV head's g = H / Hkv query heads x Sq queries (query-major: row r is query
+ * r / g of head r % g). A pair's keys and values are read (bfloat16: converted, exactly) once
+ * into float32 rows; its query rows then go in tiles of TILE that share those loads, with the
+ * TILE dot products of a key interleaved (a row's arithmetic is its own either way).
+ * Returns 0; -1 on a size this build cannot take (block_n > MAX_BLOCK, D or Dv > MAX_D,
+ * H not a multiple of Hkv); -2 when memory for the converted rows is not available. */
+int skyrl_attention_fwd(const void *q, int q_dtype, int64_t q_sb, int64_t q_sh, int64_t q_ss,
+                        const void *k, int k_dtype, int64_t k_sb, int64_t k_sh, int64_t k_ss,
+                        const void *v, int v_dtype, int64_t v_sb, int64_t v_sh, int64_t v_ss,
+                        float *out, const int64_t *kv_lens,
+                        int B, int H, int Hkv, int Sq, int D, int Dv, int causal, float scale,
+                        int block_n, int64_t pair_lo, int64_t pair_hi) {
+    if (block_n < 1 || block_n > MAX_BLOCK || D > MAX_D || Dv > MAX_D || Hkv < 1 || H % Hkv)
+        return -1;
+    (void)B;
+    const int g = H / Hkv;
+    const int64_t R = (int64_t)g * Sq;
+    float qf[TILE][MAX_D], acc[TILE][MAX_D];
+    float s[TILE][MAX_BLOCK];
+    float m[TILE], l[TILE];
+    int64_t nk[TILE];
+    float *orow[TILE];
+    float *kbuf = NULL, *vbuf = NULL;
+    int64_t cap = 0;
+    int rc = 0;
+    for (int64_t pair = pair_lo; pair < pair_hi && rc == 0; pair++) {
+        const int b = (int)(pair / Hkv), hk = (int)(pair % Hkv);
+        const int64_t L = kv_lens[b];
+        /* this pair's keys and values as float32 rows: in place when stored as float32 */
+        const float *K, *V;
+        int64_t ksd, vsd;
+        if ((k_dtype != 0 || v_dtype != 0) && L > cap) {
+            free(kbuf);
+            free(vbuf);
+            cap = L;
+            kbuf = (float *)malloc((size_t)cap * D * 4);
+            vbuf = (float *)malloc((size_t)cap * Dv * 4);
+            if (!kbuf || !vbuf) { rc = -2; break; }
+        }
+        if (k_dtype == 0) { K = (const float *)k + b * k_sb + hk * k_sh; ksd = k_ss; }
+        else {
+            for (int64_t j = 0; j < L; j++)
+                load_row(kbuf + j * D, k, b * k_sb + hk * k_sh + j * k_ss, k_dtype, D);
+            K = kbuf; ksd = D;
+        }
+        if (v_dtype == 0) { V = (const float *)v + b * v_sb + hk * v_sh; vsd = v_ss; }
+        else {
+            for (int64_t j = 0; j < L; j++)
+                load_row(vbuf + j * Dv, v, b * v_sb + hk * v_sh + j * v_ss, v_dtype, Dv);
+            V = vbuf; vsd = Dv;
+        }
+        for (int64_t r0 = 0; r0 < R; r0 += TILE) {
+            const int nt = (int)((R - r0) < TILE ? (R - r0) : TILE);
+            int64_t nmax = 0;
+            for (int t = 0; t < TILE; t++) {
+                if (t >= nt) {       /* spare rows of the last tile: computed, never stored */
+                    memcpy(qf[t], qf[0], (size_t)D * 4);
+                    nk[t] = 0;
+                    continue;
+                }
+                const int64_t r = r0 + t, i = r / g;
+                const int h = hk * g + (int)(r % g);
+                int64_t n = causal ? (L - Sq + i + 1) : L;
+                nk[t] = n > L ? L : n;
+                if (nk[t] > nmax) nmax = nk[t];
+                orow[t] = out + (((int64_t)b * H + h) * Sq + i) * Dv;
+                load_row(qf[t], q, b * q_sb + h * q_sh + i * q_ss, q_dtype, D);
+                m[t] = -INFINITY;
+                l[t] = 0.f;
+                for (int d = 0; d < Dv; d++) acc[t][d] = 0.f;
+            }
+            for (int64_t j0 = 0; j0 < nmax; j0 += block_n) {
+                const int cnt = (int)((nmax - j0) < block_n ? (nmax - j0) : block_n);
+                int cr[TILE];                              /* this block's keys per row */
+                for (int t = 0; t < TILE; t++) {
+                    int64_t c = nk[t] - j0;
+                    cr[t] = c <= 0 ? 0 : (c < cnt ? (int)c : cnt);
+                }
+                if (nt <= 1) scores_1(s, qf, K, ksd, j0, cnt, D, scale);
+                else if (nt <= 2) scores_2(s, qf, K, ksd, j0, cnt, D, scale);
+                else if (nt <= 4) scores_4(s, qf, K, ksd, j0, cnt, D, scale);
+                else scores_8(s, qf, K, ksd, j0, cnt, D, scale);
+                for (int t = 0; t < nt; t++) {
+                    const int c = cr[t];
+                    if (c == 0) continue;           /* past this row's keys: an exact no-op */
+                    float bm = -INFINITY;
+                    for (int j = 0; j < c; j++) {
+                        const float sj = s[t][j];
+                        bm = (bm != bm) ? bm : ((sj != sj || sj > bm) ? sj : bm);
+                    }
+                    const float mn = (m[t] != m[t] || bm != bm) ? NAN : (bm > m[t] ? bm : m[t]);
+                    const float ms = (mn == INFINITY || mn == -INFINITY) ? 0.f : mn;
+                    const float alpha = exp_s(m[t] - ms);
+                    float *p = s[t];
+                    for (int j = 0; j < c; j++) p[j] = exp_s(p[j] - ms);
+                    float ls = 0.f;
+                    for (int j = 0; j < c; j++) ls = ls + p[j];
+                    l[t] = l[t] * alpha + ls;
+                    m[t] = mn;
+                    /* acc_d = acc_d * alpha + (((+0 + p_0 v_0d) + p_1 v_1d) + ...), a chunk of
+                     * d at a time summed over this block's keys in order */
+                    float *ar = acc[t];
+                    for (int d0 = 0; d0 < Dv; d0 += 32) {
+                        const int w = (Dv - d0) < 32 ? (Dv - d0) : 32;
+                        float pv[32];
+                        for (int d = 0; d < 32; d++) pv[d] = 0.f;
+                        const float *vr = V + (j0) * vsd + d0;
+                        if (w == 32) {
+                            for (int j = 0; j < c; j++, vr += vsd)
+                                for (int d = 0; d < 32; d++) pv[d] = pv[d] + p[j] * vr[d];
+                        } else {
+                            for (int j = 0; j < c; j++, vr += vsd)
+                                for (int d = 0; d < w; d++) pv[d] = pv[d] + p[j] * vr[d];
+                        }
+                        for (int d = 0; d < w; d++) ar[d0 + d] = ar[d0 + d] * alpha + pv[d];
+                    }
+                }
+            }
+            for (int t = 0; t < nt; t++) {
+                float *o = orow[t];
+                if (nk[t] <= 0) {
+                    for (int d = 0; d < Dv; d++) o[d] = 0.f;
+                } else {
+                    for (int d = 0; d < Dv; d++) o[d] = acc[t][d] / l[t];
+                }
+            }
+        }
+    }
+    free(kbuf);
+    free(vbuf);
+    return rc;
+}

@@ -1,0 +1,174 @@
+"""The compiled CPU kernels (``kernels/csrc/*.c``): built once per machine with the system C
+compiler, loaded with ctypes.
+
+One shared library holds every kernel of ``csrc/``. It is compiled on first use into a cache
+folder — ``SKYRL_NUMERICS_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/skyrl_numerics`` or
+``~/.cache/skyrl_numerics`` — under a name that hashes the sources, the flags, the compiler's
+version and the machine, so an edit or another compiler builds a new file; the build goes to a
+temporary file that is renamed into place (processes that build at the same time each rename a
+complete library). ``make`` builds it ahead (``python -m skyrl_numerics.kernels.native``).
+
+Flags: ``-O3 -march=native -ffp-contract=off -fno-fast-math``: every float operation is the
+IEEE binary32 operation the source writes, rounded on its own (no fused multiply-add, no
+reassociation), so the results do not depend on the compiler, its vector width or the CPU
+(a baseline ``-O2`` build gives the same bits: tested), and each kernel's torch specification
+reproduces them bit for bit (tested). ``-march=native`` only picks the vector instructions.
+
+``SKYRL_NUMERICS_NATIVE=0`` never builds or loads it (the torch specifications run instead:
+the same bits, slower); ``=1`` makes a failed build an error instead of a fallback. ``CC``
+picks the compiler (default ``cc``).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+CSRC = Path(__file__).with_name("csrc")
+BASE_FLAGS = ("-O2", "-std=c11", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared")
+FLAGS = ("-O3", "-march=native") + BASE_FLAGS[1:]
+FLAG_SETS = (FLAGS, BASE_FLAGS)     # the second when the compiler refuses -march=native
+
+_LOCK = threading.Lock()
+_LIB: ctypes.CDLL | None = None
+_TRIED = False
+_ERROR: str | None = None
+
+
+class NativeBuildError(RuntimeError):
+    """The compiled kernels could not be built or loaded (and ``SKYRL_NUMERICS_NATIVE=1``)."""
+
+
+def _mode() -> str:
+    v = os.environ.get("SKYRL_NUMERICS_NATIVE", "auto").strip().lower()
+    return {"0": "off", "false": "off", "no": "off", "1": "on", "true": "on", "yes": "on"}.get(v, "auto")
+
+
+def cache_dir() -> Path:
+    d = os.environ.get("SKYRL_NUMERICS_CACHE_DIR")
+    if d:
+        return Path(d)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "skyrl_numerics"
+
+
+def _compiler() -> str:
+    return os.environ.get("CC") or "cc"
+
+
+def _cpu_id() -> str:
+    """The CPU's feature flags (``-march=native`` builds for them: another CPU sharing the
+    cache folder gets its own build)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _sources() -> list[Path]:
+    return sorted(CSRC.glob("*.c"))
+
+
+def library_path(flags=FLAGS) -> Path:
+    """Where the library built with ``flags`` lives (whether or not it exists yet)."""
+    cc = _compiler()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = "missing"
+    h = hashlib.sha256()
+    for part in (cc, version, " ".join(flags), platform.machine(), sys.platform, _cpu_id()):
+        h.update(part.encode() + b"\0")
+    for src in _sources():
+        h.update(src.name.encode() + b"\0" + src.read_bytes())
+    return cache_dir() / f"skyrl_kernels-{h.hexdigest()[:16]}.so"
+
+
+def build(flags=None) -> Path:
+    """Compile the library if it is not in the cache yet; its path. Without ``flags``: the
+    first of :data:`FLAG_SETS` the compiler accepts. Raises NativeBuildError."""
+    if flags is None:
+        errors = []
+        for fs in FLAG_SETS:
+            try:
+                return build(fs)
+            except NativeBuildError as e:
+                errors.append(str(e))
+        raise NativeBuildError("; ".join(dict.fromkeys(errors)))
+    path = library_path(flags)
+    if path.exists():
+        return path
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=path.parent)
+        os.close(fd)
+    except OSError as e:
+        raise NativeBuildError(f"cache folder {path.parent}: {e}") from None
+    cmd = [_compiler(), *flags, "-o", tmp, *map(str, _sources()), "-lm"]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+        os.unlink(tmp)
+        raise NativeBuildError(f"{' '.join(cmd[:1])}: {e}") from None
+    if r.returncode != 0:
+        os.unlink(tmp)
+        last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise NativeBuildError(f"{cmd[0]} exited {r.returncode}: {last}")
+    os.replace(tmp, path)
+    return path
+
+
+def load(path) -> ctypes.CDLL:
+    """A built library loaded with its functions' signatures declared."""
+    loaded = ctypes.CDLL(str(path))
+    _declare(loaded)
+    return loaded
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, i32, f32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    fn = lib.skyrl_attention_fwd
+    fn.restype = i32
+    fn.argtypes = ([vp, i32, i64, i64, i64] * 3 + [vp, vp]
+                   + [i32] * 7 + [f32, i32, i64, i64])
+
+
+def lib() -> ctypes.CDLL | None:
+    """The loaded library, or None when it is off or could not be built (the reason:
+    :func:`unavailable_reason`)."""
+    global _LIB, _TRIED, _ERROR
+    if _LIB is not None or (_TRIED and _mode() != "on"):
+        return _LIB
+    mode = _mode()
+    if mode == "off":
+        return None
+    with _LOCK:
+        if _LIB is None and not (_TRIED and mode != "on"):
+            _TRIED = True
+            try:
+                _LIB, _ERROR = load(build()), None
+            except (NativeBuildError, OSError, AttributeError) as e:
+                _ERROR = str(e)
+                if mode == "on":
+                    raise NativeBuildError(f"compiled kernels unavailable: {e}") from None
+    return _LIB
+
+
+def unavailable_reason() -> str | None:
+    return None if _LIB is not None else (_ERROR or ("off (SKYRL_NUMERICS_NATIVE=0)"
+                                                    if _mode() == "off" else None))
+
+
+if __name__ == "__main__":
+    print(build())
