@@ -25,6 +25,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(VENV)/modelopt-export-deps \
 		"omegaconf==2.4.0" "pulp==3.3.2" "nvidia-ml-py==13.615.71" "scipy==1.17.1"
 	$(BIN)/python -c "import torch, vllm, transformers, triton; print('torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+	# the fused CPU kernels (kernels/csrc, C): built now so a missing compiler shows here; later
+	# edits rebuild on first use (the torch specification runs where no compiler exists)
+	SKYRL_NUMERICS_NATIVE=1 $(BIN)/python -m skyrl_numerics.kernels.native
 	touch $(STAMP)
 
 venv: $(STAMP)
