@@ -1,5 +1,6 @@
-"""Batch-invariant CPU path (no Triton), fast enough for real use: stock torch ops, and one
-fused C kernel for attention (:mod:`.cpu_attention`, built by :mod:`.native`).
+"""Batch-invariant CPU path (no Triton), fast enough for real use: stock torch ops, and fused
+C kernels for attention and RMSNorm (:mod:`.cpu_attention`, :mod:`.cpu_norm`, built by
+:mod:`.native`).
 
 Stock torch on CPU is NOT batch-invariant (measured here, torch 2.13 + MKL, 2 threads):
   * fp32 ``torch.mm``: rows of an M<=5 product differ from the same rows inside a larger M
@@ -23,8 +24,9 @@ What this module does instead:
     those ops without recursing.
   * row reductions: rows cut into chunks of ``CHUNK`` (below torch's 32768 parallel grain, so
     one thread owns a chunk) and the chunk sums folded left to right.
-  * attention: every query row computed on its own by a fixed sequence of binary32 operations
-    (:mod:`.cpu_attention` writes it out), in C with a bitwise-equal torch specification.
+  * attention and RMSNorm: every row computed on its own by a fixed sequence of binary32
+    operations (:mod:`.cpu_attention`, :mod:`.cpu_norm` write them out), in C with a
+    bitwise-equal torch specification.
 Everything else used (exp, log, rsqrt, amax, elementwise) is per element or order-free.
 """
 from __future__ import annotations
@@ -342,12 +344,11 @@ def token_logprob_entropy_backward(logits, targets, lse, ent, g_lp, g_ent, tempe
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6):
-    """-> (y, rstd float32 per row)."""
-    N = x.shape[-1]
-    xf = x.reshape(-1, N).float()
-    rstd = torch.rsqrt(row_sum(xf * xf) / N + eps)
-    y = (xf * rstd.unsqueeze(-1) * w.float()).to(x.dtype).reshape(x.shape)
-    return y, rstd
+    """-> (y, rstd float32 per row): the fused fixed-order kernel (:mod:`.cpu_norm`; its module
+    doc writes the arithmetic out). ``w`` is ``(N,)`` or one weight row per row ``(M, N)``."""
+    from .cpu_norm import rms_norm as fused
+
+    return fused(x, w, eps)
 
 
 def rms_norm_backward(g, x, w, rstd, rows_per_block: int = 256):

@@ -16,13 +16,8 @@ in binary32, with these operations in this order (``block_n`` = 64)::
       m     = m'
     out_d = acc_d / l
 
-    dot8(q, k): a_c = ((+0 + q_c k_c) + q_{c+8} k_{c+8}) + ...  for lanes c = 0..7,
-                then ((a_0 + a_4) + (a_2 + a_6)) + ((a_1 + a_5) + (a_3 + a_7))
-    exp_s(x):   0 for x <= -87 (and -inf), +inf for x > 88, NaN for NaN; else
-                n = (x·log2e + 1.5·2^23) - 1.5·2^23          (nearest integer, ties to even)
-                r = (x - n·0.693359375) - n·(-2.12194440e-4)  (Cody–Waite)
-                exp_s = (((P(r)·r^2 + r) + 1) · 2^n,  P = Cephes' degree-5 Horner polynomial
-                (|relative error| < 2 ulp against exp in float64; tested)
+    dot8, exp_s: :mod:`.fixed_order` (8 lanes folded in a fixed tree; a Cody–Waite +
+                 polynomial exp within an ulp of float64's)
 
 Each operation is rounded on its own (no FMA, no reassociation): the C file is compiled with
 ``-ffp-contract=off -fno-fast-math`` (:mod:`.native`) and :func:`attention_spec` writes the same
@@ -45,58 +40,10 @@ import torch
 
 from . import native
 
+from .fixed_order import F32 as _F32, ZERO as _ZERO, c32 as _c, dot8, exp_s, parallel
+
 BLOCK_N = 64
 MAX_BLOCK, MAX_D = 256, 1024   # the C kernel's buffers (larger calls take the spec)
-PAR_MIN_WORK = 1 << 21     # multiply-adds below which a call stays on the calling thread
-
-_F32 = torch.float32
-
-
-def _c(x: float) -> torch.Tensor:
-    return torch.tensor(x, dtype=_F32)
-
-
-_LOG2E, _MAGIC = _c(1.44269502162933349609375), _c(12582912.0)
-_LN2_HI, _LN2_LO = _c(0.693359375), _c(-2.12194440e-4)
-_POLY = [_c(v) for v in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
-                         1.6666665459e-1, 5.0000001201e-1)]
-_ONE, _ZERO = _c(1.0), _c(0.0)
-
-
-def exp_s(x: torch.Tensor) -> torch.Tensor:
-    """The kernel's exp (module doc), elementwise on a float32 tensor."""
-    xc = x.clamp(-87.0, 88.0)     # the polynomial's range (values outside are replaced below)
-    t = xc * _LOG2E
-    n = (t + _MAGIC) - _MAGIC
-    r = xc - n * _LN2_HI
-    r = r - n * _LN2_LO
-    r2 = r * r
-    p = _POLY[0].expand_as(r)
-    for c in _POLY[1:]:
-        p = p * r + c
-    p = p * r2 + r
-    p = p + _ONE
-    two_n = ((n.to(torch.int32) + 127) << 23).view(_F32)
-    out = p * two_n
-    out = torch.where(x > -87.0, out, _ZERO)
-    out = torch.where(x > 88.0, torch.full_like(out, float("inf")), out)
-    return torch.where(torch.isnan(x), x, out)
-
-
-def dot8(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """The kernel's dot product over the last dim of broadcastable float32 ``q`` and ``k``."""
-    prod = q * k
-    D = prod.shape[-1]
-    pad = -D % 8
-    if pad:
-        prod = torch.nn.functional.pad(prod, (0, pad))
-    prod = prod.view(*prod.shape[:-1], -1, 8)
-    a = torch.zeros(prod.shape[:-2] + (8,), dtype=_F32)
-    for t in range(prod.shape[-2]):
-        a = a + prod[..., t, :]
-    b = a[..., :4] + a[..., 4:]
-    c = b[..., :2] + b[..., 2:]
-    return c[..., 0] + c[..., 1]
 
 
 def _kv_lens(kv_lens, B: int, Skv: int) -> torch.Tensor:
@@ -233,17 +180,5 @@ def _forward(q, k, v, causal, scale, block_n, kv_lens) -> torch.Tensor:
         if rc != 0:
             raise RuntimeError(f"skyrl_attention_fwd refused its sizes (rc {rc})")
 
-    pairs = B * Hkv
-    threads = torch.get_num_threads()
-    work = B * H * Sq * (Skv if not causal else (Skv + 1) / 2) * (D + Dv)
-    if threads > 1 and pairs > 1 and work >= PAR_MIN_WORK:
-        from .cpu import _pool
-
-        parts = min(threads, pairs)
-        bounds = [pairs * j // parts for j in range(parts + 1)]
-        futs = [_pool(parts).submit(run, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
-        for f in futs:
-            f.result()
-    else:
-        run(0, pairs)
+    parallel(run, B * Hkv, B * H * Sq * (Skv if not causal else (Skv + 1) / 2) * (D + Dv))
     return out if q.dtype == _F32 else out.to(q.dtype)

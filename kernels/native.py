@@ -79,6 +79,10 @@ def _sources() -> list[Path]:
     return sorted(CSRC.glob("*.c"))
 
 
+def _headers() -> list[Path]:
+    return sorted(CSRC.glob("*.h"))
+
+
 def library_path(flags=FLAGS) -> Path:
     """Where the library built with ``flags`` lives (whether or not it exists yet)."""
     cc = _compiler()
@@ -90,7 +94,7 @@ def library_path(flags=FLAGS) -> Path:
     h = hashlib.sha256()
     for part in (cc, version, " ".join(flags), platform.machine(), sys.platform, _cpu_id()):
         h.update(part.encode() + b"\0")
-    for src in _sources():
+    for src in _sources() + _headers():
         h.update(src.name.encode() + b"\0" + src.read_bytes())
     return cache_dir() / f"skyrl_kernels-{h.hexdigest()[:16]}.so"
 
@@ -115,7 +119,7 @@ def build(flags=None) -> Path:
         os.close(fd)
     except OSError as e:
         raise NativeBuildError(f"cache folder {path.parent}: {e}") from None
-    cmd = [_compiler(), *flags, "-o", tmp, *map(str, _sources()), "-lm"]
+    cmd = [_compiler(), *flags, "-I", str(CSRC), "-o", tmp, *map(str, _sources()), "-lm"]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.SubprocessError) as e:
@@ -142,6 +146,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.restype = i32
     fn.argtypes = ([vp, i32, i64, i64, i64] * 3 + [vp, vp]
                    + [i32] * 7 + [f32, i32, i64, i64])
+    fn = lib.skyrl_rms_norm_fwd
+    fn.restype = i32
+    fn.argtypes = [vp, i32, i64, vp, i32, i64, vp, i32, vp, i64, i64, i32, f32]
 
 
 def lib() -> ctypes.CDLL | None:

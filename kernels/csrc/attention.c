@@ -19,72 +19,16 @@
  * only on its own query, its own keys/values and kv_len: not on the batch, the other rows, the
  * number of threads, or prefill vs decode.
  */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "fixed_order.h"
 
 #define MAX_BLOCK 256
 #define MAX_D 1024
 #define TILE 8            /* query rows sharing each key/value load (same KV head) */
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = ((uint32_t)x) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* exp_s(x): Cody-Waite reduction and Cephes' degree-5 polynomial, all in binary32, written
- * without branches (so loops over it vectorize). x > 88 -> +inf; x <= -87 (and -inf) -> 0;
- * NaN -> x. */
-static inline float exp_s(float x) {
-    float xc = x < -87.0f ? -87.0f : x;
-    xc = xc > 88.0f ? 88.0f : xc;
-    xc = (x != x) ? 0.0f : xc;
-    float t = xc * 1.44269502162933349609375f;         /* log2(e) as binary32 */
-    float n = (t + 12582912.0f) - 12582912.0f;        /* nearest integer, ties to even */
-    float r = xc - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float r2 = r * r;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r2 + r;
-    p = p + 1.0f;
-    int32_t e = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &e, 4);
-    float out = p * two_n;
-    out = x > 88.0f ? INFINITY : out;
-    out = x > -87.0f ? out : 0.0f;
-    return (x != x) ? x : out;
-}
-
-static inline void load_row(float *dst, const void *base, int64_t off, int dtype, int n) {
-    if (dtype == 0) {
-        memcpy(dst, (const float *)base + off, (size_t)n * 4);
-    } else {
-        const uint16_t *src = (const uint16_t *)base + off;
-        for (int d = 0; d < n; d++) dst[d] = bf16_to_f32(src[d]);
-    }
-}
-
 /* s[t][j] = dot8(q_t, k_{j0+j}) * scale for the first T rows of a tile: lane c adds
  * q[8u + c] k[8u + c] over u in order from +0, then ((a0 + a4) + (a2 + a6)) + ((a1 + a5) +
  * (a3 + a7)). The T rows' chains are interleaved (one key load for all); T is a constant in
  * each copy, so the loops unroll. Rows past the tile's real rows are computed, never used. */
-typedef float v8f __attribute__((vector_size(32)));   /* 8 lanes; elementwise IEEE ops */
-
-static inline v8f load8(const float *p) {
-    v8f x;
-    memcpy(&x, p, sizeof x);
-    return x;
-}
-
 #define SCORES(T)                                                                        \
     static void scores_##T(float s[][MAX_BLOCK], float qf[][MAX_D], const float *K,      \
                            int64_t ksd, int64_t j0, int cnt, int D, float scale) {        \

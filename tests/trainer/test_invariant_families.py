@@ -395,6 +395,29 @@ def test_grouped_experts_are_the_per_expert_loop_bitwise(T, E, k, h, inter, seed
         _grouped_vs_loop(blocks, T, E, k, h, inter, seed)
 
 
+@pytest.mark.parametrize("unused", [0, 1, 2])
+def test_dense_expert_blocks_are_the_per_expert_loop_bitwise(unused, monkeypatch):
+    """A decode step of a small MoE (every expert in one block, >= 3/4 of them used) runs the
+    weight stacks in place, unused experts on zero blocks: the loop's bits all the same."""
+    from skyrl_numerics.trainer.invariant import blocks
+
+    g = torch.Generator().manual_seed(unused)
+    E, T, k, h, inter = 8, 16, 2, 128, 64
+    ws = [tuple(torch.randn(*s, generator=g).bfloat16() / 4 for s in ((inter, h), (inter, h), (h, inter)))
+          for _ in range(E)]
+    x = torch.randn(T, h, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E - unused, generator=g)[:k] for _ in range(T)])
+    wt = torch.softmax(torch.randn(T, k, generator=g), -1)
+
+    def no_gather(*a, **kw):
+        raise AssertionError("the dense path gathers no weights")
+    monkeypatch.setattr(blocks, "_expert_gemm", no_gather)
+    with torch.no_grad():
+        grouped = blocks.routed_experts(x, ids, wt, lambda e: ws[e], num_experts=E)
+        looped = blocks.routed_experts(x, ids, wt, lambda e: ws[e])
+    assert torch.equal(grouped, looped)
+
+
 def _grouped_vs_loop(blocks, T, E, k, h, inter, seed):
     g = torch.Generator().manual_seed(seed)
     ws = [tuple(torch.randn(*s, generator=g).bfloat16() / 4 for s in ((inter, h), (inter, h), (h, inter)))

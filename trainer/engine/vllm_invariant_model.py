@@ -73,6 +73,10 @@ class _SkyrlInvariantForCausalLM(nn.Module):
         from vllm.model_executor.layers.attention import Attention
 
         cfg = vllm_config.model_config.hf_config
+        if vllm_config.device_config.device_type == "cpu":
+            from .heap import keep_heap
+
+            keep_heap()          # per-step buffers stay mapped (heap.py: ~1 ms a decode step)
         base = getattr(cfg, "skyrl_base_arch", None) or self.hf_arch
         spec = json.loads(getattr(cfg, "skyrl_kv_cache", None) or '{"format": "auto"}')
         self.core = family_class(base).from_config(cfg, dtype=vllm_config.model_config.dtype,
@@ -118,8 +122,8 @@ class _SkyrlInvariantForCausalLM(nn.Module):
         call over a right-padded batch; ``kv_lens`` keeps each request's bits what they are alone
         (tested). Returns (slots to write, groups); per group: (number of requests, query index
         or None when the group is every token in order, queries per request, longest length,
-        kv lengths, flat slot index, flat indices of the padding rows or None). (The padded batch
-        is the CPU path's; on GPU each request runs alone.)"""
+        kv lengths, flat slot index). Padding rows read slot 0; the attention never reads them
+        (``kv_lens``). (The padded batch is the CPU path's; on GPU each request runs alone.)"""
         if self._step_plan is not None:
             return self._step_plan
         import numpy as np
@@ -147,14 +151,13 @@ class _SkyrlInvariantForCausalLM(nn.Module):
             blocks = table[reqs, :nblk].astype(np.int64)                        # [n, nblk]
             idx = (blocks[:, :, None] * bs + np.arange(bs)[None, None, :]).reshape(len(reqs), -1)
             pad = np.arange(L)[None, :] >= lens[:, None]                       # [n, L]
-            idx = np.where(pad, 0, idx[:, :L])     # padding reads slot 0, then is zeroed
+            idx = np.where(pad, 0, idx[:, :L])     # padding reads slot 0 (never attended to)
             sq = int(counts[reqs[0]])
             qidx = (qsl[reqs][:, None] + np.arange(sq)[None, :]).reshape(-1)
             in_order = len(qidx) == n_tok and bool((qidx == np.arange(n_tok)).all())
             groups.append((len(reqs), None if in_order else on(qidx), sq, L,
                            torch.from_numpy(lens) if len(reqs) > 1 else None,
-                           on(idx.reshape(-1)),
-                           on(np.flatnonzero(pad)) if pad.any() else None))
+                           on(idx.reshape(-1))))
         self._step_plan = (meta.slot_mapping[:n_tok].long(), groups)
         return self._step_plan
 
@@ -171,10 +174,8 @@ class _SkyrlInvariantForCausalLM(nn.Module):
         cache = self._slots(i)
         cache[slots] = self.kv.encode(i, rows[:n]).view(cache.dtype)
         out = None
-        for nreq, qidx, sq, L, kv_lens, idx, pad in groups:
+        for nreq, qidx, sq, L, kv_lens, idx in groups:
             data = cache.index_select(0, idx)                     # (3x faster than cache[idx])
-            if pad is not None:                # finite padding (masked out by kv_lens); rows
-                data.index_fill_(0, pad, 0)    # by index: 4x faster than a broadcast mask
             R = self.kv.decode(i, data.view(nreq, L, -1).view(torch.uint8))
             if qidx is None and q.shape[0] == n:        # one group: every token, in order
                 o = self.core.attn_core(i, q.view(nreq, sq, *q.shape[1:]), R, kv_lens)

@@ -207,10 +207,10 @@ class InvariantCausalLM(nn.Module):
             from .train import TrainableAttention
 
             return TrainableAttention.apply(q, k, v, scale)
-        if q.device.type == "cpu" and kv_lens is None:
+        if q.device.type == "cpu":
             from skyrl_numerics.kernels import cpu   # what kernels.attention runs on CPU
 
-            return cpu.attention(q, k, v, True, scale)
+            return cpu.attention(q, k, v, True, scale, kv_lens=kv_lens)
         from skyrl_numerics.kernels import attention
 
         return attention(q, k, v, causal=True, scale=scale, kv_lens=kv_lens)

@@ -380,7 +380,11 @@ def _expert_gemm(a: torch.Tensor, stack: torch.Tensor, blk_index: torch.Tensor, 
 def _grouped_expert_rows(x, ids, expert, E: int) -> torch.Tensor:
     """The rows of :func:`_looped_expert_rows`, all experts at once: the (token, slot) pairs are
     sorted by expert (stable), each expert's rows padded to whole ``ROW_BLOCK`` blocks, and every
-    block runs against its expert's weight — gate and up in one call, down in a second."""
+    block runs against its expert's weight — gate and up in one call, down in a second. When
+    every expert fits one block and at least 3/4 of them are in use (a decode step of a small
+    MoE), each expert gets block ``e`` (a zero block when unused: computed, never read) and
+    the weight stacks are used in place instead of gathered per block; a block's GEMM is the
+    same either way, so are its bits (tested against the loop)."""
     from skyrl_numerics.kernels import cpu
 
     import numpy as np
@@ -397,23 +401,33 @@ def _grouped_expert_rows(x, ids, expert, E: int) -> torch.Tensor:
     e_sorted = flat[order]
     counts = np.bincount(flat, minlength=E)
     nblk = (counts + RB - 1) // RB                                   # blocks per expert
+    gu, dn = _expert_stacks(expert, E)
+    # every expert in one block, (nearly) all in use, small weights: give each expert its
+    # block, an unused one a zero block, and run the stacks as they are (no weight gather)
+    dense = (int(nblk.max()) == 1 and 4 * int((counts > 0).sum()) >= 3 * E
+             and gu.shape[1] * gu.shape[2] * 4 <= GATHER_MATRIX_BYTES)
+    if dense:
+        nblk = np.ones(E, dtype=nblk.dtype)
     first_blk = np.cumsum(nblk) - nblk
     starts = np.cumsum(counts) - counts
     dest = torch.from_numpy(first_blk[e_sorted] * RB + np.arange(flat.size) - starts[e_sorted])
     n = int(nblk.sum())
     blk_expert = np.repeat(np.arange(E), nblk)                       # [n]
-    gu, dn = _expert_stacks(expert, E)
     I = expert(0)[0].shape[0]
     # (index_select / index_copy_ move the same rows as x[i] / a[i] = ..., several times faster)
     a = torch.zeros(n * RB, H, dtype=torch.float32)
     a.index_copy_(0, dest, x.index_select(0, torch.from_numpy(order // k)).float())
     a = a.view(n, RB, H)
     counts_blk = nblk.tolist()
-    g, u = _expert_gemm(a.expand(2, n, RB, H).reshape(2 * n, RB, H), gu,
-                        torch.from_numpy(np.concatenate([blk_expert, blk_expert + E])),
-                        counts_blk + counts_blk).split(n)
+    a2 = a.expand(2, n, RB, H).reshape(2 * n, RB, H)
+    if dense:
+        g, u = cpu._gemm_blocks(a2, gu).split(n)
+    else:
+        g, u = _expert_gemm(a2, gu, torch.from_numpy(np.concatenate([blk_expert, blk_expert + E])),
+                            counts_blk + counts_blk).split(n)
     h = (silu(g[..., :I].to(x.dtype)) * u[..., :I].to(x.dtype)).float()
-    y = _expert_gemm(h.contiguous(), dn, torch.from_numpy(blk_expert), counts_blk)
+    y = (cpu._gemm_blocks(h.contiguous(), dn) if dense else
+         _expert_gemm(h.contiguous(), dn, torch.from_numpy(blk_expert), counts_blk))
     rows = y.view(n * RB, -1).index_select(0, dest)[:, :H].to(x.dtype)   # sorted (token, slot)
     out = torch.empty(T * k, H, dtype=x.dtype)
     out.index_copy_(0, torch.from_numpy(order), rows)

@@ -1,0 +1,94 @@
+"""The binary32 primitives the fused CPU kernels (``csrc/*.c``) are specified with, as torch
+ops: each function here performs the C code's operations in the C code's order, every one
+rounded on its own (IEEE-754 binary32 ``+ - * /``, ``sqrt``, comparisons), so its results equal
+the kernel's bit for bit. Used by the kernels' torch specifications (``cpu_attention``,
+``cpu_norm``), which are the fallback where the C library cannot be built.
+
+    dot8(a, b):  lane c (0..7) adds a[8u + c] · b[8u + c] over u = 0, 1, ... in order from +0
+                 (a tail shorter than 8 fills the first lanes); the lanes are then folded
+                 ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+    exp_s(x):    0 for x <= -87 (and -inf), +inf for x > 88, NaN for NaN; else
+                 n = (x·log2e + 1.5·2^23) - 1.5·2^23          (nearest integer, ties to even)
+                 r = (x - n·0.693359375) - n·(-2.12194440e-4)  (Cody–Waite)
+                 exp_s = (((P(r)·r^2 + r) + 1) · 2^n,  P = Cephes' degree-5 Horner polynomial
+                 (relative error < 1 ulp against float64 exp; tested)
+    float32 -> bfloat16: round to nearest even (torch's conversion)
+"""
+from __future__ import annotations
+
+import torch
+
+from . import native
+
+F32 = torch.float32
+PAR_MIN_WORK = 1 << 21     # multiply-adds below which a call stays on the calling thread
+
+
+def c32(x: float) -> torch.Tensor:
+    """``x`` as a 0-d float32 tensor (so an op with it is a float32 op, as in C)."""
+    return torch.tensor(x, dtype=F32)
+
+
+_LOG2E, _MAGIC = c32(1.44269502162933349609375), c32(12582912.0)
+_LN2_HI, _LN2_LO = c32(0.693359375), c32(-2.12194440e-4)
+_POLY = [c32(v) for v in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
+                          1.6666665459e-1, 5.0000001201e-1)]
+ONE, ZERO = c32(1.0), c32(0.0)
+
+
+def exp_s(x: torch.Tensor) -> torch.Tensor:
+    """The kernels' exp (module doc), elementwise on a float32 tensor."""
+    xc = x.clamp(-87.0, 88.0)     # the polynomial's range (values outside are replaced below)
+    t = xc * _LOG2E
+    n = (t + _MAGIC) - _MAGIC
+    r = xc - n * _LN2_HI
+    r = r - n * _LN2_LO
+    r2 = r * r
+    p = _POLY[0].expand_as(r)
+    for c in _POLY[1:]:
+        p = p * r + c
+    p = p * r2 + r
+    p = p + ONE
+    two_n = ((n.to(torch.int32) + 127) << 23).view(F32)
+    out = p * two_n
+    out = torch.where(x > -87.0, out, ZERO)
+    out = torch.where(x > 88.0, torch.full_like(out, float("inf")), out)
+    return torch.where(torch.isnan(x), x, out)
+
+
+def dot8(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The kernels' dot product over the last dim of broadcastable float32 ``a`` and ``b``."""
+    prod = a * b
+    n = prod.shape[-1]
+    pad = -n % 8
+    if pad:
+        prod = torch.nn.functional.pad(prod, (0, pad))
+    prod = prod.view(*prod.shape[:-1], -1, 8)
+    acc = torch.zeros(prod.shape[:-2] + (8,), dtype=F32)
+    for u in range(prod.shape[-2]):
+        acc = acc + prod[..., u, :]
+    h = acc[..., :4] + acc[..., 4:]
+    q = h[..., :2] + h[..., 2:]
+    return q[..., 0] + q[..., 1]
+
+
+def parallel(run, items: int, work: float) -> None:
+    """``run(lo, hi)`` over ``0 .. items``: split over the CPU kernels' thread pool when the
+    call is large (``work`` multiply-adds) and torch has more than one thread, else in place.
+    Each item is computed by one thread with the same code, so the split changes no bits."""
+    threads = torch.get_num_threads()
+    if threads > 1 and items > 1 and work >= PAR_MIN_WORK:
+        from .cpu import _pool
+
+        parts = min(threads, items)
+        bounds = [items * j // parts for j in range(parts + 1)]
+        futs = [_pool(parts).submit(run, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+        for f in futs:
+            f.result()
+    else:
+        run(0, items)
+
+
+def lib():
+    """The compiled kernels, or None (:mod:`.native`)."""
+    return native.lib()

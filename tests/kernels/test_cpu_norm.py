@@ -1,0 +1,87 @@
+"""The fused CPU RMSNorm (``kernels/csrc/rms_norm.c``), shared by the trainer and the engine:
+bitwise equal to its torch specification for any shape, dtype, weight layout and values; a
+baseline ``-O2`` build gives the same bits; rows do not depend on the batch or the thread
+count; close to the float64 reference; ``kernels.rms_norm`` still differentiates."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from skyrl_numerics.kernels import cpu, cpu_norm as cn, native, reference as ref, rms_norm
+
+
+def _bits(t):
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(M=st.integers(1, 40), N=st.sampled_from([1, 7, 8, 64, 128, 129, 4099, 20000]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       per_row=st.booleans(), strided=st.booleans(),
+       eps=st.sampled_from([1e-6, 1e-5, 0.0, 0.5]),
+       values=st.sampled_from(["normal", "tiny", "huge", "zero_row"]), seed=st.integers(0, 2 ** 16))
+def test_kernel_equals_its_specification(M, N, dtype, per_row, strided, eps, values, seed):
+    g = torch.Generator().manual_seed(seed)
+    scale = {"normal": 1.0, "tiny": 1e-20, "huge": 1e18, "zero_row": 1.0}[values]
+    x = (torch.randn(M, 2 * N if strided else N, generator=g) * scale).to(dtype)[:, :N]
+    if values == "zero_row":
+        x[0] = 0
+    w = torch.randn(M, N, generator=g).to(dtype) if per_row else torch.randn(N, generator=g).to(dtype)
+    y, rstd = cn.rms_norm(x, w, eps)
+    ys, rs = cn.rms_norm_spec(x, w, eps)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert torch.equal(_bits(y), _bits(ys)) and torch.equal(_bits(rstd), _bits(rs))
+
+
+def test_a_baseline_build_gives_the_same_bits(tmp_path, monkeypatch):
+    monkeypatch.setenv("SKYRL_NUMERICS_CACHE_DIR", str(tmp_path))
+    base = native.load(native.build(native.BASE_FLAGS))
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(37, 1000, generator=g).bfloat16()
+    w = torch.randn(1000, generator=g).bfloat16()
+    want = cn.rms_norm(x, w, 1e-6)
+    monkeypatch.setattr(native, "_LIB", base)
+    got = cn.rms_norm(x, w, 1e-6)
+    assert torch.equal(_bits(got[0]), _bits(want[0])) and torch.equal(got[1], want[1])
+
+
+def test_rows_do_not_depend_on_the_batch_or_the_thread_count():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3000, 512, generator=g).bfloat16()
+    w = torch.randn(512, generator=g).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.rms_norm(x, w, 1e-6)[0]
+        torch.set_num_threads(4)
+        four = cpu.rms_norm(x, w, 1e-6)[0]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(_bits(one), _bits(four))
+    for r in (0, 1, 1234, 2999):
+        assert torch.equal(_bits(cpu.rms_norm(x[r:r + 1], w, 1e-6)[0]), _bits(one[r:r + 1]))
+
+
+def test_close_to_the_float64_reference_and_differentiable():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(16, 300, generator=g, requires_grad=True)
+    w = torch.randn(300, generator=g, requires_grad=True)
+    y = rms_norm(x, w, 1e-6)
+    xx, ww = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    want = ref.rms_norm(xx, ww, 1e-6)
+    assert (y.double() - want).abs().max().item() < 1e-5
+    y.square().sum().backward()
+    want.square().sum().backward()
+    torch.testing.assert_close(x.grad.double(), xx.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(w.grad.double(), ww.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("native_on", [True, False])
+def test_rms_norm_is_what_the_kernel_computes_with_or_without_the_library(native_on, monkeypatch):
+    """Without the library the specification runs: the same bits as the kernel."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 64, generator=g).bfloat16()
+    w = torch.randn(64, generator=g).bfloat16()
+    want = cn.rms_norm_spec(x, w, 1e-6)[0]
+    if not native_on:
+        monkeypatch.setattr(cn, "lib", lambda: None)
+    assert torch.equal(_bits(cpu.rms_norm(x, w, 1e-6)[0]), _bits(want))
