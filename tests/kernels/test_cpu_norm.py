@@ -13,6 +13,12 @@ def _bits(t):
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
+def _same(a, b):
+    """Bitwise equal, a NaN matching any NaN (a payload carries no number: 0 · inf here)."""
+    nan = torch.isnan(a)
+    return torch.equal(nan, torch.isnan(b)) and torch.equal(_bits(a)[~nan], _bits(b)[~nan])
+
+
 @settings(max_examples=60, deadline=None)
 @given(M=st.integers(1, 40), N=st.sampled_from([1, 7, 8, 64, 128, 129, 4099, 20000]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
@@ -29,7 +35,7 @@ def test_kernel_equals_its_specification(M, N, dtype, per_row, strided, eps, val
     y, rstd = cn.rms_norm(x, w, eps)
     ys, rs = cn.rms_norm_spec(x, w, eps)
     assert y.dtype == x.dtype and y.shape == x.shape
-    assert torch.equal(_bits(y), _bits(ys)) and torch.equal(_bits(rstd), _bits(rs))
+    assert _same(y, ys) and _same(rstd, rs)
 
 
 def test_a_baseline_build_gives_the_same_bits(tmp_path, monkeypatch):
@@ -85,3 +91,33 @@ def test_rms_norm_is_what_the_kernel_computes_with_or_without_the_library(native
     if not native_on:
         monkeypatch.setattr(cn, "lib", lambda: None)
     assert torch.equal(_bits(cpu.rms_norm(x, w, 1e-6)[0]), _bits(want))
+
+
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(1, 40), Hq=st.sampled_from([1, 2, 4, 6]), Hk=st.sampled_from([1, 2]),
+       D=st.sampled_from([2, 16, 64, 128]), style=st.sampled_from(["neox", "gptj"]),
+       eps=st.sampled_from([1e-6, 1e-5]), scale=st.sampled_from([1e-3, 1.0, 300.0]),
+       mscale=st.sampled_from([1.0, 1.2]), seed=st.integers(0, 2 ** 16))
+def test_fused_qk_norm_rope_equals_the_unfused_ops(T, Hq, Hk, D, style, eps, scale, mscale, seed):
+    """Qwen3's per-head norms + RoPE + cache row in one kernel: the bits of ``rms_norm_heads``,
+    ``Rope`` and ``cat`` (what the training forward, with grad, runs)."""
+    from skyrl_numerics.trainer.invariant import blocks
+
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(T, Hq * D, generator=g) * scale).bfloat16()
+    k = (torch.randn(T, Hk * D, generator=g) * scale).bfloat16()
+    v = torch.randn(T, Hk * D, generator=g).bfloat16()
+    qw, kw = (torch.randn(D, generator=g).bfloat16() for _ in range(2))
+    rope = blocks.Rope(D, 1.0 / (1e4 ** (torch.arange(0, D, 2, dtype=torch.float32) / D)), mscale, style)
+    pos = torch.randint(0, 5000, (T,), generator=g)
+    cs = rope.cos_sin(pos)
+    qh, kh = q.view(T, Hq, D), k.view(T, Hk, D)
+    with torch.no_grad():
+        fused = blocks.qk_norm_rope_rows(qh, kh, v, qw, kw, eps, rope, cs)
+    assert fused is not None
+    qk = rope(blocks.rms_norm_heads([(qh, qw), (kh, kw)], eps), pos, cs)
+    rows = torch.cat([qk[:, Hq:].reshape(T, -1), v], -1)
+    assert torch.equal(_bits(fused[0]), _bits(qk[:, :Hq])) and torch.equal(_bits(fused[1]), _bits(rows))
+    with torch.enable_grad():          # with grad the unfused ops run
+        assert blocks.qk_norm_rope_rows(qh, kh, v, qw.clone().requires_grad_(True), kw, eps, rope,
+                                        cs) is None

@@ -171,6 +171,42 @@ def rms_norm_heads(parts, eps: float) -> torch.Tensor:
     return cpu.rms_norm(x.reshape(T * H, D), w, eps)[0].view(T, H, D)
 
 
+def qk_norm_rope_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_w: torch.Tensor,
+                      k_w: torch.Tensor, eps: float, rope: "Rope", cos_sin):
+    """Qwen3's attention inputs in one call where it can: per-head RMSNorm of ``q [T, Hq, D]``
+    (weight ``q_w``) and ``k [T, Hk, D]`` (``k_w``), both rotated (``rope`` at ``cos_sin``), and
+    the cache rows ``[k | v]`` -> ``(q [T, Hq, D], rows [T, 2·Hk·D])``. Bit for bit
+    :func:`rms_norm_heads` then ``rope`` then ``cat`` (tested): on the no-grad CPU path with
+    bf16 tensors the fused kernel (``kernels/csrc/qk_norm_rope.c``) performs exactly those
+    operations; otherwise those functions run. ``None`` when the fused path does not apply."""
+    from skyrl_numerics.kernels.fixed_order import lib
+
+    T, Hq, D = q.shape
+    Hk = k.shape[1]
+    L = lib()
+    bf = torch.bfloat16
+    if (L is None or q.device.type != "cpu" or D % 2 or D > 1024
+            or any(t.dtype != bf for t in (q, k, v, q_w, k_w))
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, q_w, k_w)))):
+        return None
+    cos, sin = cos_sin
+    cos, sin = cos.reshape(T, D // 2).contiguous(), sin.reshape(T, D // 2).contiguous()
+    q2, k2 = q.reshape(T, Hq * D), k.reshape(T, Hk * D)
+    if q2.stride(1) != 1 or k2.stride(1) != 1:
+        return None
+    qw, kw = q_w.contiguous(), k_w.contiguous()
+    q_out = torch.empty((T, Hq, D), dtype=bf)
+    rows = torch.empty((T, 2 * Hk * D), dtype=bf)
+    rows[:, Hk * D:] = v.reshape(T, Hk * D)
+    rc = L.skyrl_qk_norm_rope(q2.data_ptr(), q2.stride(0), Hq, k2.data_ptr(), k2.stride(0), Hk,
+                              qw.data_ptr(), kw.data_ptr(), cos.data_ptr(), sin.data_ptr(), D,
+                              float(eps), int(rope.style == "gptj"), q_out.data_ptr(),
+                              rows.data_ptr(), rows.stride(0), 0, T)
+    if rc != 0:
+        raise RuntimeError(f"skyrl_qk_norm_rope refused its sizes (rc {rc})")
+    return q_out, rows
+
+
 # ---- RoPE -----------------------------------------------------------------------------------
 def _yarn_mscale(scale: float, mscale: float) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0

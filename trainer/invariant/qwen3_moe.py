@@ -18,8 +18,8 @@ import torch
 from skyrl_numerics.kernels import attention as inv_attention
 
 from .base import Attend, InvariantCausalLM, invariant_trainer_logprobs  # noqa: F401 (re-export)
-from .blocks import (Rope, linear, linear_many, require, rms_norm_heads, routed_experts,
-                     softmax_topk)
+from .blocks import (Rope, linear, linear_many, qk_norm_rope_rows, require, rms_norm_heads,
+                     routed_experts, softmax_topk)
 from .kv_format import KVFormat, parse_kv_spec
 
 
@@ -131,12 +131,17 @@ class InvariantQwen3Moe(InvariantCausalLM):
         T = x.shape[0]
         q, k, v = linear_many(x, [self.w(p + "q_proj.weight"), self.w(p + "k_proj.weight"),
                                   self.w(p + "v_proj.weight")])
-        # q and k normalized per head and rotated together (per element: the same bits as apart)
-        qk = rms_norm_heads([(q.view(T, d.heads, d.head_dim), self.w(p + "q_norm.weight")),
-                             (k.view(T, d.kv_heads, d.head_dim), self.w(p + "k_norm.weight"))], d.eps)
-        qk = self.rope(qk, positions, self.rope_cos_sin(positions))
-        q, k = qk[:, :d.heads], qk[:, d.heads:]
-        v = v.view(T, d.kv_heads, d.head_dim)
-        rows = torch.cat([k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
+        qh, kh = q.view(T, d.heads, d.head_dim), k.view(T, d.kv_heads, d.head_dim)
+        qw, kw = self.w(p + "q_norm.weight"), self.w(p + "k_norm.weight")
+        fused = qk_norm_rope_rows(qh, kh, v, qw, kw, d.eps, self.rope, self.rope_cos_sin(positions))
+        if fused is not None:                 # (no-grad CPU: one kernel, the same bits)
+            q, rows = fused
+        else:
+            # q and k normalized per head and rotated together (per element: the same bits)
+            qk = rms_norm_heads([(qh, qw), (kh, kw)], d.eps)
+            qk = self.rope(qk, positions, self.rope_cos_sin(positions))
+            q, k = qk[:, :d.heads], qk[:, d.heads:]
+            v = v.view(T, d.kv_heads, d.head_dim)
+            rows = torch.cat([k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
         o = attend(i, q, rows)
         return linear(o.reshape(T, d.heads * d.head_dim), self.w(p + "o_proj.weight"))

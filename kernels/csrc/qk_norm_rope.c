@@ -1,0 +1,58 @@
+/* Per-head RMSNorm then rotary embedding, fused (Qwen3's q_norm / k_norm + RoPE) for CPU.
+ * The same operations, in the same order, as the unfused torch path
+ * (skyrl_numerics.trainer.invariant.blocks.rms_norm_heads, then blocks.Rope):
+ *
+ *   per head row x (D values) with its weight w (q_norm for query heads, k_norm for key heads):
+ *     ss = dot8(x, x);  rstd = 1 / sqrt(ss / D + eps);  y_d = bf16((x_d * rstd) * w_d)
+ *   rotate y at the token's cos/sin (c_i, s_i, i < D/2, float32):
+ *     neox: out_i = bf16(y_i c_i - y_{i+D/2} s_i),  out_{i+D/2} = bf16(y_{i+D/2} c_i + y_i s_i)
+ *     gptj: out_2i = bf16(y_2i c_i - y_2i+1 s_i),   out_2i+1 = bf16(y_2i+1 c_i + y_2i s_i)
+ *
+ * Inputs bfloat16: q (T, Hq, D), k (T, Hk, D) with row strides; weights (D,) bf16; cos/sin
+ * (T, D/2) float32 contiguous. Outputs bf16: q_out (T, Hq, D) contiguous, k_out at k_out_ld
+ * per token (e.g. the first half of a [k | v] cache row). Tokens lo .. hi - 1.
+ */
+#include "fixed_order.h"
+
+#define ROPE_MAX_D 1024
+
+static void norm_rope_row(const uint16_t *x, const float *w, const float *c, const float *s,
+                          int D, float eps, int gptj, uint16_t *out) {
+    float xf[ROPE_MAX_D], y[ROPE_MAX_D];
+    for (int d = 0; d < D; d++) xf[d] = bf16_to_f32(x[d]);
+    const float ss = dot8(xf, xf, D);
+    const float rs = 1.0f / sqrtf(ss / (float)D + eps);
+    for (int d = 0; d < D; d++) y[d] = bf16_to_f32(f32_to_bf16((xf[d] * rs) * w[d]));
+    const int h = D / 2;
+    if (!gptj) {
+        for (int i = 0; i < h; i++) {
+            out[i] = f32_to_bf16(y[i] * c[i] - y[i + h] * s[i]);
+            out[i + h] = f32_to_bf16(y[i + h] * c[i] + y[i] * s[i]);
+        }
+    } else {
+        for (int i = 0; i < h; i++) {
+            out[2 * i] = f32_to_bf16(y[2 * i] * c[i] - y[2 * i + 1] * s[i]);
+            out[2 * i + 1] = f32_to_bf16(y[2 * i + 1] * c[i] + y[2 * i] * s[i]);
+        }
+    }
+}
+
+int skyrl_qk_norm_rope(const uint16_t *q, int64_t q_ld, int Hq, const uint16_t *k, int64_t k_ld,
+                       int Hk, const uint16_t *qw, const uint16_t *kw, const float *cos_,
+                       const float *sin_, int D, float eps, int gptj, uint16_t *q_out,
+                       uint16_t *k_out, int64_t k_out_ld, int64_t lo, int64_t hi) {
+    if (D < 2 || D % 2 || D > ROPE_MAX_D) return -1;
+    float qwf[ROPE_MAX_D], kwf[ROPE_MAX_D];
+    for (int d = 0; d < D; d++) { qwf[d] = bf16_to_f32(qw[d]); kwf[d] = bf16_to_f32(kw[d]); }
+    const int h = D / 2;
+    for (int64_t t = lo; t < hi; t++) {
+        const float *c = cos_ + t * h, *s = sin_ + t * h;
+        for (int j = 0; j < Hq; j++)
+            norm_rope_row(q + t * q_ld + (int64_t)j * D, qwf, c, s, D, eps, gptj,
+                          q_out + (t * Hq + j) * (int64_t)D);
+        for (int j = 0; j < Hk; j++)
+            norm_rope_row(k + t * k_ld + (int64_t)j * D, kwf, c, s, D, eps, gptj,
+                          k_out + t * k_out_ld + (int64_t)j * D);
+    }
+    return 0;
+}
