@@ -63,7 +63,8 @@ def attention_spec(q, k, v, causal: bool = True, scale: float | None = None,
     g = H // Hkv
     scale32 = _c(D ** -0.5 if scale is None else float(scale))
     lens = _kv_lens(kv_lens, B, Skv)
-    out = torch.empty((B, H, Sq, Dv), dtype=_F32)
+    o_dtype = q.dtype if q.dtype in _CODES else _F32
+    out = torch.empty((B, H, Sq, Dv), dtype=o_dtype)
     kf = k.float().repeat_interleave(g, dim=1)        # (B, H, Skv, D)
     vf = v.float().repeat_interleave(g, dim=1)
     for i0 in range(0, Sq, q_chunk):
@@ -167,7 +168,8 @@ def _forward(q, k, v, causal, scale, block_n, kv_lens) -> torch.Tensor:
         return attention_spec(q, k, v, causal, scale, block_n, kv_lens)
     lens = _kv_lens(kv_lens, B, Skv).contiguous()
     qo, ko, vo = _operand(q), _operand(k), _operand(v)
-    out = torch.empty((B, H, Sq, Dv), dtype=_F32)
+    o_dtype = q.dtype if q.dtype in _CODES else _F32
+    out = torch.empty((B, H, Sq, Dv), dtype=o_dtype)
     sc = D ** -0.5 if scale is None else float(scale)
     # (the scale is rounded to binary32 once, as the spec's scale tensor)
     args = []
@@ -175,10 +177,11 @@ def _forward(q, k, v, causal, scale, block_n, kv_lens) -> torch.Tensor:
         args += [t.data_ptr(), _CODES[t.dtype], t.stride(0), t.stride(1), t.stride(2)]
 
     def run(lo: int, hi: int) -> None:
-        rc = lib.skyrl_attention_fwd(*args, out.data_ptr(), lens.data_ptr(), B, H, Hkv, Sq, D, Dv,
+        rc = lib.skyrl_attention_fwd(*args, out.data_ptr(), _CODES[o_dtype], lens.data_ptr(),
+                                     B, H, Hkv, Sq, D, Dv,
                                      int(bool(causal)), sc, int(block_n), lo, hi)
         if rc != 0:
             raise RuntimeError(f"skyrl_attention_fwd refused its sizes (rc {rc})")
 
     parallel(run, B * Hkv, B * H * Sq * (Skv if not causal else (Skv + 1) / 2) * (D + Dv))
-    return out if q.dtype == _F32 else out.to(q.dtype)
+    return out if out.dtype == q.dtype else out.to(q.dtype)

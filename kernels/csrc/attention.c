@@ -56,7 +56,7 @@ SCORES(4)
 SCORES(8)
 
 /* q, k, v: base pointers with element strides (b, h, s); the last dim is contiguous.
- * dtype codes: 0 = float32, 1 = bfloat16. out: float32 contiguous [B, H, Sq, Dv].
+ * dtype codes: 0 = float32, 1 = bfloat16. out: contiguous [B, H, Sq, Dv] of out_dtype.
  * Computes the rows of the (sequence, KV head) pairs pair_lo .. pair_hi - 1 (pair = b * Hkv +
  * kv head): each KV head's g = H / Hkv query heads x Sq queries (query-major: row r is query
  * r / g of head r % g). A pair's keys and values are read (bfloat16: converted, exactly) once
@@ -67,7 +67,7 @@ SCORES(8)
 int skyrl_attention_fwd(const void *q, int q_dtype, int64_t q_sb, int64_t q_sh, int64_t q_ss,
                         const void *k, int k_dtype, int64_t k_sb, int64_t k_sh, int64_t k_ss,
                         const void *v, int v_dtype, int64_t v_sb, int64_t v_sh, int64_t v_ss,
-                        float *out, const int64_t *kv_lens,
+                        void *out, int out_dtype, const int64_t *kv_lens,
                         int B, int H, int Hkv, int Sq, int D, int Dv, int causal, float scale,
                         int block_n, int64_t pair_lo, int64_t pair_hi) {
     if (block_n < 1 || block_n > MAX_BLOCK || D > MAX_D || Dv > MAX_D || Hkv < 1 || H % Hkv)
@@ -79,7 +79,7 @@ int skyrl_attention_fwd(const void *q, int q_dtype, int64_t q_sb, int64_t q_sh, 
     float s[TILE][MAX_BLOCK];
     float m[TILE], l[TILE];
     int64_t nk[TILE];
-    float *orow[TILE];
+    int64_t orow[TILE];
     float *kbuf = NULL, *vbuf = NULL;
     int64_t cap = 0;
     int rc = 0;
@@ -123,7 +123,7 @@ int skyrl_attention_fwd(const void *q, int q_dtype, int64_t q_sb, int64_t q_sh, 
                 int64_t n = causal ? (L - Sq + i + 1) : L;
                 nk[t] = n > L ? L : n;
                 if (nk[t] > nmax) nmax = nk[t];
-                orow[t] = out + (((int64_t)b * H + h) * Sq + i) * Dv;
+                orow[t] = (((int64_t)b * H + h) * Sq + i) * Dv;
                 load_row(qf[t], q, b * q_sb + h * q_sh + i * q_ss, q_dtype, D);
                 m[t] = -INFINITY;
                 l[t] = 0.f;
@@ -177,11 +177,17 @@ int skyrl_attention_fwd(const void *q, int q_dtype, int64_t q_sb, int64_t q_sh, 
                 }
             }
             for (int t = 0; t < nt; t++) {
-                float *o = orow[t];
+                float *a = acc[t];
                 if (nk[t] <= 0) {
-                    for (int d = 0; d < Dv; d++) o[d] = 0.f;
+                    for (int d = 0; d < Dv; d++) a[d] = 0.f;
                 } else {
-                    for (int d = 0; d < Dv; d++) o[d] = acc[t][d] / l[t];
+                    for (int d = 0; d < Dv; d++) a[d] = a[d] / l[t];
+                }
+                if (out_dtype == 0) {
+                    memcpy((float *)out + orow[t], a, (size_t)Dv * 4);
+                } else {                 /* rounded once, to nearest even */
+                    uint16_t *o = (uint16_t *)out + orow[t];
+                    for (int d = 0; d < Dv; d++) o[d] = f32_to_bf16(a[d]);
                 }
             }
         }
