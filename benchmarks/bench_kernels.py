@@ -56,3 +56,62 @@ def test_attention_prefill(benchmark, S):
     benchmark.extra_info["stock_over_invariant"] = round(stock / inv, 3)
     print(f"\nattention prefill S={S}: stock sdpa {stock * 1e3:.3f} ms, invariant {inv * 1e3:.3f} ms, "
           f"ratio {stock / inv:.2f}")
+
+
+@pytest.mark.parametrize("S", [65, 200])
+def test_attention_decode_padded_batch(benchmark, S):
+    """The engine's decode step: 16 requests, one query each, bf16 K/V as the cache holds them
+    (a padded batch with kv_lens), against SDPA on the same tensors (no padding)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(16, 4, 1, 64, generator=g).bfloat16()
+    k, v = (torch.randn(16, 2, S, 64, generator=g).bfloat16() for _ in range(2))
+    lens = torch.full((16,), S)
+    kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    stock = _best(lambda: sdpa(q, kr, vr), reps=20)
+    benchmark(lambda: cpu.attention(q, k, v, True, None, 64, lens))
+    inv = _best(lambda: cpu.attention(q, k, v, True, None, 64, lens), reps=20)
+    benchmark.extra_info["stock_over_invariant"] = round(stock / inv, 3)
+    print(f"\nattention decode 16 x S={S}: stock sdpa {stock * 1e6:.0f} us, invariant {inv * 1e6:.0f} us, "
+          f"ratio {stock / inv:.2f}")
+
+
+@pytest.mark.parametrize("M,N", [(16, 128), (4096, 1024)])
+def test_rms_norm(benchmark, M, N):
+    """The fused fixed-order RMSNorm vs the same formula in stock torch ops."""
+    x, w = torch.randn(M, N).bfloat16(), torch.randn(N).bfloat16()
+
+    def stock_norm():
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6) * w.float()).bfloat16()
+    stock = _best(stock_norm, reps=20)
+    benchmark(lambda: cpu.rms_norm(x, w, 1e-6))
+    inv = _best(lambda: cpu.rms_norm(x, w, 1e-6), reps=20)
+    benchmark.extra_info["stock_over_invariant"] = round(stock / inv, 3)
+    print(f"\nrms_norm {M}x{N}: stock {stock * 1e6:.0f} us, invariant {inv * 1e6:.0f} us, "
+          f"ratio {stock / inv:.2f}")
+
+
+def test_qk_norm_rope_fused(benchmark):
+    """Qwen3's per-head norms + RoPE + cache row, fused kernel vs the unfused invariant ops
+    (same bits), 16 decode tokens, 4 query + 2 KV heads of 64."""
+    from skyrl_numerics.trainer.invariant import blocks
+
+    T, Hq, Hk, D = 16, 4, 2, 64
+    q, k = torch.randn(T, Hq, D).bfloat16(), torch.randn(T, Hk, D).bfloat16()
+    v = torch.randn(T, Hk * D).bfloat16()
+    qw, kw = torch.randn(D).bfloat16(), torch.randn(D).bfloat16()
+    rope = blocks.Rope(D, 1.0 / (1e4 ** (torch.arange(0, D, 2, dtype=torch.float32) / D)))
+    pos = torch.arange(T) + 100
+    cs = rope.cos_sin(pos)
+
+    def unfused():
+        qk = rope(blocks.rms_norm_heads([(q, qw), (k, kw)], 1e-6), pos, cs)
+        return qk[:, :Hq], torch.cat([qk[:, Hq:].reshape(T, -1), v], -1)
+    with torch.no_grad():
+        base = _best(unfused, reps=20)
+        benchmark(lambda: blocks.qk_norm_rope_rows(q, k, v, qw, kw, 1e-6, rope, cs))
+        inv = _best(lambda: blocks.qk_norm_rope_rows(q, k, v, qw, kw, 1e-6, rope, cs), reps=20)
+    benchmark.extra_info["unfused_over_fused"] = round(base / inv, 3)
+    print(f"\nqk_norm_rope T={T}: unfused {base * 1e6:.0f} us, fused {inv * 1e6:.0f} us, "
+          f"ratio {base / inv:.2f}")

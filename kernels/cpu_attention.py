@@ -177,11 +177,48 @@ def _forward(q, k, v, causal, scale, block_n, kv_lens) -> torch.Tensor:
         args += [t.data_ptr(), _CODES[t.dtype], t.stride(0), t.stride(1), t.stride(2)]
 
     def run(lo: int, hi: int) -> None:
-        rc = lib.skyrl_attention_fwd(*args, out.data_ptr(), _CODES[o_dtype], lens.data_ptr(),
+        rc = lib.skyrl_attention_fwd(*args, None, 0, out.data_ptr(), _CODES[o_dtype], lens.data_ptr(),
                                      B, H, Hkv, Sq, D, Dv,
                                      int(bool(causal)), sc, int(block_n), lo, hi)
         if rc != 0:
             raise RuntimeError(f"skyrl_attention_fwd refused its sizes (rc {rc})")
 
     parallel(run, B * Hkv, B * H * Sq * (Skv if not causal else (Skv + 1) / 2) * (D + Dv))
+    return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def paged_attention(q, k_pool, v_pool, rows, kv_lens, scale: float | None = None,
+                    block_n: int = BLOCK_N) -> torch.Tensor:
+    """Causal attention reading keys and values straight from a paged cache: ``k_pool (S, Hkv,
+    D)`` and ``v_pool (S, Hkv, Dv)`` are views of the cache's slots (any strides with a
+    contiguous last dim), ``rows (B, L)`` int64 the slot of each sequence's keys in order and
+    ``kv_lens (B,)`` how many of them count (the rest of a row of ``rows`` is never read).
+    Bit for bit :func:`attention` over ``k_pool[rows]`` / ``v_pool[rows]`` (tested); without
+    the C library it runs exactly that. No autograd (the engine's decode)."""
+    B, H, Sq, D = q.shape
+    Hkv, Dv = k_pool.shape[1], v_pool.shape[-1]
+    L = rows.shape[1]
+    lib = native.lib()
+    if lib is None or block_n > MAX_BLOCK or max(D, Dv) > MAX_D or 0 in (B, H, Sq, Dv):
+        def gathered(pool):
+            return pool.index_select(0, rows.reshape(-1)).view(B, L, Hkv, -1).transpose(1, 2)
+        return _forward(q, gathered(k_pool), gathered(v_pool), True, scale, block_n, kv_lens)
+    lens = _kv_lens(kv_lens, B, L).contiguous()
+    rows = rows.contiguous()
+    qo, ko, vo = _operand(q), _operand(k_pool), _operand(v_pool)
+    o_dtype = q.dtype if q.dtype in _CODES else _F32
+    out = torch.empty((B, H, Sq, Dv), dtype=o_dtype)
+    sc = D ** -0.5 if scale is None else float(scale)
+    args = [qo.data_ptr(), _CODES[qo.dtype], qo.stride(0), qo.stride(1), qo.stride(2)]
+    for t in (ko, vo):        # (b stride unused: rows give each key's slot)
+        args += [t.data_ptr(), _CODES[t.dtype], 0, t.stride(1), t.stride(0)]
+
+    def run(lo: int, hi: int) -> None:
+        rc = lib.skyrl_attention_fwd(*args, rows.data_ptr(), rows.stride(0), out.data_ptr(),
+                                     _CODES[o_dtype], lens.data_ptr(), B, H, Hkv, Sq, D, Dv, 1,
+                                     sc, int(block_n), lo, hi)
+        if rc != 0:
+            raise RuntimeError(f"skyrl_attention_fwd refused its sizes (rc {rc})")
+
+    parallel(run, B * Hkv, B * H * Sq * L * (D + Dv))
     return out if out.dtype == q.dtype else out.to(q.dtype)

@@ -144,7 +144,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, i32, f32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     fn = lib.skyrl_attention_fwd
     fn.restype = i32
-    fn.argtypes = ([vp, i32, i64, i64, i64] * 3 + [vp, i32, vp]
+    fn.argtypes = ([vp, i32, i64, i64, i64] * 3 + [vp, i64, vp, i32, vp]
                    + [i32] * 7 + [f32, i32, i64, i64])
     fn = lib.skyrl_rms_norm_fwd
     fn.restype = i32

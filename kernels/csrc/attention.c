@@ -57,6 +57,9 @@ SCORES(8)
 
 /* q, k, v: base pointers with element strides (b, h, s); the last dim is contiguous.
  * dtype codes: 0 = float32, 1 = bfloat16. out: contiguous [B, H, Sq, Dv] of out_dtype.
+ * Paged (rows != NULL): k and v are pools of rows, key j of sequence b being pool row
+ * rows[b * rows_ld + j] (element offset row * k_ss + kv head * k_sh; k_sb unused), the same
+ * values as a gather of those rows would give.
  * Computes the rows of the (sequence, KV head) pairs pair_lo .. pair_hi - 1 (pair = b * Hkv +
  * kv head): each KV head's g = H / Hkv query heads x Sq queries (query-major: row r is query
  * r / g of head r % g). A pair's keys and values are read (bfloat16: converted, exactly) once
@@ -67,6 +70,7 @@ SCORES(8)
 int skyrl_attention_fwd(const void *q, int q_dtype, int64_t q_sb, int64_t q_sh, int64_t q_ss,
                         const void *k, int k_dtype, int64_t k_sb, int64_t k_sh, int64_t k_ss,
                         const void *v, int v_dtype, int64_t v_sb, int64_t v_sh, int64_t v_ss,
+                        const int64_t *rows, int64_t rows_ld,
                         void *out, int out_dtype, const int64_t *kv_lens,
                         int B, int H, int Hkv, int Sq, int D, int Dv, int causal, float scale,
                         int block_n, int64_t pair_lo, int64_t pair_hi) {
@@ -89,7 +93,7 @@ int skyrl_attention_fwd(const void *q, int q_dtype, int64_t q_sb, int64_t q_sh, 
         /* this pair's keys and values as float32 rows: in place when stored as float32 */
         const float *K, *V;
         int64_t ksd, vsd;
-        if ((k_dtype != 0 || v_dtype != 0) && L > cap) {
+        if ((k_dtype != 0 || v_dtype != 0 || rows) && L > cap) {
             free(kbuf);
             free(vbuf);
             cap = L;
@@ -97,16 +101,19 @@ int skyrl_attention_fwd(const void *q, int q_dtype, int64_t q_sb, int64_t q_sh, 
             vbuf = (float *)malloc((size_t)cap * Dv * 4);
             if (!kbuf || !vbuf) { rc = -2; break; }
         }
-        if (k_dtype == 0) { K = (const float *)k + b * k_sb + hk * k_sh; ksd = k_ss; }
+        const int64_t *rb = rows ? rows + b * rows_ld : NULL;
+        if (k_dtype == 0 && !rb) { K = (const float *)k + b * k_sb + hk * k_sh; ksd = k_ss; }
         else {
             for (int64_t j = 0; j < L; j++)
-                load_row(kbuf + j * D, k, b * k_sb + hk * k_sh + j * k_ss, k_dtype, D);
+                load_row(kbuf + j * D, k, (rb ? rb[j] * k_ss : b * k_sb + j * k_ss) + hk * k_sh,
+                         k_dtype, D);
             K = kbuf; ksd = D;
         }
-        if (v_dtype == 0) { V = (const float *)v + b * v_sb + hk * v_sh; vsd = v_ss; }
+        if (v_dtype == 0 && !rb) { V = (const float *)v + b * v_sb + hk * v_sh; vsd = v_ss; }
         else {
             for (int64_t j = 0; j < L; j++)
-                load_row(vbuf + j * Dv, v, b * v_sb + hk * v_sh + j * v_ss, v_dtype, Dv);
+                load_row(vbuf + j * Dv, v, (rb ? rb[j] * v_ss : b * v_sb + j * v_ss) + hk * v_sh,
+                         v_dtype, Dv);
             V = vbuf; vsd = Dv;
         }
         for (int64_t r0 = 0; r0 < R; r0 += TILE) {

@@ -175,3 +175,37 @@ def test_without_a_compiler_the_specification_runs(monkeypatch, tmp_path):
     monkeypatch.setenv("SKYRL_NUMERICS_NATIVE", "1")
     with pytest.raises(native.NativeBuildError, match="no-such-cc"):
         native.lib()
+
+
+@settings(max_examples=40, deadline=None)
+@given(B=st.integers(1, 6), Hkv=st.sampled_from([1, 2]), g=st.sampled_from([1, 2, 4]),
+       D=st.sampled_from([16, 64, 72]), dv_cut=st.sampled_from([0, 8]), L=st.integers(1, 150),
+       sq=st.integers(1, 5), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       slot_pad=st.sampled_from([0, 24]), native_on=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_paged_attention_equals_attention_over_the_gathered_rows(B, Hkv, g, D, dv_cut, L, sq, dtype,
+                                                                 slot_pad, native_on, seed):
+    """The engine reads K/V through its slots: the bits of ``attention`` over the gathered rows,
+    garbage in slots past each sequence's length (never read) and in the slot padding."""
+    gen = torch.Generator().manual_seed(seed)
+    Sq, Dv, S = min(sq, L), D - dv_cut, 400
+    width = Hkv * (D + Dv)
+    slots = torch.randn(S, width + slot_pad, generator=gen).to(dtype)        # the cache's slots
+    k_pool = slots[:, :Hkv * D].unflatten(1, (Hkv, D))
+    v_pool = slots[:, Hkv * D:width].unflatten(1, (Hkv, Dv))
+    S = max(S, B * L)
+    slots = torch.cat([slots, torch.randn(S - slots.shape[0], slots.shape[1], generator=gen).to(dtype)])
+    k_pool = slots[:, :Hkv * D].unflatten(1, (Hkv, D))
+    v_pool = slots[:, Hkv * D:width].unflatten(1, (Hkv, Dv))
+    rows = torch.randperm(S, generator=gen)[:B * L].view(B, L)   # each slot one sequence's
+    lens = torch.randint(Sq, L + 1, (B,), generator=gen)
+    for b in range(B):
+        slots[rows[b, int(lens[b]):]] = float("nan")
+    q = torch.randn(B, Hkv * g, Sq, D, generator=gen).to(dtype)
+    with pytest.MonkeyPatch.context() as mp:
+        if not native_on:              # the fallback: gather, then the kernel's specification
+            mp.setattr(native, "lib", lambda: None)
+        got = ca.paged_attention(q, k_pool, v_pool, rows, lens)
+    kg = k_pool[rows].transpose(1, 2)
+    vg = v_pool[rows].transpose(1, 2)
+    want = ca.attention_spec(q, kg, vg, True, None, 64, lens)
+    assert torch.equal(_bits(got), _bits(want))

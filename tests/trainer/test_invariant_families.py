@@ -51,8 +51,9 @@ class PagedEngine:
     """What the vLLM model does with its cache, without vLLM: rows stored as bytes in a slot store
     (blocks of 16 in a shuffled order), requests stepped in chunks, equal query counts batched."""
 
-    def __init__(self, model, block=16, seed=0):
+    def __init__(self, model, block=16, seed=0, paged_read=False):
         self.m, self.block = model, block
+        self.paged_read = paged_read   # the CPU engine's read of bf16 rows in place (attn_core_paged)
         self.store = {}        # layer -> uint8 [slots, row_bytes]
         self.rng = np.random.default_rng(seed)
         self.tables: dict[int, list[int]] = {}
@@ -84,12 +85,19 @@ class PagedEngine:
             for js in groups.values():
                 lens = [chunks[j][2] + len(chunks[j][1]) for j in js]
                 L = max(lens)
-                data = torch.zeros(len(js), L, m.kv.row_bytes, dtype=torch.uint8)
-                for b, j in enumerate(js):
-                    data[b, :lens[b]] = st[self._slots(chunks[j][0], 0, lens[b])]
-                R = m.kv.decode(i, data)
                 Q = torch.stack([q[qsl[j]:qsl[j + 1]] for j in js])
-                o = m.attn_core(i, Q, R, torch.tensor(lens) if len(js) > 1 else None)
+                kl = torch.tensor(lens) if len(js) > 1 else None
+                if self.paged_read:
+                    idx = torch.zeros(len(js), L, dtype=torch.long)   # padding: slot 0, unread
+                    for b, j in enumerate(js):
+                        idx[b, :lens[b]] = self._slots(chunks[j][0], 0, lens[b])
+                    o = m.attn_core_paged(i, Q, st.view(m.kv.dtype), idx, kl)
+                else:
+                    data = torch.zeros(len(js), L, m.kv.row_bytes, dtype=torch.uint8)
+                    for b, j in enumerate(js):
+                        data[b, :lens[b]] = st[self._slots(chunks[j][0], 0, lens[b])]
+                    R = m.kv.decode(i, data)
+                    o = m.attn_core(i, Q, R, kl)
                 if out is None:
                     out = q.new_zeros((q.shape[0],) + tuple(o.shape[2:]))
                 for b, j in enumerate(js):
@@ -98,14 +106,16 @@ class PagedEngine:
         return m.forward_tokens(ids, pos, attend)
 
 
-@pytest.mark.parametrize("family,kv", CASES)
-def test_paged_chunked_decode_equals_trainer_forward(ckpt, family, kv):
+@pytest.mark.parametrize("family,kv,paged_read", [(f, k, False) for f, k in CASES]
+                         + [(f, "auto", True) for f in FORMATS])
+def test_paged_chunked_decode_equals_trainer_forward(ckpt, family, kv, paged_read):
     """Three requests: chunked prefill (chunks of 7 and 13 scheduled beside other requests'
     decodes), then token-by-token decode in one batch — every token's hidden state equals the
-    trainer's full-sequence forward of that request, bit for bit."""
+    trainer's full-sequence forward of that request, bit for bit; also with the rows read in
+    place through the slots (``paged_read``, what the CPU engine does for bf16 rows)."""
     m = _model(ckpt, family, kv)
     seqs = [_ids(n, 10 + n) for n in (30, 19, 41)]
-    eng = PagedEngine(m, seed=len(kv))
+    eng = PagedEngine(m, seed=len(kv), paged_read=paged_read)
     got = {r: [] for r in range(3)}
     with torch.no_grad():
         # step 1: request 0 prefill 20, request 1 prefill 7

@@ -14,7 +14,10 @@ family's :class:`~skyrl_numerics.trainer.invariant.kv_format.KVFormat` (K/V for 
 ``num_kv_heads = ceil(row_bytes / (2 · 64 · itemsize))`` heads of 64 so a slot holds a row. Per
 step this model writes the new rows at ``slot_mapping`` (``encode``), reads each request's rows
 back through its block table (``decode``), and calls the family's ``attn_core`` — the trainer
-calls the same ``attn_core`` on the same decoded rows.
+calls the same ``attn_core`` on the same decoded rows. On CPU with the ``auto`` format (rows
+stored as they are) the family's ``attn_core_paged`` instead hands the cache's slots and each
+request's slot list to the attention kernel, which reads the rows in place (the same values,
+so the same bits: tested).
 
 MLA checkpoints are handed to vLLM with ``model_type`` overridden (``skyrl_invariant_<type>``):
 for a DeepSeek ``model_type`` vLLM would switch to its own MLA cache handling, and on CPU without
@@ -174,15 +177,21 @@ class _SkyrlInvariantForCausalLM(nn.Module):
         cache = self._slots(i)
         cache[slots] = self.kv.encode(i, rows[:n]).view(cache.dtype)
         out = None
+        # bf16/fp16 rows on CPU: the kernel reads them in the cache, through the slots
+        pool = (cache.view(self.kv.dtype) if q.device.type == "cpu" and self.kv.format == "auto"
+                else None)
         for nreq, qidx, sq, L, kv_lens, idx in groups:
-            data = cache.index_select(0, idx)                     # (3x faster than cache[idx])
-            R = self.kv.decode(i, data.view(nreq, L, -1).view(torch.uint8))
-            if qidx is None and q.shape[0] == n:        # one group: every token, in order
-                o = self.core.attn_core(i, q.view(nreq, sq, *q.shape[1:]), R, kv_lens)
-                return o.reshape(-1, *o.shape[2:])
-            if qidx is None:
+            if qidx is None and q.shape[0] != n:
                 qidx = torch.arange(n, device=q.device)
-            o = self.core.attn_core(i, q[qidx].view(nreq, sq, *q.shape[1:]), R, kv_lens)
+            qg = (q if qidx is None else q[qidx]).view(nreq, sq, *q.shape[1:])
+            if pool is not None:
+                o = self.core.attn_core_paged(i, qg, pool, idx.view(nreq, L), kv_lens)
+            else:
+                data = cache.index_select(0, idx)                 # (3x faster than cache[idx])
+                R = self.kv.decode(i, data.view(nreq, L, -1).view(torch.uint8))
+                o = self.core.attn_core(i, qg, R, kv_lens)
+            if qidx is None:                            # one group: every token, in order
+                return o.reshape(-1, *o.shape[2:])
             if out is None:
                 out = q.new_zeros((q.shape[0],) + tuple(o.shape[2:]))
             out[qidx] = o.reshape(-1, *o.shape[2:])

@@ -174,6 +174,30 @@ class InvariantCausalLM(nn.Module):
                   kv_lens: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def attn_core_paged(self, layer: int, q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
+                        kv_lens: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`attn_core` over ``pool[slots]`` (``pool [S, width]``: a paged cache's rows in
+        the model dtype, ``slots [n, L]`` each request's slots in order), reading the rows in
+        place where the family knows how (its ``_paged_kv``) — bit for bit the gathered rows'
+        result (tested)."""
+        views = self._paged_kv(pool)
+        if views is None:
+            n, L = slots.shape
+            return self.attn_core(layer, q, pool.index_select(0, slots.reshape(-1)).view(n, L, -1),
+                                  kv_lens)
+        from skyrl_numerics.kernels.cpu_attention import paged_attention
+
+        k_pool, v_pool = views
+        lens = kv_lens if kv_lens is not None else torch.full((slots.shape[0],), slots.shape[1])
+        return paged_attention(q.transpose(1, 2), k_pool, v_pool, slots, lens,
+                               self.scale).transpose(1, 2)
+
+    def _paged_kv(self, pool: torch.Tensor):
+        """``(k_pool [S, Hkv, D], v_pool [S, Hkv, Dv])`` views of the cache rows for the paged
+        kernel (what :meth:`attn_core` makes of a row: keys, values), or None (gather, then
+        :meth:`attn_core`)."""
+        return None
+
     def rope_cos_sin(self, positions: torch.Tensor):
         """``self.rope.cos_sin(positions)``, computed once per :meth:`forward_tokens` (every
         layer rotates at the same positions)."""

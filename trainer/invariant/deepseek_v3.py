@@ -195,6 +195,10 @@ class InvariantDeepseekV3(InvariantCausalLM):
         o = self.attention_op(q.transpose(1, 2), kv, kv, self.scale, kv_lens)
         return o[..., :R].transpose(1, 2)
 
+    def _paged_kv(self, pool):
+        kv = pool.unsqueeze(1)                       # one KV head: the latent row
+        return kv, kv[..., :self.dims.kv_lora_rank]
+
     def attention(self, i: int, x: torch.Tensor, positions: torch.Tensor,
                   attend: Attend) -> torch.Tensor:
         d, p = self.dims, f"model.layers.{i}.self_attn."

@@ -125,6 +125,12 @@ class InvariantQwen3Moe(InvariantCausalLM):
                               kv_lens)
         return o.transpose(1, 2)
 
+    def _paged_kv(self, pool):
+        d = self.dims
+        s = d.kv_heads * d.head_dim
+        return (pool[:, :s].unflatten(1, (d.kv_heads, d.head_dim)),
+                pool[:, s:2 * s].unflatten(1, (d.kv_heads, d.head_dim)))
+
     def attention(self, i: int, x: torch.Tensor, positions: torch.Tensor,
                   attend: Attend) -> torch.Tensor:
         d, p = self.dims, f"model.layers.{i}.self_attn."
