@@ -149,6 +149,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.skyrl_rms_norm_fwd
     fn.restype = i32
     fn.argtypes = [vp, i32, i64, vp, i32, i64, vp, i32, vp, i64, i64, i32, f32]
+    fn = lib.skyrl_moe_gather
+    fn.restype = i32
+    fn.argtypes = [vp, i64, i32, vp, vp, i64, vp, i64, i32]
+    fn = lib.skyrl_moe_combine
+    fn.restype = i32
+    fn.argtypes = [vp, i64, i32, vp, vp, i64, i32, vp]
     fn = lib.skyrl_qk_norm_rope
     fn.restype = i32
     fn.argtypes = [vp, i64, i32, vp, i64, i32, vp, vp, vp, vp, i32, f32, i32, vp, vp, i64, i64, i64]

@@ -405,11 +405,17 @@ def test_grouped_experts_are_the_per_expert_loop_bitwise(T, E, k, h, inter, seed
         _grouped_vs_loop(blocks, T, E, k, h, inter, seed)
 
 
+@pytest.mark.parametrize("native_on", [True, False])
 @pytest.mark.parametrize("unused", [0, 1, 2])
-def test_dense_expert_blocks_are_the_per_expert_loop_bitwise(unused, monkeypatch):
+def test_dense_expert_blocks_are_the_per_expert_loop_bitwise(unused, native_on, monkeypatch):
     """A decode step of a small MoE (every expert in one block, >= 3/4 of them used) runs the
-    weight stacks in place, unused experts on zero blocks: the loop's bits all the same."""
+    weight stacks in place, unused experts on zero blocks: the loop's bits all the same — with
+    the C gather/combine (``moe_rows.c``) and without the library (torch ops)."""
+    from skyrl_numerics.kernels import fixed_order
     from skyrl_numerics.trainer.invariant import blocks
+
+    if not native_on:
+        monkeypatch.setattr(fixed_order, "lib", lambda: None)
 
     g = torch.Generator().manual_seed(unused)
     E, T, k, h, inter = 8, 16, 2, 128, 64

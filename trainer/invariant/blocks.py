@@ -345,16 +345,11 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
             and not (torch.is_grad_enabled() and x.requires_grad)):
         first = expert(0)[0]
         if not (torch.is_grad_enabled() and first.requires_grad):
-            out = _grouped_expert_rows(x, ids, expert, num_experts)
-        else:
-            out = _looped_expert_rows(x, ids, expert)
+            return _grouped_expert_rows(x, ids, expert, num_experts, weights=weights)
+        out = _looped_expert_rows(x, ids, expert)
     else:
         out = _looped_expert_rows(x, ids, expert)
-    w = weights.to(x.dtype)
-    acc = out[:, 0] * w[:, 0:1]
-    for s in range(1, k):
-        acc = acc + out[:, s] * w[:, s:s + 1]
-    return acc
+    return _combine(out, weights, x.dtype)
 
 
 def _looped_expert_rows(x, ids, expert) -> torch.Tensor:
@@ -413,22 +408,31 @@ def _expert_gemm(a: torch.Tensor, stack: torch.Tensor, blk_index: torch.Tensor, 
     return out
 
 
-def _grouped_expert_rows(x, ids, expert, E: int) -> torch.Tensor:
+def _grouped_expert_rows(x, ids, expert, E: int, weights=None) -> torch.Tensor:
     """The rows of :func:`_looped_expert_rows`, all experts at once: the (token, slot) pairs are
     sorted by expert (stable), each expert's rows padded to whole ``ROW_BLOCK`` blocks, and every
     block runs against its expert's weight — gate and up in one call, down in a second. When
     every expert fits one block and at least 3/4 of them are in use (a decode step of a small
     MoE), each expert gets block ``e`` (a zero block when unused: computed, never read) and
     the weight stacks are used in place instead of gathered per block; a block's GEMM is the
-    same either way, so are its bits (tested against the loop)."""
+    same either way, so are its bits (tested against the loop).
+
+    With ``weights`` (bf16 ``x``, the C library built): :func:`routed_experts`' weighted sum
+    ``[T, H]`` instead of the rows — the rows' gather into blocks and the slot-order sum run in
+    C (``kernels/csrc/moe_rows.c``: the same conversions and bf16 roundings as the torch ops,
+    tested bitwise)."""
     from skyrl_numerics.kernels import cpu
+    from skyrl_numerics.kernels.fixed_order import lib
 
     import numpy as np
 
     T, k = ids.shape
     H = x.shape[-1]
     if T == 0:
-        return torch.zeros(0, k, H, dtype=x.dtype)
+        return torch.zeros(0, k, H, dtype=x.dtype) if weights is None else torch.zeros(0, H, dtype=x.dtype)
+    L = lib() if weights is not None else None
+    if weights is not None and (L is None or x.dtype != torch.bfloat16):
+        return _combine(_grouped_expert_rows(x, ids, expert, E), weights, x.dtype)
     RB = cpu.ROW_BLOCK
     # the bookkeeping is integer arithmetic on a few hundred ids: numpy, not dozens of tiny
     # torch calls (stable argsort: the same order torch's stable sort gives)
@@ -446,16 +450,23 @@ def _grouped_expert_rows(x, ids, expert, E: int) -> torch.Tensor:
         nblk = np.ones(E, dtype=nblk.dtype)
     first_blk = np.cumsum(nblk) - nblk
     starts = np.cumsum(counts) - counts
-    dest = torch.from_numpy(first_blk[e_sorted] * RB + np.arange(flat.size) - starts[e_sorted])
+    dest_np = (first_blk[e_sorted] * RB + np.arange(flat.size) - starts[e_sorted]).astype(np.int64)
     n = int(nblk.sum())
     blk_expert = np.repeat(np.arange(E), nblk)                       # [n]
     I = expert(0)[0].shape[0]
-    # (index_select / index_copy_ move the same rows as x[i] / a[i] = ..., several times faster)
-    a = torch.zeros(n * RB, H, dtype=torch.float32)
-    a.index_copy_(0, dest, x.index_select(0, torch.from_numpy(order // k)).float())
-    a = a.view(n, RB, H)
+    if L is not None:           # both copies (gate, up) of the zero-padded blocks in one pass
+        xc = x.contiguous()
+        src = (order // k).astype(np.int64)
+        a2 = torch.empty(2 * n, RB, H)
+        L.skyrl_moe_gather(xc.data_ptr(), xc.stride(0), H, src.ctypes.data, dest_np.ctypes.data,
+                           flat.size, a2.data_ptr(), n * RB, 2)
+    else:
+        dest = torch.from_numpy(dest_np)
+        # (index_select / index_copy_ move the same rows as x[i] / a[i] = ..., several times faster)
+        a = torch.zeros(n * RB, H, dtype=torch.float32)
+        a.index_copy_(0, dest, x.index_select(0, torch.from_numpy(order // k)).float())
+        a2 = a.view(n, RB, H).expand(2, n, RB, H).reshape(2 * n, RB, H)
     counts_blk = nblk.tolist()
-    a2 = a.expand(2, n, RB, H).reshape(2 * n, RB, H)
     if dense:
         g, u = cpu._gemm_blocks(a2, gu).split(n)
     else:
@@ -464,7 +475,25 @@ def _grouped_expert_rows(x, ids, expert, E: int) -> torch.Tensor:
     h = (silu(g[..., :I].to(x.dtype)) * u[..., :I].to(x.dtype)).float()
     y = (cpu._gemm_blocks(h.contiguous(), dn) if dense else
          _expert_gemm(h.contiguous(), dn, torch.from_numpy(blk_expert), counts_blk))
-    rows = y.view(n * RB, -1).index_select(0, dest)[:, :H].to(x.dtype)   # sorted (token, slot)
+    y = y.view(n * RB, -1)
+    if L is not None:
+        rowmap = np.empty(flat.size, dtype=np.int64)
+        rowmap[order] = dest_np                       # the block row of pair (t, s) = t k + s
+        wf = weights.float().contiguous()
+        out = torch.empty(T, H, dtype=x.dtype)
+        L.skyrl_moe_combine(y.data_ptr(), y.stride(0), H, rowmap.ctypes.data, wf.data_ptr(), T, k,
+                            out.data_ptr())
+        return out
+    rows = y.index_select(0, torch.from_numpy(dest_np))[:, :H].to(x.dtype)   # sorted (token, slot)
     out = torch.empty(T * k, H, dtype=x.dtype)
     out.index_copy_(0, torch.from_numpy(order), rows)
     return out.view(T, k, H)
+
+
+def _combine(out: torch.Tensor, weights: torch.Tensor, dtype) -> torch.Tensor:
+    """``sum_s out[:, s] * weights[:, s]`` in slot order, weights cast to ``dtype`` first."""
+    w = weights.to(dtype)
+    acc = out[:, 0] * w[:, 0:1]
+    for s in range(1, out.shape[1]):
+        acc = acc + out[:, s] * w[:, s:s + 1]
+    return acc
