@@ -55,6 +55,22 @@ SCORES(2)
 SCORES(4)
 SCORES(8)
 
+/* A (sequence b, KV head hk) pair's L key (or value) rows of n values as float32 rows: the
+ * tensor itself when it is float32 and strided (*sd = its row stride), else converted into buf
+ * (*sd = n). rb: the pair's slot list (paged), or NULL. */
+static const float *kv_rows(const void *t, int dtype, int64_t sb, int64_t sh, int64_t ss,
+                            const int64_t *rb, int64_t b, int hk, int64_t L, int n, float *buf,
+                            int64_t *sd) {
+    if (dtype == 0 && !rb) {
+        *sd = ss;
+        return (const float *)t + b * sb + hk * sh;
+    }
+    for (int64_t j = 0; j < L; j++)
+        load_row(buf + j * n, t, (rb ? rb[j] * ss : b * sb + j * ss) + hk * sh, dtype, n);
+    *sd = n;
+    return buf;
+}
+
 /* q, k, v: base pointers with element strides (b, h, s); the last dim is contiguous.
  * dtype codes: 0 = float32, 1 = bfloat16. out: contiguous [B, H, Sq, Dv] of out_dtype.
  * Paged (rows != NULL): k and v are pools of rows, key j of sequence b being pool row
@@ -102,20 +118,8 @@ int skyrl_attention_fwd(const void *q, int q_dtype, int64_t q_sb, int64_t q_sh, 
             if (!kbuf || !vbuf) { rc = -2; break; }
         }
         const int64_t *rb = rows ? rows + b * rows_ld : NULL;
-        if (k_dtype == 0 && !rb) { K = (const float *)k + b * k_sb + hk * k_sh; ksd = k_ss; }
-        else {
-            for (int64_t j = 0; j < L; j++)
-                load_row(kbuf + j * D, k, (rb ? rb[j] * k_ss : b * k_sb + j * k_ss) + hk * k_sh,
-                         k_dtype, D);
-            K = kbuf; ksd = D;
-        }
-        if (v_dtype == 0 && !rb) { V = (const float *)v + b * v_sb + hk * v_sh; vsd = v_ss; }
-        else {
-            for (int64_t j = 0; j < L; j++)
-                load_row(vbuf + j * Dv, v, (rb ? rb[j] * v_ss : b * v_sb + j * v_ss) + hk * v_sh,
-                         v_dtype, Dv);
-            V = vbuf; vsd = Dv;
-        }
+        K = kv_rows(k, k_dtype, k_sb, k_sh, k_ss, rb, b, hk, L, D, kbuf, &ksd);
+        V = kv_rows(v, v_dtype, v_sb, v_sh, v_ss, rb, b, hk, L, Dv, vbuf, &vsd);
         for (int64_t r0 = 0; r0 < R; r0 += TILE) {
             const int nt = (int)((R - r0) < TILE ? (R - r0) : TILE);
             int64_t nmax = 0;
