@@ -180,6 +180,7 @@ if triton is not None:
                 y = x * tl.math.div_rn(tl.math.div_rn(1.0, p1), s)[:, None]
             else:
                 y = tl.math.div_rn(x, f[:, None])
+        y = tl.where(y != y, 0.0, y)   # 0 * inf (the multiplier overflows on tiny globals): 0, as the reference
         y = tl.minimum(tl.maximum(y, -6.0), 6.0)
         q = _signed(_round_mag(tl.abs(y), 1, 0, 6.0), y)
         if CONV == 2 or CONV == 6:     # modelopt decodes code 0b1000 as +0
@@ -195,6 +196,9 @@ SUPPORTED = ("fp8_block", "mxfp8", "mxfp4", "nvfp4")
 _ELEM = {"e4m3fn": (3, -6, 448.0, 8), "e5m2": (2, -14, 57344.0, 15), "e2m1": (1, 0, 6.0, 2)}
 _CONV = {"vllm": 0, "te": 1, "modelopt": 2, "torchao": 3, "compressed_tensors": 4, "torchao<0.17": 5,
          "modelopt<0.45": 6}
+#: the options each kernel implements; any other (a static ``scale`` / ``global_scale``, ...) is refused
+OPTIONS = {"fp8_block": ("block", "eps", "ue8m0"), "mxfp8": ("elem", "scale_mode"), "mxfp4": ("scale_mode",),
+           "nvfp4": ("convention", "global_amax", "tile")}
 
 
 def _nvfp4_globals(x: torch.Tensor, convention: str, global_amax) -> torch.Tensor | None:
@@ -228,12 +232,17 @@ def fake_quant_triton(x: torch.Tensor, recipe: str, *, clip_mask: bool = False, 
     Bitwise equal to ``fake_quant(x, recipe, **opts)`` for finite ``x`` whose last dimension is a
     multiple of the block. Supported: ``fp8_block`` (``block=(1, 128)``, ``eps``, ``ue8m0``),
     ``mxfp8`` (``elem``, ``scale_mode``), ``mxfp4`` (``scale_mode``), ``nvfp4`` (``convention``,
-    ``global_amax``, ``tile=(1, 16)``).
+    ``global_amax``, ``tile=(1, 16)``); any other option (``global_scale``, a static ``scale``) is an
+    ``InputError``, never silently ignored.
     """
     if triton is None:
         raise InputError("the Triton fast path needs the 'triton' package", field="recipe")
     if recipe not in SUPPORTED:
         raise InputError(f"no Triton kernel for recipe {recipe!r}; supported: {SUPPORTED}", field="recipe")
+    bad = sorted(k for k, v in opts.items() if v is not None and k not in OPTIONS[recipe])
+    if bad:
+        raise InputError(f"the Triton {recipe} kernel does not implement option(s) {bad} (it takes "
+                         f"{list(OPTIONS[recipe])}); use fake_quant", field=bad[0])
     blk = {"fp8_block": 128, "mxfp8": 32, "mxfp4": 32, "nvfp4": 16}[recipe]
     if recipe == "fp8_block" and tuple(opts.get("block", (1, 128))) != (1, 128):
         raise InputError("the Triton fp8_block kernel does 1x128 tiles; use the reference for 2-D blocks",

@@ -53,6 +53,33 @@ def test_kernel_bitwise_equals_reference(case, dtype):
         assert torch.equal(mask.bool(), (x.float() >= lo) & (x.float() <= hi))
 
 
+@pytest.mark.parametrize("conv", ["vllm", "te", "modelopt", "torchao", "compressed_tensors", "torchao<0.17"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_tiny_tensors_equal_reference(conv, dtype):
+    """Subnormal and tiny tensors: the global is so small that element multipliers overflow to inf
+    and exact zeros meet ``0 * inf`` (the reference encodes them as 0), MX scale code 0 blocks."""
+    from skyrl_numerics.quant.triton_fq import fake_quant_triton
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 64, generator=g)
+    x[:, ::5] = 0
+    x[0, 1::5] = -0.0
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    for scale in (2.0 ** -100, 2.0 ** -120, 1e-38, 1e-40, 1e-42):
+        xs = (x * scale).to(dtype)
+        cases = [("nvfp4", {"convention": conv})] + ([("mxfp8", {}), ("mxfp8", {"elem": "e5m2"}), ("mxfp4", {}),
+                                                       ("mxfp8", {"scale_mode": "rceil"})] if conv == "vllm" else [])
+        for recipe, opts in cases:
+            assert torch.equal(fake_quant_triton(xs, recipe, **opts).view(bits),
+                               fake_quant(xs, recipe, **opts).view(bits)), (recipe, opts, scale)
+
+
+def test_kernel_refuses_options_it_does_not_implement():
+    from skyrl_numerics.errors import InputError
+    from skyrl_numerics.quant.triton_fq import fake_quant_triton
+    with pytest.raises(InputError, match="global_scale"):
+        fake_quant_triton(torch.ones(2, 16), "nvfp4", convention="torchao", global_scale=1e-3)
+
+
 def test_triton_ste_gradients():
     from skyrl_numerics.quant.triton_fq import ste_fake_quant_triton
     x = torch.randn(4, 64) * 4
