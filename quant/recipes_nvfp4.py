@@ -33,6 +33,26 @@ vLLM give -0; both modelopt conventions decode it as modelopt does.
     g = fl(A / 2688) (per_tensor_scale);   s = e4m3(clamp(fl(fl(a / 6) / g), 2^-6, 448))
     y = e2m1(clamp(x * fl(fl(1 / g) / s), +-6));   x_hat = y * fl(g * s)
 
+Bitwise equal to torchao 0.18 (``nvfp4_quantize``, ``NVFP4Tensor``) for every finite fp32 / bf16
+input, subnormals included, **except where torchao makes a NaN out of finite numbers**: its E2M1
+cast (``f32_to_f4_unpacked``, bit arithmetic without NaN handling) turns that NaN into a code set
+by the NaN's bit pattern, i.e. by the hardware (x86's default NaN 0xFFC00000 -> 0b1011 = -1.5;
+CUDA's 0x7FFFFFFF would give 0b0100 = +2, computed from that function, not run on a GPU here):
+
+* ``x = +-0`` where ``r = fl(fl(1/g)/s)`` overflows to inf (every block once ``g <= 2^-128``,
+  i.e. ``A <= 2688 * 2^-128 ~ 7.9e-36``; blocks with ``g * s <~ 2^-128`` for ``g`` up to
+  ``2^-122``): torchao ``0 * inf = NaN``, ours code 0 (a NaN element input is 0). The non-zero
+  elements of such a block saturate to +-6 in both. Measured on a [64, 32] tensor of random
+  values below the dtype's smallest normal (``g = 4.4e-42``): bf16 27 of 2048 codes differ (the
+  27 elements bf16 rounds to +-0), fp32 0 (no exact zeros); with a third of each block scaled by
+  2^-10 (flushed to 0 in bf16) 706 of 2048; scales 0 of 128.
+* ``g = 0`` (an all-zero tensor, an amax ``A <= 1344 * 2^-149`` whose ``fl(A/2688)`` underflows,
+  or ``global_scale=0``): ours is the zero-global rule below; torchao divides by 0 (scale 448 and
+  codes +-6 where ``fl(a/6) > 0``, NaN scales and NaN codes where ``fl(a/6) = 0``). An all-zero
+  [64, 32] tensor: all 2048 codes and 128 scales differ.
+
+tests/quant/test_vendor_subnormal.py predicts each such element (hypothesis, any finite tensor).
+
 ``torchao<0.17`` — the same scales, elements by division: ``y = e2m1(x / fl(g * s))``.
 
 ``compressed_tensors`` — compressed-tensors ``nvfp4-pack-quantized`` (``generate_gparam``,
@@ -52,8 +72,11 @@ stores scale 1.0, compressed_tensors 0.125, torchao 2^-6, vllm/te 0.
 ``global_scale`` in the returned QTensor is what each convention keeps: vllm/modelopt/torchao
 ``g = A/2688`` (checkpoint ``weight_scale_2`` / ``input_scale``), te the amax ``A``,
 compressed_tensors the encode scale ``G``.
-An all-zero tensor (``A = 0``) gives zero codes, zero block scales and ``g = 0`` in every
-convention (the upstream formulas would divide 0/0 there).
+A zero global (an all-zero tensor; for vllm / modelopt / torchao also an amax whose
+``fl(A/2688)`` underflows to 0, ``A <= 1344 * 2^-149``; or ``global_scale=0``) gives zero codes,
+zero block scales, a stored global of 0 and a zero output in every convention (the upstream
+formulas would divide by 0 there). compressed_tensors' ``G = 2688 / max(A, FLT_MIN)`` is never 0
+from data: an all-zero tensor gets ``G = 1`` and block scales 0.125, as compressed-tensors does.
 """
 from __future__ import annotations
 
@@ -167,7 +190,7 @@ def _decode_factor(conv: str, s: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     if conv == "te":
         return (s * g) * RCP_2688
     if conv == "compressed_tensors":
-        return s / g
+        return torch.where(g == 0, torch.zeros_like(s), s / g)      # global_scale=0: zero, not 0/0
     return s * g
 
 
