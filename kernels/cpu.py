@@ -22,12 +22,28 @@ What this module does instead:
     are computed in fp32 (exact products) and rounded once, like the Triton kernels. The calls
     go through ``baddbmm`` (not ``mm``/``addmm``/``bmm``), so this can serve as the override of
     those ops without recursing.
-  * row reductions: rows cut into chunks of ``CHUNK`` (below torch's 32768 parallel grain, so
-    one thread owns a chunk) and the chunk sums folded left to right.
+  * zero padding of the reduced dimension changes no bits either (a right-padded batch: the
+    keys of a short sequence inside a longer batch, whose probabilities are 0): ``bmm`` cuts K
+    into chunks of ``K_CHUNK`` (128) at fixed positions, each chunk one GEMM of exactly that
+    depth (zero-padded), and folds the chunk products left to right (measured on this MKL: a
+    GEMM of depth K <= 192 accumulates in k order, so trailing zeros are exact no-ops, while
+    from ~193 (AVX2) / ~305 (AVX-512) on the K-blocking moves with K and 45 % of zero-extended
+    products change bits). ``matmul_2d`` (weights: K is a model dimension) does not chunk.
+  * row sums (:func:`row_sum`): a pairwise tree of IEEE additions at fixed positions — within
+    blocks of ``SUM_BLOCK`` (1024) elements by halving (``x[i] + x[i + h]``), then over the block
+    sums the same way, each level zero-padded to a power of two. A row of n values followed by
+    zeros reduces to the same bits as the n values alone (every extra addition adds +0), the
+    order does not depend on the number of rows, threads or the CPU's vector width, and every
+    operation is a correctly rounded add: the same bits on every ISA. (torch's ``sum`` lands an
+    element in its vectorized body or its scalar tail by the row's length, so trailing zeros
+    change its bits: measured in 30 % of padded softmax rows.)
   * attention and RMSNorm: every row computed on its own by a fixed sequence of binary32
     operations (:mod:`.cpu_attention`, :mod:`.cpu_norm` write them out), in C with a
     bitwise-equal torch specification.
-Everything else used (exp, log, rsqrt, amax, elementwise) is per element or order-free.
+Everything else used (exp, log, amax, + - * /) is per element or order-free and computes an
+element's bits the same in ATen's vectorized body and its scalar tail (tested per ISA:
+``tests/kernels/test_cpu_isa.py``); the ops whose tail rounds differently (sigmoid, silu, gelu,
+softplus, their backwards; bf16 rsqrt) go through :func:`elementwise`.
 """
 from __future__ import annotations
 
@@ -39,7 +55,8 @@ MIN_ROWS = 16          # smallest N (columns) a GEMM is given
 ROW_BLOCK = 16         # rows per GEMM block (fixed: the bits of a row depend on it). 16, not 32:
                        # a decode step of 16 requests is one block, and an expert's few rows
                        # pad to less (same speed per row as 32 on large M up to K = 1024)
-CHUNK = 16384
+K_CHUNK = 128          # bmm depth per GEMM (module doc); below every MKL K-block measured (193+)
+SUM_BLOCK = 1024       # row_sum's first-level block (a power of two)
 _ALIGN = 64            # bytes: operand base addresses MKL sees (its reproducibility condition)
 _PAR_MIN_FLOPS = 1 << 22   # below this a call stays on the calling thread (pool overhead ~50 us)
 
@@ -181,12 +198,32 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -
 def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """a (B, M, K) @ b (B, K, N): each matrix's rows in blocks of ``ROW_BLOCK`` (as
     :func:`matmul_2d`), all blocks of all matrices in one batched call of single-threaded GEMMs,
-    so a row's bits depend neither on M nor on B."""
+    so a row's bits depend neither on M nor on B; K beyond ``K_CHUNK`` in chunks of exactly
+    ``K_CHUNK`` folded left to right, so zero padding of K changes no bits (module doc)."""
     cd = _compute_dtype(a)
     B, M, K = a.shape
     N = b.shape[2]
     if 0 in (B, M, K, N):
         return torch.zeros((B, M, N), dtype=cd).to(out_dtype or a.dtype)
+    if K <= K_CHUNK:
+        out = _bmm_blocks(a, b, cd)
+    else:
+        out = None
+        for lo in range(0, K, K_CHUNK):
+            hi = min(K, lo + K_CHUNK)
+            ac, bc = a[:, :, lo:hi], b[:, lo:hi]
+            if hi - lo < K_CHUNK:                  # the last chunk at the full depth, zero-padded
+                ac = torch.nn.functional.pad(ac.to(cd), (0, K_CHUNK - (hi - lo)))
+                bc = torch.nn.functional.pad(bc.to(cd), (0, 0, 0, K_CHUNK - (hi - lo)))
+            part = _bmm_blocks(ac, bc, cd)
+            out = part if out is None else out.add_(part)
+    return out.to(out_dtype or a.dtype)
+
+
+def _bmm_blocks(a: torch.Tensor, b: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
+    """:func:`bmm` of one depth (no K chunks) in the compute dtype."""
+    B, M, K = a.shape
+    N = b.shape[2]
     blocks, nb = _row_blocks(a)
     Np = -(-max(N, MIN_ROWS) // MIN_ROWS) * MIN_ROWS   # each matrix starts 64-byte aligned
     bp = torch.empty((B, K, Np), dtype=cd) if Np == N else torch.zeros((B, K, Np), dtype=cd)
@@ -204,7 +241,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) 
         else:
             for j in range(nb):
                 out[:, j] = _gemm_blocks(by[:, j].contiguous(), bp)
-    return out.view(B, nb * ROW_BLOCK, Np)[:, :M, :N].to(out_dtype or a.dtype)
+    return out.view(B, nb * ROW_BLOCK, Np)[:, :M, :N]
 
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -222,47 +259,73 @@ VEC_ELEMS = 64       # a multiple of every ATen vector loop step (2 vectors: 32 
 PIECE = 32768        # torch's GRAIN_SIZE: an elementwise call on at most this many elements is one thread
 
 
-def elementwise(fn, x: torch.Tensor) -> torch.Tensor:
-    """``fn(x)`` for a per-element ``fn`` (sigmoid, silu), with every element computed by ATen's
-    vectorized loop. ATen runs the last ``n % (2 · vector width)`` elements of a contiguous
-    loop — and of each thread's chunk — through a scalar version of the op, and for sigmoid and
-    silu that version rounds differently (measured here: ~4 % of fp32 elements differ by an
-    ulp), so an element's bits would depend on the size of the tensor it sits in (a router's
-    ``[T, E]`` scores with E = 8 and T odd) and on the thread count. Here the flattened input is
-    cut into pieces of ``PIECE`` elements (one thread each), the last zero-padded to a multiple
-    of ``VEC_ELEMS``: the same vector code for every element, whatever the shape."""
-    n = x.numel()
-    if n <= PIECE and n % VEC_ELEMS == 0 and x.is_contiguous():
-        return fn(x)
-    flat = x.reshape(-1)
+def elementwise(fn, x: torch.Tensor, *more: torch.Tensor) -> torch.Tensor:
+    """``fn(x, *more)`` for a per-element ``fn`` (sigmoid, silu, gelu, a backward of two
+    inputs), with every element computed by ATen's vectorized loop. ATen runs the last
+    ``n % (2 · vector width)`` elements of a contiguous loop — and of each thread's chunk —
+    through a scalar version of the op, and for sigmoid, silu, gelu and softplus (and bf16
+    rsqrt) that version rounds differently (measured here: ~4 % of fp32 sigmoid/silu elements
+    differ by an ulp; the same on AVX2 and AVX-512), so an element's bits would depend on the
+    size of the tensor it sits in (a router's ``[T, E]`` scores with E = 8 and T odd) and on the
+    thread count. Here the inputs (broadcast to one shape) are flattened and cut into pieces of
+    ``PIECE`` elements (one thread each), the last zero-padded to a multiple of ``VEC_ELEMS``:
+    the same vector code for every element, whatever the shape."""
+    xs = (x, *more)
+    if more:
+        xs = torch.broadcast_tensors(*xs)
+    shape, n = xs[0].shape, xs[0].numel()
+    if n <= PIECE and n % VEC_ELEMS == 0 and all(t.is_contiguous() for t in xs):
+        return fn(*xs)
     padded = -(-n // VEC_ELEMS) * VEC_ELEMS
-    if padded != n:
-        flat = torch.nn.functional.pad(flat, (0, padded - n))
+    flats = [_pad_last(t.reshape(-1), padded) for t in xs]
     if padded <= PIECE:
-        out = fn(flat.contiguous())
+        out = fn(*(f.contiguous() for f in flats))
     else:
-        out = torch.cat([fn(flat[lo:lo + PIECE].contiguous()) for lo in range(0, padded, PIECE)])
-    return out[:n].view(x.shape)
+        out = torch.cat([fn(*(f[lo:lo + PIECE].contiguous() for f in flats))
+                         for lo in range(0, padded, PIECE)])
+    return out[:n].view(shape)
+
+
+def _halve_to_one(x: torch.Tensor) -> torch.Tensor:
+    """(..., P) with P a power of two -> (...): ``x = x[..., :h] + x[..., h:]`` until one."""
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x[..., 0]
+
+
+def _pad_last(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x if x.shape[-1] == n else torch.nn.functional.pad(x, (0, n - x.shape[-1]))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
 
 
 def row_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim of (M, N) in fp32 (fp64 stays fp64), order independent of M."""
-    x = x.to(_compute_dtype(x))
+    """Sum over the last dim in fp32 (fp64 stays fp64; integers and bools sum exactly in int64):
+    the pairwise tree of the module doc. Invariant to the number of rows and to trailing zeros;
+    the same bits on every CPU ISA; a sum of zeros is +0."""
+    if x.is_complex():
+        raise NotImplementedError("batch-invariant sum of a complex tensor")
+    x = x.to(torch.int64 if not x.is_floating_point() else _compute_dtype(x))
     N = x.shape[-1]
-    if N <= CHUNK:
-        return x.sum(-1)
-    nc = -(-N // CHUNK)
-    if nc * CHUNK != N:
-        x = torch.nn.functional.pad(x, (0, nc * CHUNK - N))
-    parts = x.reshape(*x.shape[:-1], nc, CHUNK).sum(-1)
-    total = parts[..., 0]
-    for j in range(1, nc):
-        total = total + parts[..., j]
-    return total
+    if N == 0:
+        return torch.zeros(x.shape[:-1], dtype=x.dtype)
+    P = min(_pow2(N), SUM_BLOCK)
+    nb = -(-N // P)
+    blocks = _halve_to_one(_pad_last(x, nb * P).reshape(*x.shape[:-1], nb, P))
+    total = _halve_to_one(_pad_last(blocks, _pow2(nb)))
+    return total + 0 if total.is_floating_point() else total   # (+0: a -0 total is +0, as padded)
 
 
 def reduce(x: torch.Tensor, dims, keepdim: bool, mean: bool, dtype=None) -> torch.Tensor:
-    """sum/mean over ``dims`` (None = all): kept dims first, reduced dims flattened last."""
+    """sum/mean over ``dims`` (None or empty = all): kept dims first, reduced dims flattened
+    last, then :func:`row_sum`. The result's dtype follows torch: ``dtype``, else int64 for an
+    integer or bool input, else the input's."""
+    if x.dim() == 0:
+        x = x.reshape(1)
+        dims, keepdim = None, False
     nd = x.dim()
     red = sorted({d % nd for d in dims}) if dims else list(range(nd))
     kept = [d for d in range(nd) if d not in red]
@@ -275,7 +338,8 @@ def reduce(x: torch.Tensor, dims, keepdim: bool, mean: bool, dtype=None) -> torc
     out = row_sum(x2)
     if mean:
         out = out / R
-    out = out.to(dtype or x.dtype).reshape([x.shape[d] for d in kept])
+    res_dtype = dtype or (x.dtype if x.is_floating_point() else torch.int64)
+    out = out.to(res_dtype).reshape([x.shape[d] for d in kept])
     if keepdim:
         for d in red:
             out = out.unsqueeze(d)

@@ -5,11 +5,31 @@ present, the CUDA key (the Triton kernels) through ``torch.library.Library("aten
 Autograd is untouched: aten's derivative formulas call mm/bmm/... again and hit the same
 overrides, so backward passes are covered too.
 
-Overridden ops, the same on both keys (``registered_ops("cpu") == registered_ops("cuda")``):
-mm, addmm, bmm (and their .out forms), _grouped_mm (transformers' MoE experts call it),
-_log_softmax, _log_softmax_backward_data, _softmax, _softmax_backward_data, mean.dim.
-(``sum.dim_IntList`` is left stock: the CPU path uses it on rows of at most ``cpu.CHUNK``
-elements, which stock torch reduces invariantly, and overriding it would recurse.)
+Overridden ops, the same on both keys but for the CPU-only ones (``CPU_ONLY``):
+
+* GEMMs: mm, addmm, bmm, baddbmm (and their .out forms), _grouped_mm (transformers' MoE
+  experts call it; megatron-core's attention scores are a baddbmm);
+* reductions: _log_softmax, _log_softmax_backward_data, _softmax, _softmax_backward_data,
+  mean.dim, mean, sum.dim_IntList, sum (CPU: :func:`cpu.row_sum`'s fixed pairwise tree, which trailing
+  zeros — a right-padded batch — do not change);
+* pointwise ops whose CPU scalar tail rounds unlike their vector body (measured per ISA,
+  ``tests/kernels/test_cpu_isa.py``): silu, sigmoid, gelu, softplus, rsqrt and the backwards
+  silu_backward, sigmoid_backward, gelu_backward, softplus_backward (CPU: :func:`cpu.elementwise`
+  computes every element in the vector body; CUDA: the stock kernel, one code path per element);
+* CPU only: _scaled_dot_product_flash_attention_for_cpu and its backward, the ops
+  ``scaled_dot_product_attention`` takes on CPU (:mod:`.cpu_sdpa` writes them with the kernels
+  above; the stock kernel's blocking follows the padded length — measured: rows of a
+  right-padded batch differ from the same rows alone on AVX2, and on AVX-512 from 16 keys on).
+  SDPA's math path (other head sizes, e.g. MLA) decomposes into the ops above by itself. (CUDA
+  SDPA kernels are not covered by the mode.)
+
+Every other op the supported families (HF Qwen3-MoE, DeepSeek-V3, Mixtral, Llama; FSDP and
+megatron-core) reach forward and backward is left stock because it is exact or per element with
+the same bits in the vector body and the tail (add, mul, div, neg, pow, exp, log, sin, cos,
+fp32 rsqrt, where, gather/scatter/index ops, topk/sort, cumsum/histc on integers, embedding);
+the trace and that per-op property are tests (``tests/kernels/test_mode_trace.py``). Parameter
+gradients summed over tokens (embedding_dense_backward, the weight gradients) agree only to
+rounding across micro-batch sizes: they are sums in another association, not per-row results.
 
 The overrides are process-wide (the dispatcher has no per-thread table): the mode is on while
 at least one holder is inside; entering/leaving is reference counted under a lock, so nesting
@@ -25,7 +45,7 @@ import warnings
 
 import torch
 
-from . import cpu
+from . import cpu, cpu_sdpa
 
 _LOCK = threading.Lock()
 _DEPTH = 0
@@ -62,6 +82,19 @@ def _cpu_addmm(bias, a, b, *, beta=1, alpha=1):
 
 def _cpu_bmm(a, b):
     return cpu.bmm(a, b)
+
+
+def _baddbmm(bmm_fn):
+    """aten::baddbmm = beta · self + alpha · (batch1 @ batch2) (beta = 0 ignores self, NaNs
+    included, as torch), the product by ``bmm_fn``; megatron-core's attention scores call it."""
+    def impl(self, batch1, batch2, *, beta=1, alpha=1):
+        prod = bmm_fn(batch1, batch2)
+        if alpha != 1:
+            prod = prod * alpha
+        if beta == 0:
+            return prod.expand(torch.broadcast_shapes(self.shape, prod.shape)).to(self.dtype)
+        return (prod + (self if beta == 1 else self * beta)).to(self.dtype)
+    return impl
 
 
 def _cpu_grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
@@ -122,6 +155,54 @@ def _cpu_mean(x, dim=None, keepdim=False, *, dtype=None):
         raise RuntimeError(f"mean(): expected a floating point input, got {x.dtype}")
     dims = list(dim) if dim is not None else None
     return cpu.reduce(x if dtype is None else x.to(dtype), dims, keepdim, True, dtype)
+
+
+def _cpu_sum(x, dim=None, keepdim=False, *, dtype=None):
+    return cpu.reduce(x if dtype is None else x.to(dtype), list(dim) if dim is not None else None,
+                      keepdim, False, dtype)
+
+
+def _cpu_sum_all(x, *, dtype=None):
+    return _cpu_sum(x, None, False, dtype=dtype)
+
+
+def _pointwise(out_op, n_in: int):
+    """An override computing ``out_op`` (the op's stock ``.out`` / ``.grad_input`` kernel, which
+    the override does not replace) through :func:`cpu.elementwise` on the first ``n_in`` tensor
+    arguments; the rest are passed as they are."""
+    def impl(*args, **kwargs):
+        ts, rest = args[:n_in], args[n_in:]
+        dt = torch.result_type(*ts) if n_in > 1 else ts[0].dtype
+
+        def run(*pieces):
+            res = torch.empty(pieces[0].shape, dtype=dt)
+            return out_op(*pieces, *rest, **kwargs, **{_OUT_NAME[out_op]: res})
+        return cpu.elementwise(run, *ts)
+    return impl
+
+
+_A = torch.ops.aten
+_OUT_NAME = {_A.silu.out: "out", _A.sigmoid.out: "out", _A.gelu.out: "out", _A.softplus.out: "out",
+             _A.rsqrt.out: "out", _A.silu_backward.grad_input: "grad_input",
+             _A.sigmoid_backward.grad_input: "grad_input", _A.gelu_backward.grad_input: "grad_input",
+             _A.softplus_backward.grad_input: "grad_input"}
+_POINTWISE = {"silu": (_A.silu.out, 1), "sigmoid": (_A.sigmoid.out, 1), "gelu": (_A.gelu.out, 1),
+              "softplus": (_A.softplus.out, 1), "rsqrt": (_A.rsqrt.out, 1),
+              "silu_backward": (_A.silu_backward.grad_input, 2),
+              "sigmoid_backward": (_A.sigmoid_backward.grad_input, 2),
+              "gelu_backward": (_A.gelu_backward.grad_input, 2),
+              "softplus_backward": (_A.softplus_backward.grad_input, 2)}
+
+
+def _stock_pointwise(out_op, n_in: int):
+    """CUDA: the stock kernel through its ``.out`` form (one code path for every element)."""
+    def impl(*args, **kwargs):
+        ts = args[:n_in]
+        dt = torch.result_type(*ts) if n_in > 1 else ts[0].dtype
+        shape = torch.broadcast_shapes(*(t.shape for t in ts))
+        res = torch.empty(shape, dtype=dt, device=ts[0].device)
+        return out_op(*args, **kwargs, **{_OUT_NAME[out_op]: res})
+    return impl
 
 
 # --------------------------------------------------------------------------- CUDA kernels
@@ -196,12 +277,24 @@ def _cuda_kernels() -> dict:
         return tl_reduce.reduce(x if dtype is None else x.to(dtype),
                                 list(dim) if dim is not None else None, keepdim, True, dtype)
 
+    def sum_(x, dim=None, keepdim=False, *, dtype=None):
+        """Floating sums: the Triton row reduction; integer sums are exact in any order."""
+        if not (x if dtype is None else x.to(dtype)).is_floating_point():
+            res = torch.empty(0, dtype=dtype or torch.int64, device=x.device)
+            return _A.sum.IntList_out(x, dim, keepdim, dtype=dtype, out=res)
+        return tl_reduce.reduce(x if dtype is None else x.to(dtype),
+                                list(dim) if dim is not None else None, keepdim, False, dtype)
+
     return {"mm": mm, "addmm": addmm, "bmm": bmm,
             "_log_softmax": log_softmax, "_log_softmax_backward_data": log_softmax_bwd,
             "_softmax": softmax, "_softmax_backward_data": softmax_bwd, "mean.dim": mean,
             "_grouped_mm": grouped_mm,
             "mm.out": _out_variant(mm), "addmm.out": _out_variant(addmm),
-            "bmm.out": _out_variant(bmm)}
+            "bmm.out": _out_variant(bmm),
+            "sum.dim_IntList": sum_, "sum": lambda x, *, dtype=None: sum_(x, None, False, dtype=dtype),
+            "mean": lambda x, *, dtype=None: mean(x, None, False, dtype=dtype),
+            "baddbmm": _baddbmm(bmm), "baddbmm.out": _out_variant(_baddbmm(bmm)),
+            **{op: _stock_pointwise(*spec) for op, spec in _POINTWISE.items()}}
 
 
 _CPU_KERNELS = {
@@ -211,7 +304,15 @@ _CPU_KERNELS = {
     "_grouped_mm": _cpu_grouped_mm,
     "mm.out": _out_variant(_cpu_mm), "addmm.out": _out_variant(_cpu_addmm),
     "bmm.out": _out_variant(_cpu_bmm),
+    "sum.dim_IntList": _cpu_sum, "sum": _cpu_sum_all,
+    "mean": lambda x, *, dtype=None: _cpu_mean(x, None, False, dtype=dtype),
+    "baddbmm": _baddbmm(_cpu_bmm), "baddbmm.out": _out_variant(_baddbmm(_cpu_bmm)),
+    **{op: _pointwise(*spec) for op, spec in _POINTWISE.items()},
+    "_scaled_dot_product_flash_attention_for_cpu": cpu_sdpa.flash_attention_for_cpu,
+    "_scaled_dot_product_flash_attention_for_cpu_backward": cpu_sdpa.flash_attention_for_cpu_backward,
 }
+CPU_ONLY = frozenset({"_scaled_dot_product_flash_attention_for_cpu",
+                      "_scaled_dot_product_flash_attention_for_cpu_backward"})
 
 
 def _install(cuda: bool | None = None) -> torch.library.Library:
@@ -263,7 +364,8 @@ def is_batch_invariant_mode_enabled() -> bool:
 
 @contextlib.contextmanager
 def batch_invariant_mode():
-    """Within the block, mm/addmm/bmm/(log_)softmax/mean run batch-invariant kernels."""
+    """Within the block, the ops of :func:`registered_ops` (GEMMs, softmax and sums, the
+    pointwise ops with a scalar tail, SDPA's backend choice) run batch-invariant kernels."""
     _acquire()
     try:
         yield

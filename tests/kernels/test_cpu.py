@@ -78,7 +78,15 @@ def test_bmm_rows_independent_of_batch_and_m_large():
     full = cpu.bmm(a, b)
     assert torch.equal(cpu.bmm(a[3:4], b[3:4]), full[3:4])
     assert torch.equal(cpu.bmm(a[3:4, 100:101], b[3:4]), full[3:4, 100:101])
-    assert torch.equal(cpu.matmul_2d(a[3], b[3]), full[3])
+    # K = 1024 > K_CHUNK: the product of each depth chunk of K_CHUNK, folded left to right
+    chunks = [cpu.matmul_2d(a[3, :, lo:lo + cpu.K_CHUNK], b[3, lo:lo + cpu.K_CHUNK])
+              for lo in range(0, 1024, cpu.K_CHUNK)]
+    want = chunks[0]
+    for c in chunks[1:]:
+        want = want + c
+    assert torch.equal(want, full[3])
+    # K <= K_CHUNK: one GEMM, matmul_2d's bits
+    assert torch.equal(cpu.matmul_2d(a[3, :, :100], b[3, :100]), cpu.bmm(a[:, :, :100], b[:, :100])[3])
 
 
 def test_check_cpu_invariance_holds_here():
