@@ -18,7 +18,8 @@ key/value head; ``scale`` defaults to ``E ** -0.5``)::
     backward (dO given):  p = exp(s - lse)
     dv = bmm(pᵀ, dO),  dp = bmm(dO, vᵀ),  δ = row_sum(dO · out)
     ds = p · (dp - δ),  dq = bmm(ds, k) · scale,  dk = bmm(dsᵀ, q) · scale
-    (GQA: dk, dv of the g query heads of a KV head folded left to right)
+    (GQA: dk, dv of the g query heads of a KV head rounded to the input dtype, then summed as
+    ``cpu.reduce`` sums them: the bits of the ``repeat_kv`` + SDPA path)
 
 ``cpu.bmm`` gives rows independent of the batch and of zero padding of K, ``row_sum`` sums
 independent of trailing zeros, and exp/log compute an element the same in ATen's vector body
@@ -103,14 +104,15 @@ def flash_attention_for_cpu_backward(grad_out, query, key, value, out, logsumexp
     dq = _bmm(ds, kf) * sc
     dk = _bmm(ds.transpose(-1, -2), qf) * sc
     if g > 1:
-        dk, dv = (_fold_groups(t, B, Hkv, g) for t in (dk, dv))
+        dk, dv = _fold_groups(dk, B, Hkv, g, key.dtype), _fold_groups(dv, B, Hkv, g, value.dtype)
     return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
 
 
-def _fold_groups(t: torch.Tensor, B: int, Hkv: int, g: int) -> torch.Tensor:
-    """(B, Hkv·g, S, D) -> (B, Hkv, S, D): the g query heads' terms added left to right."""
-    t = t.view(B, Hkv, g, *t.shape[2:])
-    acc = t[:, :, 0]
-    for j in range(1, g):
-        acc = acc + t[:, :, j]
-    return acc
+def _fold_groups(t: torch.Tensor, B: int, Hkv: int, g: int, dtype: torch.dtype) -> torch.Tensor:
+    """(B, Hkv·g, S, D) -> (B, Hkv, S, D) in ``dtype``: each query head's term rounded to
+    ``dtype``, then summed over the g heads by :func:`cpu.reduce`. That is what the backward of
+    ``repeat_kv`` (expand + reshape, then SDPA without ``enable_gqa``) computes under the mode,
+    so a model gets the same gradient bits whichever of the two GQA paths it takes (transformers
+    takes one with a padding mask and the other without)."""
+    t = t.to(dtype).view(B, Hkv, g, *t.shape[2:])
+    return cpu.reduce(t, [2], False, False)

@@ -204,3 +204,19 @@ def test_sdpa_causal_flag_and_dropout_refused():
         # (SDPA with dropout takes the math path by itself; the CPU flash op refuses it)
         with pytest.raises(NotImplementedError, match="dropout"):
             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.1, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("g", [2, 4])
+def test_sdpa_gqa_and_repeated_kv_give_the_same_bits(g, dtype):
+    """transformers passes K/V heads with ``enable_gqa`` when there is no padding mask and
+    repeats them (repeat_kv) when there is: under the mode both paths give the same bits."""
+    q, k, v, keep = _attn_case(3, 2, 2 * g, 2, [11, 6], 64, dtype)
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(5))
+    with batch_invariant_mode():
+        a = _sdpa(q, k, v, keep, w)
+        kk, vv = (t.detach().clone().requires_grad_(True) for t in (k, v))
+        out = F.scaled_dot_product_attention(q, kk.repeat_interleave(g, 1), vv.repeat_interleave(g, 1),
+                                             attn_mask=keep)
+        (out.double() * w.double()).sum().backward()
+    assert torch.equal(a[0], out.detach()) and torch.equal(a[2], kk.grad) and torch.equal(a[3], vv.grad)
