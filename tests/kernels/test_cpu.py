@@ -7,6 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 from skyrl_numerics.kernels import cpu, ops, reference as ref
 
+pytestmark = pytest.mark.isa   # also run under each lower CPU capability (tests/test_isa_matrix.py)
+
 HS = settings(max_examples=15, deadline=None)
 
 

@@ -19,6 +19,8 @@ from hypothesis import given, settings, strategies as st
 
 from skyrl_numerics.kernels import cpu, cpu_attention as ca, native, reference as ref
 
+pytestmark = pytest.mark.isa   # also run under each lower CPU capability (tests/test_isa_matrix.py)
+
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32)

@@ -12,6 +12,8 @@ from hypothesis import given, settings, strategies as st
 from skyrl_numerics.kernels import cpu, matmul as inv_matmul, reference as ref
 from skyrl_numerics.trainer.invariant import blocks
 
+pytestmark = pytest.mark.isa   # also run under each lower CPU capability (tests/test_isa_matrix.py)
+
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32)

@@ -8,6 +8,8 @@ from hypothesis import given, settings, strategies as st
 
 from skyrl_numerics.kernels import cpu, cpu_norm as cn, native, reference as ref, rms_norm
 
+pytestmark = pytest.mark.isa   # also run under each lower CPU capability (tests/test_isa_matrix.py)
+
 
 def _bits(t):
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32)

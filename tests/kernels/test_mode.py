@@ -13,6 +13,8 @@ from skyrl_numerics.kernels import (batch_invariant_mode, cpu, disable_batch_inv
                                     enable_batch_invariant_cpu, is_batch_invariant_mode_enabled)
 from skyrl_numerics.kernels import mode
 
+pytestmark = pytest.mark.isa   # also run under each lower CPU capability (tests/test_isa_matrix.py)
+
 # what docs/kernels.md and the mode's docstring claim, for both dispatch keys
 CLAIMED = {"mm", "addmm", "bmm", "mm.out", "addmm.out", "bmm.out", "_grouped_mm", "_log_softmax",
            "_log_softmax_backward_data", "_softmax", "_softmax_backward_data", "mean.dim",

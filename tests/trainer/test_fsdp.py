@@ -204,6 +204,7 @@ def test_step_input_errors(batch):
         FSDPTrainer(fp32_model(), TrainerConfig(route_replay=True)).step(r, rewards)
 
 
+@pytest.mark.isa
 def test_batch_invariant_step(batch):
     """The step runs under batch_invariant_mode, forward and backward (MoE expert-weight grads go
     through the grouped-GEMM backward override), and the mode does not change what is computed
@@ -235,6 +236,7 @@ def _per_seq(flat, r: Rollout) -> list:
     return [flat[cu[i]:cu[i + 1]] for i in range(len(r))]
 
 
+@pytest.mark.isa
 def test_batch_invariant_logprobs_identical_for_any_micro_batch(batch):
     """batch_invariant=True: every sequence's logprobs have the same bits whatever micro-batch it
     shares (micro_batch_size 1, 3, 4, 8 = the whole trainer batch of 8; another row order, hence
@@ -286,6 +288,7 @@ def _step_capturing_input_grads(r, rewards, mbs):
     return met, per_seq
 
 
+@pytest.mark.isa
 def test_batch_invariant_step_gradient_contributions_identical(batch):
     """batch_invariant=True, trainer batch of 8: each sequence's contribution to the update's
     backward — the gradient w.r.t. its input embeddings, token by token — has the same bits for

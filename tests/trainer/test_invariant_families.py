@@ -25,6 +25,8 @@ from skyrl_numerics.trainer.invariant import from_checkpoint
 from skyrl_numerics.trainer.invariant.base import invariant_trainer_logprobs
 from skyrl_numerics.trainer.invariant.blocks import Rope, UnsupportedConfig, sigmoid_group_topk
 
+pytestmark = pytest.mark.isa   # also run under each lower CPU capability (tests/test_isa_matrix.py)
+
 FORMATS = {"qwen3_moe": ["auto", "fp8"], "deepseek_v3": ["auto", "fp8", "fp8_ds_mla"]}
 CASES = [(f, k) for f, ks in FORMATS.items() for k in ks]
 

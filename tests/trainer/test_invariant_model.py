@@ -12,6 +12,8 @@ from skyrl_numerics.errors import InputError
 from skyrl_numerics.models import load_hf_model
 from skyrl_numerics.trainer.invariant.qwen3_moe import InvariantQwen3Moe, attend_one_sequence
 
+pytestmark = pytest.mark.isa   # also run under each lower CPU capability (tests/test_isa_matrix.py)
+
 
 @pytest.fixture(scope="module")
 def model(qwen_moe_dir):

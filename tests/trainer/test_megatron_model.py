@@ -275,6 +275,7 @@ def test_grouped_experts_forward_and_qat(group, qwen_moe_dir, hf_sd):
 
 
 @pytest.mark.slow
+@pytest.mark.isa
 def test_batch_invariant_megatron_forward_and_step(group, qwen_moe_dir):
     """Without the mode, micro-batch size changes some logprobs in the last bits (measured: about half of the
     tokens, max 1.4e-6); with it every size gives the same bits."""

@@ -340,6 +340,7 @@ def test_trainer_tp2_ep2_matches_single_rank_and_fsdp(two_ranks, single):
     assert np.abs(got["lp1"] - got["lp0"]).max() > 1e-4  # the step moved the policy
 
 
+@pytest.mark.isa
 def test_batch_invariant_mode_under_megatron_tp2_ep2(two_ranks):
     lps = two_ranks[0]["bi_lps"]
     np.testing.assert_array_equal(lps[4], lps[1])
