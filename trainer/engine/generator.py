@@ -100,6 +100,7 @@ class VLLMGenerator:
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
         self.vocab_size = self.llm.model_config.get_vocab_size()
+        self.engine_host = self._engine_host()
         self.route_info = None
         if capture_routes and self.native_routes:
             cfg = self.llm.model_config
@@ -111,6 +112,15 @@ class VLLMGenerator:
             except Exception:  # e.g. vLLM's model for this MoE has no router capture hook
                 self.close()   # do not leave the engine processes behind
                 raise
+
+    def _engine_host(self) -> dict:
+        """The worker's host report (``skyrl_host_info``, vllm_ext.py): CPU, ISA, torch CPU
+        capability, loaded vLLM kernel build; ``{"error": ...}`` if the worker cannot answer
+        (a worker extension of the user's own without the method)."""
+        try:
+            return self.llm.collective_rpc("skyrl_host_info")[0]
+        except Exception as e:   # informational: never fails the engine
+            return {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"}
 
     # ---------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], *, temperature: float = 1.0,

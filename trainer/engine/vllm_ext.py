@@ -240,6 +240,17 @@ class SkyrlWorkerExtension(WeightSyncWorkerExtension):
     weight loading from :class:`~skyrl_numerics.trainer.sync.vllm.WeightSyncWorkerExtension`
     (vLLM takes one extension class per engine)."""
 
+    def skyrl_host_info(self) -> dict:
+        """This worker's :func:`skyrl_numerics.host.host_info`: its CPU, ISA flags, torch CPU
+        capability and the vLLM kernel library it loaded (the generator asks once at start)."""
+        import json
+
+        from skyrl_numerics.host import host_info
+
+        # plain JSON types only: vLLM's msgpack reply cannot carry e.g. a TorchVersion, and a
+        # reply it cannot encode is never answered (the caller would wait forever)
+        return json.loads(json.dumps(host_info()))
+
     def skyrl_route_capture_start(self) -> dict:
         model = self.model_runner.get_model()
         core = getattr(model, "core", None)
