@@ -115,3 +115,49 @@ def test_qk_norm_rope_fused(benchmark):
     benchmark.extra_info["unfused_over_fused"] = round(base / inv, 3)
     print(f"\nqk_norm_rope T={T}: unfused {base * 1e6:.0f} us, fused {inv * 1e6:.0f} us, "
           f"ratio {base / inv:.2f}")
+
+
+@pytest.mark.parametrize("M,V", [(64, 32768), (16, 151936)])
+def test_row_sum_tree(benchmark, M, V):
+    """cpu.row_sum (the fixed pairwise tree) vs torch's sum over the last dim."""
+    x = torch.randn(M, V)
+    stock = _best(lambda: x.sum(-1))
+    benchmark(lambda: cpu.row_sum(x))
+    inv = _best(lambda: cpu.row_sum(x))
+    benchmark.extra_info["stock_over_invariant"] = round(stock / inv, 3)
+    print(f"\nrow_sum M={M} V={V}: stock sum {stock * 1e3:.3f} ms, tree {inv * 1e3:.3f} ms, ratio {stock / inv:.2f}")
+
+
+@pytest.mark.parametrize("K", [128, 1024])
+def test_bmm_k_chunks(benchmark, K):
+    """cpu.bmm (K in chunks of 128, folded) vs torch.bmm: attention's p @ v over K keys."""
+    a, b = torch.randn(8, 256, K), torch.randn(8, K, 64)
+    stock = _best(lambda: torch.bmm(a, b))
+    benchmark(lambda: cpu.bmm(a, b))
+    inv = _best(lambda: cpu.bmm(a, b))
+    benchmark.extra_info["stock_over_invariant"] = round(stock / inv, 3)
+    print(f"\nbmm 8x256x{K}x64: stock {stock * 1e3:.3f} ms, invariant {inv * 1e3:.3f} ms, ratio {stock / inv:.2f}")
+
+
+@pytest.mark.parametrize("S", [128, 512])
+def test_sdpa_forward_backward_under_the_mode(benchmark, S):
+    """F.scaled_dot_product_attention forward + backward, right-padded batch of 4 (bool mask, GQA
+    2:1): stock CPU flash kernel vs the mode's kernels/cpu_sdpa.py."""
+    from skyrl_numerics.kernels import batch_invariant_mode
+
+    q, k, v = (torch.randn(4, h, S, 64, requires_grad=True) for h in (8, 4, 4))
+    keep = torch.ones(S, S, dtype=torch.bool).tril().expand(4, 1, S, S).clone()
+    keep[1:, :, :, S // 2:] = False
+
+    def run():
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
+        out.sum().backward()
+    stock = _best(run, reps=3)
+
+    def run_mode():
+        with batch_invariant_mode():
+            run()
+    benchmark(run_mode)
+    inv = _best(run_mode, reps=3)
+    benchmark.extra_info["stock_over_invariant"] = round(stock / inv, 3)
+    print(f"\nsdpa fwd+bwd B=4 H=8 S={S}: stock {stock * 1e3:.1f} ms, mode {inv * 1e3:.1f} ms, ratio {stock / inv:.2f}")

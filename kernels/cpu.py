@@ -302,16 +302,45 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+_NATIVE_SUM_MIN = 4096    # elements below which the torch code is as fast as a C call
+
+
+def _row_sum_native(lib, x: torch.Tensor) -> torch.Tensor:
+    """:func:`row_sum` of float32 ``x`` by ``csrc/row_sum.c`` (the same operations), rows split
+    over the CPU kernels' thread pool for large calls (a row is one thread's: no bits change)."""
+    from .fixed_order import parallel
+
+    N = x.shape[-1]
+    x2 = x.reshape(-1, N)
+    if x2.stride(-1) != 1 or x2.stride(0) < N:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], dtype=torch.float32)
+
+    def run(lo: int, hi: int) -> None:
+        if lib.skyrl_row_sum(x2.data_ptr(), x2.stride(0), N, out.data_ptr(), lo, hi) != 0:
+            raise MemoryError("skyrl_row_sum: no memory for its block buffer")
+
+    parallel(run, x2.shape[0], x2.numel())
+    return out.view(x.shape[:-1])
+
+
 def row_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum over the last dim in fp32 (fp64 stays fp64; integers and bools sum exactly in int64):
     the pairwise tree of the module doc. Invariant to the number of rows and to trailing zeros;
-    the same bits on every CPU ISA; a sum of zeros is +0."""
+    the same bits on every CPU ISA; a sum of zeros is +0. Large float32 inputs run the same
+    operations in C (``csrc/row_sum.c``) when the kernels are built."""
     if x.is_complex():
         raise NotImplementedError("batch-invariant sum of a complex tensor")
     x = x.to(torch.int64 if not x.is_floating_point() else _compute_dtype(x))
     N = x.shape[-1]
     if N == 0:
         return torch.zeros(x.shape[:-1], dtype=x.dtype)
+    if x.dtype == torch.float32 and x.numel() >= _NATIVE_SUM_MIN:
+        from . import native
+
+        lib = native.lib()
+        if lib is not None:
+            return _row_sum_native(lib, x)
     P = min(_pow2(N), SUM_BLOCK)
     nb = -(-N // P)
     blocks = _halve_to_one(_pad_last(x, nb * P).reshape(*x.shape[:-1], nb, P))

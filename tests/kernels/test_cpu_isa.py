@@ -220,3 +220,17 @@ def test_sdpa_gqa_and_repeated_kv_give_the_same_bits(g, dtype):
                                              attn_mask=keep)
         (out.double() * w.double()).sum().backward()
     assert torch.equal(a[0], out.detach()) and torch.equal(a[2], kk.grad) and torch.equal(a[3], vv.grad)
+
+
+@pytest.mark.parametrize("shape", [(3, 5000), (2, 151936), (70, 1025), (1, 4096)])
+def test_row_sum_c_kernel_equals_its_torch_code(shape, monkeypatch):
+    from skyrl_numerics.kernels import native
+
+    if native.lib() is None:
+        pytest.skip(f"C kernels not built: {native.unavailable_reason()}")
+    x = torch.randn(*shape) * 30
+    x[..., -7:] = 0
+    got = cpu.row_sum(x)
+    monkeypatch.setattr(cpu, "_NATIVE_SUM_MIN", 1 << 62)
+    assert torch.equal(got.view(torch.int32), cpu.row_sum(x).view(torch.int32))
+    assert torch.equal(got, cpu.row_sum(x[..., :-7]))
