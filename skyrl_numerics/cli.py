@@ -133,6 +133,8 @@ def _cmd_doctor(args) -> int:
         title = (f"trainer vs {res.engine} {res.engine_version} — {who}, "
                  f"{res.settings['n_prompts']}×{args.max_tokens} tokens")
         render_table(res.rows, title, console)
+        if res.host.get("isa_warning"):
+            console.print(res.host["isa_warning"], markup=False)
         write_json(out / "report.json", res.to_dict())
         wrote = [out / "report.json"]
         measured = [r for r in res.rows if r.extra.get("status") == "measured"]
@@ -232,6 +234,8 @@ def _cmd_train(args) -> int:
                       f"{r['clipfrac']:.3f}",
                       f"{r['sync_payload_bytes'] / 1e3:.1f}", f"{r['engine_update_s']:.2f}")
     console.print(t)
+    if res.host.get("isa_warning"):
+        console.print(res.host["isa_warning"], markup=False)
     write_json(out / "train.json", res.to_dict())
     write_loop_plot(out / "train.png", res)
     console.print(f"wrote {plain(out / 'train.json')}, {plain(out / 'train.png')}"
@@ -260,15 +264,30 @@ def _cmd_qat_check(args) -> int:
         from skyrl_numerics.quant import qat_check_base
 
         rep = qat_check_base(args.model_dir, args.base, observer=args.observer, mx_scale_mode=args.mx_scale_mode)
-        dump(rep.to_dict())
+        serving = _cpu_serving(rep.rows)
+        dump({**rep.to_dict(), **serving})
         print(rep.to_text())
-        return 0 if rep.ok else 1
-    from skyrl_numerics.quant import qat_check
+    else:
+        from skyrl_numerics.quant import qat_check
 
-    rep = qat_check(args.model_dir)
-    dump({"model_dir": str(args.model_dir), "ok": rep.ok, "summary": rep.summary(), "rows": rep.rows})
-    print(rep.to_text())
+        rep = qat_check(args.model_dir)
+        serving = _cpu_serving(rep.rows)
+        dump({"model_dir": str(args.model_dir), "ok": rep.ok, "summary": rep.summary(),
+              "rows": rep.rows, **serving})
+        print(rep.to_text())
+    for recipe, why in serving.get("cpu_serving", {}).items():
+        print(f"serving {recipe} on this host's vLLM CPU ({serving['vllm_cpu_build']}): "
+              + ("yes" if why is None else f"no: {why}"))
     return 0 if rep.ok else 1
+
+
+def _cpu_serving(rows) -> dict:
+    """``cpu_serving`` ({recipe: None | why not}) and ``vllm_cpu_build`` for qat-check's output:
+    whether this host's vLLM CPU kernel build serves the checkpoint's formats (skyrl_numerics.host)."""
+    from skyrl_numerics.host import cpu_serving, vllm_capabilities
+
+    got = cpu_serving(r["recipe"] for r in rows)
+    return {"cpu_serving": got, "vllm_cpu_build": vllm_capabilities().get("build")} if got else {}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -32,6 +32,9 @@ class Scenario:
     # doctor loads them into the running engine in place instead of starting another one, and
     # loads the original weights back after sampling
     weights_only: bool = False
+    # vLLM CPU kernels the engine needs (skyrl_numerics.host.FEATURES keys): where the installed
+    # build lacks one, the scenario's rows are skipped, naming the kernel and the host ISA
+    needs: tuple = ()
 
 
 def _fake_quant_serving(recipe: str):
@@ -207,7 +210,7 @@ SCENARIOS[_INT4_ENGINE] = Scenario(
     FULL, _int4_engine_serving,
     "vLLM serves a compressed-tensors pack-quantized INT4 checkpoint (W4A16, group 32) of the "
     "attention projections through its INT4 kernel (CPU: CPUWNA16LinearKernel); the experts stay "
-    "bf16 (vLLM CPU 0.32's INT4 MoE path takes per-channel scales only)")
+    "bf16 (vLLM CPU 0.32's INT4 MoE path takes per-channel scales only)", needs=("w4a16",))
 register_row(Row(f"{_INT4_ENGINE}: plain trainer", _INT4_ENGINE, _plain_trainer(None),
                  families=("qwen3_moe",),
                  note="trainer keeps bf16 attention projections; the engine runs INT4 codes + scales"))
@@ -301,11 +304,14 @@ class DoctorResult:
     model_dir: Path
     settings: dict
     model: dict = field(default_factory=dict)  # path, architecture, config hash, MoE, params
+    # host, engine_host, isa_mismatch, isa_warning (skyrl_numerics.host.host_report)
+    host: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
             "engine": self.engine, "engine_version": self.engine_version,
             "model_dir": str(self.model_dir), "model": self.model, "settings": self.settings,
+            **self.host,
             "rows": [{"name": r.name, **{k: v for k, v in r.extra.items() if not k.startswith("_")},
                       **({"vLLM tok/s beside an engine start": True}
                          if r.extra.get("_vLLM tok/s mark") else {}),
@@ -358,6 +364,10 @@ def skip_reason(row: Row, ctx: DoctorContext) -> str | None:
 
             return (f"no HF router replay for {info.architecture} "
                     f"(routers with replay: {', '.join(sorted(ROUTER_FAMILIES))})")
+    if spec.needs:
+        from skyrl_numerics.host import missing_kernel_reason
+
+        return next((w for w in map(missing_kernel_reason, spec.needs) if w), None)
     return None
 
 
@@ -560,6 +570,7 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
             own_scenarios.add(sc)
     starts = _EngineStarts(plan, os.environ.get("SKYRL_NUMERICS_DOCTOR_PREFETCH", "1") != "0")
     beside_start: dict[str, bool] = {}   # scenario sampled while another engine was starting
+    hosts: list = []   # each engine's own host report (engine_host)
     with Progress(disable=not progress, transient=True) as prog:
         task = prog.add_task("starting vLLM engine", total=len(scenarios) + len(selected))
         gen = None
@@ -578,6 +589,7 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
                         base_tensors = served_ip.base
                         starts.ahead(scenarios, i, lambda: _room_for_engine(ckpt))
                         with served_ip as engine:
+                            hosts.append(getattr(engine, "engine_host", None))
                             engine.generate([[2, 3]], max_tokens=2)   # as every engine: warm-up
                             sc_prompts = prompts or make_prompts(n_prompts, prompt_len,
                                                                  engine.vocab_size, seed)
@@ -602,6 +614,7 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
                             no_routes = _one_line(e)
                             gen = engine = get_generator(model_dir, **ekw, capture_routes=False)
                     starts.ahead(scenarios, i, lambda: _room_for_engine(ckpt))
+                    hosts.append(getattr(engine, "engine_host", None))
                     engine.generate([[2, 3]], max_tokens=2)  # warm-up, so tokens/s compares engines
                     sc_prompts = prompts or make_prompts(n_prompts, prompt_len, engine.vocab_size, seed)
                     beside_start[sc] = starts.busy()
@@ -668,5 +681,10 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
         from skyrl_numerics.trainer.engine.generator import EngineInfo
 
         info = EngineInfo("vllm", vllm.__version__)
+    from skyrl_numerics.host import host_info, host_report, vllm_capabilities
+
+    rep = host_report({**host_info(), "vllm_kernels": vllm_capabilities()}, hosts)
+    if rep["isa_warning"]:
+        log.warning("doctor: %s", rep["isa_warning"])
     return DoctorResult(out_rows, scored, info.name, info.version, model_dir, settings,
-                        model=ckpt.to_dict())
+                        model=ckpt.to_dict(), host=rep)

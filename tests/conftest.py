@@ -17,6 +17,29 @@ sys.path[:] = [p for p in sys.path if p not in ("", ".") and Path(p).resolve() !
 os.environ.setdefault("SKYRL_NUMERICS_CACHE", str(REPO / ".cache"))
 
 
+def pytest_report_header(config):
+    """The ISA these results hold for: torch's CPU capability, the host's ISA flags (and caps set
+    in the environment), the vLLM CPU kernel build this host loads and what it lacks."""
+    from skyrl_numerics import host
+
+    h = host.host_info()
+    flags = " ".join(f for f, on in h["isa_flags"].items() if on) or "none"
+    capped = " ".join(f"{k}={v}" for k, v in h["isa_caps"].items())
+    lines = [f"host: {h['cpu_model']} ({h['cpu_count']} CPUs), ISA {h['isa']} [{flags}], torch CPU "
+             f"capability {h['torch_cpu_capability']}" + (f", capped by {capped}" if capped else "")]
+    try:
+        caps = host.vllm_capabilities()
+    except ValueError as e:   # InputError: a bad SKYRL_NUMERICS_ASSUME_VLLM_BUILD
+        return lines + [f"vLLM: {e}"]
+    if caps.get("error"):
+        lines.append(f"vLLM {caps.get('vllm')}: {caps['error']}")
+    else:
+        lacks = [k for k, f in caps["features"].items() if f["ok"] is False]
+        lines.append(f"vLLM {caps['vllm']}: kernel build {caps['build']} ({caps['decided_by']}); "
+                     f"cannot run: {', '.join(lacks) or 'nothing listed'}")
+    return lines
+
+
 @pytest.fixture(scope="session")
 def qwen_moe_dir() -> Path:
     from skyrl_numerics.models import build_tiny_model

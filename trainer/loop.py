@@ -147,6 +147,10 @@ class GeneratorWorker:
     def generate(self, prompts, **sampling) -> Rollout:
         return self.gen.generate(prompts, **sampling)
 
+    def engine_host(self) -> dict | None:
+        """The engine worker's host report, asked once at engine start (generator.py)."""
+        return getattr(self.gen, "engine_host", None)
+
 
 class TrainerWorker:
     """Owns the policy (fp32 master weights), the optimizer and the delta publisher."""
@@ -221,6 +225,12 @@ class TrainerWorker:
     def logprobs(self, rollout: Rollout) -> np.ndarray:
         return self.trainer.logprobs(rollout)
 
+    def host_info(self) -> dict:
+        """Where the trainer runs (a Ray actor may sit on another machine): host.host_info."""
+        from skyrl_numerics.host import host_info
+
+        return host_info()
+
     def close(self) -> None:
         """Release what the trainer holds process-wide (the megatron trainer's process group)."""
         close = getattr(self.trainer, "close", None)
@@ -285,9 +295,11 @@ class OnPolicyReference:
 class LoopResult:
     settings: dict
     history: dict[str, list[dict]]     # config name -> per-step metrics
+    # host (the trainer's), engine_host, isa_mismatch, isa_warning (skyrl_numerics.host.host_report)
+    host: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {"settings": self.settings, "history": self.history}
+        return {"settings": self.settings, "history": self.history, **self.host}
 
 
 def _remote(cls, use_ray: bool):
@@ -346,6 +358,7 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
     reference = OnPolicyReference(str(model_dir)) if s.measure_grad else None
     truncated = s.top_k > 1 or s.top_p < 1.0
     history: dict[str, list[dict]] = {}
+    trainer_host, engine_hosts = None, []
     sampling = dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                     max_tokens=s.max_tokens, n=s.samples_per_prompt,
                     capture_support=s.top_k > 1)
@@ -357,6 +370,9 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
                 args = (str(model_dir), cfg, sync_dir, s.snapshot_every, backend)
                 trn = Trn.remote(*args) if use_ray else Trn(*args)
                 gen = generator_for(cfg)
+                if trainer_host is None:
+                    trainer_host = get(call(trn, "host_info"))
+                _check_isa(trainer_host, get(call(gen, "engine_host")), engine_hosts)
                 get(call(gen, "attach", sync_dir))
                 rows = history[cfg.name] = []
 
@@ -420,8 +436,26 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
                 ray.kill(gen)
             if started_ray:  # leave the process as we found it
                 ray.shutdown()
+    from skyrl_numerics.host import host_report
+
     return LoopResult(settings={**asdict(s), "task": asdict(task), "use_ray": use_ray, "backend": backend,
-                                "configs": [asdict(c) for c in configs]}, history=history)
+                                "configs": [asdict(c) for c in configs]}, history=history,
+                      host=host_report(trainer_host, engine_hosts))
+
+
+def _check_isa(trainer: dict, engine: dict | None, seen: list) -> None:
+    """Keep each new engine's host report; warn once per engine whose ISA differs from the
+    trainer's (bitwise trainer = engine holds only within one ISA)."""
+    if engine in seen:
+        return
+    seen.append(engine)
+    from skyrl_numerics.host import isa_mismatch
+
+    warning = isa_mismatch(trainer, engine)
+    if warning:
+        import logging
+
+        logging.getLogger("skyrl_numerics.train").warning("%s", warning)
 
 
 def write_loop_plot(path, result: LoopResult) -> None:
