@@ -31,6 +31,16 @@ def test_doctor_writes_ablation_report(tmp_path, vllm_qwen, capsys):
     replay = rows["top-p/top-k: + support replay"]["summary"]
     assert replay["mean_abs"] < 5 * base["mean_abs"] and replay["F_2"] == 0.0
     assert (out / "gap.png").read_bytes()[:4] == b"\x89PNG"
+    # where it ran: the trainer's host and kernel build, and the engine worker's own report (its
+    # process loaded the build the detector names; same torch CPU capability: no mismatch)
+    from skyrl_numerics.host import assumed_build
+
+    h, eh = rep["host"], rep["engine_host"]
+    assert h["torch_cpu_capability"] and h["vllm_kernels"]["build"] in ("_C", "_C_AVX512", "_C_AVX2")
+    assert eh["pid"] != h["pid"] and eh["vllm_build_loaded"] in ("_C", "_C_AVX512", "_C_AVX2")
+    if assumed_build() is None:
+        assert eh["vllm_build_loaded"] == h["vllm_kernels"]["build"]
+    assert eh["torch_cpu_capability"] == h["torch_cpu_capability"] and rep["isa_mismatch"] is False
     # the written rollout is a complete dump: `gap FILE` reproduces the baseline row
     assert main(["gap", str(out / "rollout-full.safetensors"), "--out", str(tmp_path / "g")]) == 0
     again = json.loads((tmp_path / "g" / "report.json").read_text())

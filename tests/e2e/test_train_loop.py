@@ -74,6 +74,9 @@ def test_train_async_one_step_off_policy(tmp_path, vllm_qwen):
     res, _ = _run(tmp_path, "--async", "--configs", "aligned", "--no-grad")
     rows = res["history"]["aligned"]
     assert [r["rollout_lag"] for r in rows] == [0, 1, 1]
+    # train.json records the trainer's host and the engine worker's own report
+    assert res["host"]["torch_cpu_capability"] == res["engine_host"]["torch_cpu_capability"]
+    assert res["engine_host"]["vllm_build_loaded"] and res["isa_mismatch"] is False
     assert rows[0]["gap_mean_abs"] < 0.02
     for r in rows[1:]:
         assert r["gap_mean_abs"] > 10 * rows[0]["gap_mean_abs"], rows
