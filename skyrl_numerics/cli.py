@@ -266,7 +266,6 @@ def _cmd_qat_check(args) -> int:
         rep = qat_check_base(args.model_dir, args.base, observer=args.observer, mx_scale_mode=args.mx_scale_mode)
         serving = _cpu_serving(rep.rows)
         dump({**rep.to_dict(), **serving})
-        print(rep.to_text())
     else:
         from skyrl_numerics.quant import qat_check
 
@@ -274,10 +273,10 @@ def _cmd_qat_check(args) -> int:
         serving = _cpu_serving(rep.rows)
         dump({"model_dir": str(args.model_dir), "ok": rep.ok, "summary": rep.summary(),
               "rows": rep.rows, **serving})
-        print(rep.to_text())
-    for recipe, why in serving.get("cpu_serving", {}).items():
+    for recipe, why in serving.get("cpu_serving", {}).items():   # before the report: its verdict stays last
         print(f"serving {recipe} on this host's vLLM CPU ({serving['vllm_cpu_build']}): "
               + ("yes" if why is None else f"no: {why}"))
+    print(rep.to_text())
     return 0 if rep.ok else 1
 
 
