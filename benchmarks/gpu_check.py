@@ -58,7 +58,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import importlib
-import importlib.abc
 import importlib.util
 import json
 import os
@@ -76,37 +75,10 @@ REPO = Path(__file__).resolve().parents[1]
 SCHEMA = 1
 SECTIONS = ("kernels", "mode", "quant", "matmul_perf", "attention_perf")
 SHARES = {"kernels": 2.0, "mode": 1.5, "quant": 2.0, "matmul_perf": 3.0, "attention_perf": 1.0}
-# the package-dir table of pyproject.toml, used when tomllib cannot read it
-_FALLBACK_DIRS = {"skyrl_numerics": "skyrl_numerics", "skyrl_numerics.kernels": "kernels",
-                  "skyrl_numerics.quant": "quant", "skyrl_numerics.replay": "replay",
-                  "skyrl_numerics.trainer": "trainer"}
+SRC = REPO / "src"
 
 
 # ============================================================================ import bootstrap
-class _RepoFinder(importlib.abc.MetaPathFinder):
-    """Resolve the packages of ``[tool.setuptools.package-dir]`` to this checkout's folders."""
-
-    def __init__(self, dirs: dict[str, Path]):
-        self.dirs = dirs
-
-    def find_spec(self, name, path=None, target=None):
-        d = self.dirs.get(name)
-        if d is None or not (d / "__init__.py").exists():
-            return None
-        return importlib.util.spec_from_file_location(name, d / "__init__.py",
-                                                      submodule_search_locations=[str(d)])
-
-
-def _package_dirs() -> dict[str, Path]:
-    try:
-        import tomllib
-        with open(REPO / "pyproject.toml", "rb") as f:
-            table = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
-    except Exception:  # noqa: BLE001 - any problem: the known layout
-        table = _FALLBACK_DIRS
-    return {name: REPO / d for name, d in table.items()}
-
-
 def _under(origin, folder: Path) -> bool:
     return bool(origin) and Path(origin).resolve().is_relative_to(folder.resolve())
 
@@ -117,9 +89,7 @@ def _installed_here() -> bool:
     ok = False
     try:
         spec = importlib.util.find_spec("skyrl_numerics")          # does not import
-        if spec is not None and _under(spec.origin, REPO / "skyrl_numerics"):
-            kspec = importlib.util.find_spec("skyrl_numerics.kernels")   # imports skyrl_numerics
-            ok = kspec is not None and _under(kspec.origin, REPO / "kernels")
+        ok = spec is not None and _under(spec.origin, SRC / "skyrl_numerics")
     except Exception:  # noqa: BLE001
         ok = False
     if not ok:
@@ -131,14 +101,12 @@ def _installed_here() -> bool:
 def ensure_importable(mode: str = "auto") -> str:
     """Make ``skyrl_numerics`` importable from this checkout without touching torch.
 
-    mode: "auto" (installed if it points here, else the finder), "shim" (always the finder),
-    "install" (pip --no-deps --no-build-isolation -e, then the finder if that fails).
+    mode: "auto" (installed if it points here, else src/ on sys.path), "shim" (always src/ on
+    sys.path), "install" (pip --no-deps --no-build-isolation -e, then src/ if that fails).
     Returns how: "installed", "pip-editable" or "shim".
     """
     if "skyrl_numerics" in sys.modules:
         return "installed"
-    # the repo root must not be on sys.path: its kernels/ would import as a top-level package
-    sys.path[:] = [p for p in sys.path if p not in ("", ".") and Path(p).resolve() != REPO]
     if mode == "auto" and _installed_here():
         return "installed"
     if mode == "install":
@@ -154,7 +122,7 @@ def ensure_importable(mode: str = "auto") -> str:
                 return "pip-editable"
         print(f"pip install -e failed or not visible (rc={proc.returncode}); using the path shim",
               file=sys.stderr)
-    sys.meta_path.insert(0, _RepoFinder(_package_dirs()))
+    sys.path.insert(0, str(SRC))        # the checkout's src/ (what an editable install points at)
     importlib.invalidate_caches()
     return "shim"
 

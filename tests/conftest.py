@@ -8,11 +8,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# The repo root holds folders named kernels/, quant/, replay/, trainer/ that are installed as
-# skyrl_numerics.<name>. With the root on sys.path (`python -m pytest` adds the cwd) they would
-# also import as top-level packages — and transformers probes for a package called `kernels`
-# (in vLLM's worker processes too, which inherit sys.path). Keep the root off sys.path.
-sys.path[:] = [p for p in sys.path if p not in ("", ".") and Path(p).resolve() != REPO]
 # Keep built checkpoints inside the repo's ignored .cache/ unless the user chose a place.
 os.environ.setdefault("SKYRL_NUMERICS_CACHE", str(REPO / ".cache"))
 

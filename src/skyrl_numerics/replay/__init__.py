@@ -9,9 +9,6 @@
 Torch-dependent names load lazily so ``import skyrl_numerics.replay`` needs only numpy.
 """
 
-if __name__ != "skyrl_numerics.replay":  # imported as top-level `replay` (repo root on sys.path)
-    raise ImportError("this folder is the package 'skyrl_numerics.replay'; import it by that name "
-                      "(transformers probes for an unrelated top-level package of this name)")
 from .bitpack import bits_for, pack_bits, unpack_bits
 from .routes import PackedRoutes, id_dtype
 from .support import PackedSupport

@@ -5,10 +5,6 @@ Names load lazily so ``import skyrl_numerics.trainer`` does not import vLLM.
 """
 from __future__ import annotations
 
-if __name__ != "skyrl_numerics.trainer":  # imported as top-level `trainer` (repo root on sys.path)
-    raise ImportError("this folder is the package 'skyrl_numerics.trainer'; import it by that name "
-                      "(transformers probes for an unrelated top-level package of this name)")
-
 import importlib
 
 _EXPORTS = {

@@ -273,10 +273,13 @@ def _cmd_qat_check(args) -> int:
         serving = _cpu_serving(rep.rows)
         dump({"model_dir": str(args.model_dir), "ok": rep.ok, "summary": rep.summary(),
               "rows": rep.rows, **serving})
-    for recipe, why in serving.get("cpu_serving", {}).items():   # before the report: its verdict stays last
+    head, _, rest = rep.to_text().partition("\n")
+    print(head)          # the report's header line first and its verdict last; the serving lines between
+    for recipe, why in serving.get("cpu_serving", {}).items():
         print(f"serving {recipe} on this host's vLLM CPU ({serving['vllm_cpu_build']}): "
               + ("yes" if why is None else f"no: {why}"))
-    print(rep.to_text())
+    if rest:
+        print(rest)
     return 0 if rep.ok else 1
 
 
