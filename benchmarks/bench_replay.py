@@ -7,6 +7,8 @@ Every number is a ratio against a baseline measured in the same process:
 3. a 10-turn trajectory's total route bytes, turn-only deltas vs resending the full prefix every turn.
 4. support_logprobs (vocab-chunked) vs the full-vocab boolean-mask reference at vocab 151,936: time and
    peak extra memory (each run in a fresh subprocess, peak RSS over the inputs' RSS).
+5. the load's digest check (``from_buffer(validate=False)``: header + xxh3-64 over the whole buffer) as a
+   ratio to ``memcpy`` of the same bytes.
 
 Run as a script for the markdown table (``python benchmarks/bench_replay.py [--quick]``) or under
 pytest-benchmark (``pytest benchmarks/bench_replay.py --benchmark-only``).
@@ -86,6 +88,18 @@ def pipeline_throughput(B=16, src_dtype=np.uint8, repeat=5):
                 ratio_to_alloc_copy=t_alloc / t_pipe, ratio_unvalidated_load=t_copy / t_trusted)
 
 
+def digest_check(tokens=1 << 16, repeat=5):
+    """``from_buffer(buf, validate=False)`` (header checks + the xxh3-64 digest of the whole buffer, no id
+    check) vs ``memcpy`` of the same bytes into a preallocated buffer; ratio > 1: the check is faster."""
+    r = PackedRoutes.from_sequences([np.random.default_rng(4).integers(0, E, (tokens, L, K), dtype=np.uint8)], E)
+    buf = r.to_buffer()
+    dst = np.empty_like(buf)
+    t_copy = _best(lambda: np.copyto(dst, buf), repeat)
+    t_load = _best(lambda: PackedRoutes.from_buffer(buf, validate=False), repeat)
+    return dict(MB=buf.nbytes / 1e6, memcpy_GBps=buf.nbytes / t_copy / 1e9, digest_check_GBps=buf.nbytes / t_load / 1e9,
+                ratio_to_memcpy=t_copy / t_load)
+
+
 # ---- 3. multi-turn ---------------------------------------------------------------------------------
 def multi_turn(turns=10, prompt=1024, user=256, response=1024):
     """Engine rows per turn: turn 1 runs prompt + response - 1 positions; each later turn runs the previous
@@ -156,6 +170,14 @@ def test_bench_pipeline_vs_memcpy(benchmark):
     assert back.num_tokens == int(lens.sum())
 
 
+def test_bench_digest_check_vs_memcpy(benchmark):
+    res = digest_check(tokens=1 << 14, repeat=3)
+    benchmark.extra_info.update(res)
+    buf = PackedRoutes.from_sequences([np.zeros((1 << 14, L, K), np.uint8)], E).to_buffer()
+    back = benchmark(PackedRoutes.from_buffer, buf, validate=False)
+    assert back.num_tokens == 1 << 14
+
+
 def test_bench_bytes_and_turns(benchmark):
     benchmark.extra_info.update({f"bytes_{k}": v for k, v in bytes_per_token().items()})
     benchmark.extra_info.update({f"turns_{k}": v for k, v in multi_turn().items()})
@@ -197,6 +219,8 @@ def main(argv=None):
     out.append(_table("pack -> serialize -> load vs memcpy of the same bytes",
                       [pipeline_throughput(B=4 if a.quick else 16, src_dtype=dt, repeat=3 if a.quick else 7)
                        for dt in (np.uint8, np.int32)]))
+    out.append(_table("load's digest check (from_buffer, validate=False) vs memcpy of the same bytes",
+                      [digest_check(tokens=1 << 12 if a.quick else 1 << 16, repeat=3 if a.quick else 7)]))
     out.append(_table("10-turn trajectory: turn-only deltas vs full prefix every turn",
                       [multi_turn(), multi_turn(response=256, user=64)]))
     sm = dict(N=32, H=256, V=151936) if a.quick else dict(N=256, H=1024, V=151936)
