@@ -20,7 +20,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompts", type=int, default=4)
     args = ap.parse_args()
-    os.environ.setdefault("SKYRL_NUMERICS_CACHE",
+    os.environ.setdefault("SKYRL_NUMERICS_CACHE_DIR",
                           os.path.join(os.path.dirname(__file__), "..", ".cache"))
     from skyrl_numerics.models import build_tiny_model
     from skyrl_numerics.trainer.engine.generator import VLLMGenerator

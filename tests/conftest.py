@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# Keep built checkpoints inside the repo's ignored .cache/ unless the user chose a place.
-os.environ.setdefault("SKYRL_NUMERICS_CACHE", str(REPO / ".cache"))
+# Keep built checkpoints, kernels and probes inside the repo's ignored .cache/ unless the user
+# chose a place (SKYRL_NUMERICS_CACHE is the old name of the variable).
+if not os.environ.get("SKYRL_NUMERICS_CACHE"):
+    os.environ.setdefault("SKYRL_NUMERICS_CACHE_DIR", str(REPO / ".cache"))
 
 
 def pytest_report_header(config):

@@ -35,6 +35,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from skyrl_numerics import paths
 from skyrl_numerics.errors import InputError
 
 ASSUME_ENV = "SKYRL_NUMERICS_ASSUME_VLLM_BUILD"
@@ -195,10 +196,8 @@ def _vllm_dir() -> Path | None:
 
 
 def _cache_path(key: dict) -> Path:
-    root = os.environ.get("SKYRL_NUMERICS_CACHE")
-    base = Path(root) if root else Path.home() / ".cache" / "skyrl_numerics"
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return base / "host" / f"vllm-ops-{digest}.json"
+    return paths.cache_dir("host") / f"vllm-ops-{digest}.json"
 
 
 def _probe(build: str | None, vdir: Path) -> dict:

@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from . import paths
 from .atomic import atomic_dir
 
 # Bump when the way checkpoints are produced changes, so stale caches are not reused.
@@ -128,10 +129,8 @@ def tiny_config(family: str = "qwen3_moe", **overrides: Any) -> dict[str, Any]:
 
 
 def default_cache_dir() -> Path:
-    """``$SKYRL_NUMERICS_CACHE/models``, else ``~/.cache/skyrl_numerics/models``."""
-    root = os.environ.get("SKYRL_NUMERICS_CACHE")
-    base = Path(root) if root else Path.home() / ".cache" / "skyrl_numerics"
-    return base / "models"
+    """``models/`` in the cache folder (:func:`skyrl_numerics.paths.cache_dir`)."""
+    return paths.cache_dir("models")
 
 
 def _config_hash(family: str, cfg: dict, seed: int, dtype: str) -> str:

@@ -32,7 +32,7 @@ def no_caps(monkeypatch):
 @pytest.fixture
 def fresh(no_caps, tmp_path):
     """Nor on disk: the probes really load the libraries (a subprocess each)."""
-    no_caps.setenv("SKYRL_NUMERICS_CACHE", str(tmp_path))
+    no_caps.setenv("SKYRL_NUMERICS_CACHE_DIR", str(tmp_path))
     return no_caps
 
 

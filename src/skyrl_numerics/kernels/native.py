@@ -30,6 +30,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from skyrl_numerics import paths
+
 CSRC = Path(__file__).with_name("csrc")
 BASE_FLAGS = ("-O2", "-std=c11", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared")
 FLAGS = ("-O3", "-march=native") + BASE_FLAGS[1:]
@@ -51,11 +53,7 @@ def _mode() -> str:
 
 
 def cache_dir() -> Path:
-    d = os.environ.get("SKYRL_NUMERICS_CACHE_DIR")
-    if d:
-        return Path(d)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "skyrl_numerics"
+    return paths.cache_dir()
 
 
 def _compiler() -> str:
