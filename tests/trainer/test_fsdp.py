@@ -150,8 +150,17 @@ def test_step_with_correction_and_old_logprobs(batch):
     stale = old + np.random.default_rng(1).normal(0, 0.3, old.shape).astype(np.float32)
     met2 = t.step(r, rewards, old_logprobs=stale)
     assert met2["clipfrac"] > 0 and met2["ratio_mean"] != 1.0
-    by_name = FSDPTrainer(fp32_model(), TrainerConfig(correction="token_tis")).step(r, rewards)
-    assert "correction/mean_weight" in by_name
+    # a correction by name (token TIS, default cap 2) on a rollout noisy enough that the cap engages:
+    # its metrics equal w_t = min(exp(log π_old - log π_rollout), 2) computed here in float64
+    rn, _ = make_rollout(noise=0.5, seed=2)
+    by_name = FSDPTrainer(fp32_model(), TrainerConfig(correction="token_tis")).step(rn, rewards)
+    ratio = np.exp(trainer_logprobs(fp32_model(), rn).logprobs.astype(np.float64)
+                   - rn.rollout_logprobs.astype(np.float64))
+    assert 0 < (ratio > 2).mean() < 1
+    assert by_name["correction/mean_ratio"] == pytest.approx(ratio.mean(), rel=1e-6)
+    assert by_name["correction/mean_weight"] == pytest.approx(np.minimum(ratio, 2.0).mean(), rel=1e-6)
+    assert by_name["correction/frac_tokens_clipped"] == pytest.approx((ratio > 2).mean(), abs=1e-9)
+    assert by_name["correction/frac_tokens_masked"] == 0.0
 
 
 def test_step_with_support_and_route_replay(batch):
