@@ -45,7 +45,8 @@ def test_qat_check_on_written_checkpoint(bf16_ckpt, tmp_path, fmt, recipe, opts)
     names = write_quantized_checkpoint(src, tmp_path, fmt, lambda k: ".mlp.experts." in k)
     assert len(names) == 2 * 8 * 3
     cfg = json.loads((tmp_path / "config.json").read_text())
-    assert "quantization_config" in cfg
+    qc = cfg["quantization_config"]   # what vLLM dispatches on: modelopt vs compressed-tensors
+    assert qc["quant_method"] == ("modelopt" if fmt.startswith("modelopt") else "compressed-tensors"), qc
     rep = qat_check(tmp_path)
     assert rep.ok and rep.summary()["tensors"] == 48 and all(r["recipe"] == recipe for r in rep.rows)
     assert "OK" in rep.to_text().splitlines()[0]
