@@ -39,9 +39,9 @@ class Scenario:
 
 def _fake_quant_serving(recipe: str):
     def serve(model_dir: Path) -> Path:
-        from skyrl_numerics.trainer.engine.serving_checkpoint import write_fake_quant_checkpoint
+        from skyrl_numerics.trainer.engine.serving_checkpoint import cached_fake_quant_checkpoint
 
-        return write_fake_quant_checkpoint(model_dir, recipe)
+        return cached_fake_quant_checkpoint(model_dir, recipe)
     return serve
 
 

@@ -7,14 +7,14 @@ from safetensors.torch import load_file
 
 from skyrl_numerics.models import build_tiny_model, load_hf_model
 from skyrl_numerics.quant import apply_qat, fake_quant
-from skyrl_numerics.trainer.engine.serving_checkpoint import qat_rules, write_fake_quant_checkpoint
+from skyrl_numerics.trainer.engine.serving_checkpoint import cached_fake_quant_checkpoint, qat_rules
 
 
 @pytest.mark.parametrize("recipe", ["nvfp4", "int4_g32"])
 def test_served_experts_equal_qat_weights_bitwise(tmp_path, recipe):
     src = build_tiny_model("qwen3_moe", cache_dir=tmp_path, num_hidden_layers=1)
-    out = write_fake_quant_checkpoint(src, recipe)
-    assert write_fake_quant_checkpoint(src, recipe) == out  # cached
+    out = cached_fake_quant_checkpoint(src, recipe)
+    assert cached_fake_quant_checkpoint(src, recipe) == out  # cached
     served = load_file(str(out / "model.safetensors"))
     orig = load_file(str(src / "model.safetensors"))
     qat = load_hf_model(src)

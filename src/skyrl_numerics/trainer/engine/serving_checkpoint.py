@@ -20,7 +20,7 @@ ATTENTION_PATTERN = "*.self_attn.*_proj"
 
 
 def qat_rules(recipe: str, pattern: str = EXPERTS_PATTERN, **opts) -> list:
-    """The ``apply_qat`` rules that reproduce :func:`write_fake_quant_checkpoint`'s grid.
+    """The ``apply_qat`` rules that reproduce :func:`cached_fake_quant_checkpoint`'s grid.
 
     ``recipe`` may name its module patterns itself, ``"RECIPE@PAT1|PAT2"`` (e.g.
     ``"int4_g32@*.self_attn.*_proj"``): one rule per pattern (how the doctor keys a trainer
@@ -78,13 +78,15 @@ def int4_qat_spec(experts: bool = False) -> str:
     return f"int4_g32@{pats}"
 
 
-def write_fake_quant_checkpoint(src_dir: str | os.PathLike, recipe: str, *,
-                                pattern: str = EXPERTS_PATTERN, out_dir=None, **opts) -> Path:
-    """``src_dir`` with the expert weights fake-quantized, cached next to it by recipe.
+def cached_fake_quant_checkpoint(src_dir: str | os.PathLike, recipe: str, *,
+                                 pattern: str = EXPERTS_PATTERN, out_dir=None, **opts) -> Path:
+    """``src_dir`` with the weights of the modules matching ``pattern`` (the experts)
+    fake-quantized: its folder, built once and cached next to ``src_dir`` by recipe.
 
     The tensors are written by :func:`skyrl_numerics.quant.checkpoint.write_fake_quantized_checkpoint`
-    (per 2-D matrix, as ``apply_qat`` quantizes them); here the whole directory is built under a
-    temp name and renamed, so a crash never leaves a half checkpoint where the cache looks.
+    (into a given folder, for the weights a predicate picks, per 2-D matrix as ``apply_qat``
+    quantizes them); here the whole directory is built under a temp name and renamed, so a
+    crash never leaves a half checkpoint where the cache looks.
     """
     from skyrl_numerics.quant.checkpoint import write_fake_quantized_checkpoint
 
