@@ -9,7 +9,10 @@ imported Triton. So the parent never sets it: ``redirect(items, wanted)`` replac
 of the wanted items by a lookup into one child run per test file (``--junitxml``), and each item
 passes, fails (with the child's message) or skips as it did in the child.
 
-Used by tests/kernels/conftest.py and tests/quant/conftest.py (``pytest_collection_modifyitems``).
+Every test marked ``interpreter`` under tests/kernels/ or tests/quant/ runs this way: their
+conftests call ``redirect_marked(items, __file__)`` from ``pytest_collection_modifyitems`` (the one
+child-process mechanism for interpreter tests; tests that compile for a GPU target instead run a
+child with ``TRITON_INTERPRET`` removed, since the interpreter must be off there).
 """
 from __future__ import annotations
 
@@ -80,3 +83,12 @@ def redirect(items, wanted) -> None:
         names = [it.name for it in group]
         for it in group:
             it.runtest = (lambda it=it, names=names: _child_runtest(it, names))
+
+
+def redirect_marked(items, conftest_file: str) -> None:
+    """``redirect`` for the ``interpreter``-marked items in the directory of ``conftest_file``
+    (each conftest redirects its own directory's tests; pytest calls every conftest's hook with
+    all items)."""
+    here = str(Path(conftest_file).resolve().parent)
+    redirect(items, lambda it: str(it.path).startswith(here + os.sep)
+             and it.get_closest_marker("interpreter") is not None)

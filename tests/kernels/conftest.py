@@ -13,9 +13,7 @@ def pytest_configure(config):
 
 @pytest.hookimpl(trylast=True)   # after -k / -m deselection: the child runs only what is selected
 def pytest_collection_modifyitems(config, items):
-    here = __file__.rsplit("/", 1)[0]
-    triton_child.redirect(items, lambda it: str(it.path).startswith(here + "/")
-                          and it.get_closest_marker("interpreter") is not None)
+    triton_child.redirect_marked(items, __file__)
 
 
 @pytest.fixture(autouse=True)

@@ -7,16 +7,13 @@ masks, tile walk and stores, and checks the results against the float64 referenc
 numpy's dot result for a row depends on the row's position in the tile (see ``tl_common``);
 invariance on the MMA hardware is what ``benchmarks/gpu_check.py`` measures on a GPU.
 
-The checks run in a subprocess with ``TRITON_INTERPRET=1`` in its environment only (this file
-executed as a script), so nothing leaks into other tests.
+Marked ``interpreter``: runs in a child pytest with ``TRITON_INTERPRET=1`` in the child's
+environment only (tests/triton_child.py), so nothing leaks into other tests.
 """
-import os
-import subprocess
-import sys
-
 import pytest
 
-pytestmark = [pytest.mark.triton]
+pytestmark = [pytest.mark.triton, pytest.mark.interpreter,
+              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
 
 SMALL = (16, 16, 16, 2, 4, 1)
 
@@ -88,14 +85,5 @@ def run_checks() -> int:
 
 
 def test_tl_dot_branch_in_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "tl.dot branch ok:" in proc.stdout
-
-
-if __name__ == "__main__":
-    import warnings
-    warnings.filterwarnings("ignore", message="invalid value encountered", category=RuntimeWarning)
-    print(f"tl.dot branch ok: {run_checks()} cases")
+    # 5 matmul + 1 bf16 matmul + 3 bmm + 3 grouped + 6 attention + 1 default-tile attention
+    assert run_checks() == 19

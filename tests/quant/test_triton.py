@@ -1,4 +1,7 @@
-"""Triton fake-quant kernels bitwise against the torch recipes (interpreter) + sm_90/sm_100 compile."""
+"""Triton fake-quant kernels bitwise against the torch recipes (interpreter) + sm_90/sm_100 compile.
+
+The ``interpreter``-marked tests run in a child pytest with ``TRITON_INTERPRET=1`` in the child's
+environment only (tests/triton_child.py); the compile test needs the interpreter off."""
 import os
 import subprocess
 import sys
@@ -11,6 +14,7 @@ from skyrl_numerics.quant import fake_quant, quantize
 from skyrl_numerics.quant.ste import representable_range
 
 pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
+interpreter = pytest.mark.interpreter
 
 CASES = [
     ("fp8_block", {}), ("fp8_block", {"ue8m0": True}),
@@ -35,6 +39,7 @@ def _data(seed, dtype):
     return x.to(dtype)
 
 
+@interpreter
 @pytest.mark.parametrize("case", range(len(CASES)), ids=IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_bitwise_equals_reference(case, dtype):
@@ -53,6 +58,7 @@ def test_kernel_bitwise_equals_reference(case, dtype):
         assert torch.equal(mask.bool(), (x.float() >= lo) & (x.float() <= hi))
 
 
+@interpreter
 @pytest.mark.parametrize("conv", ["vllm", "te", "modelopt", "torchao", "compressed_tensors", "torchao<0.17"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_tiny_tensors_equal_reference(conv, dtype):
@@ -73,6 +79,7 @@ def test_kernel_tiny_tensors_equal_reference(conv, dtype):
                                fake_quant(xs, recipe, **opts).view(bits)), (recipe, opts, scale)
 
 
+@interpreter
 def test_kernel_refuses_options_it_does_not_implement():
     from skyrl_numerics.errors import InputError
     from skyrl_numerics.quant.triton_fq import fake_quant_triton
@@ -80,6 +87,7 @@ def test_kernel_refuses_options_it_does_not_implement():
         fake_quant_triton(torch.ones(2, 16), "nvfp4", convention="torchao", global_scale=1e-3)
 
 
+@interpreter
 def test_triton_ste_gradients():
     from skyrl_numerics.quant.triton_fq import ste_fake_quant_triton
     x = torch.randn(4, 64) * 4
