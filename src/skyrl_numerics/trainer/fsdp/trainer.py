@@ -39,9 +39,8 @@ from skyrl_numerics.rollout import Rollout
 
 from ..dist import rank_and_world, shard_rows
 from .forward import PolicyModel, make_micro_batch
-from ..losses import AGGREGATIONS, compute_advantages, masked_mean, ppo_clip_loss, token_advantages
-from ..step_parts import correct_micro_batches, kept_totals
-from ..step_parts import old_logprobs as resolve_old_logprobs
+from ..losses import AGGREGATIONS
+from ..ppo_step import ppo_update
 
 __all__ = ["TrainerConfig", "FSDPTrainer"]
 
@@ -236,68 +235,41 @@ class FSDPTrainer:
 
     # ---- the update -------------------------------------------------------------------------
     def step(self, rollout: Rollout, rewards, *, old_logprobs=None) -> dict:
-        """One policy update on ``rollout`` with per-sequence ``rewards`` [B]; returns metrics.
+        """One policy update on ``rollout`` with per-sequence ``rewards`` [B]; returns metrics
+        (:func:`..ppo_step.ppo_update`: this trainer gives its micro-batches, forward and the
+        all-reduces over its ranks).
 
         ``old_logprobs``: flat ``[Σ response_len]`` log π_old (e.g. :meth:`logprobs` before the
         first of several updates on the same batch); default: see the module doc, step 3.
         """
-        cfg = self.config
-        rewards = np.asarray(rewards, dtype=np.float64).reshape(-1)
-        if rewards.shape != (len(rollout),):
-            raise InputError(f"expected {len(rollout)} rewards (one per sequence), got shape {rewards.shape}",
-                             field="rewards")
         if len(rollout) < self.world_size:  # checked on every rank alike, before any collective
             raise InputError(f"the batch has {len(rollout)} sequences for {self.world_size} ranks; every rank "
                              "needs at least one", field="rows")
-        kw = {"std_normalize": cfg.std_normalize, "eps": cfg.adv_eps} if cfg.advantage == "grpo" else {}
-        seq_adv = compute_advantages(cfg.advantage, torch.from_numpy(rewards), rollout.group_ids, **kw)
-        adv = token_advantages(seq_adv.float(), rollout.response_cu)
         rows = self.local_rows(rollout)
-        mbs = list(self.micro_batches(rollout, rows)) if len(rows) else []
-        rollout_lp = torch.from_numpy(rollout.rollout_logprobs)
-
-        # log π_old, correction and keep mask per micro-batch; the global denominator
-        old_all = resolve_old_logprobs(rollout, old_logprobs, self._correction is not None,
-                                       lambda: self.logprobs(rollout, local_only=True))
-        per_mb, corr_metrics, n_corr_tokens = correct_micro_batches(mbs, self._correction, old_all,
-                                                                    rollout_lp)
-        kept_tok, kept_seq = kept_totals(per_mb)
-        totals = self._all_reduce(torch.tensor([kept_tok, kept_seq], dtype=torch.float64))
-        denom = float(totals[0] if cfg.aggregation == "token_mean" else totals[1])
-
-        # forward / backward per micro-batch
-        stats = torch.zeros(8, dtype=torch.float64)  # loss, low, high, ratio, ent, ppo_kl, n, ratio_max
-        stats[7] = -math.inf
         self.optimizer.zero_grad(set_to_none=True)
-        last = len(per_mb) - 1
-        with self._context():
-            for j, (mb, ti, w, keep) in enumerate(per_mb):
-                if self.sharded:
-                    self.policy.set_requires_gradient_sync(j == last)
-                lp, ent = self._run(mb, rollout)
-                old = lp.detach() if old_all is None else old_all[ti].to(lp.device)
-                dev = lp.device
-                pl = ppo_clip_loss(lp, old, adv[ti].to(dev), mask=None if keep is None else keep.to(dev),
-                                   weights=None if w is None else w.to(dev), eps_low=cfg.eps_low,
-                                   eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, aggregation=cfg.aggregation,
-                                   cu_seqlens=mb.cu_seqlens, denominator=denom)
-                (pl.loss * self.world_size).backward()
-                m, n = pl.metrics, pl.metrics["n_tokens"]
-                if n:  # metrics are means over kept tokens: carry them as sums
-                    ent_mean = float(masked_mean(ent.detach(), None if keep is None else keep.to(dev)))
-                    stats[:7] += torch.tensor([pl.loss.item(), m["clipfrac_low"] * n, m["clipfrac_high"] * n,
-                                               m["ratio_mean"] * n, ent_mean * n, m["ppo_kl"] * n, n],
-                                              dtype=torch.float64)
-                    stats[7] = max(float(stats[7]), m["ratio_max"])
-        ratio_max = stats[7].clone()
-        stats[7] = 0.0
-        stats = self._all_reduce(stats)
-        if self._dist:
-            import torch.distributed as dist
 
-            rm = ratio_max.to(self.device)
-            dist.all_reduce(rm, op=dist.ReduceOp.MAX)
-            ratio_max = rm.cpu()
+        def before(j: int, last: bool) -> None:
+            if self.sharded:
+                self.policy.set_requires_gradient_sync(last)
+
+        return ppo_update(rollout, rewards, self.config, correction=self._correction,
+                          micro_batches=self.micro_batches(rollout, rows) if len(rows) else [],
+                          forward=lambda mb: self._run(mb, rollout), update=self._update,
+                          old_logprobs=old_logprobs,
+                          recompute_old=lambda: self.logprobs(rollout, local_only=True),
+                          reduce_sum=self._all_reduce, reduce_max=self._all_reduce_max,
+                          loss_scale=self.world_size, before_micro_batch=before, context=self._context)
+
+    def _all_reduce_max(self, x: float) -> float:
+        if not self._dist:
+            return float(x)
+        import torch.distributed as dist
+
+        t = torch.tensor([x], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.cpu()[0])
+
+    def _update(self) -> tuple[float, int]:
         if self.keep_grads:   # the step's gradient before clipping, e.g. to compare directions
             self.last_grads = {n.removeprefix("lm."): p.grad.detach().float().clone()
                                for n, p in self.policy.named_parameters() if p.grad is not None}
@@ -305,20 +277,7 @@ class FSDPTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
-
-        n = float(stats[6])
-        div = (lambda x: float(x) / n) if n else (lambda x: math.nan)
-        out = {"loss": float(stats[0]), "clipfrac_low": div(stats[1]), "clipfrac_high": div(stats[2]),
-               "clipfrac": div(stats[1] + stats[2]), "ratio_mean": div(stats[3]), "ratio_max": float(ratio_max),
-               "entropy": div(stats[4]), "ppo_kl": div(stats[5]), "n_tokens": n, "grad_norm": grad_norm,
-               "adv_mean": float(seq_adv.mean()), "reward_mean": float(rewards.mean()), "step": self.global_step}
-        if corr_metrics or self._correction is not None:
-            keys = sorted(corr_metrics)
-            vec = self._all_reduce(torch.tensor([corr_metrics[k] for k in keys] + [n_corr_tokens],
-                                                dtype=torch.float64))
-            tot = float(vec[-1])
-            out.update({f"correction/{k}": float(v) / tot if tot else math.nan for k, v in zip(keys, vec[:-1])})
-        return out
+        return grad_norm, self.global_step
 
     def _clip(self) -> float:
         params = [p for p in self.policy.parameters() if p.grad is not None]

@@ -18,6 +18,7 @@ relative error of their gradient against it measure the bias their mismatch puts
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -162,7 +163,9 @@ class InvariantTrainer:
         self.optimizer = torch.optim.AdamW(list(self.master.values()), lr=lr, betas=betas,
                                            weight_decay=0.0)
         self.use_support, self.grad_clip = use_support, grad_clip
-        self.eps = (eps_low, eps_high)
+        from ..fsdp.trainer import TrainerConfig
+
+        self.config = TrainerConfig(eps_low=eps_low, eps_high=eps_high, grad_clip=grad_clip)
         self.last_grads: dict[str, torch.Tensor] = {}
         self.global_step = 0
 
@@ -178,22 +181,36 @@ class InvariantTrainer:
         return {n: self.model.w(n).detach().clone() for n in self.model.hf_names()}
 
     def step(self, rollout: Rollout, rewards, *, old_logprobs=None) -> dict:
-        adv = _advantages(rollout, rewards)
+        """One update (:func:`..ppo_step.ppo_update`, GRPO, token mean): the whole rollout is one
+        micro-batch through the invariant forward; the gradient lands on the model's weights,
+        then the fp32 masters take the AdamW step and are written back in the model dtype."""
+        from types import SimpleNamespace
+
+        from ..ppo_step import ppo_update
+
+        whole = SimpleNamespace(token_index=np.arange(rollout.num_response_tokens, dtype=np.int64),
+                                cu_seqlens=np.asarray(rollout.response_cu, dtype=np.int64))
+        return ppo_update(rollout, rewards, self.config, micro_batches=[whole],
+                          forward=lambda _mb: sequence_logprobs(self.model, rollout, use_support=self.use_support),
+                          update=self._update, old_logprobs=old_logprobs, context=self._grads_on)
+
+    @contextlib.contextmanager
+    def _grads_on(self):
+        """The model's trained weights require grad inside; their gradients are kept in
+        ``last_grads`` (HF names, fp32) and cleared on the way out."""
         for n in self.names:
             self.model.w(n).requires_grad_(True)
             self.model.w(n).grad = None
         try:
             with torch.enable_grad():
-                lp, ent = sequence_logprobs(self.model, rollout, use_support=self.use_support)
-                old = lp.detach() if old_logprobs is None else torch.as_tensor(
-                    np.asarray(old_logprobs, dtype=np.float32))
-                pl = _surrogate(lp, old, adv, eps_low=self.eps[0], eps_high=self.eps[1])
-                pl.loss.backward()
+                yield
             self.last_grads = _grads(self.model, self.names)
         finally:
             for n in self.names:
                 self.model.w(n).requires_grad_(False)
                 self.model.w(n).grad = None
+
+    def _update(self) -> tuple[float, int]:
         for n, p in self.master.items():
             p.grad = self.last_grads[n].clone()
         params = list(self.master.values())
@@ -204,9 +221,4 @@ class InvariantTrainer:
             for n, p in self.master.items():
                 self.model.w(n).copy_(p.detach().to(self.model.dtype))
         self.global_step += 1
-        m = pl.metrics
-        return {"loss": float(pl.loss.detach()), "clipfrac": m["clipfrac_low"] + m["clipfrac_high"],
-                "clipfrac_low": m["clipfrac_low"], "clipfrac_high": m["clipfrac_high"],
-                "ratio_mean": m["ratio_mean"], "ratio_max": m["ratio_max"],
-                "entropy": float(ent.mean()), "ppo_kl": m["ppo_kl"], "n_tokens": m["n_tokens"],
-                "grad_norm": gn, "step": self.global_step}
+        return gn, self.global_step

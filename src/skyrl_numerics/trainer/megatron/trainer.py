@@ -37,9 +37,7 @@ from skyrl_numerics.errors import InputError
 from skyrl_numerics.rollout import Rollout
 
 from ..fsdp.trainer import TrainerConfig, _batch_invariant_context, _correction_fn
-from ..losses import compute_advantages, masked_mean, ppo_clip_loss, token_advantages
-from ..step_parts import correct_micro_batches, kept_totals
-from ..step_parts import old_logprobs as resolve_old_logprobs
+from ..ppo_step import ppo_update
 
 __all__ = ["MegatronTrainer", "spawn_megatron"]
 
@@ -251,44 +249,18 @@ class MegatronTrainer:
     # ---- the update -------------------------------------------------------------------------
     @_scoped
     def step(self, rollout: Rollout, rewards, *, old_logprobs=None) -> dict:
-        """One policy update on ``rollout`` with per-sequence ``rewards`` [B]; metrics as FSDPTrainer.step."""
-        cfg = self.config
-        rewards = np.asarray(rewards, dtype=np.float64).reshape(-1)
-        if rewards.shape != (len(rollout),):
-            raise InputError(f"expected {len(rollout)} rewards (one per sequence), got shape {rewards.shape}",
-                             field="rewards")
-        kw = {"std_normalize": cfg.std_normalize, "eps": cfg.adv_eps} if cfg.advantage == "grpo" else {}
-        seq_adv = compute_advantages(cfg.advantage, torch.from_numpy(rewards), rollout.group_ids, **kw)
-        adv = token_advantages(seq_adv.float(), rollout.response_cu)
-        mbs = list(self.micro_batches(rollout))
-        rollout_lp = torch.from_numpy(rollout.rollout_logprobs)
-        old_all = resolve_old_logprobs(rollout, old_logprobs, self._correction is not None,
-                                       lambda: self.logprobs(rollout))
-        per_mb, corr_metrics, n_corr = correct_micro_batches(mbs, self._correction, old_all, rollout_lp)
-        kept_tok, kept_seq = kept_totals(per_mb)
-        denom = kept_tok if cfg.aggregation == "token_mean" else kept_seq
-
-        stats = torch.zeros(7, dtype=torch.float64)  # loss, low, high, ratio, ent, ppo_kl, n
-        ratio_max = -math.inf
+        """One policy update on ``rollout`` with per-sequence ``rewards`` [B]; metrics as
+        FSDPTrainer.step (:func:`..ppo_step.ppo_update`; every rank holds the whole batch, so
+        nothing is all-reduced here: megatron-core reduces the gradients)."""
         self.optimizer.zero_grad(set_to_none=True)
-        with self._context():  # forward and backward (the invariant kernels cover aten's backward formulas)
-            for mb, ti, w, keep in per_mb:
-                lp, ent = self._run(mb, rollout)
-                dev = lp.device
-                old = lp.detach() if old_all is None else old_all[ti].to(dev)
-                keep_d = None if keep is None else keep.to(dev)
-                w_d = None if w is None else w.to(dev)
-                pl = ppo_clip_loss(lp, old, adv[ti].to(dev), mask=keep_d, weights=w_d, eps_low=cfg.eps_low,
-                                   eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, aggregation=cfg.aggregation,
-                                   cu_seqlens=mb.cu_seqlens, denominator=denom)
-                pl.loss.backward()
-                m, n = pl.metrics, pl.metrics["n_tokens"]
-                if n:
-                    ent_mean = float(masked_mean(ent.detach(), keep_d))
-                    stats += torch.tensor([pl.loss.item(), m["clipfrac_low"] * n, m["clipfrac_high"] * n,
-                                           m["ratio_mean"] * n, ent_mean * n, m["ppo_kl"] * n, n],
-                                          dtype=torch.float64)
-                    ratio_max = max(ratio_max, m["ratio_max"])
+        return ppo_update(rollout, rewards, self.config, correction=self._correction,
+                          micro_batches=self.micro_batches(rollout),
+                          forward=lambda mb: self._run(mb, rollout), update=self._update,
+                          old_logprobs=old_logprobs, recompute_old=lambda: self.logprobs(rollout),
+                          context=self._context)
+
+    def _update(self) -> tuple[float, int]:
+        cfg = self.config
         grad_norm = self._finalize_grads()
         if self.keep_grads:
             self.last_grads = {n: p.grad.detach().float().clone() for n, p in self.gpt.named_parameters()
@@ -301,15 +273,7 @@ class MegatronTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
-        n = float(stats[6])
-        div = (lambda x: float(x) / n) if n else (lambda x: math.nan)
-        out = {"loss": float(stats[0]), "clipfrac_low": div(stats[1]), "clipfrac_high": div(stats[2]),
-               "clipfrac": div(stats[1] + stats[2]), "ratio_mean": div(stats[3]), "ratio_max": float(ratio_max),
-               "entropy": div(stats[4]), "ppo_kl": div(stats[5]), "n_tokens": n, "grad_norm": grad_norm,
-               "adv_mean": float(seq_adv.mean()), "reward_mean": float(rewards.mean()), "step": self.global_step}
-        if corr_metrics or self._correction is not None:
-            out.update({f"correction/{k}": v / n_corr if n_corr else math.nan for k, v in sorted(corr_metrics.items())})
-        return out
+        return grad_norm, self.global_step
 
     # ---- weights ----------------------------------------------------------------------------
     def megatron_state_dict(self) -> dict:
