@@ -277,6 +277,28 @@ def packed_batches(rollout, batch_size: int):
                                       .astype(np.int64)) for i in rows]
 
 
+def response_logps(model: InvariantCausalLM, rollout, batch_size: int, temperature: float,
+                   mask: torch.Tensor | None = None, before_batch=None):
+    """The one packed logprob loop (the engine-side and trainer-side logprobs both read it):
+    per sequence ``(i, logp [r, V], token_logprobs [r], offset, length)`` — ``logp`` the
+    :func:`response_logp` rows of its response, ``token_logprobs`` the sampled tokens' entries,
+    ``offset`` its first position in the packed batch. ``before_batch()`` runs before each
+    packed forward (e.g. to clear a route capture). Autograd follows the caller's mode."""
+    for rows, seqs in packed_batches(rollout, batch_size):
+        if before_batch is not None:
+            before_batch()
+        h = model.packed_hidden(seqs)
+        off = 0
+        for i, s in zip(rows, seqs):
+            p, r = int(rollout.prompt_lens[i]), int(rollout.response_lens[i])
+            a, b = rollout.response_cu[i], rollout.response_cu[i + 1]
+            logp = response_logp(model, h[off + p - 1: off + p + r - 1], temperature,
+                                 None if mask is None else mask[a:b])
+            tg = torch.from_numpy(rollout.response(i).astype(np.int64))
+            yield i, logp, logp.gather(-1, tg[:, None]).squeeze(-1), off, len(s)
+            off += len(s)
+
+
 def support_mask(model: InvariantCausalLM, rollout) -> torch.Tensor:
     """Dense ``[Σ response_len, vocab]`` bool mask of the rollout's sampled supports."""
     if rollout.support is None:
@@ -332,24 +354,15 @@ def invariant_trainer_logprobs(model: InvariantCausalLM, rollout, *, batch_size:
         model.route_hook = lambda layer, ids: captured.__setitem__(layer, ids.clone())
     try:
         with torch.no_grad():
-            for rows, seqs in packed_batches(rollout, batch_size):
-                captured.clear()
-                h = model.packed_hidden(seqs)
-                off = 0
-                for i, s in zip(rows, seqs):
-                    p, r = int(rollout.prompt_lens[i]), int(rollout.response_lens[i])
-                    a, b = rollout.response_cu[i], rollout.response_cu[i + 1]
-                    logp = response_logp(model, h[off + p - 1: off + p + r - 1], temperature,
-                                         None if mask is None else mask[a:b])
-                    tg = torch.from_numpy(rollout.response(i).astype(np.int64))
-                    lp_out[a:b] = logp.gather(-1, tg[:, None]).squeeze(-1).numpy()
-                    ent_out[a:b] = entropy_of(logp).numpy()
-                    if return_routes:
-                        n = len(s) - 1
-                        route_rows[i] = torch.stack(
-                            [captured[m][off:off + n] for m in range(info["layers"])],
-                            dim=1).numpy()
-                    off += len(s)
+            for i, logp, tok, off, n_pos in response_logps(model, rollout, batch_size, temperature, mask,
+                                                           before_batch=captured.clear):
+                a, b = rollout.response_cu[i], rollout.response_cu[i + 1]
+                lp_out[a:b] = tok.numpy()
+                ent_out[a:b] = entropy_of(logp).numpy()
+                if return_routes:
+                    route_rows[i] = torch.stack(
+                        [captured[m][off:off + n_pos - 1] for m in range(info["layers"])],
+                        dim=1).numpy()
     finally:
         model.route_hook = None
     routes = None

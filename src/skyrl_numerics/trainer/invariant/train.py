@@ -74,24 +74,15 @@ def sequence_logprobs(model: InvariantCausalLM, rollout: Rollout, *, batch_size:
                       use_support: bool = False, temperature: float | None = None):
     """Differentiable float32 response-token logprobs ``[Σ response_len]`` (same numbers as
     :func:`~.base.invariant_trainer_logprobs`) and the no-grad entropy."""
-    from .base import entropy_of, packed_batches, response_logp, support_mask
+    from .base import entropy_of, response_logps, support_mask
 
     if temperature is None:
         temperature = float(rollout.sampling.get("temperature", 1.0) or 1.0)
     mask = support_mask(model, rollout) if use_support else None
     pieces, ents = [None] * len(rollout), [None] * len(rollout)
-    for rows, seqs in packed_batches(rollout, batch_size):
-        h = model.packed_hidden(seqs)
-        off = 0
-        for i, s in zip(rows, seqs):
-            p, r = int(rollout.prompt_lens[i]), int(rollout.response_lens[i])
-            a, b = rollout.response_cu[i], rollout.response_cu[i + 1]
-            logp = response_logp(model, h[off + p - 1: off + p + r - 1], temperature,
-                                 None if mask is None else mask[a:b])
-            tg = torch.from_numpy(rollout.response(i).astype(np.int64))
-            pieces[i] = logp.gather(-1, tg[:, None]).squeeze(-1)
-            ents[i] = entropy_of(logp.detach())
-            off += len(s)
+    for i, logp, tok, _off, _n in response_logps(model, rollout, batch_size, temperature, mask):
+        pieces[i] = tok
+        ents[i] = entropy_of(logp.detach())
     return torch.cat(pieces), torch.cat(ents)
 
 
