@@ -51,6 +51,8 @@ import threading
 
 import torch
 
+from .pool import parallel, pool
+
 MIN_ROWS = 16          # smallest N (columns) a GEMM is given
 ROW_BLOCK = 16         # rows per GEMM block (fixed: the bits of a row depend on it). 16, not 32:
                        # a decode step of 16 requests is one block, and an expert's few rows
@@ -60,23 +62,11 @@ SUM_BLOCK = 1024       # row_sum's first-level block (a power of two)
 _ALIGN = 64            # bytes: operand base addresses MKL sees (its reproducibility condition)
 _PAR_MIN_FLOPS = 1 << 22   # below this a call stays on the calling thread (pool overhead ~50 us)
 
-_POOL = None
-_POOL_LOCK = threading.Lock()
 _GEMM_LOCK = threading.Lock()
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
-def _pool(n: int):
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None or _POOL._max_workers < n:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _POOL = ThreadPoolExecutor(n, thread_name_prefix="skyrl-invariant-gemm")
-        return _POOL
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -129,7 +119,7 @@ def _gemm_locked(out, a, bb, n: int, K: int, N: int) -> None:
             parts = min(threads, n)
             bounds = [n * j // parts for j in range(parts + 1)]
             inference = torch.is_inference_mode_enabled()
-            futs = [_pool(parts).submit(_gemm_run_worker, out[lo:hi], a[lo:hi], bb[lo:hi], inference)
+            futs = [pool(parts).submit(_gemm_run_worker, out[lo:hi], a[lo:hi], bb[lo:hi], inference)
                     for lo, hi in zip(bounds[:-1], bounds[1:])]
             for f in futs:
                 f.result()
@@ -308,8 +298,6 @@ _NATIVE_SUM_MIN = 4096    # elements below which the torch code is as fast as a 
 def _row_sum_native(lib, x: torch.Tensor) -> torch.Tensor:
     """:func:`row_sum` of float32 ``x`` by ``csrc/row_sum.c`` (the same operations), rows split
     over the CPU kernels' thread pool for large calls (a row is one thread's: no bits change)."""
-    from .fixed_order import parallel
-
     N = x.shape[-1]
     x2 = x.reshape(-1, N)
     if x2.stride(-1) != 1 or x2.stride(0) < N:

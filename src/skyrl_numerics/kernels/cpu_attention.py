@@ -40,7 +40,8 @@ import torch
 
 from . import native
 
-from .fixed_order import F32 as _F32, ZERO as _ZERO, c32 as _c, dot8, exp_s, parallel
+from .fixed_order import F32 as _F32, ZERO as _ZERO, c32 as _c, dot8, exp_s
+from .pool import parallel
 
 BLOCK_N = 64
 MAX_BLOCK, MAX_D = 256, 1024   # the C kernel's buffers (larger calls take the spec)

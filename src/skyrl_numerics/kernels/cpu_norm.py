@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .fixed_order import F32, c32, dot8, lib, parallel
+from .fixed_order import F32, c32, dot8, lib
+from .pool import parallel
 
 MAX_N = 65536
 _CODES = {torch.float32: 0, torch.bfloat16: 1}

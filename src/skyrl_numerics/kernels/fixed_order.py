@@ -21,7 +21,6 @@ import torch
 from . import native
 
 F32 = torch.float32
-PAR_MIN_WORK = 1 << 21     # multiply-adds below which a call stays on the calling thread
 
 
 def c32(x: float) -> torch.Tensor:
@@ -70,23 +69,6 @@ def dot8(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     h = acc[..., :4] + acc[..., 4:]
     q = h[..., :2] + h[..., 2:]
     return q[..., 0] + q[..., 1]
-
-
-def parallel(run, items: int, work: float) -> None:
-    """``run(lo, hi)`` over ``0 .. items``: split over the CPU kernels' thread pool when the
-    call is large (``work`` multiply-adds) and torch has more than one thread, else in place.
-    Each item is computed by one thread with the same code, so the split changes no bits."""
-    threads = torch.get_num_threads()
-    if threads > 1 and items > 1 and work >= PAR_MIN_WORK:
-        from .cpu import _pool
-
-        parts = min(threads, items)
-        bounds = [items * j // parts for j in range(parts + 1)]
-        futs = [_pool(parts).submit(run, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
-        for f in futs:
-            f.result()
-    else:
-        run(0, items)
 
 
 def lib():
