@@ -99,12 +99,24 @@ def test_rms_norm_is_what_the_kernel_computes_with_or_without_the_library(native
 @given(T=st.integers(1, 40), Hq=st.sampled_from([1, 2, 4, 6]), Hk=st.sampled_from([1, 2]),
        D=st.sampled_from([2, 16, 64, 128]), style=st.sampled_from(["neox", "gptj"]),
        eps=st.sampled_from([1e-6, 1e-5]), scale=st.sampled_from([1e-3, 1.0, 300.0]),
-       mscale=st.sampled_from([1.0, 1.2]), seed=st.integers(0, 2 ** 16))
-def test_fused_qk_norm_rope_equals_the_unfused_ops(T, Hq, Hk, D, style, eps, scale, mscale, seed):
+       mscale=st.sampled_from([1.0, 1.2]), seed=st.integers(0, 2 ** 16), spec=st.booleans())
+def test_fused_qk_norm_rope_equals_the_unfused_ops(T, Hq, Hk, D, style, eps, scale, mscale, seed, spec):
     """Qwen3's per-head norms + RoPE + cache row in one kernel: the bits of ``rms_norm_heads``,
-    ``Rope`` and ``cat`` (what the training forward, with grad, runs)."""
+    ``Rope`` and ``cat`` (what the training forward, with grad, runs) — from the C kernel and,
+    without the library (``spec``), from its torch specification."""
     from skyrl_numerics.trainer.invariant import blocks
 
+    if spec:
+        mp = pytest.MonkeyPatch()
+        mp.setattr(cn, "lib", lambda: None)
+    try:
+        _qk_norm_rope_case(blocks, T, Hq, Hk, D, style, eps, scale, mscale, seed)
+    finally:
+        if spec:
+            mp.undo()
+
+
+def _qk_norm_rope_case(blocks, T, Hq, Hk, D, style, eps, scale, mscale, seed):
     g = torch.Generator().manual_seed(seed)
     q = (torch.randn(T, Hq * D, generator=g) * scale).bfloat16()
     k = (torch.randn(T, Hk * D, generator=g) * scale).bfloat16()
@@ -123,3 +135,20 @@ def test_fused_qk_norm_rope_equals_the_unfused_ops(T, Hq, Hk, D, style, eps, sca
     with torch.enable_grad():          # with grad the unfused ops run
         assert blocks.qk_norm_rope_rows(qh, kh, v, qw.clone().requires_grad_(True), kw, eps, rope,
                                         cs) is None
+
+
+def test_qk_norm_rope_kernel_equals_its_specification():
+    """The fused kernel and :func:`cpu_norm.qk_norm_rope_spec` directly, both layouts, strided
+    inputs (views of a wider projection) and a head dim above the kernel's limit (the spec runs)."""
+    g = torch.Generator().manual_seed(11)
+    for D, style in ((128, "neox"), (64, "gptj"), (2, "neox"), (2048, "gptj")):
+        T, Hq, Hk = 7, 4, 2
+        qkv = torch.randn(T, (Hq + 2 * Hk) * D, generator=g).bfloat16()
+        q = qkv[:, :Hq * D].view(T, Hq, D)
+        k = qkv[:, Hq * D:(Hq + Hk) * D].view(T, Hk, D)
+        v = qkv[:, (Hq + Hk) * D:]
+        qw, kw = (torch.randn(D, generator=g).bfloat16() for _ in range(2))
+        cos, sin = torch.randn(T, 1, D // 2, generator=g), torch.randn(T, 1, D // 2, generator=g)
+        got = cn.qk_norm_rope(q, k, v, qw, kw, cos, sin, 1e-6, style == "gptj")
+        want = cn.qk_norm_rope_spec(q, k, v, qw, kw, cos, sin, 1e-6, style == "gptj")
+        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, want)), (D, style)

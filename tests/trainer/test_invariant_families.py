@@ -413,11 +413,11 @@ def test_dense_expert_blocks_are_the_per_expert_loop_bitwise(unused, native_on, 
     """A decode step of a small MoE (every expert in one block, >= 3/4 of them used) runs the
     weight stacks in place, unused experts on zero blocks: the loop's bits all the same — with
     the C gather/combine (``moe_rows.c``) and without the library (torch ops)."""
-    from skyrl_numerics.kernels import fixed_order
+    from skyrl_numerics.kernels import cpu_moe
     from skyrl_numerics.trainer.invariant import blocks
 
     if not native_on:
-        monkeypatch.setattr(fixed_order, "lib", lambda: None)
+        monkeypatch.setattr(cpu_moe, "lib", lambda: None)
 
     g = torch.Generator().manual_seed(unused)
     E, T, k, h, inter = 8, 16, 2, 128, 64

@@ -11,6 +11,15 @@ own::
 beside their rows). A row's bits depend only on its own values, ``w`` and ``eps``: not on M,
 the other rows, the thread count, or the CPU's vector width (torch's own ``sum`` picks its
 reduction order by the CPU's instruction set; this one does not).
+
+:func:`qk_norm_rope` fuses Qwen3's per-head q/k norms with the rotary embedding
+(``csrc/qk_norm_rope.c``): per head row the RMSNorm above with the head's ``(D,)`` weight, then,
+at the token's ``c_i``, ``s_i`` (float32, ``i < D/2``), each result rounded once to bf16::
+
+    neox: out_i = y_i c_i - y_{i+D/2} s_i,     out_{i+D/2} = y_{i+D/2} c_i + y_i s_i
+    gptj: out_2i = y_2i c_i - y_{2i+1} s_i,    out_{2i+1} = y_{2i+1} c_i + y_2i s_i
+
+(:func:`qk_norm_rope_spec` with torch ops: the same bits).
 """
 from __future__ import annotations
 
@@ -21,6 +30,7 @@ from .fixed_order import F32, c32, dot8, lib
 from .pool import parallel
 
 MAX_N = 65536
+MAX_HEAD_DIM = 1024     # qk_norm_rope.c's ROPE_MAX_D
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -69,3 +79,60 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float):
     if y.dtype != x.dtype:
         y = y.to(x.dtype)
     return y.reshape(x.shape), rstd
+
+
+def _rope_spec(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, gptj: bool) -> torch.Tensor:
+    """``y (T, H, D)`` rotated at ``cos``/``sin (T, D/2)`` in float32, rounded once to bf16."""
+    yf, c, s = y.float(), cos[:, None, :], sin[:, None, :]
+    if not gptj:
+        h = y.shape[-1] // 2
+        y1, y2 = yf[..., :h], yf[..., h:]
+        out = torch.cat([y1 * c - y2 * s, y2 * c + y1 * s], dim=-1)
+    else:
+        y1, y2 = yf[..., 0::2], yf[..., 1::2]
+        out = torch.stack([y1 * c - y2 * s, y2 * c + y1 * s], dim=-1).flatten(-2)
+    return out.to(torch.bfloat16)
+
+
+def qk_norm_rope_spec(q, k, v, q_w, k_w, cos, sin, eps: float, gptj: bool):
+    """:func:`qk_norm_rope` with torch ops (module doc): the same arguments and bits."""
+    T, Hq, D = q.shape
+    Hk = k.shape[1]
+    cos, sin = cos.reshape(T, D // 2).float(), sin.reshape(T, D // 2).float()
+    qn = rms_norm_spec(q.reshape(T * Hq, D), q_w, eps)[0].view(T, Hq, D)
+    kn = rms_norm_spec(k.reshape(T * Hk, D), k_w, eps)[0].view(T, Hk, D)
+    rows = torch.cat([_rope_spec(kn, cos, sin, gptj).reshape(T, Hk * D), v.reshape(T, Hk * D)], -1)
+    return _rope_spec(qn, cos, sin, gptj), rows
+
+
+def qk_norm_rope(q, k, v, q_w, k_w, cos, sin, eps: float, gptj: bool):
+    """Per-head RMSNorm and RoPE of bf16 ``q (T, Hq, D)`` (weight ``q_w (D,)``) and
+    ``k (T, Hk, D)`` (``k_w``) at ``cos``/``sin`` (float32, ``T·D/2`` values each: the rotary
+    multipliers of each token's position), and the cache rows ``[k | v]``:
+    ``(q_out (T, Hq, D), rows (T, 2·Hk·D))``, bf16. The fused kernel when built (and
+    ``D <= MAX_HEAD_DIM``), else :func:`qk_norm_rope_spec`: the same bits."""
+    T, Hq, D = q.shape
+    Hk = k.shape[1]
+    bf = torch.bfloat16
+    if any(t.dtype != bf for t in (q, k, v, q_w, k_w)) or D % 2:
+        raise ValueError("qk_norm_rope takes bfloat16 tensors and an even head dim")
+    L = lib()
+    if L is None or D > MAX_HEAD_DIM:
+        return qk_norm_rope_spec(q, k, v, q_w, k_w, cos, sin, eps, gptj)
+    cos, sin = cos.reshape(T, D // 2).float().contiguous(), sin.reshape(T, D // 2).float().contiguous()
+    q2, k2 = q.reshape(T, Hq * D), k.reshape(T, Hk * D)
+    if q2.stride(1) != 1:
+        q2 = q2.contiguous()
+    if k2.stride(1) != 1:
+        k2 = k2.contiguous()
+    qw, kw = q_w.contiguous(), k_w.contiguous()
+    q_out = torch.empty((T, Hq, D), dtype=bf)
+    rows = torch.empty((T, 2 * Hk * D), dtype=bf)
+    rows[:, Hk * D:] = v.reshape(T, Hk * D)
+    rc = L.skyrl_qk_norm_rope(q2.data_ptr(), q2.stride(0), Hq, k2.data_ptr(), k2.stride(0), Hk,
+                              qw.data_ptr(), kw.data_ptr(), cos.data_ptr(), sin.data_ptr(), D,
+                              float(eps), int(bool(gptj)), q_out.data_ptr(),
+                              rows.data_ptr(), rows.stride(0), 0, T)
+    if rc != 0:
+        raise RuntimeError(f"skyrl_qk_norm_rope refused its sizes (rc {rc})")
+    return q_out, rows

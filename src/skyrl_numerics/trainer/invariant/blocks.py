@@ -39,6 +39,7 @@ import torch
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.kernels import matmul as inv_matmul
 from skyrl_numerics.kernels import rms_norm as _inv_rms_norm
+from skyrl_numerics.kernels.cpu_moe import weighted_slot_sum
 
 
 class UnsupportedConfig(InputError):
@@ -177,34 +178,19 @@ def qk_norm_rope_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_w: to
     (weight ``q_w``) and ``k [T, Hk, D]`` (``k_w``), both rotated (``rope`` at ``cos_sin``), and
     the cache rows ``[k | v]`` -> ``(q [T, Hq, D], rows [T, 2·Hk·D])``. Bit for bit
     :func:`rms_norm_heads` then ``rope`` then ``cat`` (tested): on the no-grad CPU path with
-    bf16 tensors the fused kernel (``kernels/csrc/qk_norm_rope.c``) performs exactly those
+    bf16 tensors :func:`skyrl_numerics.kernels.cpu_norm.qk_norm_rope` (the fused kernel
+    ``kernels/csrc/qk_norm_rope.c``, or its torch specification) performs exactly those
     operations; otherwise those functions run. ``None`` when the fused path does not apply."""
-    from skyrl_numerics.kernels.fixed_order import lib
+    from skyrl_numerics.kernels import cpu_norm
 
-    T, Hq, D = q.shape
-    Hk = k.shape[1]
-    L = lib()
+    D = q.shape[-1]
     bf = torch.bfloat16
-    if (L is None or q.device.type != "cpu" or D % 2 or D > 1024
+    if (q.device.type != "cpu" or D % 2
             or any(t.dtype != bf for t in (q, k, v, q_w, k_w))
             or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, q_w, k_w)))):
         return None
     cos, sin = cos_sin
-    cos, sin = cos.reshape(T, D // 2).contiguous(), sin.reshape(T, D // 2).contiguous()
-    q2, k2 = q.reshape(T, Hq * D), k.reshape(T, Hk * D)
-    if q2.stride(1) != 1 or k2.stride(1) != 1:
-        return None
-    qw, kw = q_w.contiguous(), k_w.contiguous()
-    q_out = torch.empty((T, Hq, D), dtype=bf)
-    rows = torch.empty((T, 2 * Hk * D), dtype=bf)
-    rows[:, Hk * D:] = v.reshape(T, Hk * D)
-    rc = L.skyrl_qk_norm_rope(q2.data_ptr(), q2.stride(0), Hq, k2.data_ptr(), k2.stride(0), Hk,
-                              qw.data_ptr(), kw.data_ptr(), cos.data_ptr(), sin.data_ptr(), D,
-                              float(eps), int(rope.style == "gptj"), q_out.data_ptr(),
-                              rows.data_ptr(), rows.stride(0), 0, T)
-    if rc != 0:
-        raise RuntimeError(f"skyrl_qk_norm_rope refused its sizes (rc {rc})")
-    return q_out, rows
+    return cpu_norm.qk_norm_rope(q, k, v, q_w, k_w, cos, sin, eps, rope.style == "gptj")
 
 
 # ---- RoPE -----------------------------------------------------------------------------------
@@ -349,7 +335,7 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
         out = _looped_expert_rows(x, ids, expert)
     else:
         out = _looped_expert_rows(x, ids, expert)
-    return _combine(out, weights, x.dtype)
+    return weighted_slot_sum(out, weights, x.dtype)
 
 
 def _looped_expert_rows(x, ids, expert) -> torch.Tensor:
@@ -417,12 +403,11 @@ def _grouped_expert_rows(x, ids, expert, E: int, weights=None) -> torch.Tensor:
     the weight stacks are used in place instead of gathered per block; a block's GEMM is the
     same either way, so are its bits (tested against the loop).
 
-    With ``weights`` (bf16 ``x``, the C library built): :func:`routed_experts`' weighted sum
-    ``[T, H]`` instead of the rows — the rows' gather into blocks and the slot-order sum run in
-    C (``kernels/csrc/moe_rows.c``: the same conversions and bf16 roundings as the torch ops,
-    tested bitwise)."""
-    from skyrl_numerics.kernels import cpu
-    from skyrl_numerics.kernels.fixed_order import lib
+    With ``weights``: :func:`routed_experts`' weighted sum ``[T, H]`` instead of the rows. The
+    rows' gather into blocks and the slot-order sum are :mod:`skyrl_numerics.kernels.cpu_moe`'s
+    (C, ``kernels/csrc/moe_rows.c``, for bf16 when built, else their torch specification: the
+    same bits, tested)."""
+    from skyrl_numerics.kernels import cpu, cpu_moe
 
     import numpy as np
 
@@ -430,9 +415,6 @@ def _grouped_expert_rows(x, ids, expert, E: int, weights=None) -> torch.Tensor:
     H = x.shape[-1]
     if T == 0:
         return torch.zeros(0, k, H, dtype=x.dtype) if weights is None else torch.zeros(0, H, dtype=x.dtype)
-    L = lib() if weights is not None else None
-    if weights is not None and (L is None or x.dtype != torch.bfloat16):
-        return _combine(_grouped_expert_rows(x, ids, expert, E), weights, x.dtype)
     RB = cpu.ROW_BLOCK
     # the bookkeeping is integer arithmetic on a few hundred ids: numpy, not dozens of tiny
     # torch calls (stable argsort: the same order torch's stable sort gives)
@@ -450,22 +432,12 @@ def _grouped_expert_rows(x, ids, expert, E: int, weights=None) -> torch.Tensor:
         nblk = np.ones(E, dtype=nblk.dtype)
     first_blk = np.cumsum(nblk) - nblk
     starts = np.cumsum(counts) - counts
-    dest_np = (first_blk[e_sorted] * RB + np.arange(flat.size) - starts[e_sorted]).astype(np.int64)
+    dest = (first_blk[e_sorted] * RB + np.arange(flat.size) - starts[e_sorted]).astype(np.int64)
     n = int(nblk.sum())
     blk_expert = np.repeat(np.arange(E), nblk)                       # [n]
     I = expert(0)[0].shape[0]
-    if L is not None:           # both copies (gate, up) of the zero-padded blocks in one pass
-        xc = x.contiguous()
-        src = (order // k).astype(np.int64)
-        a2 = torch.empty(2 * n, RB, H)
-        L.skyrl_moe_gather(xc.data_ptr(), xc.stride(0), H, src.ctypes.data, dest_np.ctypes.data,
-                           flat.size, a2.data_ptr(), n * RB, 2)
-    else:
-        dest = torch.from_numpy(dest_np)
-        # (index_select / index_copy_ move the same rows as x[i] / a[i] = ..., several times faster)
-        a = torch.zeros(n * RB, H, dtype=torch.float32)
-        a.index_copy_(0, dest, x.index_select(0, torch.from_numpy(order // k)).float())
-        a2 = a.view(n, RB, H).expand(2, n, RB, H).reshape(2 * n, RB, H)
+    # both copies (gate, up) of the zero-padded blocks in one pass
+    a2 = cpu_moe.gather_rows(x, order // k, dest, n * RB, copies=2).view(2 * n, RB, H)
     counts_blk = nblk.tolist()
     if dense:
         g, u = cpu._gemm_blocks(a2, gu).split(n)
@@ -476,24 +448,8 @@ def _grouped_expert_rows(x, ids, expert, E: int, weights=None) -> torch.Tensor:
     y = (cpu._gemm_blocks(h.contiguous(), dn) if dense else
          _expert_gemm(h.contiguous(), dn, torch.from_numpy(blk_expert), counts_blk))
     y = y.view(n * RB, -1)
-    if L is not None:
-        rowmap = np.empty(flat.size, dtype=np.int64)
-        rowmap[order] = dest_np                       # the block row of pair (t, s) = t k + s
-        wf = weights.float().contiguous()
-        out = torch.empty(T, H, dtype=x.dtype)
-        L.skyrl_moe_combine(y.data_ptr(), y.stride(0), H, rowmap.ctypes.data, wf.data_ptr(), T, k,
-                            out.data_ptr())
-        return out
-    rows = y.index_select(0, torch.from_numpy(dest_np))[:, :H].to(x.dtype)   # sorted (token, slot)
-    out = torch.empty(T * k, H, dtype=x.dtype)
-    out.index_copy_(0, torch.from_numpy(order), rows)
-    return out.view(T, k, H)
-
-
-def _combine(out: torch.Tensor, weights: torch.Tensor, dtype) -> torch.Tensor:
-    """``sum_s out[:, s] * weights[:, s]`` in slot order, weights cast to ``dtype`` first."""
-    w = weights.to(dtype)
-    acc = out[:, 0] * w[:, 0:1]
-    for s in range(1, out.shape[1]):
-        acc = acc + out[:, s] * w[:, s:s + 1]
-    return acc
+    rowmap = np.empty(flat.size, dtype=np.int64)
+    rowmap[order] = dest                              # the block row of pair (t, s) = t k + s
+    if weights is None:
+        return cpu_moe.slot_rows(y, rowmap, T, k, H, x.dtype)
+    return cpu_moe.combine(y, rowmap, weights, H, x.dtype)

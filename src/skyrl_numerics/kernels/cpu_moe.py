@@ -1,0 +1,90 @@
+"""The data movement around a grouped MoE layer's GEMMs on CPU: one C kernel each
+(``csrc/moe_rows.c``) and its torch specification, the same bits. The invariant forward
+(:func:`skyrl_numerics.trainer.invariant.blocks.routed_experts`) sorts the (token, slot) pairs
+``p = t·k + s`` by expert, pads each expert's rows to whole GEMM row blocks, and calls:
+
+- :func:`gather_rows`: ``out[c, dest[p]] = float32(x[src[p]])`` for each copy ``c``, every other
+  row +0 (the blocks' padding) — the GEMM operands of the gate and up projections;
+- :func:`slot_rows`: ``rows[t, s] = y[rowmap[t·k + s], :H]`` rounded to the model dtype;
+- :func:`combine`: the slot-order weighted sum of those rows, every product and sum rounded to
+  the model dtype as torch's ops round them (:func:`weighted_slot_sum`)::
+
+      w_s = dtype(weights[t, s]);  acc = r_0 · w_0;  acc = acc + r_s · w_s   for s = 1 .. k-1
+
+The C kernels run for bf16 when the library is built; the index arrays are numpy ``int64``
+(the bookkeeping around them is numpy).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .fixed_order import lib
+
+
+def _index(a) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def gather_rows_spec(x: torch.Tensor, src, dest, out_rows: int, copies: int) -> torch.Tensor:
+    """:func:`gather_rows` with torch ops."""
+    a = torch.zeros(out_rows, x.shape[-1], dtype=torch.float32)
+    # (index_select / index_copy_ move the same rows as x[i] / a[i] = ..., several times faster)
+    a.index_copy_(0, torch.from_numpy(_index(dest)), x.index_select(0, torch.from_numpy(_index(src))).float())
+    return a.expand(copies, out_rows, x.shape[-1]).contiguous()
+
+
+def gather_rows(x: torch.Tensor, src, dest, out_rows: int, copies: int = 1) -> torch.Tensor:
+    """``x (T, H)``'s rows ``src[p]`` at rows ``dest[p]`` of each of ``copies`` float32
+    ``(out_rows, H)`` buffers, the other rows +0: ``(copies, out_rows, H)`` contiguous."""
+    L = lib() if x.dtype == torch.bfloat16 else None
+    if L is None:
+        return gather_rows_spec(x, src, dest, out_rows, copies)
+    H = x.shape[-1]
+    xc = x.contiguous()
+    src, dest = _index(src), _index(dest)
+    out = torch.empty(copies, out_rows, H)
+    rc = L.skyrl_moe_gather(xc.data_ptr(), xc.stride(0), H, src.ctypes.data, dest.ctypes.data,
+                            src.size, out.data_ptr(), out_rows, copies)
+    if rc != 0:
+        raise RuntimeError(f"skyrl_moe_gather failed (rc {rc})")
+    return out
+
+
+def slot_rows(y: torch.Tensor, rowmap, T: int, k: int, H: int, dtype) -> torch.Tensor:
+    """``rows (T, k, H)`` in ``dtype``: ``rows[t, s] = y[rowmap[t·k + s], :H]``."""
+    return y.index_select(0, torch.from_numpy(_index(rowmap)))[:, :H].to(dtype).view(T, k, H)
+
+
+def weighted_slot_sum(rows: torch.Tensor, weights: torch.Tensor, dtype) -> torch.Tensor:
+    """``sum_s rows[:, s] * weights[:, s]`` in slot order, weights cast to ``dtype`` first."""
+    w = weights.to(dtype)
+    acc = rows[:, 0] * w[:, 0:1]
+    for s in range(1, rows.shape[1]):
+        acc = acc + rows[:, s] * w[:, s:s + 1]
+    return acc
+
+
+def combine_spec(y: torch.Tensor, rowmap, weights: torch.Tensor, H: int, dtype) -> torch.Tensor:
+    """:func:`combine` with torch ops."""
+    T, k = weights.shape
+    return weighted_slot_sum(slot_rows(y, rowmap, T, k, H, dtype), weights, dtype)
+
+
+def combine(y: torch.Tensor, rowmap, weights: torch.Tensor, H: int, dtype) -> torch.Tensor:
+    """Each token's ``k`` expert rows of float32 ``y`` (``y[rowmap[t·k + s], :H]``) summed with
+    ``weights (T, k)`` in slot order (module doc): ``(T, H)`` in ``dtype``."""
+    L = lib() if dtype == torch.bfloat16 else None
+    if L is None:
+        return combine_spec(y, rowmap, weights, H, dtype)
+    T, k = weights.shape
+    if y.stride(-1) != 1 or y.dtype != torch.float32:
+        y = y.float().contiguous()
+    rowmap = _index(rowmap)
+    wf = weights.float().contiguous()
+    out = torch.empty(T, H, dtype=dtype)
+    rc = L.skyrl_moe_combine(y.data_ptr(), y.stride(0), H, rowmap.ctypes.data, wf.data_ptr(), T, k,
+                             out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"skyrl_moe_combine failed (rc {rc})")
+    return out
