@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .atomic import atomic_file
+from .atomic import atomic_file, atomic_files
 from .errors import InputError
 
 # (column title, summary key, format)
@@ -118,24 +118,14 @@ def write_files(out, writers: dict, flag: str = "--out") -> list[Path]:
     a temporary name first, and only when all are written are they renamed into place — an
     error (a target that is a directory, a full disk) leaves none of them, and is the
     project's error naming the path."""
-    import os
-    import tempfile
-
     out = check_out_dir(out, flag, names=list(writers))
     created = not out.exists()
-    tmps: dict[str, Path] = {}
     try:
         out.mkdir(parents=True, exist_ok=True)
-        for name, write in writers.items():
-            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=out)
-            os.close(fd)
-            tmps[name] = Path(tmp)
-            write(tmps[name])
-        for name in writers:
-            os.replace(tmps.pop(name), out / name)
+        with atomic_files([out / name for name in writers]) as tmps:
+            for write, tmp in zip(writers.values(), tmps):
+                write(tmp)
     except BaseException as e:
-        for tmp in tmps.values():
-            tmp.unlink(missing_ok=True)
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()
         if isinstance(e, OSError):

@@ -35,13 +35,12 @@ fake-quantized weight against the stored one.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from skyrl_numerics.atomic import atomic_file
 from skyrl_numerics.errors import InputError
 
 from . import codecs as C
@@ -57,21 +56,13 @@ QUANT_SUFFIXES = ("", "_scale", "_scale_2", "_packed", "_global_scale", "_shape"
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    with atomic_file(path) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
 
 
 def _atomic_json(obj, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
+    with atomic_file(path) as tmp, open(tmp, "w") as f:
         json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
 
 
 def _quantize_matrix(w: torch.Tensor, fmt: str, global_amax=None) -> dict[str, torch.Tensor]:

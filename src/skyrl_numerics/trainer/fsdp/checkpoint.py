@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from skyrl_numerics.atomic import atomic_dir
 from skyrl_numerics.errors import InputError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "SCHEMA"]
@@ -53,9 +52,7 @@ def save_checkpoint(trainer, path: str | os.PathLike) -> Path:
     model_sd = trainer.state_dict(full=True)
     optim_sd = _optim_state(trainer)
     if trainer.rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-        try:
+        with atomic_dir(path, replace=True) as tmp:
             save_file({k: v.contiguous() for k, v in model_sd.items()}, str(tmp / "model.safetensors"),
                       metadata={"schema": SCHEMA})
             torch.save(_strip(optim_sd), tmp / "optimizer.pt")
@@ -65,16 +62,6 @@ def save_checkpoint(trainer, path: str | os.PathLike) -> Path:
             for f in tmp.iterdir():
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
-            old = None
-            if path.exists():
-                old = path.parent / f".{path.name}.old-{os.getpid()}"
-                os.replace(path, old)
-            os.replace(tmp, path)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     _barrier(trainer)
     return path
 

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from skyrl_numerics.atomic import atomic_file
 from skyrl_numerics.errors import InputError
 
 WORKER_EXTENSION = "skyrl_numerics.trainer.sync.vllm.WeightSyncWorkerExtension"
@@ -281,9 +282,8 @@ def update_vllm_weights(llm, named_tensors: Mapping[str, Any] | Iterable[tuple[s
                              dir=str(staging_dir) if staging_dir else _default_staging())
     try:
         path = os.path.join(stage, _STAGING_FILE)
-        tmp = path + ".tmp"
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in items.items()}, tmp)
-        os.replace(tmp, path)
+        with atomic_file(path) as tmp:
+            save_file({k: v.detach().to("cpu").contiguous() for k, v in items.items()}, str(tmp))
         t1 = time.perf_counter()
         engine.collective_rpc("skyrl_load_weights", args=(path,))
         t2 = time.perf_counter()
