@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from skyrl_numerics.doctor import make_prompts
 from skyrl_numerics.trainer.invariant.qwen3_moe import (InvariantQwen3Moe,
@@ -21,10 +22,13 @@ def trainer_model(qwen_moe_dir):
     return InvariantQwen3Moe.from_checkpoint(qwen_moe_dir)
 
 
+@pytest.mark.isa   # also under each lower CPU capability: the engine's workers inherit the cap
 @pytest.mark.parametrize("n_prompts", [1, 3, 8])
 def test_every_token_bitwise_equal_at_engine_batch_sizes(vllm_qwen_invariant, trainer_model,
                                                          n_prompts):
     gen = vllm_qwen_invariant
+    # the engine's workers run the ISA this process runs (under tests/test_isa_matrix.py: the cap)
+    assert gen.engine_host["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     ro = gen.generate(make_prompts(n_prompts, 12, gen.vocab_size, seed=n_prompts),
                       max_tokens=24, seed=n_prompts, temperature=0.8)
     for bs in (1, 4):
