@@ -7,7 +7,7 @@ Notation, per masked token t (all sums/means over the N masked tokens, in float6
 * ``r = exp(d) = π_train / π_rollout``: the importance ratio of a token sampled by the rollout
   engine (so every expectation below is an estimate under the rollout policy).
 
-Report fields (README-ready copy with the same formulas: docs/gap.md):
+Report fields (the same formulas, with tables: docs/gap.md):
 
 =====================  =====================================================================
 ``mean_abs``           mean |d|

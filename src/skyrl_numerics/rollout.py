@@ -12,7 +12,7 @@ Layout (B sequences; ``cu`` arrays are int64 prefix sums starting at 0, length B
     sampling           dict    temperature, top_p, top_k, seed, n, max_tokens, logprobs_mode
     engine, engine_version, meta
 
-File formats (see README "File formats"):
+File formats (see docs/gap.md, "Rollout files"):
 
 - ``.safetensors``: the arrays above under the same names (routes/support arrays under the
   prefixes ``routes.`` / ``support.``); the string metadata holds ``schema``
