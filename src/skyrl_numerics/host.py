@@ -26,7 +26,6 @@ would: for tests and for checking a deployment's rows ahead of time. It changes 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
@@ -37,6 +36,7 @@ from pathlib import Path
 
 from skyrl_numerics import paths
 from skyrl_numerics.errors import InputError
+from skyrl_numerics.hashing import json_key
 
 ASSUME_ENV = "SKYRL_NUMERICS_ASSUME_VLLM_BUILD"
 #: vLLM's CPU kernel libraries (x86), best ISA first
@@ -196,8 +196,7 @@ def _vllm_dir() -> Path | None:
 
 
 def _cache_path(key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return paths.cache_dir("host") / f"vllm-ops-{digest}.json"
+    return paths.cache_dir("host") / f"vllm-ops-{json_key(key)}.json"
 
 
 def _probe(build: str | None, vdir: Path) -> dict:

@@ -19,7 +19,6 @@ The parameter count is exact: the model is instantiated by transformers on the `
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InputError
+from .hashing import json_key
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8}
 # config keys holding the routed expert count, by family
@@ -71,7 +71,7 @@ class CheckpointInfo:
 
 def config_hash(config: dict) -> str:
     """sha256 (first 16 hex digits) of ``config.json`` as canonical JSON (sorted keys)."""
-    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+    return json_key(config)
 
 
 # safetensors dtype names -> bytes per element

@@ -18,7 +18,6 @@ a new one is written to a temp dir and renamed into place, so a crash never leav
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 
 from . import paths
 from .atomic import atomic_dir
+from .hashing import json_key
 
 # Bump when the way checkpoints are produced changes, so stale caches are not reused.
 _FORMAT_VERSION = 1
@@ -134,9 +134,8 @@ def default_cache_dir() -> Path:
 
 
 def _config_hash(family: str, cfg: dict, seed: int, dtype: str) -> str:
-    blob = json.dumps({"family": family, "cfg": cfg, "seed": seed, "dtype": dtype,
-                       "format": _FORMAT_VERSION}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return json_key({"family": family, "cfg": cfg, "seed": seed, "dtype": dtype,
+                     "format": _FORMAT_VERSION})
 
 
 def _hf_config(cfg: dict):

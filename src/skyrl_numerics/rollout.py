@@ -45,6 +45,7 @@ import numpy as np
 
 from .atomic import atomic_file
 from .errors import InputError
+from .hashing import default_algo, hasher
 
 SCHEMA = "skyrl-numerics/rollout"
 SCHEMA_VERSION = 1
@@ -72,27 +73,6 @@ FILE_DTYPES = {"prompt_tokens": np.int32, "prompt_cu": np.int64, "response_token
                "group_ids": np.int64}
 
 
-def _hasher(algo: str):
-    if algo == "xxh3-128":
-        import xxhash
-
-        return xxhash.xxh3_128()
-    if algo == "blake2b-128":
-        import hashlib
-
-        return hashlib.blake2b(digest_size=16)
-    raise InputError(f"unknown digest algorithm {algo!r}", field="digest")
-
-
-def _default_algo() -> str:
-    try:
-        import xxhash  # noqa: F401
-
-        return "xxh3-128"
-    except ImportError:  # pragma: no cover - xxhash is in the extras
-        return "blake2b-128"
-
-
 def _header_bytes(header: dict) -> bytes:
     h = {k: v for k, v in header.items() if k != "digest"}
     return json.dumps(h, sort_keys=True, separators=(",", ":")).encode()
@@ -100,8 +80,8 @@ def _header_bytes(header: dict) -> bytes:
 
 def _arrays_digest(arrays: dict, header: dict, algo: str | None = None) -> str:
     """Digest of a .safetensors rollout: every array's name, dtype, shape and bytes, and the header."""
-    algo = algo or _default_algo()
-    h = _hasher(algo)
+    algo = algo or default_algo()
+    h = hasher(algo)
     h.update(_header_bytes(header))
     for k in sorted(arrays):
         a = np.ascontiguousarray(arrays[k])
@@ -112,8 +92,8 @@ def _arrays_digest(arrays: dict, header: dict, algo: str | None = None) -> str:
 
 def _text_digest(header: dict, body: bytes, algo: str | None = None) -> str:
     """Digest of a .jsonl rollout: the header (canonical JSON, without 'digest') and the row lines."""
-    algo = algo or _default_algo()
-    h = _hasher(algo)
+    algo = algo or default_algo()
+    h = hasher(algo)
     h.update(_header_bytes(header))
     h.update(b"\n")
     h.update(body)

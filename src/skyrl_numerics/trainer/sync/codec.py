@@ -17,10 +17,12 @@ is tested bitwise against it.
 """
 from __future__ import annotations
 
-import hashlib
 import sys
 
 import numpy as np
+
+from skyrl_numerics.hashing import default_algo, hasher
+
 
 def dtype_name(dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"`` (the manifest spelling)."""
@@ -133,26 +135,7 @@ class Scratch:
         return buf[:nbytes]
 
 
-def _hasher(algo: str):
-    if algo == "xxh3-128":
-        import xxhash
-
-        return xxhash.xxh3_128()
-    if algo == "blake2b-128":
-        return hashlib.blake2b(digest_size=16)
-    raise ValueError(f"unknown checksum algorithm {algo!r}")
-
-
-def _default_algo() -> str:
-    try:
-        import xxhash  # noqa: F401
-
-        return "xxh3-128"
-    except ImportError:  # pragma: no cover - xxhash is in the cpu/gpu/dev extras
-        return "blake2b-128"
-
-
-DIGEST = _default_algo()
+DIGEST = default_algo()
 
 
 def digest(buf, algo: str | None = None) -> str:
@@ -160,7 +143,7 @@ def digest(buf, algo: str | None = None) -> str:
 
     ``xxh3-128`` (about 20 GB/s here) when ``xxhash`` is installed, else ``blake2b-128`` (about
     0.5 GB/s). Both detect corruption; neither is meant to resist a forger."""
-    h = _hasher(algo or DIGEST)
+    h = hasher(algo or DIGEST)
     h.update(buf if isinstance(buf, (bytes, bytearray)) else memoryview(buf).cast("B"))
     return f"{algo or DIGEST}:{h.hexdigest()}"
 

@@ -48,6 +48,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from skyrl_numerics.errors import InputError
+from skyrl_numerics.hashing import DIGEST_ALGOS
 from skyrl_numerics.trainer.sync.codec import (
     DIGEST,
     Scratch,
@@ -69,7 +70,7 @@ from skyrl_numerics.trainer.sync.store import SyncStore
 FORMAT = "skyrl-numerics.weight-sync"
 FORMAT_VERSION = 2            # 2: manifest_digest (+ optional HMAC signature), strict field types
 _MANIFEST_RE = re.compile(r"^(\d{12})\.json$")
-CHECKSUM_ALGOS = ("xxh3-128", "blake2b-128")
+CHECKSUM_ALGOS = DIGEST_ALGOS
 KEY_ENV = "SKYRL_NUMERICS_SYNC_KEY"
 SIGNATURE_ALGO = "hmac-sha256"
 MAX_TENSOR_BYTES = 1 << 40    # refuse absurd sizes before allocating anything
