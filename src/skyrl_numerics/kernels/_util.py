@@ -57,3 +57,13 @@ def check_dtype_match(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor
         raise InputError(f"dtype {b.dtype} does not match {a_name}'s {a.dtype}", field=b_name)
     if a.device != b.device:
         raise InputError(f"device {b.device} does not match {a_name}'s {a.device}", field=b_name)
+
+
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype the CPU path computes ``t`` in: float64 stays, everything else float32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def pad_last(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``x`` zero-padded on the right of its last dim to ``n`` (``x`` itself when already ``n``)."""
+    return x if x.shape[-1] == n else torch.nn.functional.pad(x, (0, n - x.shape[-1]))

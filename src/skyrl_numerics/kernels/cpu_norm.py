@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .cpu_reduce import row_sum
 from .fixed_order import F32, c32, dot8, lib
 from .pool import parallel
 
@@ -79,6 +80,22 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float):
     if y.dtype != x.dtype:
         y = y.to(x.dtype)
     return y.reshape(x.shape), rstd
+
+
+
+def rms_norm_backward(g, x, w, rstd, rows_per_block: int = 256):
+    """dx per row; dW: fp32 partial sums over fixed blocks of rows, folded in block order."""
+    N = x.shape[-1]
+    gf, xf, wf = g.reshape(-1, N).float(), x.reshape(-1, N).float(), w.float()
+    r = rstd.unsqueeze(-1)
+    gw = gf * wf
+    c = row_sum(gw * xf).unsqueeze(-1) / N
+    dx = (r * (gw - xf * r * r * c)).to(x.dtype).reshape(x.shape)
+    contrib = (gf * xf) * r
+    dw = torch.zeros(N, dtype=torch.float32)
+    for start in range(0, contrib.shape[0], rows_per_block):
+        dw = dw + contrib[start:start + rows_per_block].sum(0)
+    return dx, dw.to(w.dtype)
 
 
 def _rope_spec(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, gptj: bool) -> torch.Tensor:

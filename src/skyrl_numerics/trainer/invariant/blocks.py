@@ -52,7 +52,7 @@ def require(cond: bool, field: str, value, why: str) -> None:
 
 
 def _fp32_weight(w: torch.Tensor) -> torch.Tensor:
-    """``w.T`` as the CPU GEMM takes it (fp32, contiguous, aligned: ``cpu.prepare_b``), kept on
+    """``w.T`` as the CPU GEMM takes it (fp32, contiguous, aligned: ``cpu_gemm.prepare_b``), kept on
     the tensor with its ``_version`` (converted once per change)."""
     from skyrl_numerics.kernels import cpu
 
@@ -82,19 +82,19 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def linear_many(x: torch.Tensor, ws) -> list[torch.Tensor]:
     """``[linear(x, w) for w in ws]`` bit for bit; on the no-grad CPU path the row blocks of
     ``x`` are built once for all the weights (q/k/v projections of one input)."""
-    from skyrl_numerics.kernels import cpu
+    from skyrl_numerics.kernels import cpu_gemm
 
     if not (x.device.type == "cpu" and all(w.dtype == x.dtype for w in ws)
             and x.dtype in (torch.bfloat16, torch.float16)
             and not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in ws)))):
         return [linear(x, w) for w in ws]
     x2 = x.reshape(-1, x.shape[-1])
-    blocks, _ = cpu._row_blocks(x2.float())
+    blocks, _ = cpu_gemm.row_blocks(x2.float())
     M = x2.shape[0]
     outs = []
     for w in ws:
         b = _fp32_weight(w)
-        o = cpu._gemm_blocks(blocks, b).view(-1, b.shape[1])[:M, :w.shape[0]].to(x.dtype)
+        o = cpu_gemm.gemm_blocks(blocks, b).view(-1, b.shape[1])[:M, :w.shape[0]].to(x.dtype)
         outs.append(o.reshape(*x.shape[:-1], w.shape[0]))
     return outs
 
@@ -111,15 +111,15 @@ def head_matmuls(x: torch.Tensor, mats) -> torch.Tensor:
             and all(m.dtype == x.dtype for m in mats)
             and not (torch.is_grad_enabled() and (x.requires_grad or any(m.requires_grad for m in mats)))):
         return torch.stack([inv_matmul(x[:, h].contiguous(), mats[h]) for h in range(H)], dim=1)
-    from skyrl_numerics.kernels import cpu
+    from skyrl_numerics.kernels import cpu_gemm
 
     N = mats[0].shape[1]
     stack = _head_stack(mats)                                         # [H, K, Np]
-    blocks, nb = cpu._row_blocks(x.transpose(0, 1).float())           # [H·nb, RB, K]
+    blocks, nb = cpu_gemm.row_blocks(x.transpose(0, 1).float())           # [H·nb, RB, K]
     by = blocks.view(H, nb, blocks.shape[1], K)
     out = torch.empty((H, nb, blocks.shape[1], stack.shape[2]))
     for j in range(nb):           # one call per row block: each head's GEMM sees its own matrix
-        out[:, j] = cpu._gemm_blocks(by[:, j], stack)
+        out[:, j] = cpu_gemm.gemm_blocks(by[:, j], stack)
     out = out.view(H, -1, stack.shape[2])[:, :T, :N]
     return out.to(x.dtype).transpose(0, 1)
 
@@ -380,16 +380,16 @@ def _expert_gemm(a: torch.Tensor, stack: torch.Tensor, blk_index: torch.Tensor, 
     their weights: small weights gathered per block into one call; otherwise (a weight above
     ``GATHER_MATRIX_BYTES``, or a gather above ``GROUPED_COPY_BYTES``) one call per weight in
     use, reading it in place. Same bits either way (fixed blocks)."""
-    from skyrl_numerics.kernels import cpu
+    from skyrl_numerics.kernels import cpu_gemm
 
     mat = stack.shape[1] * stack.shape[2] * 4
     if mat <= GATHER_MATRIX_BYTES and a.shape[0] * mat <= GROUPED_COPY_BYTES:
-        return cpu._gemm_blocks(a, stack, blk_index)
+        return cpu_gemm.gemm_blocks(a, stack, blk_index)
     out = torch.empty(a.shape[0], a.shape[1], stack.shape[2])
     lo = 0
     for j, c in enumerate(nblk):
         if c:
-            cpu._gemm_blocks(a[lo:lo + c], stack[j], out=out[lo:lo + c])
+            cpu_gemm.gemm_blocks(a[lo:lo + c], stack[j], out=out[lo:lo + c])
             lo += c
     return out
 
@@ -407,7 +407,7 @@ def _grouped_expert_rows(x, ids, expert, E: int, weights=None) -> torch.Tensor:
     rows' gather into blocks and the slot-order sum are :mod:`skyrl_numerics.kernels.cpu_moe`'s
     (C, ``kernels/csrc/moe_rows.c``, for bf16 when built, else their torch specification: the
     same bits, tested)."""
-    from skyrl_numerics.kernels import cpu, cpu_moe
+    from skyrl_numerics.kernels import cpu, cpu_gemm, cpu_moe
 
     import numpy as np
 
@@ -440,12 +440,12 @@ def _grouped_expert_rows(x, ids, expert, E: int, weights=None) -> torch.Tensor:
     a2 = cpu_moe.gather_rows(x, order // k, dest, n * RB, copies=2).view(2 * n, RB, H)
     counts_blk = nblk.tolist()
     if dense:
-        g, u = cpu._gemm_blocks(a2, gu).split(n)
+        g, u = cpu_gemm.gemm_blocks(a2, gu).split(n)
     else:
         g, u = _expert_gemm(a2, gu, torch.from_numpy(np.concatenate([blk_expert, blk_expert + E])),
                             counts_blk + counts_blk).split(n)
     h = (silu(g[..., :I].to(x.dtype)) * u[..., :I].to(x.dtype)).float()
-    y = (cpu._gemm_blocks(h.contiguous(), dn) if dense else
+    y = (cpu_gemm.gemm_blocks(h.contiguous(), dn) if dense else
          _expert_gemm(h.contiguous(), dn, torch.from_numpy(blk_expert), counts_blk))
     y = y.view(n * RB, -1)
     rowmap = np.empty(flat.size, dtype=np.int64)
