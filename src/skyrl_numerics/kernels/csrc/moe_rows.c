@@ -1,6 +1,6 @@
 /* The data movement around a grouped MoE layer's GEMMs on CPU, fused (no arithmetic of its own
- * beyond what the unfused torch ops do; skyrl_numerics.trainer.invariant.blocks calls these and
- * tests them bitwise against those ops):
+ * beyond what the unfused torch ops do; wrapped by skyrl_numerics.kernels.cpu_moe, whose torch
+ * specifications give the same bits, tested):
  *
  *   skyrl_moe_gather:  out[c, dest[p], :] = float(x[src[p], :])  for every (token, slot) pair p
  *                      and copy c; every other row of out is +0 (the padding of each expert's
