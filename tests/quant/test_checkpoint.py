@@ -315,7 +315,7 @@ def test_qat_check_cannot_see_consistent_finite_scale_edits_base_does(bf16_ckpt,
                                                                       suffix, edit, what):
     """What the self-consistency path cannot detect, asserted as such (so a change in what it
     sees is noticed), and the --base path flagging exactly the edited tensor."""
-    from skyrl_numerics.quant.qat_base import qat_check_base
+    from skyrl_numerics.quant.vendor_check import qat_check_base
     d = _edited(written, fmt, suffix, edit, tmp_path)
     rep = qat_check(d)
     assert rep.ok and all(r["static_exact"] for r in rep.rows), rep.to_text()

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from skyrl_numerics.cli import main
-from skyrl_numerics.quant.qat_base import qat_check_base
+from skyrl_numerics.quant.vendor_check import qat_check_base
 
 DEPS = Path(sys.prefix) / "modelopt-export-deps"
 pytestmark = pytest.mark.filterwarnings("ignore")

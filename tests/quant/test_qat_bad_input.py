@@ -22,8 +22,8 @@ from skyrl_numerics.cli import main
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.quant import codecs as C
 from skyrl_numerics.quant.checkpoint import qat_check, write_quantized_checkpoint
-from skyrl_numerics.quant.qat_base import qat_check_base
-from skyrl_numerics.quant.qat_inputs import MINMAX_OBSERVERS
+from skyrl_numerics.quant.vendor_check import qat_check_base
+from skyrl_numerics.quant.vendor_check.readers import MINMAX_OBSERVERS
 
 FMTS = ["modelopt_nvfp4", "ct_nvfp4", "ct_int4", "ct_fp8_channel", "ct_fp8_block", "modelopt_fp8", "deepseek_fp8"]
 SELF = ["modelopt_nvfp4", "ct_nvfp4", "ct_int4"]                # the formats the self-consistency check reads

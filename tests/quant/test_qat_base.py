@@ -12,7 +12,7 @@ from skyrl_numerics.cli import main
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.quant import quantize
 from skyrl_numerics.quant.checkpoint import FORMATS, qat_check, write_quantized_checkpoint
-from skyrl_numerics.quant.qat_base import detect_scheme, qat_check_base
+from skyrl_numerics.quant.vendor_check import detect_scheme, qat_check_base
 
 EXPERTS = ".mlp.experts."
 ATTN = lambda k: ".self_attn." in k and k.endswith("_proj.weight")  # noqa: E731

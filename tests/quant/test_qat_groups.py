@@ -15,8 +15,8 @@ from torch import nn
 
 from skyrl_numerics.cli import main
 from skyrl_numerics.errors import InputError
-from skyrl_numerics.quant.qat_base import qat_check_base
-from skyrl_numerics.quant.qat_schemes import ct_group_of
+from skyrl_numerics.quant.vendor_check import qat_check_base
+from skyrl_numerics.quant.vendor_check.schemes import ct_group_of
 
 pytest.importorskip("compressed_tensors")
 pytestmark = pytest.mark.filterwarnings("ignore")

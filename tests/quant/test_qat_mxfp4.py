@@ -21,7 +21,7 @@ from skyrl_numerics.cli import main
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.quant import dequantize, quantize
 from skyrl_numerics.quant.checkpoint import qat_check
-from skyrl_numerics.quant.qat_base import qat_check_base
+from skyrl_numerics.quant.vendor_check import qat_check_base
 
 NOT_CONVERT = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 GU = "model.layers.1.mlp.experts.gate_up_proj"

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from qmodels import tiny_qwen3_moe
 
 from skyrl_numerics.cli import main
-from skyrl_numerics.quant.qat_base import qat_check_base
+from skyrl_numerics.quant.vendor_check import qat_check_base
 
 pytest.importorskip("compressed_tensors")
 pytestmark = pytest.mark.filterwarnings("ignore")

@@ -91,7 +91,7 @@ def flash_attention_for_cpu_backward(grad_out, query, key, value, out, logsumexp
     """aten::_scaled_dot_product_flash_attention_for_cpu_backward -> (dq, dk, dv)."""
     _check(dropout_p)
     B, H, L, E = query.shape
-    Hkv, S = key.shape[1], key.shape[2]
+    Hkv = key.shape[1]
     g = H // Hkv
     qf, kf, s, sc = _scores(query, key, is_causal, attn_mask, scale)
     vf = value.to(F32).repeat_interleave(g, dim=1) if g > 1 else value.to(F32)

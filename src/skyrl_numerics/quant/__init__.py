@@ -21,6 +21,6 @@ __all__ += ["QATCheckReport", "qat_check", "write_quantized_checkpoint", "fp8_kv
 from .qweights import load_quantized_weights
 
 __all__ += ["load_quantized_weights"]
-from .qat_base import QATBaseReport, detect_scheme, qat_check_base
+from .vendor_check import QATBaseReport, detect_scheme, qat_check_base
 
 __all__ += ["QATBaseReport", "detect_scheme", "qat_check_base"]

@@ -80,7 +80,7 @@ def _quantize_matrix(w: torch.Tensor, fmt: str, global_amax=None) -> dict[str, t
         return {"_packed": pack_int4_to_int32(q.codes), "_scale": q.scales,
                 "_shape": torch.tensor(list(w.shape), dtype=torch.int64)}
     if fmt == "modelopt_fp8":                  # modelopt's export: the quotient rounds in the weight dtype
-        from .qat_schemes import modelopt_fp8_quantize
+        from .vendor_check.schemes import modelopt_fp8_quantize
         q = modelopt_fp8_quantize(w)
         return {"": q.codes, "_scale": q.scales.reshape(())}
     if fmt in ("ct_fp8_channel", "ct_fp8_block", "modelopt_fp8"):
@@ -251,7 +251,7 @@ def _config_int4_group(d: Path) -> int | None:
     """The INT4 ``group_size`` config.json's compressed-tensors groups name, if exactly one.
     No config.json: None (the layouts come from the tensor names); a config.json that is not a
     JSON object is the project's error naming it (never silently ignored)."""
-    from .qat_inputs import read_json
+    from .vendor_check.readers import read_json
 
     if not (d / "config.json").is_file():
         return None
@@ -268,7 +268,7 @@ def _layout_of(t, P: str, int4_group: int | None = None):
     """The stored layout of weight ``P`` from its tensors' names and dtypes (``None``: an FP8
     layout, which ``load_qtensors`` does not read); a spec whose companions are missing is
     refused by ``read_param``, naming the missing tensor."""
-    from .qat_inputs import Spec
+    from .vendor_check.readers import Spec
     has = lambda sfx: P + sfx in t                                                   # noqa: E731
     dt = t.meta[P][0] if P in t else None
     if has("_blocks") or has("_scales"):
@@ -302,9 +302,9 @@ def load_qtensors(model_dir, dtype: torch.dtype = torch.bfloat16) -> dict[str, Q
     ``P``, e.g. ``X.weight``; for a 3-D stacked expert tensor one entry per expert, ``P[e]``).
     Codes and scales are kept as stored (no dequantization). The layout of each weight is read
     from its tensor names (modelopt NVFP4, compressed-tensors NVFP4 / INT4) and validated as
-    ``qat-check --base`` does (:func:`.qat_inputs.read_param`: dtypes, shapes, finite
+    ``qat-check --base`` does (:func:`.vendor_check.readers.read_param`: dtypes, shapes, finite
     non-negative scales, missing companions refused)."""
-    from .qat_inputs import Tensors, read_param, stored_weights
+    from .vendor_check.readers import Tensors, read_param, stored_weights
     t = Tensors(Path(model_dir), "model_dir")
     g = _config_int4_group(Path(model_dir))
     out: dict[str, QTensor] = {}

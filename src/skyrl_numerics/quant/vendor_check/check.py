@@ -23,8 +23,8 @@ codes and scales a serving checkpoint holds? (``skyrl-numerics qat-check QUANT_D
    ============================  ==============================================  ===================
 
    Several compressed-tensors groups: each weight goes to the group whose ``targets`` match it
-   under compressed-tensors' own rules, ``ignore`` respected (:func:`.qat_schemes.ct_group_of`).
-   Every field and tensor is validated first (:mod:`.qat_inputs`).
+   under compressed-tensors' own rules, ``ignore`` respected (:func:`.schemes.ct_group_of`).
+   Every field and tensor is validated first (:mod:`.readers`).
 
    modelopt's config is ``hf_quant_config.json`` (``{"quantization": {"quant_algo": ...}}``) or
    ``config.json``'s ``quantization_config`` with ``quant_method: modelopt``.
@@ -50,13 +50,13 @@ import torch
 
 from skyrl_numerics.errors import InputError
 
-from . import codecs as C
-from .api import quantize
-from .qat_inputs import (ALL_SUFFIXES, LAYOUTS, Spec, Tensors, check_unclaimed, ct_top_level, ct_weights_spec,
-                         deepseek_spec, modelopt_spec, read_json, read_param, stored_weights)
-from .qat_schemes import (ct_group_of, fusion_group, global_matches, modelopt_fp8_quantize, module_of,
-                          mxfp4_spec, not_converted, nvfp4_global_candidates)
-from .qtensor import QTensor
+from .. import codecs as C
+from ..api import quantize
+from ..qtensor import QTensor
+from .readers import (ALL_SUFFIXES, LAYOUTS, Spec, Tensors, check_unclaimed, ct_top_level, ct_weights_spec,
+                      deepseek_spec, modelopt_spec, mxfp4_spec, read_json, read_param, stored_weights)
+from .schemes import (ct_group_of, fusion_group, global_matches, modelopt_fp8_quantize, module_of,
+                      not_converted, nvfp4_global_candidates)
 
 LINEAR = ("Linear",)       # class of a stored weight's module: a Linear layer (or a fused expert stack)
 SCHEMES = ("ct_int4", "ct_nvfp4", "ct_fp8", "modelopt_nvfp4", "modelopt_fp8", "deepseek_fp8_block", "gpt_oss_mxfp4")
@@ -65,7 +65,7 @@ SCHEMES = ("ct_int4", "ct_nvfp4", "ct_fp8", "modelopt_nvfp4", "modelopt_fp8", "d
 @dataclass
 class Scheme:
     """What the quantized checkpoint's config says: ``kind`` (one of :data:`SCHEMES`), the
-    validated per-group :class:`~.qat_inputs.Spec` s, where it was read, and for compressed-tensors
+    validated per-group :class:`~.readers.Spec` s, where it was read, and for compressed-tensors
     each group's ``targets`` and the ``ignore`` list (modelopt: ``exclude_modules``)."""
 
     kind: str
@@ -145,7 +145,7 @@ def _excluded(P: str, patterns: list[str]) -> str | None:
 
 def _spec_for(P: str, scheme: Scheme, t: Tensors) -> Spec:
     """The config group that quantizes stored weight ``P``: compressed-tensors by its ``targets`` /
-    ``ignore`` (:func:`.qat_schemes.ct_group_of`), else the one scheme (modelopt: not excluded)."""
+    ``ignore`` (:func:`.schemes.ct_group_of`), else the one scheme (modelopt: not excluded)."""
     if scheme.targets:
         gi, why = ct_group_of(P, LINEAR, scheme)
         if gi is None and why:
@@ -181,7 +181,7 @@ def _check_unquantized_targets(t: Tensors, scheme: Scheme, claimed: set[str]) ->
 
 def quantized_tensors(quant_dir, scheme: Scheme, dtype=torch.bfloat16) -> dict[str, QTensor]:
     """The stored quantized weights of ``quant_dir`` as QTensors, each read with its config
-    group's layout and validated (:mod:`.qat_inputs`)."""
+    group's layout and validated (:mod:`.readers`)."""
     d = Path(quant_dir)
     t = Tensors(d, "quant_dir")
     qts: dict[str, QTensor] = {}

@@ -24,9 +24,9 @@ import torch
 
 from skyrl_numerics.errors import InputError
 
-from . import codecs as C
-from .qtensor import QTensor
-from .recipes_int4 import unpack_int4_from_int32
+from .. import codecs as C
+from ..qtensor import QTensor
+from ..recipes_int4 import unpack_int4_from_int32
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 QUANT_DTYPES = (torch.uint8, torch.int8, torch.int32, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
@@ -296,7 +296,6 @@ def _cdiv(a: int, b: int) -> int:
 def read_param(t: Tensors, P: str, spec: Spec, dtype) -> dict[str, QTensor]:
     """Validated QTensors of stored weight ``P`` (``P[e]`` per expert of a 3-D stack)."""
     if spec.kind == "gpt_oss_mxfp4":
-        from .qat_schemes import read_mxfp4
         return read_mxfp4(t, P, dtype)
     code_sfx, code_dt, sc_sfx, sc_dt, g_sfx = LAYOUTS[spec.kind]
     codes = _get(t, P + code_sfx, code_dt, "codes", P)
@@ -401,3 +400,40 @@ def check_unclaimed(t: Tensors, claimed: set[str], scheme: str) -> None:
         if k not in claimed and dt in ("U8", "I32", "I8", "F8_E4M3", "F8_E5M2", "F8_E8M0"):
             raise InputError(f"{k}: a {dt} tensor that is no part of any {scheme} weight (its codes or scales "
                              f"are missing, or it is stored in another layout)", field=k, source=t.src(k))
+
+
+# ------------------------------------------------------------------------------ GPT-OSS MXFP4
+def mxfp4_spec(qc: dict, src: str) -> Spec:
+    """GPT-OSS ``quant_method: mxfp4`` (transformers ``Mxfp4Config``): MXFP4 experts, the modules in
+    ``modules_to_not_convert`` (``*`` wildcards) left in bf16."""
+    extra = sorted(set(qc) - {"quant_method", "modules_to_not_convert", "dequantize"})
+    if extra:
+        _bad(src, extra[0], f"unknown mxfp4 quantization_config field(s) {extra}")
+    m = qc.get("modules_to_not_convert", [])
+    if m is not None and not (isinstance(m, list) and all(isinstance(x, str) and x for x in m)):
+        _bad(src, "modules_to_not_convert", f"modules_to_not_convert must be a list of module patterns, got {m!r}")
+    if not isinstance(qc.get("dequantize", False), bool):
+        _bad(src, "dequantize", f"dequantize must be true or false, got {qc.get('dequantize')!r}")
+    return Spec("gpt_oss_mxfp4", src, block=(1, 32))
+
+
+def read_mxfp4(t: Tensors, P: str, dtype) -> dict[str, QTensor]:
+    """GPT-OSS experts: ``P_blocks`` uint8 ``[E, out, in/32, 16]`` (E2M1 pairs, low nibble first),
+    ``P_scales`` uint8 E8M0 ``[E, out, in/32]`` -> one mxfp4 QTensor ``[out, in]`` per expert
+    (transformers' ``convert_moe_packed_tensors`` decodes the same ``[E, out, in]`` matrix, then
+    transposes it to the HF ``[E, in, out]`` parameter)."""
+    bk, sk = P + "_blocks", P + "_scales"
+    blocks = _get(t, bk, (torch.uint8,), "FP4 blocks", P)
+    scales = _get(t, sk, (torch.uint8,), "E8M0 scales", P)
+    if blocks.dim() != 4 or blocks.shape[-1] != 16:
+        _err(t, bk, f"shape {tuple(blocks.shape)}, expected [experts, out, in/32, 16] (32 E2M1 codes per block, "
+                    f"two per byte)", bk)
+    _expect_shape(t, sk, scales.shape, tuple(blocks.shape[:-1]), "one E8M0 scale per 32-element block")
+    nan = scales == 0xFF
+    if bool(nan.any()):
+        i = int(nan.flatten().nonzero()[0])
+        _err(t, sk, f"holds the E8M0 NaN code 0xFF at flat index {i}", sk, i)
+    E, out, G, _ = blocks.shape
+    return {f"{P}[{e}]": QTensor("mxfp4", blocks[e].reshape(out, G * 16), scales[e].view(torch.float8_e8m0fnu),
+                                 None, (1, 32), (out, G * 32), dtype, {"scale_mode": "floor", "base_layout": "in_out"})
+            for e in range(E)}
