@@ -69,29 +69,15 @@ class WeightSyncWorkerExtension:
         from safetensors import safe_open
 
         t0 = time.perf_counter()
-        model = self.model_runner.get_model()
-        names: list[str] = []
 
         def weights():
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
-                    names.append(name)
                     yield name, f.get_tensor(name)
 
-        if getattr(model, "skyrl_invariant", False):
-            # the batch-invariant model holds its weights under checkpoint names and copies them
-            # in place itself (vLLM's layerwise reload does not know its ParameterDict)
-            model.load_weights(weights())
-            return {"loaded": len(names), "seconds": time.perf_counter() - t0}
-        parked = _park_cpu_moe_kernels(model)
-
-        try:
-            self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
-        finally:
-            for qm, kernel in parked:
-                if qm.moe_kernel is None:  # layer was not reloaded: keep its old kernel
-                    qm.moe_kernel = kernel
-        return {"loaded": len(names), "seconds": time.perf_counter() - t0}
+        n = load_into_model(self.vllm_config, self.model_runner.get_model(), weights(),
+                            reload=self.reload_weights)  # the worker's: also resets LoRA/mm state
+        return {"loaded": n, "seconds": time.perf_counter() - t0}
 
     def skyrl_linear_kernels(self) -> dict[str, str]:
         """Per quantized layer, what runs it: ``"<scheme> / <kernel>"`` (e.g.
@@ -119,6 +105,45 @@ class WeightSyncWorkerExtension:
             out[name] = hashlib.blake2b(t.view(-1).view(_u8()).numpy().tobytes(),
                                         digest_size=16).hexdigest()
         return out
+
+
+def load_into_model(vllm_config, model, weights: Iterable[tuple[str, Any]], *, reload=None) -> int:
+    """Load ``(checkpoint name, tensor)`` pairs into a live vLLM ``model`` in place; returns how
+    many were loaded. The one load path of every in-place update (this module's worker extension
+    and the ``skyrl_delta`` weight-transfer backend, ``sync/vllm_backend.py``).
+
+    vLLM's layerwise reload (``model_loader.reload.reload_weights``) maps the names onto fused
+    parameters and re-runs ``process_weights_after_loading``; on CPU the unquantized MoE kernels
+    are parked first (module docstring). The batch-invariant model holds its weights under
+    checkpoint names and copies them in place itself. ``reload``: the worker's own
+    ``reload_weights`` when called from one (default: vLLM's in-place reload under this config)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    def default_reload(weights_iterator, is_checkpoint_format):
+        with set_current_vllm_config(vllm_config):
+            reload_weights(vllm_config, model, weights_iterator=weights_iterator,
+                           weights_path=None, is_checkpoint_format=is_checkpoint_format)
+
+    reload = reload or default_reload
+    names: list[str] = []
+
+    def counted():
+        for name, t in weights:
+            names.append(name)
+            yield name, t
+
+    if getattr(model, "skyrl_invariant", False):
+        model.load_weights(counted())
+        return len(names)
+    parked = _park_cpu_moe_kernels(model)
+    try:
+        reload(weights_iterator=counted(), is_checkpoint_format=True)
+    finally:
+        for qm, kernel in parked:
+            if qm.moe_kernel is None:  # layer was not reloaded: keep its old kernel
+                qm.moe_kernel = kernel
+    return len(names)
 
 
 def _u8():
