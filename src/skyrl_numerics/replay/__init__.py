@@ -13,6 +13,7 @@ from .bitpack import bits_for, pack_bits, unpack_bits
 from .routes import PackedRoutes, id_dtype
 from .support import PackedSupport
 from .trace import RouteTrace
+from .vllm_wire import decode_vllm_routes, encode_vllm_routes
 
 _LAZY = {
     "route_replay": ".hf_replay",
@@ -27,7 +28,8 @@ _LAZY = {
     "support_logprobs_reference": ".support_lp",
 }
 
-__all__ = ["PackedRoutes", "PackedSupport", "RouteTrace", "id_dtype", "bits_for", "pack_bits", "unpack_bits", *_LAZY]
+__all__ = ["PackedRoutes", "PackedSupport", "RouteTrace", "id_dtype", "decode_vllm_routes", "encode_vllm_routes",
+           "bits_for", "pack_bits", "unpack_bits", *_LAZY]
 
 
 def __getattr__(name):

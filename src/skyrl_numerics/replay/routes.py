@@ -273,6 +273,39 @@ class PackedRoutes:
         return out
 
     @classmethod
+    def from_vllm(cls, encoded: Sequence[str | bytes | np.ndarray], num_experts: int, *,
+                  prompt_lens: Sequence[int] | None = None, response_lens: Sequence[int] | None = None,
+                  prompt_start: int | Sequence[int] = 0, moe_layers: Sequence[int] | None = None) -> "PackedRoutes":
+        """From vLLM's ``routed_experts``, one entry per choice (base64 str of ``.npy`` as the server sends it,
+        raw ``.npy`` bytes, or the ndarray of ``CompletionOutput.routed_experts``): ``[n, L_total, k]``, any
+        integer dtype (vLLM: uint8 for E <= 256, else uint16); see :mod:`.vllm_wire`.
+
+        ``moe_layers``: the hidden-layer indices that route (strictly increasing); only those are kept, in
+        order, so ``L = len(moe_layers)`` as the replay convention wants. vLLM indexes all hidden layers and
+        leaves the others at 0, so a dropped layer holding a non-zero id is refused (wrong ``moe_layers``).
+        ``None`` keeps every layer (right only when every layer is MoE).
+        ``prompt_lens`` + ``response_lens`` (together): each choice must have exactly
+        ``prompt_len + response_len - 1 - prompt_start`` rows. ``prompt_start`` (vLLM's
+        ``routed_experts_prompt_start``, int or per choice) must be 0: the rows before it are not sent and
+        a PackedRoutes covers every position from 0, so ``> 0`` is refused (no padding with made-up
+        routes); build such multi-turn deltas with :func:`decode_vllm_routes` + ``RouteTrace.add(delta, start)``.
+        Every malformed entry (base64, ``.npy`` header or size, dtype, ndim, shape, row count, id outside
+        ``[0, E)``) is an InputError naming the choice (``row``) and position (``index``). No pickle."""
+        from .vllm_wire import routes_from_vllm
+
+        return routes_from_vllm(encoded, num_experts, prompt_lens=prompt_lens, response_lens=response_lens,
+                                prompt_start=prompt_start, moe_layers=moe_layers)
+
+    def to_vllm(self, b: int, *, num_hidden_layers: int | None = None,
+                moe_layers: Sequence[int] | None = None) -> str:
+        """Sequence ``b`` as vLLM sends ``routed_experts`` (the string ``numpy2base64`` gives for the same
+        array; ids keep :func:`id_dtype`, vLLM's for E <= 65536). With ``moe_layers`` the rows go back to
+        those indices of ``num_hidden_layers`` layers, the others 0, as vLLM captures them."""
+        from .vllm_wire import routes_to_vllm
+
+        return routes_to_vllm(self, b, num_hidden_layers, moe_layers)
+
+    @classmethod
     def concat(cls, parts: Sequence["PackedRoutes"]) -> "PackedRoutes":
         """Batch several PackedRoutes (same L, k, E) into one, sequences in order."""
         if not parts:

@@ -146,6 +146,20 @@ class PackedSupport:
             sets.append(keep)
         return cls.from_sets(sets, vocab_size)
 
+    @classmethod
+    def from_vllm(cls, masks: Sequence[Sequence[Sequence[int]] | None], vocab_size: int, *,
+                  response_lens: Sequence[int] | None = None,
+                  token_ids: Sequence[Sequence[int]] | None = None) -> "PackedSupport":
+        """From vLLM's ``sampling_mask``, one entry per choice (``list[list[int]]`` as the server sends it,
+        or ``vllm.outputs.SamplingMask``): one list of kept ids per generated token. All choices' rows, in
+        order, become one PackedSupport (ids sorted per row). Refused with InputError naming the choice
+        (``row``) and position (``index``): a missing mask, a non-list row, an empty row, a non-integer
+        (bool, float) id, an id outside ``[0, vocab_size)``, a duplicate id, a row count != ``response_lens``
+        or ``len(token_ids)``; with ``token_ids`` (the sampled tokens) each must lie in its own support."""
+        from .vllm_wire import support_from_vllm
+
+        return support_from_vllm(masks, vocab_size, response_lens=response_lens, token_ids=token_ids)
+
     # ---- properties ---------------------------------------------------------------------------------
     @property
     def num_tokens(self) -> int:
