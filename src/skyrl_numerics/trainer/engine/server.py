@@ -121,7 +121,7 @@ class VLLMServer:
                                  "manifest must be signed (set SKYRL_NUMERICS_SYNC_KEY)",
                                  field="host")
         self.argv = serve_command(model_dir, host=host, port=self.port, api_key=self.api_key, **kw)
-        self.env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", **(env or {}))
+        self.env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **(env or {})}
         if sync_key:
             self.env["SKYRL_NUMERICS_SYNC_KEY"] = sync_key
         if host not in LOOPBACK:

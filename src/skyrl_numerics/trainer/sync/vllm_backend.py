@@ -50,7 +50,7 @@ reason.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
 from vllm.distributed.weight_transfer.base import (
@@ -153,6 +153,7 @@ class SkyrlDeltaEngine(WeightTransferEngine[SkyrlDeltaInitInfo, SkyrlDeltaUpdate
         super().__init__(config, vllm_config, device, model)
         self.receiver = None
         self.store = None
+        self._receivers: dict[str, Any] = {}     # store -> its receiver (the held version)
         self._high_water: dict[str, int] = {}   # store -> highest version ever applied
         self.last_update: dict[str, Any] = {}
 
@@ -171,12 +172,17 @@ class SkyrlDeltaEngine(WeightTransferEngine[SkyrlDeltaInitInfo, SkyrlDeltaUpdate
             raise InputError(f"this server requires signed manifests but {KEY_ENV} is not set "
                              "in its environment", field="init_info")
         check_format(init_info.weights_format, field="init_info.weights_format")
-        if self.receiver is not None and init_info.store == self.store:
-            return  # same store: keep the held version (a re-init cannot rewind it)
+        held = self._receivers.get(init_info.store)
+        if held is not None and held.weights_format == init_info.weights_format:
+            # a store seen before: its receiver keeps the version it holds (a re-init cannot
+            # rewind it, and the next delta applies against it)
+            self.receiver, self.store = held, init_info.store
+            return
         self.receiver = DeltaReceiver(init_info.store, key=key, max_bytes=init_info.max_bytes,
                                       expect=served_layout(self.model_config.model),
                                       weights_format=init_info.weights_format)
         self.store = init_info.store
+        self._receivers[init_info.store] = self.receiver
 
     def start_weight_update(self) -> None:
         if self.receiver is None:
@@ -264,6 +270,7 @@ class SkyrlDeltaEngine(WeightTransferEngine[SkyrlDeltaInitInfo, SkyrlDeltaUpdate
     def shutdown(self) -> None:
         self.receiver = None
         self.store = None
+        self._receivers.clear()
 
 
 # ---- trainer side ---------------------------------------------------------------------------
@@ -273,6 +280,7 @@ class SkyrlDeltaTrainerInitInfo(TrainerInitInfo):
     store: str = ""
     weights_format: str = "native"
     snapshot_every: int = 10
+    key: str | None = field(default=None, repr=False)   # HMAC key (default $SKYRL_NUMERICS_SYNC_KEY)
 
 
 def _server_reason(err: Exception) -> str:
@@ -303,7 +311,8 @@ class SkyrlDeltaTrainerEngine(TrainerWeightTransferEngine[SkyrlDeltaTrainerInitI
         eng = cls(client=client, source=source, is_sender=init_info.is_sender)
         eng.init_info = init_info
         eng.publisher = (DeltaPublisher(init_info.store, snapshot_every=init_info.snapshot_every,
-                                        weights_format=init_info.weights_format)
+                                        weights_format=init_info.weights_format,
+                                        key=init_info.key)
                          if init_info.is_sender else None)
         eng.last_manifest = None
         if init_info.is_sender:

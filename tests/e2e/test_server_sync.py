@@ -1,0 +1,303 @@
+"""Weight updates of a real ``vllm serve`` through vLLM's own HTTP client and the ``skyrl_delta``
+backend, and everything a refused update must leave alone.
+
+One server per module (a subprocess on 127.0.0.1 started by ``VLLMServer``: dev mode, the
+backend, ``--api-key``, a sync key in its environment). "Served weights unchanged" is checked by
+what the server computes: token ids, sampled logprobs and prompt logprobs of fixed seeded
+requests, bit for bit (vLLM's own ``/weight_checker`` digests the parameters, but on CPU the
+linear layers compute from a prepacked copy, so a digest of ``weight`` does not see an update).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import requests
+
+from skyrl_numerics.errors import InputError
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+API_KEY = "test-api-key"
+SYNC_KEY = "test-sync-key"
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from skyrl_numerics.models import build_tiny_model
+
+    return str(build_tiny_model("qwen3_moe"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    from skyrl_numerics.trainer.engine.server import VLLMServer
+
+    log = tmp_path_factory.mktemp("serve") / "vllm.log"
+    srv = VLLMServer(model_dir, api_key=API_KEY, sync_key=SYNC_KEY, log_path=log,
+                     extra_args=["--enable-prompt-tokens-details"])
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(model_dir):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(model_dir, "model.safetensors"))
+
+
+def fingerprint(srv, model_dir) -> list:
+    """Token ids, sampled logprobs and prompt logprobs of fixed seeded requests (floats exact)."""
+    import openai
+
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY)
+    out = []
+    for seed, prompt in ((1, [5, 6, 7, 8, 9]), (2, list(range(30, 70)))):
+        r = client.completions.create(model=model_dir, prompt=[prompt], max_tokens=6, seed=seed,
+                                      temperature=1.0, logprobs=1,
+                                      extra_body={"prompt_logprobs": 1, "return_token_ids": True})
+        ch = r.choices[0]
+        prompt_lp = [None if d is None else {k: v["logprob"] for k, v in d.items()}
+                     for d in ch.model_extra["prompt_logprobs"]]
+        out.append((ch.model_extra["token_ids"], ch.logprobs.token_logprobs, prompt_lp))
+    return out
+
+
+def trainer_engine(srv, store, key=SYNC_KEY, **kw):
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from skyrl_numerics.trainer.sync.vllm_backend import SkyrlDeltaTrainerInitInfo, http_client
+
+    info = SkyrlDeltaTrainerInitInfo(store=str(store), rank=0, key=key, **kw)
+    return WeightTransferTrainerFactory.trainer_init(info, client=http_client(srv.url, API_KEY))
+
+
+def _capture(fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:   # the connection dies with the server: any transport error
+        return e
+    return None
+
+
+def scaled(state, name_part, factor):
+    out = dict(state)
+    for k in out:
+        if name_part in k:
+            out[k] = (out[k].float() * factor).to(out[k].dtype)
+    return out
+
+
+# ---- the guard on the control routes --------------------------------------------------------
+def test_control_routes_need_the_api_key(server):
+    """Every route of the live app except the probes refuses a request without the key or with
+    a wrong one (vLLM's own middleware guards only /v1, /v2, /inference, /cohere)."""
+    from skyrl_numerics.trainer.engine.vllm_patches import OPEN_ROUTES
+
+    spec = requests.get(server.url + "/openapi.json", headers=server.headers(), timeout=10).json()
+    assert requests.get(server.url + "/openapi.json", timeout=10).status_code == 401
+    checked = 0
+    for path, ops in spec["paths"].items():
+        if path in OPEN_ROUTES:
+            continue
+        url = server.url + path.replace("{response_id}", "x")
+        for method in ops:
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                r = requests.request(method.upper(), url, headers=headers, timeout=10)
+                assert r.status_code == 401, (method, path, r.status_code, r.text[:200])
+            checked += 1
+    assert checked >= 30
+    for path in ("/start_weight_update", "/update_weights", "/pause", "/collective_rpc"):
+        assert path in spec["paths"]
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+
+
+# ---- updates through vLLM's own client -------------------------------------------------------
+def test_updates_apply_exact_bytes_and_record_the_version(server, model_dir, checkpoint, tmp_path):
+    """Full snapshot of the checkpoint: outputs bit-identical; a delta changes them; the
+    checkpoint pushed back as a delta restores them bit for bit; weight_version follows."""
+    base = fingerprint(server, model_dir)
+    eng = trainer_engine(server, tmp_path / "store")
+    m0 = eng.send_weights(checkpoint)
+    assert m0.is_full and fingerprint(server, model_dir) == base
+    changed = scaled(checkpoint, "layers.0.self_attn.q_proj", 3.0)
+    changed = scaled(changed, "layers.1.mlp.experts.2.", 2.0)
+    m1 = eng.send_weights(changed)
+    assert not m1.is_full and set(m1.changed) == {
+        k for k in checkpoint if "layers.0.self_attn.q_proj" in k or "layers.1.mlp.experts.2." in k}
+    assert fingerprint(server, model_dir) != base
+    info = requests.get(server.url + "/weight_info", headers=server.headers(), timeout=10).json()
+    assert info["weight_version"] == str(m1.version)
+    eng.send_weights(checkpoint)
+    assert fingerprint(server, model_dir) == base
+
+
+def _refused(eng, server, model_dir, before, match, *, version=None, update_info=None):
+    client = eng.client
+    client.start_weight_update()
+    with pytest.raises(requests.HTTPError) as ei:
+        client.update_weights(update_info if update_info is not None else {"version": version})
+    body = ei.value.response.text
+    assert ei.value.response.status_code >= 400
+    assert match in body, body[:500]
+    with pytest.raises(requests.HTTPError):   # the failed update ended the session
+        client.finish_weight_update()
+    assert fingerprint(server, model_dir) == before
+    return body
+
+
+def test_refused_updates_leave_the_served_weights_unchanged(server, model_dir, checkpoint,
+                                                           tmp_path):
+    from skyrl_numerics.trainer.sync.weight_sync import DeltaPublisher, manifest_path
+
+    store = tmp_path / "store"
+    eng = trainer_engine(server, store)
+    eng.send_weights(checkpoint)
+    state = scaled(checkpoint, "layers.1.self_attn.o_proj", 1.5)
+    eng.send_weights(state)
+    before = fingerprint(server, model_dir)
+    pub = eng.publisher
+
+    # 1. a payload byte flipped
+    m = pub.publish(scaled(state, "layers.0.mlp.gate", 2.0))
+    payload = next(e.payload for e in m.tensors if e.payload is not None)
+    path = os.path.join(store, payload)
+    blob = bytearray(open(path, "rb").read())
+    blob[len(blob) // 2] ^= 0x10
+    open(path, "wb").write(bytes(blob))
+    _refused(eng, server, model_dir, before, "is corrupt", version=m.version)
+
+    # 2. a manifest field edited (its digest no longer matches)
+    mpath = os.path.join(store, manifest_path(m.version))
+    doc = json.loads(open(mpath).read())
+    doc["tensors"][0]["shape"] = [1] + list(doc["tensors"][0]["shape"])
+    open(mpath, "w").write(json.dumps(doc))
+    _refused(eng, server, model_dir, before, "manifest digest mismatch", version=m.version)
+
+    # 3. signed with another key, 4. not signed at all (fresh stores with a snapshot each)
+    for key, match in (("another-key", "signature does not verify"), (None, "not signed")):
+        other = tmp_path / f"store-{key}"
+        DeltaPublisher(other, key=key).publish(checkpoint, full=True)
+        eng.client.init_weight_transfer_engine({"store": str(other)})
+        _refused(eng, server, model_dir, before, match, version=0)
+        eng.client.init_weight_transfer_engine({"store": str(store)})   # back: version kept
+
+    # 5. an older version replayed, 6. unknown update keys, 7. a version never published
+    _refused(eng, server, model_dir, before, "out of order", version=0)
+    _refused(eng, server, model_dir, before, "unknown key 'tensors'",
+             update_info={"version": 9, "tensors": []})
+    _refused(eng, server, model_dir, before, "not published", version=99)
+
+    # 8. a snapshot whose tensor has another shape than the served checkpoint
+    bad = dict(checkpoint)
+    name = "model.layers.0.input_layernorm.weight"
+    bad[name] = bad[name][:-1].clone()
+    wrong = tmp_path / "store-shape"
+    DeltaPublisher(wrong, key=SYNC_KEY).publish(bad, full=True)
+    eng.client.init_weight_transfer_engine({"store": str(wrong)})
+    _refused(eng, server, model_dir, before, "field 'shape'", version=0)
+
+    # init_info itself is checked
+    for init, match in (({"store": str(store), "weights_format": "nvfp5"}, "weights_format"),
+                        ({"store": str(store), "endpoint": "x"}, "unknown key 'endpoint'"),
+                        ({"store": ""}, "non-empty")):
+        with pytest.raises(requests.HTTPError) as ei:
+            eng.client.init_weight_transfer_engine(init)
+        assert match in ei.value.response.text
+
+    # and the server still takes a good update afterwards (the trainer engine's error path)
+    eng.client.init_weight_transfer_engine({"store": str(store)})
+    eng2 = trainer_engine(server, tmp_path / "store-fresh")
+    eng2.send_weights(checkpoint)
+    assert fingerprint(server, model_dir) != before    # checkpoint, not `state`
+    eng2._call("start_weight_update")
+    with pytest.raises(InputError, match="server refused update_weights: .*out of order"):
+        eng2._call("update_weights", {"version": 0})
+
+
+def test_prefix_cache_is_reset_after_an_update(server, model_dir, checkpoint, tmp_path):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, 500, 600)]
+
+    def cached():
+        r = client.completions.create(model=model_dir, prompt=[prompt], max_tokens=2, seed=0)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    cached()
+    assert cached() > 0          # the prefix cache is on and this prompt fills whole blocks
+    eng = trainer_engine(server, tmp_path / "store")
+    eng.send_weights(checkpoint)
+    assert cached() == 0         # blocks computed with the old weights are gone
+    assert cached() > 0
+
+
+def test_a_client_that_disconnects_mid_request_leaves_the_server_serving(server, model_dir):
+    before = fingerprint(server, model_dir)
+    body = {"model": model_dir, "prompt": [1, 2, 3], "max_tokens": 400, "stream": True,
+            "ignore_eos": True}
+    with requests.post(server.url + "/v1/completions", json=body, headers=server.headers(),
+                       stream=True, timeout=60) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())
+    time.sleep(0.5)
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+    assert fingerprint(server, model_dir) == before
+
+
+# ---- servers that cannot take an update -------------------------------------------------------
+def test_a_server_without_dev_mode_or_with_an_unknown_backend(model_dir, tmp_path):
+    from skyrl_numerics.trainer.engine.server import VLLMServer
+
+    srv = VLLMServer(model_dir, log_path=tmp_path / "nodev.log", env={"VLLM_SERVER_DEV_MODE": "0"})
+    with srv:
+        with pytest.raises(InputError, match="server refused init_weight_transfer_engine: .*Not Found"):
+            trainer_engine(srv, tmp_path / "store")
+    bad = VLLMServer(model_dir, log_path=tmp_path / "bad.log",
+                     extra_args=["--weight-transfer-config", '{"backend": "no_such_backend"}'])
+    with pytest.raises(RuntimeError, match="exited"):
+        bad.start()
+    assert "no_such_backend" in open(tmp_path / "bad.log").read()
+
+
+def test_a_server_killed_mid_update_never_serves_a_mix(model_dir, checkpoint, tmp_path):
+    """SIGKILL while update_weights is in flight; the restarted server serves the checkpoint
+    it was started from, bit for bit (nothing of the update persisted anywhere it reads)."""
+    from skyrl_numerics.trainer.engine.server import VLLMServer
+
+    srv = VLLMServer(model_dir, api_key=API_KEY, sync_key=SYNC_KEY, log_path=tmp_path / "a.log")
+    with srv:
+        base = fingerprint(srv, model_dir)
+        eng = trainer_engine(srv, tmp_path / "store")
+        eng.send_weights(checkpoint)
+        client = eng.client
+        outcome = {}
+
+        def update_then_kill(update_info):
+            """The real POST /update_weights, with the server SIGKILLed while it is in flight."""
+            t = threading.Thread(target=lambda: outcome.setdefault(
+                "error", _capture(type(client).update_weights, client, update_info)))
+            t.start()
+            time.sleep(0.02)
+            srv.kill()
+            t.join(60)
+
+        eng.client = type("Killing", (), {
+            "start_weight_update": client.start_weight_update,
+            "update_weights": staticmethod(update_then_kill),
+            "finish_weight_update": client.finish_weight_update})()
+        with pytest.raises(InputError, match="server refused finish_weight_update"):
+            eng.send_weights(scaled(checkpoint, "mlp.experts", 1.7))
+        assert not srv.alive()
+        assert outcome["error"] is not None     # the update call itself never completed
+    again = VLLMServer(model_dir, api_key=API_KEY, sync_key=SYNC_KEY, log_path=tmp_path / "b.log")
+    with again:
+        assert fingerprint(again, model_dir) == base
