@@ -4,6 +4,9 @@
     skyrl-numerics gap FILE [--out DIR]
     skyrl-numerics qat-check QUANT_DIR [--base BASE_DIR] [--json FILE]
     skyrl-numerics train [--family F] [--configs plain,aligned,bitwise] [--steps 5] [--ray]
+                         [--server URL]
+    skyrl-numerics serve DIR [--batch-invariant] [--kv-cache fp8|fp8_ds_mla] [--port P]
+                         [-- any vllm serve args]
 
 Bad input prints one line ``error: <where>: <what>`` and exits with code 2, writing nothing.
 """
@@ -292,6 +295,50 @@ def _cpu_serving(rows) -> dict:
     return {"cpu_serving": got, "vllm_cpu_build": vllm_capabilities().get("build")} if got else {}
 
 
+def _cmd_serve(args) -> int:
+    """Start ``vllm serve`` with every alignment piece on; print the URL; Ctrl-C stops it."""
+    import shlex
+    import signal
+    import time
+
+    from skyrl_numerics.trainer.engine.server import VLLMServer
+
+    srv = VLLMServer(args.model_dir, host=args.host, port=args.port, api_key=args.api_key,
+                     log_path=args.log, batch_invariant=args.batch_invariant,
+                     kv_cache=args.kv_cache, max_model_len=args.max_model_len,
+                     extra_args=args.vllm_args)
+    if args.print_command:
+        env = "".join(f"{k}={srv.env[k]} " for k in ("VLLM_SERVER_DEV_MODE",
+                                                        "SKYRL_NUMERICS_REQUIRE_SYNC_KEY")
+                      if k in srv.env)
+        print(env + " ".join(shlex.quote(a) for a in srv.argv))
+        return 0
+    err = sys.stderr
+    print(f"starting vllm serve {args.model_dir} (log: {srv.log_path}) ...", file=err, flush=True)
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):   # also when started with SIGINT ignored (&)
+        signal.signal(sig, interrupt)
+    try:
+        srv.start(timeout=args.timeout)
+        kind = "batch-invariant" if args.batch_invariant else "stock"
+        print(f"serving {args.model_dir} ({kind}) at {srv.url}; Ctrl-C stops it", flush=True)
+        while srv.alive():
+            time.sleep(0.5)
+        print(f"error: vllm serve exited with code {srv.proc.returncode}; log: {srv.log_path}",
+              file=err)
+        return 1
+    except KeyboardInterrupt:
+        srv.stop()
+        print("stopped", file=err)
+        return 0
+    except (RuntimeError, TimeoutError) as e:
+        srv.stop()
+        print(f"error: {str(e).splitlines()[0]}; log: {srv.log_path}", file=err)
+        return 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="skyrl-numerics", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -380,11 +427,38 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--verbose", action="store_true",
                    help="show vLLM's logs here instead of writing them to OUT/vllm.log")
     t.set_defaults(func=_cmd_train)
+
+    v = sub.add_parser("serve", help="start vllm serve with routes, supports, the skyrl_delta "
+                                     "weight-transfer backend and (optionally) the invariant model",
+                       description="Arguments after -- go to vllm serve unchanged.")
+    v.add_argument("model_dir", metavar="DIR")
+    v.add_argument("--batch-invariant", action="store_true",
+                   help="serve the checkpoint's family through the batch-invariant model")
+    v.add_argument("--kv-cache", default=None, choices=["fp8", "fp8_ds_mla"],
+                   help="with --batch-invariant: the KV cache format the model stores")
+    v.add_argument("--host", default="127.0.0.1",
+                   help="bind address; anything but loopback needs --api-key and "
+                        "SKYRL_NUMERICS_SYNC_KEY")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--api-key", default=None, help="default: $VLLM_API_KEY")
+    v.add_argument("--max-model-len", type=int, default=1024)
+    v.add_argument("--log", default=None, help="vLLM's log file (default: a temp file)")
+    v.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for /health")
+    v.add_argument("--print-command", action="store_true",
+                   help="print the equivalent raw command and exit")
+    v.set_defaults(func=_cmd_serve, vllm_args=[])
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough = []
+    if argv and argv[0] == "serve" and "--" in argv:   # the rest goes to vllm serve
+        i = argv.index("--")
+        argv, passthrough = argv[:i], argv[i + 1:]
     args = build_parser().parse_args(argv)
+    if passthrough:
+        args.vllm_args = passthrough
     try:
         return args.func(args)
     except InputError as e:

@@ -39,6 +39,47 @@ class EngineInfo:
     version: str
 
 
+def check_request(prompts, *, vocab_size: int, max_model_len: int, max_logprobs: int,
+                  max_tokens: int, capture_support, top_k: int, top_p: float,
+                  temperature: float) -> tuple[bool, int]:
+    """Check one ``generate`` call (every engine client: :class:`VLLMGenerator`,
+    :class:`~skyrl_numerics.trainer.engine.remote.RemoteGenerator`); returns ``(in_engine,
+    n_logprobs)``: whether the support must be captured inside the engine, and how many
+    logprobs per token to request."""
+    if not len(prompts):
+        raise InputError("no prompts", field="prompts")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise InputError("empty prompt", row=i, field="prompts")
+        bad = [t for t in p if not 0 <= int(t) < vocab_size]
+        if bad:
+            raise InputError(f"token id {bad[0]} outside the vocabulary [0, {vocab_size})",
+                             row=i, field="prompts")
+        if len(p) + max_tokens > max_model_len:
+            raise InputError(f"prompt ({len(p)}) + max_tokens ({max_tokens}) exceeds "
+                             f"max_model_len {max_model_len}", row=i, field="prompts")
+    if capture_support not in (False, True, "auto", "sampler", "logprobs"):
+        raise InputError(f"capture_support must be a bool, 'auto', 'sampler' or 'logprobs', "
+                         f"got {capture_support!r}", field="capture_support")
+    if capture_support == "logprobs" and not 1 < top_k < max_logprobs:
+        raise InputError(f"capture_support='logprobs' needs 1 < top_k < max_logprobs "
+                         f"({max_logprobs}): the support is read from the top "
+                         "processed logprobs", field="top_k")
+    in_engine = capture_support == "sampler" or (
+        capture_support in (True, "auto") and not 1 < top_k < max_logprobs)
+    if in_engine and top_k <= 0 and top_p >= 1.0:
+        raise InputError("capture_support with neither top_k nor top_p < 1: the support is the "
+                         "whole vocabulary (nothing to capture)", field="top_k")
+    if in_engine and temperature <= 0:
+        raise InputError("capture_support needs temperature > 0 (greedy sampling has no "
+                         "support set)", field="temperature")
+    # More entries than top_k: vLLM's top-k keeps every token tied with the k-th logit (bf16
+    # logits tie often), so the support can exceed k. At least one returned entry must come
+    # back at -inf, proving the support ended inside what was returned.
+    n_logprobs = min(2 * top_k + 1, max_logprobs) if capture_support and not in_engine else 0
+    return in_engine, n_logprobs
+
+
 class VLLMGenerator:
     """Owns one ``vllm.LLM``. Prompts are token ids; no tokenizer is needed.
 
@@ -141,40 +182,12 @@ class VLLMGenerator:
         """
         from vllm import SamplingParams
 
-        if not len(prompts):
-            raise InputError("no prompts", field="prompts")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise InputError("empty prompt", row=i, field="prompts")
-            bad = [t for t in p if not 0 <= int(t) < self.vocab_size]
-            if bad:
-                raise InputError(f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})",
-                                 row=i, field="prompts")
-            if len(p) + max_tokens > self.max_model_len:
-                raise InputError(f"prompt ({len(p)}) + max_tokens ({max_tokens}) exceeds "
-                                 f"max_model_len {self.max_model_len}", row=i, field="prompts")
-        if capture_support not in (False, True, "auto", "sampler", "logprobs"):
-            raise InputError(f"capture_support must be a bool, 'auto', 'sampler' or 'logprobs', "
-                             f"got {capture_support!r}", field="capture_support")
-        if capture_support == "logprobs" and not 1 < top_k < self.max_logprobs:
-            raise InputError(f"capture_support='logprobs' needs 1 < top_k < max_logprobs "
-                             f"({self.max_logprobs}): the support is read from the top "
-                             "processed logprobs", field="top_k")
-        in_engine = capture_support == "sampler" or (
-            capture_support in (True, "auto") and not 1 < top_k < self.max_logprobs)
-        if in_engine and top_k <= 0 and top_p >= 1.0:
-            raise InputError("capture_support with neither top_k nor top_p < 1: the support is the "
-                             "whole vocabulary (nothing to capture)", field="top_k")
-        if in_engine and temperature <= 0:
-            raise InputError("capture_support needs temperature > 0 (greedy sampling has no "
-                             "support set)", field="temperature")
+        in_engine, n_logprobs = check_request(
+            prompts, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+            max_logprobs=self.max_logprobs, max_tokens=max_tokens, capture_support=capture_support,
+            top_k=top_k, top_p=top_p, temperature=temperature)
         if in_engine:
             self._start_support_capture()
-        # More entries than top_k: vLLM's top-k keeps every token tied with the k-th logit (bf16
-        # logits tie often), so the support can exceed k. At least one returned entry must come
-        # back at -inf, proving the support ended inside what was returned.
-        n_logprobs = (min(2 * top_k + 1, self.max_logprobs) if capture_support and not in_engine
-                      else 0)
         params = []
         for i in range(len(prompts)):
             kw = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n,

@@ -1,0 +1,134 @@
+"""``skyrl-numerics serve`` + ``RemoteGenerator``: the invariant model behind a real ``vllm serve``
+(started by the CLI, stopped by Ctrl-C) gives the same rollouts, bit for bit, as the in-process
+invariant engine, and the invariant trainer reproduces its logprobs exactly."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from skyrl_numerics.errors import InputError
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def served(qwen_moe_dir, tmp_path_factory):
+    """``skyrl-numerics serve DIR --batch-invariant`` as a subprocess; yields its URL."""
+    from skyrl_numerics.trainer.engine.server import free_port
+
+    log = tmp_path_factory.mktemp("serve") / "vllm.log"
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "skyrl_numerics.cli", "serve",
+                             str(qwen_moe_dir), "--batch-invariant", "--port", str(port),
+                             "--log", str(log)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()          # blocks until healthy (or the CLI exits)
+    assert line.startswith("serving "), (line, proc.stderr.read() if proc.poll() is not None else "")
+    url = line.split(" at ")[1].split(";")[0]
+    assert url == f"http://127.0.0.1:{port}"
+    yield url, proc, log
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+
+
+def _same(a, b):
+    assert np.array_equal(a.prompt_tokens, b.prompt_tokens)
+    assert np.array_equal(a.prompt_cu, b.prompt_cu)
+    assert np.array_equal(a.response_tokens, b.response_tokens)
+    assert np.array_equal(a.response_cu, b.response_cu)
+    assert np.array_equal(a.group_ids, b.group_ids)
+    # bitwise, not close
+    assert np.array_equal(a.rollout_logprobs.view(np.uint32), b.rollout_logprobs.view(np.uint32))
+
+
+def test_remote_rollouts_equal_the_in_process_engine(served, vllm_qwen_invariant, qwen_moe_dir):
+    from skyrl_numerics.doctor import make_prompts
+    from skyrl_numerics.trainer.engine.remote import RemoteGenerator
+
+    url, _, _ = served
+    remote = RemoteGenerator(url)
+    assert remote.batch_invariant and remote.dtype == "bfloat16"
+    assert remote.engine_host.get("isa") == vllm_qwen_invariant.engine_host.get("isa")
+    prompts = make_prompts(6, 12, 512, 3)
+    kw = dict(temperature=1.0, top_k=16, max_tokens=10, seed=7, n=2, capture_support=True)
+    a = remote.generate(prompts, **kw)
+    b = vllm_qwen_invariant.generate(prompts, **kw)
+    _same(a, b)
+    assert a.support == b.support                     # -9999.0 on the wire read back as -inf
+    assert a.engine.startswith("vllm server") and a.meta["server"] == url
+    assert a.sampling["logprobs_mode"] == "processed_logprobs"
+
+
+def test_the_invariant_trainer_reproduces_the_server_bit_for_bit(served, qwen_moe_dir):
+    from skyrl_numerics.doctor import make_prompts
+    from skyrl_numerics.trainer.engine.remote import RemoteGenerator
+    from skyrl_numerics.trainer.invariant.train import InvariantTrainer
+
+    url, _, _ = served
+    ro = RemoteGenerator(url).generate(make_prompts(4, 9, 512, 11), temperature=1.0,
+                                       max_tokens=12, seed=1, n=3)
+    lp = InvariantTrainer(str(qwen_moe_dir)).logprobs(ro)
+    assert np.array_equal(np.asarray(lp, np.float32).view(np.uint32),
+                          ro.rollout_logprobs.view(np.uint32))
+
+
+def test_bad_requests_and_servers(served):
+    from skyrl_numerics.trainer.engine.remote import RemoteGenerator
+
+    url, _, _ = served
+    remote = RemoteGenerator(url)
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        remote.generate([[1, 2, 10**6]])
+    with pytest.raises(InputError, match="sampling_mask"):
+        remote.generate([[1, 2]], top_p=0.8, capture_support=True)
+    with pytest.raises(InputError, match="no vLLM server"):
+        RemoteGenerator("http://127.0.0.1:9")
+
+
+def test_serve_refuses_an_open_address_without_keys(qwen_moe_dir):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VLLM_API_KEY", "SKYRL_NUMERICS_SYNC_KEY")}
+    r = subprocess.run([sys.executable, "-m", "skyrl_numerics.cli", "serve", str(qwen_moe_dir),
+                        "--host", "0.0.0.0"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        r.stderr.strip().splitlines()[-1]] and "without an API key" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "skyrl_numerics.cli", "serve", str(qwen_moe_dir),
+                        "--host", "0.0.0.0", "--api-key", "k"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "without a sync key" in r.stderr
+
+
+def test_ctrl_c_stops_the_server_and_its_processes(served):
+    """Last in this module: SIGINT to the CLI ends it with 0 and leaves no vLLM process."""
+    import urllib.request
+
+    url, proc, log = served
+    port = url.rsplit(":", 1)[1]
+    api = subprocess.run(["pgrep", "-f", "--", f"api_server --model .* --port {port} "],
+                         capture_output=True, text=True).stdout.split()
+    assert len(api) == 1, api
+    group = os.getpgid(int(api[0]))    # the server's own session: API process, engine, workers
+    members = subprocess.run(["pgrep", "-g", str(group)], capture_output=True, text=True)
+    assert len(members.stdout.split()) >= 2      # the API process and at least the engine core
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 0
+    assert "stopped" in proc.stderr.read()
+    deadline = time.monotonic() + 20
+    while True:   # SIGKILLed members may linger a moment as zombies: those do not count
+        ps = subprocess.run(["ps", "-eo", "pgid=,stat="], capture_output=True, text=True).stdout
+        alive = [ln for ln in ps.splitlines()
+                 if ln.split()[0] == str(group) and not ln.split()[1].startswith("Z")]
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert alive == []
+    with pytest.raises(OSError):
+        urllib.request.urlopen(url + "/health", timeout=2)
