@@ -208,11 +208,22 @@ def _cmd_train(args) -> int:
         configs = [dataclasses.replace(c, kv_cache=args.kv_cache) if c.bitwise else c
                    for c in configs]
     out = Path(args.out)
+    model_dir = None
+    if args.server:
+        from skyrl_numerics.trainer.engine.remote import RemoteGenerator
+
+        if args.ray:
+            raise InputError("--server and --ray: the server is the generator", field="ray")
+        model_dir = RemoteGenerator(args.server, api_key=args.api_key).model_dir
+        if not (Path(model_dir) / "config.json").is_file():
+            raise InputError(f"the server serves {model_dir}, which is not a checkpoint directory "
+                             "on this machine (the trainer loads it)", field="server")
     with _engine_log(args) as elog:
         try:
-            res = run_loop(build_tiny_model(args.family, seed=args.seed), configs,
+            res = run_loop(model_dir or build_tiny_model(args.family, seed=args.seed), configs,
                            settings, use_ray=args.ray, work_dir=out / "sync",
-                           progress=not args.no_progress, backend=args.backend)
+                           progress=not args.no_progress, backend=args.backend,
+                           server=args.server, api_key=args.api_key)
         except InputError:
             raise
         except BaseException:
@@ -420,6 +431,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-tokens", type=int, default=16)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--ray", action="store_true", help="generator and trainer as Ray actors")
+    t.add_argument("--server", default=None, metavar="URL",
+                   help="generate with this vllm serve (skyrl-numerics serve; --batch-invariant for "
+                        "the bitwise config) and sync it through the skyrl_delta backend; the "
+                        "trainer loads the checkpoint the server serves")
+    t.add_argument("--api-key", default=None, help="the server's API key (default $VLLM_API_KEY)")
     t.add_argument("--async", dest="async_", action="store_true",
                    help="one-step off-policy: generate step s+1 while step s trains")
     t.add_argument("--out", default="artifacts/train")

@@ -106,6 +106,36 @@ def test_serve_refuses_an_open_address_without_keys(qwen_moe_dir):
     assert r.returncode == 2 and "without a sync key" in r.stderr
 
 
+@pytest.mark.parametrize("off_policy", [0, 1])
+def test_the_bitwise_loop_against_the_server_stays_exact(served, qwen_moe_dir, tmp_path, off_policy):
+    """``train --server``: every step's weights go through vLLM's HTTP client and skyrl_delta
+    (asynchronous: paused with mode=keep around the update); the invariant trainer recomputes
+    the server's logprobs bit for bit at every step. Changes the served weights: runs after the
+    tests that compare against the checkpoint."""
+    import requests
+
+    from skyrl_numerics.trainer.loop import CONFIGS, LoopSettings, run_loop
+
+    url, _, _ = served
+    s = LoopSettings(steps=2, prompts_per_step=2, samples_per_prompt=2, max_tokens=8,
+                     off_policy=off_policy, measure_grad=False)
+    res = run_loop(str(qwen_moe_dir), [CONFIGS["bitwise"]], s, server=url, work_dir=tmp_path,
+                   progress=False)
+    rows = res.history["bitwise"]
+    if not off_policy:
+        assert [r["gap_max_abs"] for r in rows] == [0.0, 0.0]
+        assert [r["gap_frac_bitwise_equal"] for r in rows] == [1.0, 1.0]
+    else:   # step 1 was sampled one version behind (generated while step 0 trained)
+        assert rows[0]["gap_max_abs"] == 0.0 and rows[1]["rollout_lag"] == 1
+        assert rows[1]["gap_max_abs"] > 0.0
+    assert [r["sync_version"] for r in rows] == [1, 2] and rows[0]["sync_payload_bytes"] > 0
+    assert requests.get(url + "/weight_info", timeout=10).json()["weight_version"] == "2"
+    assert requests.get(url + "/is_paused", timeout=10).json()["is_paused"] is False
+    with pytest.raises(InputError, match="needs a stock server"):
+        run_loop(str(qwen_moe_dir), [CONFIGS["plain"]], s, server=url, work_dir=tmp_path / "p",
+                 progress=False)
+
+
 def test_ctrl_c_stops_the_server_and_its_processes(served):
     """Last in this module: SIGINT to the CLI ends it with 0 and leaves no vLLM process."""
     import urllib.request

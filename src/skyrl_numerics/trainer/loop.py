@@ -312,12 +312,18 @@ def _remote(cls, use_ray: bool):
 
 def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings | None = None, *,
              task: TargetSetTask | None = None, use_ray: bool = False, work_dir=None,
-             progress: bool = True, backend: str = "fsdp") -> LoopResult:
+             progress: bool = True, backend: str = "fsdp", server: str | None = None,
+             api_key: str | None = None) -> LoopResult:
     """Run ``settings.steps`` GRPO steps for each configuration; return per-step metrics.
     The engine gets the checkpoint's weights back at the end (it may be a shared, cached one).
     ``settings.off_policy = 1`` overlaps generation of step s+1 with the update of step s.
     ``backend``: the trainer of the non-bitwise configurations, ``"fsdp"`` (HF model) or ``"megatron"``
-    (megatron-core GPTModel, :class:`~skyrl_numerics.trainer.megatron.trainer.MegatronTrainer`)."""
+    (megatron-core GPTModel, :class:`~skyrl_numerics.trainer.megatron.trainer.MegatronTrainer`).
+    ``server``: the URL of a running ``vllm serve`` (``skyrl-numerics serve``) to generate with
+    instead of an in-process engine; each step's weights reach it through vLLM's own HTTP client
+    and the ``skyrl_delta`` backend (:class:`~skyrl_numerics.trainer.engine.remote.RemoteGeneratorWorker`;
+    ``off_policy`` pauses it with ``mode=keep`` around each update). The ``bitwise`` config needs a
+    ``--batch-invariant`` server, the others a stock one."""
     from rich.progress import Progress
 
     from skyrl_numerics.doctor import make_prompts
@@ -333,7 +339,8 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
         from skyrl_numerics.trainer.megatron.model import check_parallel_config
 
         check_parallel_config(model_dir)  # the model family must be mapped, before any engine starts
-    _check_in_place_sync(model_dir, configs)
+    if server is None:
+        _check_in_place_sync(model_dir, configs)
     # absolute: Ray actors do not share the driver's working directory
     work = Path(work_dir or tempfile.mkdtemp(prefix="skyrl_loop_")).resolve()
     started_ray = False
@@ -351,10 +358,30 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
 
     def generator_for(cfg):
         key = (cfg.bitwise, cfg.kv_cache if cfg.bitwise else None)
+        if server is not None:
+            return remote_for(cfg)
         if key not in gens:
             args = (str(model_dir), *key)
             gens[key] = Gen.remote(*args) if use_ray else Gen(*args)
         return gens[key]
+    def remote_for(cfg):
+        from skyrl_numerics.errors import InputError
+        from skyrl_numerics.trainer.engine.remote import RemoteGeneratorWorker
+
+        if "server" not in gens:
+            gens["server"] = RemoteGeneratorWorker(server, api_key=api_key, model_dir=str(model_dir),
+                                                   pause="keep" if s.off_policy else None)
+        gen = gens["server"]
+        if cfg.bitwise != gen.gen.batch_invariant:
+            need = "a --batch-invariant server" if cfg.bitwise else "a stock server"
+            raise InputError(f"config {cfg.name!r} needs {need}; {server} is "
+                             f"{'batch-invariant' if gen.gen.batch_invariant else 'stock'}",
+                             field="configs")
+        served_kv = (gen.gen.kv_cache or {}).get("format", "auto")
+        if cfg.bitwise and served_kv != (cfg.kv_cache or "auto"):
+            raise InputError(f"config {cfg.name!r} uses kv_cache {cfg.kv_cache!r}; the server "
+                             f"stores {served_kv!r}", field="kv_cache")
+        return gen
     reference = OnPolicyReference(str(model_dir)) if s.measure_grad else None
     truncated = s.top_k > 1 or s.top_p < 1.0
     history: dict[str, list[dict]] = {}

@@ -251,3 +251,70 @@ class RemoteGenerator:
     def close(self) -> None:
         self._pool.shutdown(wait=False)
         self._http.close()
+
+
+class RemoteGeneratorWorker:
+    """The loop's generator (``trainer/loop.py``, same methods as ``GeneratorWorker``) in front of
+    a server: rollouts through :class:`RemoteGenerator`, each step's weights pulled by the server
+    from the trainer's delta store through vLLM's own ``HTTPVLLMWeightSyncClient`` and the
+    ``skyrl_delta`` backend (``init_weight_transfer_engine`` per configuration, then ``start`` /
+    ``update_weights(version)`` / ``finish(weight_version)`` per step). ``pause``: a
+    ``/pause?mode=`` around each update (``"keep"`` for the asynchronous loop: requests in flight
+    are frozen and resume on the new weights)."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, pause: str | None = None,
+                 model_dir: str | None = None):
+        from skyrl_numerics.trainer.sync.vllm_backend import http_client
+
+        self.gen = RemoteGenerator(url, api_key=api_key, model_dir=model_dir)
+        self.client = http_client(url, self.gen.api_key)
+        self.pause = pause
+        self.store = None
+
+    def attach(self, sync_dir: str) -> dict:
+        from skyrl_numerics.trainer.sync.vllm_backend import call_server
+
+        self.store, self.held = str(sync_dir), None
+        call_server(self.client, "init_weight_transfer_engine", {"store": self.store})
+        return self.sync()
+
+    def sync(self) -> dict:
+        """Pull the newest published version into the server."""
+        from skyrl_numerics.trainer.sync.store import SyncStore
+        from skyrl_numerics.trainer.sync.vllm_backend import call_server
+        from skyrl_numerics.trainer.sync.weight_sync import list_versions, read_manifest
+
+        store = SyncStore(self.store)
+        versions = list_versions(store)
+        version = versions[-1]
+        t0 = time.perf_counter()
+        if self.pause:
+            self.gen.pause(self.pause)
+        try:
+            call_server(self.client, "start_weight_update")
+            call_server(self.client, "update_weights", {"version": version})
+            call_server(self.client, "finish_weight_update", str(version))
+        finally:
+            if self.pause:
+                self.gen.resume()
+        dt = time.perf_counter() - t0
+        applied = [read_manifest(store, v) for v in versions
+                   if (self.held is None and v == version) or
+                   (self.held is not None and self.held < v <= version)]
+        self.held = version
+        return {"version": version, "engine_update_s": dt,
+                "engine_update_tensors": sum(len(m.changed) for m in applied),
+                "payload_bytes": sum(m.payload_nbytes for m in applied),
+                "raw_bytes": sum(m.raw_nbytes for m in applied)}
+
+    def generate(self, prompts, **sampling) -> Rollout:
+        return self.gen.generate(prompts, **sampling)
+
+    def engine_host(self) -> dict | None:
+        return self.gen.engine_host
+
+    def restore(self) -> None:
+        """The server is the user's: it keeps the last weights it was sent."""
+
+    def close(self) -> None:
+        self.gen.close()

@@ -297,6 +297,15 @@ def _server_reason(err: Exception) -> str:
     return " ".join(str(text or err).split())
 
 
+def call_server(client, method: str, *args) -> None:
+    """``client.<method>(*args)`` of a ``VLLMWeightSyncClient``; a failure is an ``InputError``
+    carrying the server's one-line reason."""
+    try:
+        getattr(client, method)(*args)
+    except Exception as e:
+        raise InputError(f"server refused {method}: {_server_reason(e)}", field=method) from None
+
+
 class SkyrlDeltaTrainerEngine(TrainerWeightTransferEngine[SkyrlDeltaTrainerInitInfo]):
     """Trainer side of ``skyrl_delta``: publish, then drive the servers' four-phase update."""
 
@@ -321,11 +330,7 @@ class SkyrlDeltaTrainerEngine(TrainerWeightTransferEngine[SkyrlDeltaTrainerInitI
         return eng
 
     def _call(self, method: str, *args) -> None:
-        try:
-            getattr(self.client, method)(*args)
-        except Exception as e:
-            raise InputError(f"server refused {method}: {_server_reason(e)}",
-                             field=method) from None
+        call_server(self.client, method, *args)
 
     def send_weights(self, state: Mapping[str, Any] | None = None, *, full: bool = False):
         """Publish ``state`` (checkpoint names -> tensors; default: the ``source`` given at init)
