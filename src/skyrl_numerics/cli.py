@@ -91,6 +91,9 @@ def _cmd_doctor(args) -> int:
 
     if args.model and args.family:
         raise InputError("give --model DIR or --family NAME, not both", field="model")
+    if args.server and not args.model:
+        raise InputError("--server URL needs --model DIR (the checkpoint the server serves, "
+                         "for the trainer side)", field="model")
     check_out_dir(args.out)              # before any engine starts
     if args.prompts < 1 or args.max_tokens < 1 or args.prompt_len < 1:
         raise InputError("--prompts, --prompt-len and --max-tokens must be >= 1", field="prompts")
@@ -119,11 +122,21 @@ def _cmd_doctor(args) -> int:
     with _engine_log(args) as elog:
         console = _console(elog.terminal)
         try:
-            res = run_doctor(family=family, n_prompts=args.prompts, prompt_len=args.prompt_len,
-                             max_tokens=args.max_tokens, seed=args.seed, rows=args.row or None,
-                             progress=not args.no_progress, model_dir=args.model,
-                             engine_args=ekw, dtype=trainer_dtype,
-                             check=_doctor_checks(args, ekw, max_model_len))
+            if args.server:
+                from skyrl_numerics.doctor_remote import run_doctor_remote
+
+                res = run_doctor_remote(args.server, args.model, api_key=args.api_key,
+                                        n_prompts=args.prompts, prompt_len=args.prompt_len,
+                                        max_tokens=args.max_tokens, seed=args.seed,
+                                        rows=args.row or None, progress=not args.no_progress,
+                                        dtype=trainer_dtype,
+                                        check=_doctor_checks(args, ekw, max_model_len))
+            else:
+                res = run_doctor(family=family, n_prompts=args.prompts, prompt_len=args.prompt_len,
+                                 max_tokens=args.max_tokens, seed=args.seed, rows=args.row or None,
+                                 progress=not args.no_progress, model_dir=args.model,
+                                 engine_args=ekw, dtype=trainer_dtype,
+                                 check=_doctor_checks(args, ekw, max_model_len))
         except InputError:
             raise   # bad input: one line, nothing written (the log is dropped)
         except BaseException:
@@ -361,6 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default=None, metavar="DIR",
                    help="your own Hugging Face checkpoint directory (MoE or dense); rows that do "
                         "not apply are listed as skipped with the reason")
+    d.add_argument("--server", default=None, metavar="URL",
+                   help="measure against this running vllm serve (with --model DIR, the checkpoint "
+                        "it serves): rows that need another engine are skipped with the reason")
+    d.add_argument("--api-key", default=None, help="the server's API key (default $VLLM_API_KEY)")
     d.add_argument("--dtype", default=None, choices=["auto", "bfloat16", "float16", "float32"],
                    help="engine and trainer dtype (default: tiny models bfloat16, --model the "
                         "stored dtype)")

@@ -496,6 +496,56 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
     return [rng.integers(2, vocab, size=length).tolist() for _ in range(n)]
 
 
+def score_rows(selected: list, ctx: DoctorContext, rollouts: dict, skipped: dict, failed: dict, *,
+               no_routes: str | None = None, beside_start: dict | None = None,
+               advance: Callable[[str], object] = lambda name: None):
+    """Each selected row's trainer logprobs on its scenario's rollout, measured against the
+    engine's: ``(report rows, {scenario: rollout with the first row's trainer logprobs})``.
+    ``skipped`` / ``failed``: reasons by row name / scenario (the row is listed with them)."""
+    from skyrl_numerics.gap import measure
+    from skyrl_numerics.report import ReportRow
+
+    import logging
+
+    log = logging.getLogger("skyrl_numerics.doctor")
+    beside_start = beside_start or {}
+    out_rows, scored = [], {}
+    for row in selected:
+        why = skipped[row.name]
+        if why is None and no_routes and getattr(row.compute, "uses_routes", False):
+            why = f"R3: {no_routes}"
+        status = f"skipped: {why}" if why else (f"failed: {failed[row.scenario]}"
+                                               if row.scenario in failed else None)
+        if status is None:
+            ro = rollouts[row.scenario]
+            try:
+                lp = np.asarray(row.compute(ctx, ro), dtype=np.float32)
+            except Exception as e:
+                log.exception("doctor: row %r failed", row.name)
+                status = f"failed: {_one_line(e)}"
+        if status is not None:
+            out_rows.append(ReportRow(row.name, SkippedReport(status), np.zeros(0, np.float32),
+                                      {"scenario": row.scenario, "note": row.note,
+                                       "status": status}))
+            advance(row.name)
+            continue
+        report = measure(lp, ro.rollout_logprobs, cu_seqlens=ro.response_cu)
+        extra = {"scenario": row.scenario, "note": row.note,
+                 "vLLM tok/s": ro.meta.get("tokens_per_s"), "status": "measured"}
+        if beside_start.get(row.scenario):
+            extra["_vLLM tok/s mark"] = ("†", "sampled while the next engine started in the "
+                                        "background (SKYRL_NUMERICS_DOCTOR_PREFETCH=0: "
+                                        "throughput without it)")
+        out_rows.append(ReportRow(row.name, report, np.abs(lp - ro.rollout_logprobs), extra))
+        # each scenario's rollout is kept with its first row's trainer logprobs, so the
+        # written file is a complete dump for `skyrl-numerics gap FILE`
+        if row.scenario not in scored:
+            scored[row.scenario] = ro.with_trainer_logprobs(lp)
+            scored[row.scenario].meta = {**ro.meta, "trainer": row.name}
+        advance(row.name)
+    return out_rows, scored
+
+
 def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int = 16,
                max_tokens: int = 64, seed: int = 0, rows: list[str] | None = None,
                progress: bool = True, model_dir: str | Path | None = None,
@@ -517,10 +567,7 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
     from rich.progress import Progress
 
     from skyrl_numerics.model_check import inspect_checkpoint
-
-    from skyrl_numerics.gap import measure
     from skyrl_numerics.models import build_tiny_model
-    from skyrl_numerics.report import ReportRow
     from skyrl_numerics.trainer.engine.generator import VLLMGenerator, get_generator
 
     if rows:
@@ -547,7 +594,7 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
     failed: dict[str, str] = {}
     no_routes = None   # why the engine could not capture routes (R3 rows are then skipped)
     log = logging.getLogger("skyrl_numerics.doctor")
-    out_rows, rollouts, scored = [], {}, {}
+    rollouts = {}
     import os
 
     def _kinds(spec):
@@ -630,40 +677,10 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
                 prog.advance(task)
         finally:
             starts.close(own_scenarios)   # a start never used (e.g. after an error)
-        for row in selected:
-            prog.update(task, description=f"trainer: {row.name}")
-            why = skipped[row.name]
-            if why is None and no_routes and getattr(row.compute, "uses_routes", False):
-                why = f"R3: {no_routes}"
-            status = f"skipped: {why}" if why else (f"failed: {failed[row.scenario]}"
-                                                   if row.scenario in failed else None)
-            if status is None:
-                ro = rollouts[row.scenario]
-                try:
-                    lp = np.asarray(row.compute(ctx, ro), dtype=np.float32)
-                except Exception as e:
-                    log.exception("doctor: row %r failed", row.name)
-                    status = f"failed: {_one_line(e)}"
-            if status is not None:
-                out_rows.append(ReportRow(row.name, SkippedReport(status), np.zeros(0, np.float32),
-                                          {"scenario": row.scenario, "note": row.note,
-                                           "status": status}))
-                prog.advance(task)
-                continue
-            report = measure(lp, ro.rollout_logprobs, cu_seqlens=ro.response_cu)
-            extra = {"scenario": row.scenario, "note": row.note,
-                     "vLLM tok/s": ro.meta.get("tokens_per_s"), "status": "measured"}
-            if beside_start.get(row.scenario):
-                extra["_vLLM tok/s mark"] = ("†", "sampled while the next engine started in the "
-                                            "background (SKYRL_NUMERICS_DOCTOR_PREFETCH=0: "
-                                            "throughput without it)")
-            out_rows.append(ReportRow(row.name, report, np.abs(lp - ro.rollout_logprobs), extra))
-            # each scenario's rollout is kept with its first row's trainer logprobs, so the
-            # written file is a complete dump for `skyrl-numerics gap FILE`
-            if row.scenario not in scored:
-                scored[row.scenario] = ro.with_trainer_logprobs(lp)
-                scored[row.scenario].meta = {**ro.meta, "trainer": row.name}
-            prog.advance(task)
+        out_rows, scored = score_rows(selected, ctx, rollouts, skipped, failed, no_routes=no_routes,
+                                      beside_start=beside_start, advance=lambda name: (
+                                          prog.update(task, description=f"trainer: {name}"),
+                                          prog.advance(task)))
     settings = dict(family=family, n_prompts=len(prompts) if prompts else n_prompts,
                     prompt_len=None if prompts else prompt_len, prompts="given" if prompts
                     else "seeded random ids", max_tokens=max_tokens, seed=seed,

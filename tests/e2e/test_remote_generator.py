@@ -106,6 +106,33 @@ def test_serve_refuses_an_open_address_without_keys(qwen_moe_dir):
     assert r.returncode == 2 and "without a sync key" in r.stderr
 
 
+def test_doctor_against_the_server(served, qwen_moe_dir, tmp_path):
+    """``doctor --server URL --model DIR``: the bitwise row is 100 % against the invariant server;
+    rows that need another engine are skipped with the reason."""
+    import json
+
+    from skyrl_numerics.cli import main
+
+    url, _, _ = served
+    rows = ["baseline: HF trainer, bf16", "+ batch-invariant (trainer and vLLM)",
+            "nvfp4 experts: plain bf16 trainer", "+ batch-invariant, FP8 KV (trainer simulates the cache)",
+            "top-p/top-k: + support replay"]
+    argv = ["doctor", "--server", url, "--model", str(qwen_moe_dir), "--out", str(tmp_path),
+            "--max-tokens", "12", "--prompts", "4", "--no-progress"]
+    for r in rows:
+        argv += ["--row", r]
+    assert main(argv) == 0
+    rep = {r["name"]: r for r in json.loads((tmp_path / "report.json").read_text())["rows"]}
+    assert rep[rows[1]]["summary"]["frac_bitwise_equal"] == 1.0
+    assert rep[rows[1]]["summary"]["max_abs"] == 0.0
+    assert rep[rows[0]]["status"] == "measured" and rep[rows[0]]["summary"]["n_tokens"] == 48
+    assert rep[rows[4]]["status"] == "measured"
+    assert rep[rows[2]]["status"].startswith("skipped: the scenario serves other weights")
+    assert rep[rows[3]]["status"] == (f"skipped: needs a server storing its KV cache as fp8; {url} "
+                                      "stores auto")
+    assert main(["doctor", "--server", url, "--out", str(tmp_path / "x")]) == 2   # no --model
+
+
 @pytest.mark.parametrize("off_policy", [0, 1])
 def test_the_bitwise_loop_against_the_server_stays_exact(served, qwen_moe_dir, tmp_path, off_policy):
     """``train --server``: every step's weights go through vLLM's HTTP client and skyrl_delta
