@@ -301,3 +301,30 @@ def test_a_server_killed_mid_update_never_serves_a_mix(model_dir, checkpoint, tm
     again = VLLMServer(model_dir, api_key=API_KEY, sync_key=SYNC_KEY, log_path=tmp_path / "b.log")
     with again:
         assert fingerprint(again, model_dir) == base
+
+
+def test_a_caller_killed_by_sigkill_leaves_no_server_behind(model_dir, tmp_path):
+    """The process that started the server dies without cleanup: the reaper takes the server's
+    whole process group (API process, engine core, workers) with it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "caller.py"
+    script.write_text(
+        "import sys, time\n"
+        "from skyrl_numerics.trainer.engine.server import VLLMServer\n"
+        f"srv = VLLMServer({model_dir!r}, log_path={str(tmp_path / 'v.log')!r}).start()\n"
+        "print(srv.proc.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    caller = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    group = int(caller.stdout.readline())
+    ps = lambda: [ln for ln in subprocess.run(["ps", "-eo", "pgid=,stat="], capture_output=True,  # noqa: E731
+                                              text=True).stdout.splitlines()
+                  if ln.split()[0] == str(group) and not ln.split()[1].startswith("Z")]
+    assert len(ps()) >= 3          # API process, engine core, worker
+    caller.kill()
+    caller.wait()
+    deadline = time.monotonic() + 20
+    while ps() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ps() == []

@@ -26,7 +26,9 @@ start without an API key (``--api-key`` / ``$VLLM_API_KEY``) and without a sync 
 (``$SKYRL_NUMERICS_SYNC_KEY``), and sets ``SKYRL_NUMERICS_REQUIRE_SYNC_KEY=1`` so the backend
 refuses unsigned manifests.
 
-Logs of vLLM go to a file (``log_path``), never to the terminal.
+Logs of vLLM go to a file (``log_path``), never to the terminal. The server dies with the
+thread that started it (a reaper process with ``PR_SET_PDEATHSIG`` kills its process group: vLLM's
+engine core and workers outlive a killed API process otherwise) and is stopped at interpreter exit.
 """
 from __future__ import annotations
 
@@ -45,6 +47,34 @@ from skyrl_numerics.errors import InputError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 WORKER_EXTENSION = "skyrl_numerics.trainer.engine.vllm_ext.SkyrlWorkerExtension"
+
+
+def _term_with_parent() -> None:   # pragma: no cover - runs in the child before exec
+    """Linux: SIGTERM this child when the thread that started it dies (also by SIGKILL)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+# The reaper: a tiny process that outlives nothing. It gets SIGTERM when the thread that started
+# the server dies (PR_SET_PDEATHSIG) and then SIGKILLs the server's whole process group — the API
+# process, vLLM's engine core and workers (which otherwise survive their API process).
+_REAPER = """
+import os, signal, sys, time
+group = int(sys.argv[1])
+def reap(*_):
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    os._exit(0)
+signal.signal(signal.SIGTERM, reap)
+while True:
+    time.sleep(3600)
+"""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -128,6 +158,7 @@ class VLLMServer:
             self.env["SKYRL_NUMERICS_REQUIRE_SYNC_KEY"] = "1"
         self.log_path = str(log_path or tempfile.mkstemp(prefix="vllm_serve_", suffix=".log")[1])
         self.proc: subprocess.Popen | None = None
+        self._reaper: subprocess.Popen | None = None
         self.model_dir = str(model_dir)
 
     @property
@@ -145,6 +176,13 @@ class VLLMServer:
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
                                      env=self.env, start_new_session=True)
         log.close()
+        if sys.platform == "linux":
+            self._reaper = subprocess.Popen([sys.executable, "-c", _REAPER, str(self.proc.pid)],
+                                            preexec_fn=_term_with_parent,
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import atexit
+
+        atexit.register(self.stop)   # the engine core and workers, on a normal exit too
         t0 = time.monotonic()
         while True:
             if self.proc.poll() is not None:
@@ -183,6 +221,12 @@ class VLLMServer:
             self.proc.wait(timeout=30)
 
     def stop(self, timeout: float = 30.0) -> None:
+        self._stop(timeout)
+        if self._reaper is not None and self._reaper.poll() is None:
+            self._reaper.kill()
+            self._reaper.wait()
+
+    def _stop(self, timeout: float) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
         try:
