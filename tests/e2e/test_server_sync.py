@@ -328,3 +328,59 @@ def test_a_caller_killed_by_sigkill_leaves_no_server_behind(model_dir, tmp_path)
     while ps() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert ps() == []
+
+
+def test_a_serving_format_update_reaches_an_int4_server(model_dir, tmp_path):
+    """ct_int4 payloads (codes + scales, as deltas) through skyrl_delta into a server running
+    vLLM's INT4 kernel: afterwards it computes exactly what a fresh engine on the quantized
+    checkpoint of the new weights computes (one prompt per request on both sides, so batch
+    composition is the same)."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from skyrl_numerics.host import missing_kernel_reason
+    from skyrl_numerics.trainer import VLLMGenerator
+    from skyrl_numerics.trainer.engine.remote import RemoteGenerator
+    from skyrl_numerics.trainer.engine.server import VLLMServer
+    from skyrl_numerics.trainer.engine.serving_checkpoint import write_int4_checkpoint
+
+    why = missing_kernel_reason("w4a16")
+    if why:
+        pytest.skip(str(why))
+    src = Path(model_dir)
+    s0 = load_file(str(src / "model.safetensors"))
+    g = torch.Generator().manual_seed(5)
+    s1 = {k: (v.float() + 0.01 * torch.randn(v.shape, generator=g)).to(v.dtype) if v.dim() >= 2
+          else v for k, v in s0.items()}
+    new = tmp_path / "new"
+    new.mkdir()
+    save_file({k: v.contiguous() for k, v in s1.items()}, str(new / "model.safetensors"))
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            shutil.copy2(f, new / f.name)
+    int4_old = write_int4_checkpoint(src, out_dir=tmp_path / "int4-old")
+    int4_new = write_int4_checkpoint(new, out_dir=tmp_path / "int4-new")
+    prompts = [[3, 4, 5, 6], [40, 41, 42, 43, 44, 45]]
+
+    def one_by_one(generate):
+        return [generate([p], max_tokens=8, seed=i) for i, p in enumerate(prompts)]
+
+    with VLLMServer(int4_old, api_key=API_KEY, sync_key=SYNC_KEY, log_path=tmp_path / "s.log") as srv:
+        eng = trainer_engine(srv, tmp_path / "store", weights_format="ct_int4",
+                             quantize=["*.self_attn.*_proj.weight"])
+        eng.send_weights(s0)
+        m1 = eng.send_weights(s1)
+        assert not m1.is_full and m1.weights_format == "ct_int4"
+        remote = RemoteGenerator(srv.url, api_key=API_KEY)
+        got = one_by_one(remote.generate)
+    fresh = VLLMGenerator(int4_new)
+    try:
+        want = one_by_one(fresh.generate)
+    finally:
+        fresh.close()
+    for a, b in zip(got, want):
+        assert np.array_equal(a.response_tokens, b.response_tokens)
+        assert np.array_equal(a.rollout_logprobs.view(np.uint32), b.rollout_logprobs.view(np.uint32))

@@ -281,6 +281,8 @@ class SkyrlDeltaTrainerInitInfo(TrainerInitInfo):
     weights_format: str = "native"
     snapshot_every: int = 10
     key: str | None = field(default=None, repr=False)   # HMAC key (default $SKYRL_NUMERICS_SYNC_KEY)
+    quantize: list | None = None   # serving formats: which weights (fnmatch patterns; default
+                                   # linear projections and expert stacks, serving.make_selector)
 
 
 def _server_reason(err: Exception) -> str:
@@ -321,7 +323,7 @@ class SkyrlDeltaTrainerEngine(TrainerWeightTransferEngine[SkyrlDeltaTrainerInitI
         eng.init_info = init_info
         eng.publisher = (DeltaPublisher(init_info.store, snapshot_every=init_info.snapshot_every,
                                         weights_format=init_info.weights_format,
-                                        key=init_info.key)
+                                        key=init_info.key, quantize=init_info.quantize)
                          if init_info.is_sender else None)
         eng.last_manifest = None
         if init_info.is_sender:
