@@ -19,8 +19,8 @@ then copies the new bytes in. A bad manifest raises ``InputError`` naming the te
 leaves the last good weights in place. ``prepare`` can run in a thread while the engine generates
 (SkyRL overlaps the fetch with generation); ``commit`` is a memcpy per changed tensor.
 
-Manifest schema, parsing and signing: ``manifest.py`` (and ``docs/weight_sync.md``). Every manifest carries ``manifest_digest``, the
-digest of its canonical JSON (every other field: names, dtypes, shapes, sizes, versions, payload
+Manifest schema, parsing and signing: ``manifest.py`` (and ``docs/weight_sync.md``). Every
+manifest carries ``manifest_digest``, the digest of its canonical JSON (every other field: names, dtypes, shapes, sizes, versions, payload
 paths and digests), checked before anything else is read. With a shared key
 (``DeltaPublisher(..., key=...)`` / ``DeltaReceiver(..., key=...)`` or the environment variable
 ``SKYRL_NUMERICS_SYNC_KEY``) the publisher adds ``signature`` = HMAC-SHA256 of the same bytes, and a
