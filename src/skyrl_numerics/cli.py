@@ -330,7 +330,7 @@ def _cmd_serve(args) -> int:
     srv = VLLMServer(args.model_dir, host=args.host, port=args.port, api_key=args.api_key,
                      log_path=args.log, batch_invariant=args.batch_invariant,
                      kv_cache=args.kv_cache, max_model_len=args.max_model_len,
-                     extra_args=args.vllm_args)
+                     sampling_mask=args.sampling_mask, extra_args=args.vllm_args)
     if args.print_command:
         env = "".join(f"{k}={srv.env[k]} " for k in ("VLLM_SERVER_DEV_MODE",
                                                         "SKYRL_NUMERICS_REQUIRE_SYNC_KEY")
@@ -469,6 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve the checkpoint's family through the batch-invariant model")
     v.add_argument("--kv-cache", default=None, choices=["fp8", "fp8_ds_mla"],
                    help="with --batch-invariant: the KV cache format the model stores")
+    v.add_argument("--sampling-mask", action="store_true",
+                   help="also return vLLM's sampling_mask (/inference/v1/generate); vLLM then "
+                        "requires top_k > 0 and temperature > 0 on every request")
     v.add_argument("--host", default="127.0.0.1",
                    help="bind address; anything but loopback needs --api-key and "
                         "SKYRL_NUMERICS_SYNC_KEY")

