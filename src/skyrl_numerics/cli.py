@@ -227,7 +227,8 @@ def _cmd_train(args) -> int:
 
         if args.ray:
             raise InputError("--server and --ray: the server is the generator", field="ray")
-        model_dir = RemoteGenerator(args.server, api_key=args.api_key).model_dir
+        servers = [u.strip() for u in args.server.split(",") if u.strip()]
+        model_dir = RemoteGenerator(servers[0], api_key=args.api_key).model_dir
         if not (Path(model_dir) / "config.json").is_file():
             raise InputError(f"the server serves {model_dir}, which is not a checkpoint directory "
                              "on this machine (the trainer loads it)", field="server")
@@ -236,7 +237,8 @@ def _cmd_train(args) -> int:
             res = run_loop(model_dir or build_tiny_model(args.family, seed=args.seed), configs,
                            settings, use_ray=args.ray, work_dir=out / "sync",
                            progress=not args.no_progress, backend=args.backend,
-                           server=args.server, api_key=args.api_key)
+                           server=(servers if args.server and len(servers) > 1 else args.server),
+                           api_key=args.api_key)
         except InputError:
             raise
         except BaseException:
@@ -448,9 +450,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-tokens", type=int, default=16)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--ray", action="store_true", help="generator and trainer as Ray actors")
-    t.add_argument("--server", default=None, metavar="URL",
+    t.add_argument("--server", default=None, metavar="URL[,URL...]",
                    help="generate with this vllm serve (skyrl-numerics serve; --batch-invariant for "
-                        "the bitwise config) and sync it through the skyrl_delta backend; the "
+                        "the bitwise config) and sync it through the skyrl_delta backend; several "
+                        "URLs: replicas (sticky, least-loaded), all synced from one publish; the "
                         "trainer loads the checkpoint the server serves")
     t.add_argument("--api-key", default=None, help="the server's API key (default $VLLM_API_KEY)")
     t.add_argument("--async", dest="async_", action="store_true",

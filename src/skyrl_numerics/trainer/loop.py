@@ -312,14 +312,16 @@ def _remote(cls, use_ray: bool):
 
 def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings | None = None, *,
              task: TargetSetTask | None = None, use_ray: bool = False, work_dir=None,
-             progress: bool = True, backend: str = "fsdp", server: str | None = None,
+             progress: bool = True, backend: str = "fsdp", server=None,
              api_key: str | None = None) -> LoopResult:
     """Run ``settings.steps`` GRPO steps for each configuration; return per-step metrics.
     The engine gets the checkpoint's weights back at the end (it may be a shared, cached one).
     ``settings.off_policy = 1`` overlaps generation of step s+1 with the update of step s.
     ``backend``: the trainer of the non-bitwise configurations, ``"fsdp"`` (HF model) or ``"megatron"``
     (megatron-core GPTModel, :class:`~skyrl_numerics.trainer.megatron.trainer.MegatronTrainer`).
-    ``server``: the URL of a running ``vllm serve`` (``skyrl-numerics serve``) to generate with
+    ``server``: the URL of a running ``vllm serve`` (``skyrl-numerics serve``), or a list of
+    URLs (replicas behind :class:`~skyrl_numerics.trainer.engine.router.ReplicaRouter`: sticky,
+    least-loaded; per-replica ``replica_gap_*`` / ``replica_tokens_per_s`` in each step), to generate with
     instead of an in-process engine; each step's weights reach it through vLLM's own HTTP client
     and the ``skyrl_delta`` backend (:class:`~skyrl_numerics.trainer.engine.remote.RemoteGeneratorWorker`;
     ``off_policy`` pauses it with ``mode=keep`` around each update). The ``bitwise`` config needs a
@@ -443,7 +445,8 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
                                     or k.startswith("grad_")},
                                  "sync_version": pub["version"], "sync_payload_bytes": pub["payload_bytes"],
                                  "sync_raw_bytes": pub["raw_bytes"],
-                                 "engine_update_s": syn["engine_update_s"]})
+                                 "engine_update_s": syn["engine_update_s"],
+                                 **_replica_metrics(rollout, old)})
                     prog.update(task_id, advance=1, description=(
                         f"{cfg.name}: step {step} reward {rows[-1]['reward']:.3f} "
                         f"|Δ| {summ['mean_abs']:.2e} sync {pub['payload_bytes'] / 1e3:.0f} kB"))
@@ -468,6 +471,25 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
     return LoopResult(settings={**asdict(s), "task": asdict(task), "use_ray": use_ray, "backend": backend,
                                 "configs": [asdict(c) for c in configs]}, history=history,
                       host=host_report(trainer_host, engine_hosts))
+
+
+def _replica_metrics(rollout: Rollout, trainer_lp) -> dict:
+    """Per engine replica (``ReplicaRouter`` rollouts): the gap over its rows and its tokens/s."""
+    reps = rollout.meta.get("replica")
+    if reps is None:
+        return {}
+    tok = np.repeat(np.asarray(reps), rollout.response_lens)
+    a = np.asarray(trainer_lp, np.float32)
+    b = np.asarray(rollout.rollout_logprobs, np.float32)
+    out = {"replica_gap_max_abs": [], "replica_gap_frac_bitwise_equal": [],
+           "replica_tokens_per_s": []}
+    for st in rollout.meta["replicas"]:
+        m = tok == st["replica"]
+        out["replica_gap_max_abs"].append(float(np.abs(a[m] - b[m]).max()) if m.any() else 0.0)
+        out["replica_gap_frac_bitwise_equal"].append(
+            float((a[m].view(np.uint32) == b[m].view(np.uint32)).mean()) if m.any() else 1.0)
+        out["replica_tokens_per_s"].append(st["tokens_per_s"])
+    return out
 
 
 def _check_isa(trainer: dict, engine: dict | None, seen: list) -> None:

@@ -144,9 +144,13 @@ class RemoteGenerator:
     def generate(self, prompts: Sequence[Sequence[int]], *, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, max_tokens: int = 64, seed: int | None = 0,
                  n: int = 1, capture_support: bool | str = False, ignore_eos: bool = True,
-                 capture_routes: bool | None = None, progress: bool = False) -> Rollout:
+                 capture_routes: bool | None = None, seeds: Sequence[int] | None = None,
+                 progress: bool = False) -> Rollout:
         """As :meth:`VLLMGenerator.generate`. ``capture_routes``: ``True`` requires the server's
-        ``routed_experts``; ``None`` (default) takes them when the server sends them."""
+        ``routed_experts``; ``None`` (default) takes them when the server sends them. ``seeds``:
+        one seed per prompt instead of ``seed + i`` (a router keeps each prompt's seed)."""
+        if seeds is not None and len(seeds) != len(prompts):
+            raise InputError(f"{len(seeds)} seeds for {len(prompts)} prompts", field="seeds")
         vocab = self.vocab_size or (1 << 31)
         in_engine, n_logprobs = check_request(
             prompts, vocab_size=vocab, max_model_len=self.max_model_len or (1 << 31),
@@ -165,7 +169,8 @@ class RemoteGenerator:
             return self.client.completions.create(
                 model=self.model, prompt=[[int(t) for t in prompts[i]]], max_tokens=max_tokens,
                 n=n, temperature=temperature, top_p=top_p, logprobs=max(n_logprobs, 1),
-                seed=None if seed is None else seed + i, extra_body=extra)
+                seed=(int(seeds[i]) if seeds is not None else
+                      None if seed is None else seed + i), extra_body=extra)
 
         t0 = time.perf_counter()
         responses = list(self._pool.map(one, range(len(prompts))))
@@ -262,12 +267,21 @@ class RemoteGeneratorWorker:
     ``/pause?mode=`` around each update (``"keep"`` for the asynchronous loop: requests in flight
     are frozen and resume on the new weights)."""
 
-    def __init__(self, url: str, *, api_key: str | None = None, pause: str | None = None,
-                 model_dir: str | None = None):
+    def __init__(self, url: str | Sequence[str], *, api_key: str | None = None,
+                 pause: str | None = None, model_dir: str | None = None):
         from skyrl_numerics.trainer.sync.vllm_backend import http_client
 
-        self.gen = RemoteGenerator(url, api_key=api_key, model_dir=model_dir)
-        self.client = http_client(url, self.gen.api_key)
+        from .router import ReplicaRouter
+
+        urls = [url] if isinstance(url, str) else list(url)
+        self.gens = [RemoteGenerator(u, api_key=api_key, model_dir=model_dir) for u in urls]
+        kinds = {(g.batch_invariant, json.dumps(g.kv_cache, sort_keys=True)) for g in self.gens}
+        if len(kinds) > 1:
+            raise InputError(f"replicas {urls} are not all the same kind (batch-invariant, KV "
+                             "format)", field="server")
+        self.gen = self.gens[0]
+        self.router = ReplicaRouter(self.gens) if len(self.gens) > 1 else None
+        self.clients = [http_client(g.url, g.api_key) for g in self.gens]
         self.pause = pause
         self.store = None
 
@@ -275,7 +289,8 @@ class RemoteGeneratorWorker:
         from skyrl_numerics.trainer.sync.vllm_backend import call_server
 
         self.store, self.held = str(sync_dir), None
-        call_server(self.client, "init_weight_transfer_engine", {"store": self.store})
+        for client in self.clients:   # one publish, read by every replica
+            call_server(client, "init_weight_transfer_engine", {"store": self.store})
         return self.sync()
 
     def sync(self) -> dict:
@@ -288,15 +303,20 @@ class RemoteGeneratorWorker:
         versions = list_versions(store)
         version = versions[-1]
         t0 = time.perf_counter()
-        if self.pause:
-            self.gen.pause(self.pause)
-        try:
-            call_server(self.client, "start_weight_update")
-            call_server(self.client, "update_weights", {"version": version})
-            call_server(self.client, "finish_weight_update", str(version))
-        finally:
+
+        def one(gen, client):
             if self.pause:
-                self.gen.resume()
+                gen.pause(self.pause)
+            try:
+                call_server(client, "start_weight_update")
+                call_server(client, "update_weights", {"version": version})
+                call_server(client, "finish_weight_update", str(version))
+            finally:
+                if self.pause:
+                    gen.resume()
+
+        with ThreadPoolExecutor(max_workers=len(self.gens)) as pool:
+            list(pool.map(one, self.gens, self.clients))
         dt = time.perf_counter() - t0
         applied = [read_manifest(store, v) for v in versions
                    if (self.held is None and v == version) or
@@ -308,7 +328,9 @@ class RemoteGeneratorWorker:
                 "raw_bytes": sum(m.raw_nbytes for m in applied)}
 
     def generate(self, prompts, **sampling) -> Rollout:
-        return self.gen.generate(prompts, **sampling)
+        if self.router is None:
+            return self.gen.generate(prompts, **sampling)
+        return self.router.generate(prompts, **sampling)
 
     def engine_host(self) -> dict | None:
         return self.gen.engine_host
@@ -317,4 +339,7 @@ class RemoteGeneratorWorker:
         """The server is the user's: it keeps the last weights it was sent."""
 
     def close(self) -> None:
-        self.gen.close()
+        if self.router is not None:
+            self.router.close()
+        for g in self.gens:
+            g.close()
