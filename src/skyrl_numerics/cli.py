@@ -210,6 +210,18 @@ def _cmd_train(args) -> int:
         raise InputError(f"unknown configuration(s) {unknown}; known: {sorted(CONFIGS)}",
                          field="configs")
     check_out_dir(args.out)              # before any engine starts
+    task = None
+    if args.reward:
+        from skyrl_numerics.trainer.reward import RewardTask, load_reward
+
+        task = RewardTask(load_reward(args.reward), name=args.reward)
+    if args.model and (args.server or args.family != "qwen3_moe"):
+        raise InputError("--model DIR with --server or --family: the server / family names the "
+                         "checkpoint", field="model")
+    if args.model:
+        from skyrl_numerics.model_check import inspect_checkpoint
+
+        inspect_checkpoint(args.model)   # a clear error before any engine starts
     settings = LoopSettings(steps=args.steps, prompts_per_step=args.prompts,
                             samples_per_prompt=args.samples, max_tokens=args.max_tokens,
                             seed=args.seed, off_policy=1 if args.async_ else 0,
@@ -234,8 +246,8 @@ def _cmd_train(args) -> int:
                              "on this machine (the trainer loads it)", field="server")
     with _engine_log(args) as elog:
         try:
-            res = run_loop(model_dir or build_tiny_model(args.family, seed=args.seed), configs,
-                           settings, use_ray=args.ray, work_dir=out / "sync",
+            res = run_loop(model_dir or args.model or build_tiny_model(args.family, seed=args.seed),
+                           configs, settings, use_ray=args.ray, work_dir=out / "sync", task=task,
                            progress=not args.no_progress, backend=args.backend,
                            server=(servers if args.server and len(servers) > 1 else args.server),
                            api_key=args.api_key)
@@ -249,7 +261,9 @@ def _cmd_train(args) -> int:
     console = _console()
     from rich.table import Table
 
-    t = Table(title=f"GRPO on the tiny {args.family} (real vLLM generator, delta weight sync)")
+    what = (f"the model at {args.server}" if args.server else args.model if args.model
+            else f"the tiny {args.family}")
+    t = Table(title=f"GRPO on {what} (real vLLM generator, delta weight sync)")
     for col in ("config", "step", "reward", "mean |Δ|", "max |Δ|", "bitwise =", "F(2)", "KL k3",
                 "grad cos", "grad rel.err", "clipfrac", "sync kB (zstd XOR)", "engine update s"):
         t.add_column(col, justify="right")
@@ -436,6 +450,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated: plain, aligned (R3 + support replay + token TIS), "
                         "bitwise (invariant engine and trainer: true on-policy)")
     t.add_argument("--family", default="qwen3_moe", choices=["qwen3_moe", "deepseek_v3"])
+    t.add_argument("--model", default=None, metavar="DIR",
+                   help="your own checkpoint directory instead of the tiny --family model")
+    t.add_argument("--reward", default=None, metavar="MODULE:FUNCTION",
+                   help="your verifier: FUNCTION(rollout) -> one float per row (MODULE importable, "
+                        "or FILE.py:FUNCTION); default: the toy target-set task")
     t.add_argument("--backend", default="fsdp", choices=["fsdp", "megatron"],
                    help="trainer of the plain/aligned configs: FSDP2 over the HF model, or megatron-core "
                         "GPTModel (MegatronTrainer, one rank; weights synced from its shards)")

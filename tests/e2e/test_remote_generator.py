@@ -145,13 +145,23 @@ def test_the_bitwise_loop_against_the_server_stays_exact(served, qwen_moe_dir, t
     import requests
 
     from skyrl_numerics.trainer.loop import CONFIGS, LoopSettings, run_loop
+    from skyrl_numerics.trainer.reward import RewardTask
 
     url, _, _ = served
     s = LoopSettings(steps=2, prompts_per_step=2, samples_per_prompt=2, max_tokens=8,
                      off_policy=off_policy, measure_grad=False)
+    seen = []
+
+    def even_tokens(ro):     # a user's verifier (--reward): share of even token ids per row
+        r = np.array([np.mean(ro.response(i) % 2 == 0) for i in range(len(ro))])
+        seen.append(r)
+        return r
+
     res = run_loop(str(qwen_moe_dir), [CONFIGS["bitwise"]], s, server=url, work_dir=tmp_path,
-                   progress=False)
+                   progress=False, task=RewardTask(even_tokens, name="even"))
     rows = res.history["bitwise"]
+    assert res.settings["task"] == {"reward": "even"}
+    assert [r["reward"] for r in rows] == [float(x.mean()) for x in seen]
     if not off_policy:
         assert [r["gap_max_abs"] for r in rows] == [0.0, 0.0]
         assert [r["gap_frac_bitwise_equal"] for r in rows] == [1.0, 1.0]

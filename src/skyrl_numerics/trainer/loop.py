@@ -311,7 +311,7 @@ def _remote(cls, use_ray: bool):
 
 
 def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings | None = None, *,
-             task: TargetSetTask | None = None, use_ray: bool = False, work_dir=None,
+             task=None, use_ray: bool = False, work_dir=None,
              progress: bool = True, backend: str = "fsdp", server=None,
              api_key: str | None = None) -> LoopResult:
     """Run ``settings.steps`` GRPO steps for each configuration; return per-step metrics.
@@ -468,7 +468,8 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
                 ray.shutdown()
     from skyrl_numerics.host import host_report
 
-    return LoopResult(settings={**asdict(s), "task": asdict(task), "use_ray": use_ray, "backend": backend,
+    task_desc = asdict(task) if isinstance(task, TargetSetTask) else {"reward": getattr(task, "name", repr(task))}
+    return LoopResult(settings={**asdict(s), "task": task_desc, "use_ray": use_ray, "backend": backend,
                                 "configs": [asdict(c) for c in configs]}, history=history,
                       host=host_report(trainer_host, engine_hosts))
 
