@@ -268,12 +268,15 @@ def test_a_server_without_dev_mode_or_with_an_unknown_backend(model_dir, tmp_pat
     assert "no_such_backend" in open(tmp_path / "bad.log").read()
 
 
-def test_a_server_killed_mid_update_never_serves_a_mix(model_dir, checkpoint, tmp_path):
+def test_a_server_killed_mid_update_never_serves_a_mix(server, model_dir, checkpoint, tmp_path):
     """SIGKILL while update_weights is in flight; the restarted server serves the checkpoint
-    it was started from, bit for bit (nothing of the update persisted anywhere it reads)."""
+    it was started from, bit for bit (nothing of the update persisted anywhere it reads).
+    Kills the module's server: the tests after this one start their own."""
     from skyrl_numerics.trainer.engine.server import VLLMServer
 
-    srv = VLLMServer(model_dir, api_key=API_KEY, sync_key=SYNC_KEY, log_path=tmp_path / "a.log")
+    srv = server
+    eng0 = trainer_engine(srv, tmp_path / "store0")
+    eng0.send_weights(checkpoint)            # the checkpoint again: the tests before changed it
     with srv:
         base = fingerprint(srv, model_dir)
         eng = trainer_engine(srv, tmp_path / "store")
