@@ -117,11 +117,26 @@ def _typed(cls, d: Any, what: str):
         raise InputError(str(e), field=what) from None
 
 
-def served_layout(model_dir: str) -> dict[str, Any]:
-    """``{name: meta tensor}`` of a checkpoint directory's ``*.safetensors`` (headers only): the
-    names, dtypes and shapes a snapshot must match."""
+def _checkpoint_dir(model: str):
+    """The local directory of what vLLM serves: the path itself, or a Hugging Face hub id's
+    snapshot in the local cache (vLLM downloaded it there; nothing is fetched here)."""
     from pathlib import Path
 
+    if Path(model).is_dir():
+        return Path(model)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, local_files_only=True))
+    except Exception:
+        raise InputError(f"cannot find the served checkpoint {model!r} on this machine (a "
+                         "directory or a cached hub snapshot) to check snapshots against",
+                         field="model") from None
+
+
+def served_layout(model_dir: str) -> dict[str, Any]:
+    """``{name: meta tensor}`` of a checkpoint's ``*.safetensors`` (headers only): the names,
+    dtypes and shapes a snapshot must match. ``model_dir``: a directory or a cached hub id."""
     import torch
     from safetensors import safe_open
 
@@ -130,7 +145,12 @@ def served_layout(model_dir: str) -> dict[str, Any]:
                  "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
                  "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
     out = {}
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
+    root = _checkpoint_dir(str(model_dir))
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise InputError(f"{root} has no *.safetensors: skyrl_delta checks every snapshot "
+                         "against the served checkpoint's tensors", field="model")
+    for f in files:
         with safe_open(str(f), framework="pt") as h:
             for name in h.keys():
                 sl = h.get_slice(name)
