@@ -60,6 +60,8 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from skyrl_numerics.trainer.engine.vllm_ext import SkyrlWorkerExtension
+
 __all__ = ["vllm_style_mla", "vllm_cpu_rope", "vllm_style_router", "vllm_style_moe",
            "vllm_style_mlp", "vllm_style", "vllm_style_hook", "cpu_rope_positions",
            "lockstep_schedule", "absorbed_attention", "expanded_attention", "PIECES"]
@@ -415,13 +417,7 @@ def cpu_rope_positions(prompt_lens: Sequence[int], response_lens: Sequence[int],
 EXTENSION = "skyrl_numerics.trainer.mla_attribution.MLAScheduleExtension"
 
 
-def _extension_base():
-    from skyrl_numerics.trainer.engine.vllm_ext import SkyrlWorkerExtension
-
-    return SkyrlWorkerExtension
-
-
-class MLAScheduleExtension(_extension_base()):
+class MLAScheduleExtension(SkyrlWorkerExtension):
     """The project's worker extension plus a recorder of each forward's batch layout.
 
     Pass it as ``VLLMGenerator(..., capture_routes=True, worker_extension_cls=EXTENSION)``: when the

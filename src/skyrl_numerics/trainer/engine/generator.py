@@ -176,7 +176,7 @@ class VLLMGenerator:
         the support; the support is bounded by ``top_k``, so it comes back whole). Otherwise
         (top-p alone, or a top-k larger than ``max_logprobs``) it is captured inside the engine:
         a worker-side hook on vLLM's top-k/top-p sampler records the set the sampler kept
-        (``vllm_ext._SupportStore``), stored sparse in ``PackedSupport``. Needs some truncation
+        (``capture._SupportStore``), stored sparse in ``PackedSupport``. Needs some truncation
         (``top_k > 0`` or ``top_p < 1``) and ``temperature > 0``. ``capture_support="sampler"`` /
         ``"logprobs"`` forces one of the two ways (``True`` = ``"auto"``: as above).
         """

@@ -4,7 +4,7 @@ Installed by our ``vllm.general_plugins`` entry point (:func:`install` in ``vllm
 in every vLLM process; :func:`uninstall` puts every original object back (reference-counted;
 an inherited attribute is inherited again; tested in ``tests/e2e/test_server_routes.py``).
 Worker-side hooks that act on a running model (route and support capture) live in
-``vllm_ext.py`` and are installed per engine on request; this module holds the patches of
+``vllm_ext.py`` / ``capture.py`` and are installed per engine on request; this module holds the patches of
 vLLM's own classes and module globals.
 
 ``vllm.entrypoints.serve.middleware.authenticate.GUARDED_PREFIX``
@@ -39,11 +39,11 @@ vLLM's own classes and module globals.
     either output above is on, the wrappers do on the V1 runner what the V2 runner does:
     ``execute_model`` hands the step's ``scheduler_output`` (its
     ``aux_output_connector_metadata``: emit starts, finished requests, generation) to the
-    runner's :class:`~skyrl_numerics.trainer.engine.vllm_ext.AuxOutputs` before the forward;
+    runner's :class:`~skyrl_numerics.trainer.engine.capture.AuxOutputs` before the forward;
     the ``ModelRunnerOutput`` of the step then gets ``aux_output_connector_output =
     {req_id: AuxRequestOutput(emit_start, rows)}`` for every request that sampled a token and
     ``sampling_masks`` (CSR supports), from the route capture on vLLM's router hook and the
-    support capture on its sampler (``vllm_ext.py`` documents how rows are computed). vLLM's
+    support capture on its sampler (``capture.py`` documents how rows are computed). vLLM's
     scheduler, output processor and API serialization (``routed_experts`` base64 ``.npy`` in
     ``/v1/completions``, ``/v1/chat/completions``, ``/inference/v1/generate``; ``sampling_mask``
     in ``/inference/v1/generate``) do the rest, unchanged. With neither output on, the wrappers
@@ -162,7 +162,7 @@ def _cpu_runner_aux_outputs() -> None:
     def aux_of(runner):
         if not _aux_outputs_wanted(runner):
             return None
-        from .vllm_ext import AuxOutputs
+        from .capture import AuxOutputs
 
         return AuxOutputs.of(runner)
 

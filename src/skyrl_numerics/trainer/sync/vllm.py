@@ -5,7 +5,7 @@ Mechanism (vLLM 0.32, CPU and GPU)
 1. The caller's tensors (checkpoint / HF names, any dtype) are written to one safetensors file in a
    fresh staging directory (``/dev/shm`` when writable, so it stays in RAM).
 2. ``llm.collective_rpc("skyrl_load_weights", args=(path,))`` runs
-   :meth:`WeightSyncWorkerExtension.skyrl_load_weights` in every worker. It streams the file into
+   ``SkyrlWorkerExtension.skyrl_load_weights`` (``engine/vllm_ext.py``) in every worker. It streams the file into
    ``model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)``: vLLM's own
    ``model.load_weights`` maps the HF names onto its fused parameters (``qkv_proj``,
    ``gate_up_proj``, experts ``w13``/``w2``), re-runs ``process_weights_after_loading`` per layer
@@ -51,7 +51,7 @@ from typing import Any, Iterable, Mapping
 from skyrl_numerics.atomic import atomic_file
 from skyrl_numerics.errors import InputError
 
-WORKER_EXTENSION = "skyrl_numerics.trainer.sync.vllm.WeightSyncWorkerExtension"
+WORKER_EXTENSION = "skyrl_numerics.trainer.engine.vllm_ext.SkyrlWorkerExtension"
 _STAGING_FILE = "model.safetensors"
 
 
@@ -60,53 +60,8 @@ def engine_kwargs() -> dict[str, Any]:
     return {"worker_extension_cls": WORKER_EXTENSION}
 
 
-# ---- worker side ----------------------------------------------------------------------------
-class WeightSyncWorkerExtension:
-    """Mixed into vLLM's worker class (``worker_extension_cls``); ``self`` is the worker."""
-
-    def skyrl_load_weights(self, path: str) -> dict:
-        """Reload the weights in ``path`` (safetensors, checkpoint names) into the live model."""
-        from safetensors import safe_open
-
-        t0 = time.perf_counter()
-
-        def weights():
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-
-        n = load_into_model(self.vllm_config, self.model_runner.get_model(), weights(),
-                            reload=self.reload_weights)  # the worker's: also resets LoRA/mm state
-        return {"loaded": n, "seconds": time.perf_counter() - t0}
-
-    def skyrl_linear_kernels(self) -> dict[str, str]:
-        """Per quantized layer, what runs it: ``"<scheme> / <kernel>"`` (e.g.
-        ``"CompressedTensorsWNA16 / CPUWNA16LinearKernel"``), or the quant method's class for
-        layers without a scheme (MoE methods, unquantized layers are left out)."""
-        out = {}
-        for name, mod in self.model_runner.get_model().named_modules():
-            scheme = getattr(mod, "scheme", None)
-            if scheme is not None:
-                kernel = getattr(scheme, "kernel", None)
-                out[name] = type(scheme).__name__ + (f" / {type(kernel).__name__}" if kernel is not None else "")
-                continue
-            qm = getattr(mod, "quant_method", None)
-            if qm is not None and not type(qm).__name__.startswith("Unquantized"):
-                out[name] = type(qm).__name__
-        return out
-
-    def skyrl_weight_digest(self) -> dict[str, str]:
-        """blake2b of every parameter's bytes as vLLM holds them (kernel layout; for tests)."""
-        import hashlib
-
-        out = {}
-        for name, p in self.model_runner.get_model().named_parameters():
-            t = p.detach().contiguous().cpu()
-            out[name] = hashlib.blake2b(t.view(-1).view(_u8()).numpy().tobytes(),
-                                        digest_size=16).hexdigest()
-        return out
-
-
+# ---- worker side: the methods (skyrl_load_weights, ...) are in the one worker extension,
+# ``engine/vllm_ext.py::SkyrlWorkerExtension``; this module's part of it is the load path --------
 def load_into_model(vllm_config, model, weights: Iterable[tuple[str, Any]], *, reload=None) -> int:
     """Load ``(checkpoint name, tensor)`` pairs into a live vLLM ``model`` in place; returns how
     many were loaded. The one load path of every in-place update (this module's worker extension
@@ -144,12 +99,6 @@ def load_into_model(vllm_config, model, weights: Iterable[tuple[str, Any]], *, r
             if qm.moe_kernel is None:  # layer was not reloaded: keep its old kernel
                 qm.moe_kernel = kernel
     return len(names)
-
-
-def _u8():
-    import torch
-
-    return torch.uint8
 
 
 def _park_cpu_moe_kernels(model) -> list[tuple[Any, Any]]:
@@ -254,8 +203,7 @@ def _require_extension(engine) -> None:
     if not ok:
         raise InputError(f"the engine's worker_extension_cls ({qualname!r}) has no "
                          "skyrl_load_weights; start it with worker_extension_cls="
-                         f"{WORKER_EXTENSION!r} or a class that inherits "
-                         "WeightSyncWorkerExtension", field="llm")
+                         f"{WORKER_EXTENSION!r} or a class that inherits it", field="llm")
 
 
 def _default_staging() -> str | None:
