@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from skyrl_numerics._gap_layout import FIELDS, is_torch
+from skyrl_numerics.gap.layout import FIELDS, is_torch
 from skyrl_numerics.errors import InputError
 
 __all__ = ["Correction", "token_tis", "sequence_tis", "geometric_mask", "product_mask",

@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from skyrl_numerics import _gap_fast as fast
+from skyrl_numerics.gap import fast
 from skyrl_numerics import gap
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.gap import GapReport, measure, measure_reference
@@ -674,9 +674,9 @@ def test_kernel_selection_and_fallbacks(monkeypatch):
     assert fast._pick_kernel(tok, "auto") is None
     monkeypatch.delenv("SKYRL_NUMERICS_NUMBA")
     if _has_numba():
-        from skyrl_numerics import _gap_numba
-        assert fast._pick_kernel(tok, "auto") is _gap_numba        # the default when numba imports
-        assert _gap_numba.LANES == fast.LANES
+        from skyrl_numerics.gap import numba_scan
+        assert fast._pick_kernel(tok, "auto") is numba_scan        # the default when numba imports
+        assert numba_scan.LANES == fast.LANES
         # float16 (or non-contiguous) arrays: numpy under "auto", an error when numba is asked for
         tok16 = gap.normalize(a.astype(np.float16), b.astype(np.float16), None, None)
         assert fast._pick_kernel(tok16, "auto") is None
@@ -705,7 +705,7 @@ def test_numba_kernels_cache_to_numba_cache_dir(tmp_path):
     env.pop("SKYRL_NUMERICS_NUMBA", None)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "300000"
-    assert list(tmp_path.rglob("*_gap_numba*.nbi")) and list(tmp_path.rglob("*.nbc"))
+    assert list(tmp_path.rglob("*numba_scan*.nbi")) and list(tmp_path.rglob("*.nbc"))
 
 
 @pytest.mark.parametrize("width", [40, 61, 64, 333])
@@ -713,7 +713,7 @@ def test_numba_padded_run_check_and_left_padding(width):
     """Padded rows are copied whole when their masked tokens form one run (checked 8 mask bytes
     at a time): left, right and no padding, holes, widths not a multiple of 8."""
     pytest.importorskip("numba")
-    from skyrl_numerics import _gap_numba
+    from skyrl_numerics.gap import numba_scan
 
     rng = np.random.default_rng(width)
     rows = 48
@@ -728,7 +728,7 @@ def test_numba_padded_run_check_and_left_padding(width):
     m64 = m8.reshape(-1).view(np.uint64) if m8.size % 8 == 0 else np.zeros(0, np.uint64)
     for r in range(rows):
         for t0, t1 in [(0, width), (1, width - 1), (width // 3, width), (0, 1), (2, 2 + width // 2)]:
-            assert _gap_numba._all_set(m8, m64, r, t0, t1, width) == bool(m[r, t0:t1].all())
+            assert numba_scan._all_set(m8, m64, r, t0, t1, width) == bool(m[r, t0:t1].all())
     n = rows * width
     a, b = _synthetic(n, 1e-3, rng)
     _both_kernels(gap.normalize(a.reshape(rows, width), b.reshape(rows, width), m), chunk=500, threads=2)
@@ -737,11 +737,11 @@ def test_numba_padded_run_check_and_left_padding(width):
 def test_numba_kernels_compile_without_a_cache_location():
     """No writable cache location at all (numba: 'no locator available'): compiled per process."""
     pytest.importorskip("numba")
-    from skyrl_numerics import _gap_numba
+    from skyrl_numerics.gap import numba_scan
 
     ns = {}
     exec("def f(x):\n    return x + 1\n", ns)          # noqa: S102 (no source file: no cache locator)
-    assert _gap_numba._jit(ns["f"])(1) == 2
+    assert numba_scan._jit(ns["f"])(1) == 2
 
 
 def test_padded_sample_takes_runs_of_masked_tokens():

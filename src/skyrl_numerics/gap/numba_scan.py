@@ -1,7 +1,7 @@
 """The compiled scan of the gap fast pass (numba), bitwise equal to the numpy scan in
-:mod:`skyrl_numerics._gap_fast`.
+:mod:`skyrl_numerics.gap.fast`.
 
-Imported only through :func:`skyrl_numerics._gap_fast._numba` (which catches a missing numba).
+Imported only through :func:`skyrl_numerics.gap.fast._numba` (which catches a missing numba).
 Kernels are compiled with ``cache=True`` (numba's cache: ``NUMBA_CACHE_DIR`` if set, else the
 package's ``__pycache__``, else the user cache dir, e.g. ``~/.cache/numba``, for read-only
 installs; without any writable place they compile per process). ``fastmath`` is off (no
@@ -10,7 +10,7 @@ bits do not depend on the compiler and the numpy scan reproduces them with eleme
 ``error_model="numpy"`` only drops the division-by-zero checks (the kernels divide only
 integers, by constants), which would otherwise sit in the vectorized loops.
 
-Summation orders (both scans; see ``_gap_fast`` for the error bounds):
+Summation orders (both scans; see ``gap/fast.py`` for the error bounds):
 
 * token sums of a chunk (Σz², Σg, Σu²): ``LANES`` independent lanes, lane l adding the
   chunk's elements l, l + LANES, l + 2·LANES, … in order from +0.0 (the chunk is zero-padded
@@ -127,7 +127,7 @@ def _pw2(D, AD, lo, n, stk, fstk):
 
 @_jit
 def _fold(x):
-    """Lanes folded by halving, in place: x[i] = x[i] + x[i + h] (as ``_gap_fast._fold``)."""
+    """Lanes folded by halving, in place: x[i] = x[i] + x[i + h] (as ``fast._fold``)."""
     h = x.size
     while h > 1:
         h //= 2

@@ -15,7 +15,7 @@ the full-array reference (which is the spec; tests hold this to it).
   misses, a ratio would overflow, or std(r) would lose more than 3 digits to cancellation, the
   pass returns ``None`` and the caller runs the reference.
 * Two implementations of the scan, bitwise equal on every statistic: the compiled kernels of
-  :mod:`skyrl_numerics._gap_numba` (the default when numba imports; ``SKYRL_NUMERICS_NUMBA=0``
+  :mod:`skyrl_numerics.gap.numba_scan` (the default when numba imports; ``SKYRL_NUMERICS_NUMBA=0``
   turns them off) and numpy (the fallback). Both do the same IEEE operations in the same order.
 
 Summation order and error bounds (u = 2^-53; all sums float64):
@@ -44,14 +44,14 @@ import os
 
 import numpy as np
 
-from skyrl_numerics._gap_layout import Tokens, find_bad_value, position_count
+from skyrl_numerics.gap.layout import Tokens, find_bad_value, position_count
 from skyrl_numerics.errors import InputError
 
 _CHUNK = 1 << 17          # tokens per piece: the float64 buffers stay in L3; fewer Python steps
 _TAYLOR_MAX = 0.0125      # |d| above this: exact expm1; below: Taylor series to d^K (Horner)
 _TAYLOR_ERR = 1e-13       # K is the smallest order whose truncation bound 2 T^(K-1)/(K+1)! is below this
 _SAMPLE = 1 << 16         # tokens sampled (in 128 runs of 512) to place the percentile brackets
-LANES = 64                # lanes of the chunk token sums (= _gap_numba.LANES)
+LANES = 64                # lanes of the chunk token sums (= numba_scan.LANES)
 _COEF = tuple(1.0 / math.factorial(k) for k in range(2, 8))   # c2 .. c7 of the Horner series
 _RUN = 4                  # chunks per run: the unit of work of a thread (results do not depend
                           # on the number of threads: runs are combined in run order)
@@ -475,16 +475,16 @@ _NB = None            # None: not tried yet; False: unavailable; else the module
 
 
 def _numba():
-    """The compiled kernels (:mod:`skyrl_numerics._gap_numba`; compiled on first use, then
+    """The compiled kernels (:mod:`skyrl_numerics.gap.numba_scan`; compiled on first use, then
     loaded from numba's on-disk cache), or ``None`` when numba does not import."""
     global _NB
     if _NB is None:
         try:
-            from skyrl_numerics import _gap_numba
+            from skyrl_numerics.gap import numba_scan
         except Exception:                 # noqa: BLE001 (missing or broken numba: the numpy scan)
             _NB = False
         else:
-            if _gap_numba.LANES != LANES:
-                raise AssertionError("_gap_numba.LANES != _gap_fast.LANES")
-            _NB = _gap_numba
+            if numba_scan.LANES != LANES:
+                raise AssertionError("numba_scan.LANES != fast.LANES")
+            _NB = numba_scan
     return _NB or None

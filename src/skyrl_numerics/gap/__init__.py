@@ -41,7 +41,7 @@ round a probability-1 token a few ulps above 0; anything larger is not a logprob
 shape mismatch, empty input.
 
 Speed: inputs of more than ``FAST_MIN_TOKENS`` tokens take the chunked single pass of
-:mod:`skyrl_numerics._gap_fast` (threads, Taylor series instead of exp on all but the tail,
+:mod:`skyrl_numerics.gap.fast` (threads, Taylor series instead of exp on all but the tail,
 exact percentiles by bracketing). Its scan is compiled with numba (cached on disk) and has a
 numpy fallback giving the same bits (``SKYRL_NUMERICS_NUMBA=0``, or when numba is missing).
 :func:`measure_reference` is the plain full-array computation that is the spec; tests hold the
@@ -54,8 +54,8 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from skyrl_numerics._gap_fast import _fast_stats, _threads
-from skyrl_numerics._gap_layout import Tokens, find_bad_value, normalize, position_count
+from skyrl_numerics.gap.fast import _fast_stats, _threads
+from skyrl_numerics.gap.layout import Tokens, find_bad_value, normalize, position_count
 from skyrl_numerics.errors import InputError
 
 __all__ = ["GapReport", "measure", "measure_reference", "DEFAULT_TAUS", "LOGPROB_TOL"]
