@@ -18,6 +18,7 @@ import numpy as np
 from skyrl_numerics.rollout import Rollout
 
 FULL = dict(temperature=1.0, top_p=1.0, top_k=0)
+TOPK = 20   # the bitwise rows also compare the engine's top-K distribution per position
 
 
 @dataclass
@@ -59,8 +60,9 @@ SCENARIOS: dict[str, Scenario] = {
                              "engine serves MoE experts on the INT4 g32 grid, stored as bf16 values "
                              "on the grid: no INT4 kernel runs (see 'engine runs INT4 kernels')",
                              weights_only=True),
-    "batch-invariant": Scenario(FULL, description="vLLM runs the family's batch-invariant model "
-                                "(out-of-tree, over its paged KV cache)",
+    "batch-invariant": Scenario({**FULL, "topk_logprobs": TOPK}, description="vLLM runs the "
+                                "family's batch-invariant model (out-of-tree, over its paged KV "
+                                f"cache); its top-{TOPK} logprobs per token kept",
                                 engine=dict(batch_invariant=True, capture_routes=True)),
     "batch-invariant, FP8 KV": Scenario(FULL, description="the batch-invariant model storing its "
                                         "KV cache (MLA: the latent) as FP8 E4M3, per-layer scales",
@@ -164,6 +166,13 @@ def _invariant_trainer(kv_cache: str | None = None):
         if key not in ctx._models:
             ctx._models[key] = from_checkpoint(ctx.model_dir, kv_cache=kv_cache)
         return invariant_trainer_logprobs(ctx._models[key], rollout).logprobs
+
+    def distribution(ctx: DoctorContext, rollout: Rollout) -> dict:
+        """The engine's top-K logprobs vs the invariant forward's rows (gap/topk.py)."""
+        from skyrl_numerics.trainer.invariant.base import invariant_topk
+
+        return invariant_topk(ctx._models[("invariant", kv_cache)], rollout)
+    compute.distribution = distribution
     return compute
 
 
@@ -315,6 +324,8 @@ class DoctorResult:
             "rows": [{"name": r.name, **{k: v for k, v in r.extra.items() if not k.startswith("_")},
                       **({"vLLM tok/s beside an engine start": True}
                          if r.extra.get("_vLLM tok/s mark") else {}),
+                      **({"distribution": r.extra["_distribution"]}
+                         if "_distribution" in r.extra else {}),
                       "summary": r.report.summary(), "report": r.report.to_dict()}
                      for r in self.rows],
         }
@@ -532,6 +543,15 @@ def score_rows(selected: list, ctx: DoctorContext, rollouts: dict, skipped: dict
         report = measure(lp, ro.rollout_logprobs, cu_seqlens=ro.response_cu)
         extra = {"scenario": row.scenario, "note": row.note,
                  "vLLM tok/s": ro.meta.get("tokens_per_s"), "status": "measured"}
+        dist = getattr(row.compute, "distribution", None)
+        if dist is not None and ro.topk is not None:
+            try:
+                d = dist(ctx, ro)
+                extra[f"top-{d['k']} dist. bitwise ="] = f"{d['frac_bitwise']:.0%}"
+                extra["_distribution"] = d
+            except Exception as e:
+                log.exception("doctor: row %r distribution check failed", row.name)
+                extra[f"top-{ro.topk.k} dist. bitwise ="] = f"failed: {_one_line(e)}"
         if beside_start.get(row.scenario):
             extra["_vLLM tok/s mark"] = ("†", "sampled while the next engine started in the "
                                         "background (SKYRL_NUMERICS_DOCTOR_PREFETCH=0: "

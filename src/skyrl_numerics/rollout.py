@@ -210,6 +210,9 @@ class Rollout:
     engine_version: str = "unknown"
     meta: dict = field(default_factory=dict)
     vocab_size: int | None = None      # when known, every token id must be < vocab_size
+    # the engine's top-K logprobs per response token (gap.topk.TopkLogprobs), when asked for
+    # with generate(topk_logprobs=K); in memory only: not written by save()
+    topk: Any = None
 
     def __post_init__(self):
         self.prompt_cu = _int_array(self.prompt_cu, "prompt_cu", 0, _I64_MAX, np.int64)

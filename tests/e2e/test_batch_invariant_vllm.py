@@ -48,3 +48,20 @@ def test_bitwise_with_prefix_cache_hits_and_ragged_lengths(vllm_qwen_invariant, 
     assert min(ro.meta["num_cached_tokens"]) >= 256, ro.meta["num_cached_tokens"]
     tl = invariant_trainer_logprobs(trainer_model, ro, batch_size=3)
     np.testing.assert_array_equal(tl.logprobs, ro.rollout_logprobs)
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.8), dict(temperature=1.0, top_k=16,
+                                                                   capture_support=True)])
+def test_the_whole_top_k_distribution_is_bitwise(vllm_qwen_invariant, trainer_model, sampling):
+    """Not only the sampled token: the engine's top-40 processed logprobs at every position equal
+    the invariant trainer's log-softmax at the same ids, bit for bit, and are its top-40 (with
+    top-k 16, entries 17.. are -inf on both sides)."""
+    from skyrl_numerics.trainer.invariant.base import invariant_topk
+
+    gen = vllm_qwen_invariant
+    ro = gen.generate(make_prompts(5, 10, gen.vocab_size, seed=31), max_tokens=12, seed=2,
+                      topk_logprobs=40, **sampling)
+    assert ro.topk.ids.shape == (ro.num_response_tokens, 40)
+    d = invariant_topk(trainer_model, ro, use_support="top_k" in sampling)
+    assert d["frac_bitwise"] == 1.0 and d["positions"] == ro.num_response_tokens, d
+    assert d["first_mismatch"] is None and d["tv_mean"] == 0.0

@@ -127,6 +127,10 @@ def test_doctor_against_the_server(served, qwen_moe_dir, tmp_path):
     rep = {r["name"]: r for r in json.loads((tmp_path / "report.json").read_text())["rows"]}
     assert rep[rows[1]]["summary"]["frac_bitwise_equal"] == 1.0
     assert rep[rows[1]]["summary"]["max_abs"] == 0.0
+    # and the whole top-20 distribution per position, read from the server's JSON
+    assert rep[rows[1]]["distribution"]["frac_bitwise"] == 1.0
+    assert rep[rows[1]]["distribution"]["positions"] == 48
+    assert rep[rows[1]]["top-20 dist. bitwise ="] == "100%"
     assert rep[rows[0]]["status"] == "measured" and rep[rows[0]]["summary"]["n_tokens"] == 48
     assert rep[rows[4]]["status"] == "measured"
     assert rep[rows[5]]["status"] == "measured"         # routes from the server's routed_experts

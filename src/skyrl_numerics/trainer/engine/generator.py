@@ -39,6 +39,10 @@ class EngineInfo:
     version: str
 
 
+def max_logprobs_of(gen) -> int:
+    return int(getattr(gen, "max_logprobs", 0) or 0)
+
+
 def check_request(prompts, *, vocab_size: int, max_model_len: int, max_logprobs: int,
                   max_tokens: int, capture_support, top_k: int, top_p: float,
                   temperature: float) -> tuple[bool, int]:
@@ -167,7 +171,7 @@ class VLLMGenerator:
     def generate(self, prompts: Sequence[Sequence[int]], *, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, max_tokens: int = 64, seed: int | None = 0,
                  n: int = 1, capture_support: bool | str = False, ignore_eos: bool = True,
-                 progress: bool = False) -> Rollout:
+                 topk_logprobs: int = 0, progress: bool = False) -> Rollout:
         """Sample ``n`` responses per prompt; return them as a ``Rollout`` (rows grouped by prompt).
 
         ``seed``: request ``i`` uses ``seed + i`` so runs repeat and prompts differ.
@@ -186,12 +190,15 @@ class VLLMGenerator:
             prompts, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
             max_logprobs=self.max_logprobs, max_tokens=max_tokens, capture_support=capture_support,
             top_k=top_k, top_p=top_p, temperature=temperature)
+        if not 0 <= topk_logprobs <= max_logprobs_of(self):
+            raise InputError(f"topk_logprobs must be in [0, max_logprobs {self.max_logprobs}], "
+                             f"got {topk_logprobs}", field="topk_logprobs")
         if in_engine:
             self._start_support_capture()
         params = []
         for i in range(len(prompts)):
             kw = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n,
-                      logprobs=n_logprobs, ignore_eos=ignore_eos)
+                      logprobs=max(n_logprobs, topk_logprobs), ignore_eos=ignore_eos)
             if top_k > 0:
                 kw["top_k"] = top_k
             if seed is not None:
@@ -203,6 +210,7 @@ class VLLMGenerator:
         elapsed = time.perf_counter() - t0
 
         p_rows, r_rows, lp_rows, groups, topk_rows, cached = [], [], [], [], [], []
+        top_rows = []   # topk_logprobs: {id: logprob} per token
         for i, out in enumerate(outputs):
             cached.append(int(getattr(out, "num_cached_tokens", 0) or 0))
             for comp in out.outputs:
@@ -212,6 +220,9 @@ class VLLMGenerator:
                     lps.append(d[tok].logprob)
                     if capture_support and not in_engine:
                         topk_rows.append({int(k): v.logprob for k, v in d.items()})
+                    if topk_logprobs:
+                        top_rows.append({int(k): v.logprob for k, v in d.items()
+                                         if v.rank is None or v.rank <= topk_logprobs})
                 p_rows.append(list(out.prompt_token_ids))
                 r_rows.append(toks)
                 lp_rows.append(lps)
@@ -234,9 +245,14 @@ class VLLMGenerator:
         meta = dict(model_dir=self.model_dir, dtype=self.dtype, generate_s=elapsed,
                     num_cached_tokens=cached,
                     tokens_per_s=n_tok / elapsed if elapsed > 0 else None)
-        return Rollout.from_lists(p_rows, r_rows, lp_rows, group_ids=np.asarray(groups),
-                                  routes=routes, support=support, sampling=sampling, engine=self.info.name,
-                                  engine_version=self.info.version, meta=meta)
+        ro = Rollout.from_lists(p_rows, r_rows, lp_rows, group_ids=np.asarray(groups),
+                                routes=routes, support=support, sampling=sampling, engine=self.info.name,
+                                engine_version=self.info.version, meta=meta)
+        if topk_logprobs:
+            from skyrl_numerics.gap.topk import TopkLogprobs
+
+            ro.topk = TopkLogprobs.from_dicts(top_rows, topk_logprobs)
+        return ro
 
     def _start_support_capture(self) -> None:
         if not getattr(self, "_support_hooked", False):

@@ -145,10 +145,13 @@ class RemoteGenerator:
                  top_p: float = 1.0, top_k: int = 0, max_tokens: int = 64, seed: int | None = 0,
                  n: int = 1, capture_support: bool | str = False, ignore_eos: bool = True,
                  capture_routes: bool | None = None, seeds: Sequence[int] | None = None,
-                 progress: bool = False) -> Rollout:
+                 topk_logprobs: int = 0, progress: bool = False) -> Rollout:
         """As :meth:`VLLMGenerator.generate`. ``capture_routes``: ``True`` requires the server's
         ``routed_experts``; ``None`` (default) takes them when the server sends them. ``seeds``:
         one seed per prompt instead of ``seed + i`` (a router keeps each prompt's seed)."""
+        if not 0 <= topk_logprobs <= self.max_logprobs:
+            raise InputError(f"topk_logprobs must be in [0, max_logprobs {self.max_logprobs}], "
+                             f"got {topk_logprobs}", field="topk_logprobs")
         if seeds is not None and len(seeds) != len(prompts):
             raise InputError(f"{len(seeds)} seeds for {len(prompts)} prompts", field="seeds")
         vocab = self.vocab_size or (1 << 31)
@@ -168,7 +171,8 @@ class RemoteGenerator:
                 extra["top_k"] = top_k
             return self.client.completions.create(
                 model=self.model, prompt=[[int(t) for t in prompts[i]]], max_tokens=max_tokens,
-                n=n, temperature=temperature, top_p=top_p, logprobs=max(n_logprobs, 1),
+                n=n, temperature=temperature, top_p=top_p,
+                logprobs=max(n_logprobs, topk_logprobs, 1),
                 seed=(int(seeds[i]) if seeds is not None else
                       None if seed is None else seed + i), extra_body=extra)
 
@@ -176,6 +180,7 @@ class RemoteGenerator:
         responses = list(self._pool.map(one, range(len(prompts))))
         elapsed = time.perf_counter() - t0
         p_rows, r_rows, lp_rows, groups, topk_rows, route_rows, cached = [], [], [], [], [], [], []
+        top_rows = []
         for i, resp in enumerate(responses):
             details = getattr(resp.usage, "prompt_tokens_details", None) if resp.usage else None
             cached.append(int(getattr(details, "cached_tokens", 0) or 0))
@@ -189,11 +194,14 @@ class RemoteGenerator:
                 if len(toks) != len(lps):
                     raise RuntimeError(f"prompt {i}, choice {c.index}: {len(toks)} token ids but "
                                        f"{len(lps)} logprobs (server without return_token_ids?)")
-                if capture_support:
+                if capture_support or topk_logprobs:
                     for d in c.logprobs.top_logprobs:
-                        topk_rows.append({int(k.removeprefix("token_id:")):
-                                          (-math.inf if v == JSON_NEG_INF else v)
-                                          for k, v in d.items()})
+                        row = {int(k.removeprefix("token_id:")):
+                               (-math.inf if v == JSON_NEG_INF else v) for k, v in d.items()}
+                        if capture_support:
+                            topk_rows.append(row)
+                        if topk_logprobs:
+                            top_rows.append(row)
                 p_rows.append([int(t) for t in prompts[i]])
                 r_rows.append(toks)
                 lp_rows.append(lps)
@@ -229,10 +237,14 @@ class RemoteGenerator:
         meta = dict(model_dir=self.model_dir, dtype=self.dtype, generate_s=elapsed,
                     num_cached_tokens=cached, server=self.url,
                     tokens_per_s=n_tok / elapsed if elapsed > 0 else None)
-        return Rollout.from_lists(p_rows, r_rows, lp_rows, group_ids=np.asarray(groups),
-                                  routes=routes, support=support, sampling=sampling,
-                                  engine=self.info.name, engine_version=self.info.version,
-                                  meta=meta)
+        ro = Rollout.from_lists(p_rows, r_rows, lp_rows, group_ids=np.asarray(groups),
+                                routes=routes, support=support, sampling=sampling,
+                                engine=self.info.name, engine_version=self.info.version, meta=meta)
+        if topk_logprobs:   # the JSON has no ranks: the K largest (the sampled token may be extra)
+            from skyrl_numerics.gap.topk import TopkLogprobs
+
+            ro.topk = TopkLogprobs.from_dicts(top_rows, topk_logprobs)
+        return ro
 
     # ---- control ---------------------------------------------------------------------------
     def _post(self, path: str, **params) -> dict:

@@ -371,3 +371,23 @@ def invariant_trainer_logprobs(model: InvariantCausalLM, rollout, *, batch_size:
 
         routes = PackedRoutes.from_sequences(route_rows, info["num_experts"])
     return TrainerLogprobs(logprobs=lp_out, entropy=ent_out, routes=routes)
+
+
+def invariant_topk(model: InvariantCausalLM, rollout, *, batch_size: int = 4,
+                   use_support: bool = False) -> dict:
+    """The engine's top-K logprobs (``rollout.topk``) against this forward's log-softmax rows at
+    the same ids, position by position (:class:`skyrl_numerics.gap.topk.TopkCheck`): the whole
+    distribution, not only the sampled token. ``use_support``: rows masked to the rollout's
+    support first, as the engine's processed logprobs are."""
+    from skyrl_numerics.gap.topk import TopkCheck
+
+    if rollout.topk is None:
+        raise InputError("the rollout has no top-K logprobs (generate with topk_logprobs=K)",
+                         field="topk")
+    temperature = float(rollout.sampling.get("temperature", 1.0) or 1.0)
+    mask = support_mask(model, rollout) if use_support else None
+    check = TopkCheck(rollout.topk)
+    with torch.no_grad():
+        for i, logp, _, _, _ in response_logps(model, rollout, batch_size, temperature, mask):
+            check.add(int(rollout.response_cu[i]), logp)
+    return check.summary()
