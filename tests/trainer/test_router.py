@@ -26,8 +26,13 @@ class Fake:
                 R.append(list(rng.integers(0, 100, max_tokens)))
                 L.append(list(-rng.random(max_tokens).astype(np.float32)))
                 P.append(list(p))
-        return Rollout.from_lists(P, R, L, group_ids=np.repeat(np.arange(len(prompts)), n),
-                                  engine="fake")
+        ro = Rollout.from_lists(P, R, L, group_ids=np.repeat(np.arange(len(prompts)), n),
+                                engine="fake")
+        from skyrl_numerics.gap.topk import TopkLogprobs
+
+        ro.topk = TopkLogprobs(np.asarray(ro.response_tokens)[:, None].repeat(2, 1),
+                               np.asarray(ro.rollout_logprobs)[:, None].repeat(2, 1))
+        return ro
 
 
 @settings(max_examples=30, deadline=None)
@@ -41,6 +46,8 @@ def test_merged_rollout_equals_one_replica(prompts, replicas, n, seed):
     assert np.array_equal(got.response_tokens, one.response_tokens)
     assert np.array_equal(got.rollout_logprobs.view(np.uint32), one.rollout_logprobs.view(np.uint32))
     assert np.array_equal(got.group_ids, np.repeat(np.arange(len(prompts)), n))
+    assert np.array_equal(got.topk.ids, one.topk.ids)
+    assert np.array_equal(got.topk.values.view(np.uint32), one.topk.values.view(np.uint32))
     assert len(got.meta["replica"]) == len(prompts) * n
     distinct = len({tuple(p) for p in prompts})
     assert len(got.meta["replicas"]) == min(replicas, distinct)

@@ -82,7 +82,7 @@ def _merge(prompts, where, parts, done, n: int, replicas) -> Rollout:
             for j in range(n):
                 rows[(i, j)] = (r, k * n + j)
     order = [rows[(i, j)] for i in range(len(prompts)) for j in range(n)]
-    p_rows, r_rows, lp_rows, route_seqs, support_sets = [], [], [], [], []
+    p_rows, r_rows, lp_rows, route_seqs, support_sets, top = [], [], [], [], [], []
     for r, b in order:
         ro = done[r][0]
         p_rows.append(ro.prompt(b))
@@ -90,10 +90,12 @@ def _merge(prompts, where, parts, done, n: int, replicas) -> Rollout:
         lp_rows.append(ro.logprobs(b))
         if first.routes is not None:
             route_seqs.append(ro.routes.seq(b))
+        a, e = ro.response_cu[b], ro.response_cu[b + 1]
         if first.support is not None:
-            a, e = ro.response_cu[b], ro.response_cu[b + 1]
             off = ro.support.offsets
             support_sets += [ro.support.token_ids[off[t]:off[t + 1]] for t in range(a, e)]
+        if first.topk is not None:
+            top.append((ro.topk.ids[a:e], ro.topk.values[a:e]))
     routes = (PackedRoutes.from_sequences(route_seqs, first.routes.num_experts)
               if first.routes is not None else None)
     support = (PackedSupport.from_sets(support_sets, first.support.vocab_size)
@@ -106,7 +108,13 @@ def _merge(prompts, where, parts, done, n: int, replicas) -> Rollout:
                       "tokens_per_s": ro.num_response_tokens / dt if dt > 0 else None})
     meta = {**first.meta, "replica": [r for r, _ in order], "replicas": stats}
     meta.pop("server", None)
-    return Rollout.from_lists(p_rows, r_rows, lp_rows,
-                              group_ids=np.repeat(np.arange(len(prompts)), n), routes=routes,
-                              support=support, sampling=first.sampling, engine=first.engine,
-                              engine_version=first.engine_version, meta=meta)
+    merged = Rollout.from_lists(p_rows, r_rows, lp_rows,
+                                group_ids=np.repeat(np.arange(len(prompts)), n), routes=routes,
+                                support=support, sampling=first.sampling, engine=first.engine,
+                                engine_version=first.engine_version, meta=meta)
+    if first.topk is not None:
+        from skyrl_numerics.gap.topk import TopkLogprobs
+
+        merged.topk = TopkLogprobs(np.concatenate([i for i, _ in top]),
+                                   np.concatenate([v for _, v in top]))
+    return merged
