@@ -271,36 +271,32 @@ def test_a_server_without_dev_mode_or_with_an_unknown_backend(model_dir, tmp_pat
 def test_a_server_killed_mid_update_never_serves_a_mix(server, model_dir, checkpoint, tmp_path):
     """SIGKILL while update_weights is in flight; the restarted server serves the checkpoint
     it was started from, bit for bit (nothing of the update persisted anywhere it reads).
-    Kills the module's server: the tests after this one start their own."""
+    In flight for sure: one payload of the new version is a FIFO nobody writes, so the server's
+    read of it blocks until the kill. Kills the module's server: later tests start their own."""
     from skyrl_numerics.trainer.engine.server import VLLMServer
 
     srv = server
-    eng0 = trainer_engine(srv, tmp_path / "store0")
-    eng0.send_weights(checkpoint)            # the checkpoint again: the tests before changed it
-    with srv:
-        base = fingerprint(srv, model_dir)
-        eng = trainer_engine(srv, tmp_path / "store")
-        eng.send_weights(checkpoint)
-        client = eng.client
-        outcome = {}
+    eng = trainer_engine(srv, tmp_path / "store")
+    eng.send_weights(checkpoint)            # the checkpoint again: the tests before changed it
+    base = fingerprint(srv, model_dir)
+    m = eng.publisher.publish(scaled(checkpoint, "mlp.experts", 1.7))
+    payload = os.path.join(tmp_path / "store", next(e.payload for e in m.tensors if e.payload))
+    os.remove(payload)
+    os.mkfifo(payload)
+    outcome = {}
 
-        def update_then_kill(update_info):
-            """The real POST /update_weights, with the server SIGKILLed while it is in flight."""
-            t = threading.Thread(target=lambda: outcome.setdefault(
-                "error", _capture(type(client).update_weights, client, update_info)))
-            t.start()
-            time.sleep(0.02)
-            srv.kill()
-            t.join(60)
+    def update():
+        eng.client.start_weight_update()
+        outcome["error"] = _capture(type(eng.client).update_weights, eng.client,
+                                    {"version": m.version})
 
-        eng.client = type("Killing", (), {
-            "start_weight_update": client.start_weight_update,
-            "update_weights": staticmethod(update_then_kill),
-            "finish_weight_update": client.finish_weight_update})()
-        with pytest.raises(InputError, match="server refused finish_weight_update"):
-            eng.send_weights(scaled(checkpoint, "mlp.experts", 1.7))
-        assert not srv.alive()
-        assert outcome["error"] is not None     # the update call itself never completed
+    t = threading.Thread(target=update)
+    t.start()
+    time.sleep(3.0)
+    assert t.is_alive() and "error" not in outcome      # the server is inside the update
+    srv.kill()
+    t.join(60)
+    assert not srv.alive() and outcome["error"] is not None
     again = VLLMServer(model_dir, api_key=API_KEY, sync_key=SYNC_KEY, log_path=tmp_path / "b.log")
     with again:
         assert fingerprint(again, model_dir) == base
