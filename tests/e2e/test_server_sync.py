@@ -9,7 +9,6 @@ linear layers compute from a prepacked copy, so a digest of ``weight`` does not 
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 import threading
