@@ -119,12 +119,14 @@ def _complete(client, model_dir, prompt, **kw):
     return r, out
 
 
-def _running(srv) -> int:
+def _metric(srv, name: str) -> float:
+    """The sum of a Prometheus metric's samples on the server's ``/metrics``."""
+    total = 0.0
     with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as r:
         for line in r.read().decode().splitlines():
-            if line.startswith("vllm:num_requests_running"):
-                return int(float(line.rsplit(" ", 1)[1]))
-    return 0
+            if line.startswith(name) and not line.startswith(name + "_created"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 def _hf_routes(hf, tokens) -> np.ndarray:
@@ -315,21 +317,26 @@ def test_prefix_cache_reset_with_a_running_request(server, client, hf, qwen_moe_
 
     before = _post(server, "/collective_rpc", {"method": "skyrl_aux_output_state"})["results"][0]
     p = _prompt(40, 95)
+    n_new = 1024 - len(p)                    # as long as --max-model-len allows
     got = {}
+    tokens0 = _metric(server, "vllm:generation_tokens_total")
+    preempted0 = _metric(server, "vllm:num_preemptions_total")
     th = threading.Thread(target=lambda: got.update(r=_complete(
-        client, qwen_moe_dir, p, max_tokens=400)))   # unseeded: the recompute is chunked
+        client, qwen_moe_dir, p, max_tokens=n_new)))   # unseeded: the recompute is chunked
     th.start()
+    # reset a few decode steps in (the generation counter moved), with ~n_new steps still to go:
+    # no sleep to race against
     deadline = time.monotonic() + 60
-    while not _running(server) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    time.sleep(0.2)                          # a few decode steps in
+    while (_metric(server, "vllm:generation_tokens_total") < tokens0 + 4
+           and th.is_alive() and time.monotonic() < deadline):
+        time.sleep(0.005)
     reset = _post(server, "/reset_prefix_cache?reset_running_requests=true", {})
-    running = th.is_alive()
-    th.join(timeout=120)
-    assert running, "the request ended before the reset: make it longer"
+    th.join(timeout=180)
     assert reset.get("success", True)
+    # the reset met the request running: vLLM preempted it
+    assert _metric(server, "vllm:num_preemptions_total") > preempted0
     _, [(toks, rows)] = got["r"]
-    assert len(toks) == 400 and rows.shape == (len(p) + len(toks) - 1, 2, 2)
+    assert len(toks) == n_new and rows.shape == (len(p) + len(toks) - 1, 2, 2)
     after = _post(server, "/collective_rpc", {"method": "skyrl_aux_output_state"})["results"][0]
     assert after["generation"] > before.get("generation", 0)   # {} before the first step
     # positions after the preemption were recomputed by a prefill: agree with the trainer's router
