@@ -26,6 +26,9 @@ small-M kernel). What this module does instead:
     GEMM of depth K <= 192 accumulates in k order, so trailing zeros are exact no-ops, while
     from ~193 (AVX2) / ~305 (AVX-512) on the K-blocking moves with K and 45 % of zero-extended
     products change bits). ``matmul_2d`` (weights: K is a model dimension) does not chunk.
+  * two bfloat16 operands (a model's activations times its weights) go to
+    :mod:`.cpu_gemm_bf16` instead: the weight read as stored (no float32 copy), one fixed-order
+    dot product per output, the same bits on every CPU.
 
 :func:`check_cpu_invariance` checks this machine's BLAS against the scheme.
 """
@@ -143,7 +146,11 @@ def matmul_2d(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None
               out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """a (M, K) @ b (K, N) (+ bias) with a per-row result independent of M (row blocks of
     ``ROW_BLOCK``, one single-threaded GEMM each; see the module doc). ``b`` may be given
-    prepared (:func:`prepare_b`)."""
+    prepared (:func:`prepare_b`). Both bfloat16: :func:`.cpu_gemm_bf16.linear` of ``b.T``."""
+    if a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16:
+        from . import cpu_gemm_bf16
+
+        return cpu_gemm_bf16.linear(a, b.t(), bias, out_dtype)
     out_dtype = out_dtype or a.dtype
     cd = _compute_dtype(a)
     M, N = a.shape[0], b.shape[1]

@@ -156,6 +156,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.skyrl_row_sum
     fn.restype = i32
     fn.argtypes = [vp, i64, i64, vp, i64, i64]
+    fn = lib.skyrl_gemm_bf16
+    fn.restype = i32
+    fn.argtypes = [vp, i64, vp, i64, vp, i64, i64, i64, i64, i64]
+    fn = lib.skyrl_gemm_bf16_grouped
+    fn.restype = i32
+    fn.argtypes = [vp, i64, vp, i64, vp, i64, vp, i64, i64, i64, i64]
     fn = lib.skyrl_qk_norm_rope
     fn.restype = i32
     fn.argtypes = [vp, i64, i32, vp, i64, i32, vp, vp, vp, vp, i32, f32, i32, vp, vp, i64, i64, i64]

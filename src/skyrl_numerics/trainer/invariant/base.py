@@ -277,13 +277,27 @@ def packed_batches(rollout, batch_size: int):
                                       .astype(np.int64)) for i in rows]
 
 
+LOGIT_CHUNK_BYTES = 64 << 20   # float32 logits (and as much log-softmax) held at once per chunk
+
+
+def logit_row_chunk(vocab: int) -> int:
+    """Response rows per chunk of :func:`response_logps`: ``LOGIT_CHUNK_BYTES`` of float32
+    logits, at least one row (152k vocab: 110 rows, 64 MiB of logits, as much of logp)."""
+    return max(1, LOGIT_CHUNK_BYTES // (4 * max(1, vocab)))
+
+
 def response_logps(model: InvariantCausalLM, rollout, batch_size: int, temperature: float,
                    mask: torch.Tensor | None = None, before_batch=None):
     """The one packed logprob loop (the engine-side and trainer-side logprobs both read it):
-    per sequence ``(i, logp [r, V], token_logprobs [r], offset, length)`` — ``logp`` the
-    :func:`response_logp` rows of its response, ``token_logprobs`` the sampled tokens' entries,
-    ``offset`` its first position in the packed batch. ``before_batch()`` runs before each
-    packed forward (e.g. to clear a route capture). Autograd follows the caller's mode."""
+    per chunk of a sequence's response rows ``(i, logp [c, V], token_logprobs [c], offset,
+    length, lo)`` — ``logp`` the :func:`response_logp` rows ``lo .. lo + c - 1`` of sequence
+    ``i``'s response, ``token_logprobs`` the sampled tokens' entries, ``offset`` the sequence's
+    first position in the packed batch. A chunk is :func:`logit_row_chunk` rows (the last one
+    of a sequence shorter), so memory stays bounded at any vocabulary and response length; a
+    row's logits and log-softmax depend only on the row, so chunking changes no bit (tested).
+    ``before_batch()`` runs before each packed forward (e.g. to clear a route capture).
+    Autograd follows the caller's mode."""
+    step = logit_row_chunk(int(model.w("lm_head.weight").shape[0]))
     for rows, seqs in packed_batches(rollout, batch_size):
         if before_batch is not None:
             before_batch()
@@ -291,11 +305,13 @@ def response_logps(model: InvariantCausalLM, rollout, batch_size: int, temperatu
         off = 0
         for i, s in zip(rows, seqs):
             p, r = int(rollout.prompt_lens[i]), int(rollout.response_lens[i])
-            a, b = rollout.response_cu[i], rollout.response_cu[i + 1]
-            logp = response_logp(model, h[off + p - 1: off + p + r - 1], temperature,
-                                 None if mask is None else mask[a:b])
+            a = int(rollout.response_cu[i])
             tg = torch.from_numpy(rollout.response(i).astype(np.int64))
-            yield i, logp, logp.gather(-1, tg[:, None]).squeeze(-1), off, len(s)
+            for lo in range(0, max(r, 1), step):       # (one empty chunk for r = 0)
+                hi = min(r, lo + step)
+                logp = response_logp(model, h[off + p - 1 + lo: off + p - 1 + hi], temperature,
+                                     None if mask is None else mask[a + lo:a + hi])
+                yield i, logp, logp.gather(-1, tg[lo:hi, None]).squeeze(-1), off, len(s), lo
             off += len(s)
 
 
@@ -354,12 +370,12 @@ def invariant_trainer_logprobs(model: InvariantCausalLM, rollout, *, batch_size:
         model.route_hook = lambda layer, ids: captured.__setitem__(layer, ids.clone())
     try:
         with torch.no_grad():
-            for i, logp, tok, off, n_pos in response_logps(model, rollout, batch_size, temperature, mask,
-                                                           before_batch=captured.clear):
-                a, b = rollout.response_cu[i], rollout.response_cu[i + 1]
-                lp_out[a:b] = tok.numpy()
-                ent_out[a:b] = entropy_of(logp).numpy()
-                if return_routes:
+            for i, logp, tok, off, n_pos, lo in response_logps(
+                    model, rollout, batch_size, temperature, mask, before_batch=captured.clear):
+                a = int(rollout.response_cu[i]) + lo
+                lp_out[a:a + tok.shape[0]] = tok.numpy()
+                ent_out[a:a + tok.shape[0]] = entropy_of(logp).numpy()
+                if return_routes and lo == 0:
                     route_rows[i] = torch.stack(
                         [captured[m][off:off + n_pos - 1] for m in range(info["layers"])],
                         dim=1).numpy()
@@ -388,6 +404,6 @@ def invariant_topk(model: InvariantCausalLM, rollout, *, batch_size: int = 4,
     mask = support_mask(model, rollout) if use_support else None
     check = TopkCheck(rollout.topk)
     with torch.no_grad():
-        for i, logp, _, _, _ in response_logps(model, rollout, batch_size, temperature, mask):
-            check.add(int(rollout.response_cu[i]), logp)
+        for i, logp, _, _, _, lo in response_logps(model, rollout, batch_size, temperature, mask):
+            check.add(int(rollout.response_cu[i]) + lo, logp)
     return check.summary()

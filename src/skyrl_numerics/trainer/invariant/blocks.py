@@ -51,95 +51,71 @@ def require(cond: bool, field: str, value, why: str) -> None:
         raise UnsupportedConfig(f"config field {field!r} = {value!r}: {why}", field=field)
 
 
-def _fp32_weight(w: torch.Tensor) -> torch.Tensor:
-    """``w.T`` as the CPU GEMM takes it (fp32, contiguous, aligned: ``cpu_gemm.prepare_b``), kept on
-    the tensor with its ``_version`` (converted once per change)."""
-    from skyrl_numerics.kernels import cpu
-
-    hit = getattr(w, "_skyrl_fp32", None)
-    if hit is None or hit[0] != w._version:
-        hit = (w._version, cpu.prepare_b(w.detach().float().t()))
-        w._skyrl_fp32 = hit
-    return hit[1]
+def _no_grad_bf16(x: torch.Tensor, ws) -> bool:
+    """The CPU path that calls the bf16 GEMM directly: bfloat16 operands, no autograd."""
+    return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and all(w.dtype == x.dtype for w in ws)
+            and not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in ws))))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` with a per-row result independent of the number of rows.
 
-    Without autograd on CPU the weight's fp32 copy is made once (and again only after the weight
-    changes in place) instead of on every call; the GEMM sees the same fp32 values in the same
-    layout as :func:`skyrl_numerics.kernels.matmul` would make of it, so the bits are the same
-    (tested against it)."""
-    if (x.device.type == "cpu" and w.dtype in (torch.bfloat16, torch.float16) and x.dtype == w.dtype
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
-        from skyrl_numerics.kernels import cpu
+    bfloat16 on CPU: :func:`skyrl_numerics.kernels.cpu_gemm_bf16.linear`, which reads ``w`` as
+    stored (no float32 copy of any weight); :func:`skyrl_numerics.kernels.matmul` (the autograd
+    path) computes the same thing, so the bits are the same with and without autograd (tested)."""
+    if _no_grad_bf16(x, (w,)):
+        from skyrl_numerics.kernels import cpu_gemm_bf16
 
-        out = cpu.matmul_2d(x.reshape(-1, x.shape[-1]), _fp32_weight(w))[:, :w.shape[0]]
-        return out.reshape(*x.shape[:-1], w.shape[0])
+        return cpu_gemm_bf16.linear(x, w)
     return inv_matmul(x, w.t())
 
 
 def linear_many(x: torch.Tensor, ws) -> list[torch.Tensor]:
-    """``[linear(x, w) for w in ws]`` bit for bit; on the no-grad CPU path the row blocks of
-    ``x`` are built once for all the weights (q/k/v projections of one input)."""
-    from skyrl_numerics.kernels import cpu_gemm
-
-    if not (x.device.type == "cpu" and all(w.dtype == x.dtype for w in ws)
-            and x.dtype in (torch.bfloat16, torch.float16)
-            and not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in ws)))):
+    """``[linear(x, w) for w in ws]`` bit for bit; on the no-grad CPU path ``x`` is widened to
+    float32 once for all the weights (q/k/v projections of one input)."""
+    if not _no_grad_bf16(x, ws):
         return [linear(x, w) for w in ws]
-    x2 = x.reshape(-1, x.shape[-1])
-    blocks, _ = cpu_gemm.row_blocks(x2.float())
-    M = x2.shape[0]
-    outs = []
-    for w in ws:
-        b = _fp32_weight(w)
-        o = cpu_gemm.gemm_blocks(blocks, b).view(-1, b.shape[1])[:M, :w.shape[0]].to(x.dtype)
-        outs.append(o.reshape(*x.shape[:-1], w.shape[0]))
-    return outs
+    from skyrl_numerics.kernels import cpu_gemm_bf16
+
+    x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1]).float()
+    return [cpu_gemm_bf16.linear_f32(x2, w).to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+            for w in ws]
 
 
 def head_matmuls(x: torch.Tensor, mats) -> torch.Tensor:
     """``stack([x[:, h] @ mats[h] for h in heads], 1)`` — one matmul per head (MLA's absorbed
     ``W_UK`` / ``W_UV``), ``x [T, H, K]``, ``mats`` a list of ``[K, N]`` -> ``[T, H, N]`` in
     ``x.dtype``. Each product is :func:`skyrl_numerics.kernels.matmul`'s; on the no-grad CPU
-    path all heads run in one GEMM call per row block against the heads' fp32 operands,
-    prepared once per weight change (:func:`_head_stack`): the same blocks against the same
-    prepared matrices, so the same bits (tested against the per-head loop)."""
+    path each head's ``mats[h].T`` is made K-contiguous once per weight change
+    (:func:`_head_weights`, bfloat16: the bf16 GEMM's operand) — the same products, so the
+    same bits (tested against the per-head loop)."""
     T, H, K = x.shape
-    if not (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
-            and all(m.dtype == x.dtype for m in mats)
-            and not (torch.is_grad_enabled() and (x.requires_grad or any(m.requires_grad for m in mats)))):
+    if not _no_grad_bf16(x, mats):
         return torch.stack([inv_matmul(x[:, h].contiguous(), mats[h]) for h in range(H)], dim=1)
-    from skyrl_numerics.kernels import cpu_gemm
+    from skyrl_numerics.kernels import cpu_gemm_bf16
 
-    N = mats[0].shape[1]
-    stack = _head_stack(mats)                                         # [H, K, Np]
-    blocks, nb = cpu_gemm.row_blocks(x.transpose(0, 1).float())           # [H·nb, RB, K]
-    by = blocks.view(H, nb, blocks.shape[1], K)
-    out = torch.empty((H, nb, blocks.shape[1], stack.shape[2]))
-    for j in range(nb):           # one call per row block: each head's GEMM sees its own matrix
-        out[:, j] = cpu_gemm.gemm_blocks(by[:, j], stack)
-    out = out.view(H, -1, stack.shape[2])[:, :T, :N]
-    return out.to(x.dtype).transpose(0, 1)
+    wt = _head_weights(mats)                                          # H x [N, K]
+    out = torch.stack([cpu_gemm_bf16.linear_f32(x[:, h], wt[h]) for h in range(H)], dim=1)
+    return out.to(x.dtype)
 
 
-def _head_stack(mats) -> torch.Tensor:
-    """``[prepare_b(m.float()) for m in mats]`` stacked, cached on the first matrix's base
-    tensor (the per-head matrices are usually views of one weight) and rebuilt when any of
-    their tensors' versions changes (an in-place update)."""
-    from skyrl_numerics.kernels import cpu
-
+def _head_weights(mats):
+    """``[m.T for m in mats]`` with unit stride along K: the views themselves when they have it
+    (MLA's ``W_UV``), else a bfloat16 ``[H, N, K]`` copy (``W_UK``, a few MB), cached on the
+    first matrix's base tensor (the per-head matrices are usually views of one weight) and
+    rebuilt when any of their tensors' versions changes (an in-place update)."""
+    if all(m.t().stride(1) == 1 for m in mats):
+        return [m.t() for m in mats]
     bases = [m._base if m._base is not None else m for m in mats]
     base = bases[0]
     key = (tuple(b._version for b in bases),
            tuple((m.data_ptr(), tuple(m.shape), tuple(m.stride())) for m in mats))
-    cache = getattr(base, "_skyrl_head_stacks", None)
+    cache = getattr(base, "_skyrl_head_weights", None)
     if cache is None:
-        cache = base._skyrl_head_stacks = {}
+        cache = base._skyrl_head_weights = {}
     hit = cache.get(key[1])
     if hit is None or hit[0] != key[0]:
-        hit = cache[key[1]] = (key[0], torch.stack([cpu.prepare_b(m.detach().float()) for m in mats]))
+        hit = cache[key[1]] = (key[0], torch.stack([m.detach().t() for m in mats]).contiguous())
     return hit[1]
 
 
@@ -321,13 +297,13 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
     ``expert(e) -> (w_gate, w_up, w_down)``. Weights are cast to ``x.dtype`` before the products
     (as the fused MoE kernels do); each token's result uses only its own rows.
 
-    On CPU without autograd (the engine, and the trainer's no-grad logprobs) with
-    ``num_experts`` given, the experts run grouped (:func:`_grouped_expert_rows`): two GEMM calls
-    per layer instead of three per active expert. The bits are the per-expert loop's: every
-    GEMM of ``kernels.cpu`` is a row block of fixed shape on one thread, so which blocks share a
-    call does not change any result (tested against the loop)."""
+    On CPU without autograd (the engine, and the trainer's no-grad logprobs) in bfloat16 with
+    ``num_experts`` given, the experts run grouped (:func:`_grouped_expert_rows`): three GEMM
+    calls per layer instead of three per active expert. The bits are the per-expert loop's: a
+    bf16 GEMM output depends only on its row and its weight, so which rows share a call does
+    not change any result (tested against the loop)."""
     T, k = ids.shape
-    if (num_experts is not None and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+    if (num_experts is not None and x.device.type == "cpu" and x.dtype == torch.bfloat16
             and not (torch.is_grad_enabled() and x.requires_grad)):
         first = expert(0)[0]
         if not (torch.is_grad_enabled() and first.requires_grad):
@@ -348,66 +324,18 @@ def _looped_expert_rows(x, ids, expert) -> torch.Tensor:
     return out
 
 
-GROUPED_COPY_BYTES = 64 << 20   # above this, weights are not gathered per block (loop per expert)
-GATHER_MATRIX_BYTES = 128 << 10  # above this per matrix, neither: one call per expert is faster than
-                                 # copying its weight once per block (measured: 32 KB 4x faster
-                                 # gathered, 128 KB even, 1 MB 4x slower)
-
-
-def _expert_stacks(expert, E: int):
-    """Every expert's prepared fp32 ``W^T`` stacked: ``gate_up [2E, H, Ip]`` (gates, then ups)
-    and ``down [E, I, Hp]``, cached on expert 0's gate weight with all 3E tensor versions; each
-    weight's own fp32 cache becomes a view into the stack (no second copy)."""
-    from skyrl_numerics.kernels import cpu
-
-    ws = [expert(e) for e in range(E)]
-    key = tuple(t._version for trio in ws for t in trio) + tuple(id(t) for t in ws[0])
-    hit = getattr(ws[0][0], "_skyrl_expert_stack", None)
-    if hit is not None and hit[0] == key:
-        return hit[1], hit[2]
-    gu = torch.stack([cpu.prepare_b(t.detach().float().t()) for t in
-                      [trio[0] for trio in ws] + [trio[1] for trio in ws]])
-    dn = torch.stack([cpu.prepare_b(trio[2].detach().float().t()) for trio in ws])
-    for e, (g, u, d) in enumerate(ws):
-        g._skyrl_fp32, u._skyrl_fp32 = (g._version, gu[e]), (u._version, gu[E + e])
-        d._skyrl_fp32 = (d._version, dn[e])
-    ws[0][0]._skyrl_expert_stack = (key, gu, dn)
-    return gu, dn
-
-
-def _expert_gemm(a: torch.Tensor, stack: torch.Tensor, blk_index: torch.Tensor, nblk: list[int]):
-    """Row blocks ``a [n, RB, K]`` (grouped by weight, ``nblk[j]`` blocks for ``stack[j]``) times
-    their weights: small weights gathered per block into one call; otherwise (a weight above
-    ``GATHER_MATRIX_BYTES``, or a gather above ``GROUPED_COPY_BYTES``) one call per weight in
-    use, reading it in place. Same bits either way (fixed blocks)."""
-    from skyrl_numerics.kernels import cpu_gemm
-
-    mat = stack.shape[1] * stack.shape[2] * 4
-    if mat <= GATHER_MATRIX_BYTES and a.shape[0] * mat <= GROUPED_COPY_BYTES:
-        return cpu_gemm.gemm_blocks(a, stack, blk_index)
-    out = torch.empty(a.shape[0], a.shape[1], stack.shape[2])
-    lo = 0
-    for j, c in enumerate(nblk):
-        if c:
-            cpu_gemm.gemm_blocks(a[lo:lo + c], stack[j], out=out[lo:lo + c])
-            lo += c
-    return out
-
-
 def _grouped_expert_rows(x, ids, expert, E: int, weights=None) -> torch.Tensor:
     """The rows of :func:`_looped_expert_rows`, all experts at once: the (token, slot) pairs are
-    sorted by expert (stable), each expert's rows padded to whole ``ROW_BLOCK`` blocks, and every
-    block runs against its expert's weight — gate and up in one call, down in a second. When
-    every expert fits one block and at least 3/4 of them are in use (a decode step of a small
-    MoE), each expert gets block ``e`` (a zero block when unused: computed, never read) and
-    the weight stacks are used in place instead of gathered per block; a block's GEMM is the
-    same either way, so are its bits (tested against the loop).
+    sorted by expert (stable) and each projection (gate, up, down) is one grouped call of the
+    bf16 GEMM (:func:`skyrl_numerics.kernels.cpu_gemm_bf16.grouped_f32`), every expert's rows
+    against its own weight as stored. Each output row is the per-expert loop's (the GEMM's bits
+    depend only on the row and the weight: tested against the loop).
 
     With ``weights``: :func:`routed_experts`' weighted sum ``[T, H]`` instead of the rows. The
-    rows' gather into blocks and the slot-order sum are :mod:`skyrl_numerics.kernels.cpu_moe`'s
-    (C, ``kernels/csrc/moe_rows.c``, for bf16 when built, else their torch specification: the
-    same bits, tested)."""
-    from skyrl_numerics.kernels import cpu, cpu_gemm, cpu_moe
+    rows' gather and the slot-order sum are :mod:`skyrl_numerics.kernels.cpu_moe`'s (C,
+    ``kernels/csrc/moe_rows.c``, for bf16 when built, else their torch specification: the same
+    bits, tested)."""
+    from skyrl_numerics.kernels import cpu_gemm_bf16, cpu_moe
 
     import numpy as np
 
@@ -415,41 +343,23 @@ def _grouped_expert_rows(x, ids, expert, E: int, weights=None) -> torch.Tensor:
     H = x.shape[-1]
     if T == 0:
         return torch.zeros(0, k, H, dtype=x.dtype) if weights is None else torch.zeros(0, H, dtype=x.dtype)
-    RB = cpu.ROW_BLOCK
     # the bookkeeping is integer arithmetic on a few hundred ids: numpy, not dozens of tiny
     # torch calls (stable argsort: the same order torch's stable sort gives)
     flat = ids.reshape(-1).numpy()
     order = np.argsort(flat, kind="stable")
-    e_sorted = flat[order]
     counts = np.bincount(flat, minlength=E)
-    nblk = (counts + RB - 1) // RB                                   # blocks per expert
-    gu, dn = _expert_stacks(expert, E)
-    # every expert in one block, (nearly) all in use, small weights: give each expert its
-    # block, an unused one a zero block, and run the stacks as they are (no weight gather)
-    dense = (int(nblk.max()) == 1 and 4 * int((counts > 0).sum()) >= 3 * E
-             and gu.shape[1] * gu.shape[2] * 4 <= GATHER_MATRIX_BYTES)
-    if dense:
-        nblk = np.ones(E, dtype=nblk.dtype)
-    first_blk = np.cumsum(nblk) - nblk
-    starts = np.cumsum(counts) - counts
-    dest = (first_blk[e_sorted] * RB + np.arange(flat.size) - starts[e_sorted]).astype(np.int64)
-    n = int(nblk.sum())
-    blk_expert = np.repeat(np.arange(E), nblk)                       # [n]
-    I = expert(0)[0].shape[0]
-    # both copies (gate, up) of the zero-padded blocks in one pass
-    a2 = cpu_moe.gather_rows(x, order // k, dest, n * RB, copies=2).view(2 * n, RB, H)
-    counts_blk = nblk.tolist()
-    if dense:
-        g, u = cpu_gemm.gemm_blocks(a2, gu).split(n)
-    else:
-        g, u = _expert_gemm(a2, gu, torch.from_numpy(np.concatenate([blk_expert, blk_expert + E])),
-                            counts_blk + counts_blk).split(n)
-    h = (silu(g[..., :I].to(x.dtype)) * u[..., :I].to(x.dtype)).float()
-    y = (cpu_gemm.gemm_blocks(h.contiguous(), dn) if dense else
-         _expert_gemm(h.contiguous(), dn, torch.from_numpy(blk_expert), counts_blk))
-    y = y.view(n * RB, -1)
+    if counts.size > E:
+        raise ValueError(f"expert id {int(flat.max())} >= num_experts {E}")
+    off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    trios = [expert(e) if counts[e] else None for e in range(E)]
+    rows = np.arange(flat.size, dtype=np.int64)
+    a = cpu_moe.gather_rows(x, order // k, rows, flat.size)[0]          # fp32, sorted by expert
+    g = cpu_gemm_bf16.grouped_f32(a, [t and t[0] for t in trios], off)
+    u = cpu_gemm_bf16.grouped_f32(a, [t and t[1] for t in trios], off)
+    h = (silu(g.to(x.dtype)) * u.to(x.dtype)).float()
+    y = cpu_gemm_bf16.grouped_f32(h, [t and t[2] for t in trios], off)
     rowmap = np.empty(flat.size, dtype=np.int64)
-    rowmap[order] = dest                              # the block row of pair (t, s) = t k + s
+    rowmap[order] = rows                              # the sorted row of pair (t, s) = t k + s
     if weights is None:
         return cpu_moe.slot_rows(y, rowmap, T, k, H, x.dtype)
     return cpu_moe.combine(y, rowmap, weights, H, x.dtype)

@@ -79,11 +79,12 @@ def sequence_logprobs(model: InvariantCausalLM, rollout: Rollout, *, batch_size:
     if temperature is None:
         temperature = float(rollout.sampling.get("temperature", 1.0) or 1.0)
     mask = support_mask(model, rollout) if use_support else None
-    pieces, ents = [None] * len(rollout), [None] * len(rollout)
-    for i, logp, tok, _off, _n in response_logps(model, rollout, batch_size, temperature, mask):
-        pieces[i] = tok
-        ents[i] = entropy_of(logp.detach())
-    return torch.cat(pieces), torch.cat(ents)
+    pieces: list[list] = [[] for _ in range(len(rollout))]
+    ents: list[list] = [[] for _ in range(len(rollout))]
+    for i, logp, tok, _off, _n, _lo in response_logps(model, rollout, batch_size, temperature, mask):
+        pieces[i].append(tok)
+        ents[i].append(entropy_of(logp.detach()))
+    return torch.cat([t for p in pieces for t in p]), torch.cat([t for e in ents for t in e])
 
 
 def _advantages(rollout: Rollout, rewards) -> torch.Tensor:

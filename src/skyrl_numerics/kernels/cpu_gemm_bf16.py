@@ -1,0 +1,147 @@
+"""Batch-invariant GEMMs against bfloat16 weights on CPU: the weights are read as stored (no
+float32 copy), widened in registers, and every output is one fixed-order dot product.
+
+    out[m, n] = dot8(float32(x[m, :]), float32(w[n, :]))            w: bfloat16 [N, K]
+
+    dot8(a, b): lane c (0..7) adds a[8u + c] * b[8u + c] over u = 0, 1, ... in order from +0
+                (a tail shorter than 8 fills the first lanes); the lanes are then folded
+                ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+
+Every product and sum is one IEEE binary32 operation (no FMA), so an output's bits depend only on
+its own row of ``x`` and of ``w``: not on the number of rows, on which rows share a call, on the
+thread, on the vector width or on the CPU (an AVX2 host and an AVX-512 host give the same bits:
+tested under every ISA the host emulates). bfloat16 -> float32 is exact, so ``x`` in bfloat16
+is the same as its float32 widening. The result is rounded once to the output dtype.
+
+This is the spec of every bfloat16 GEMM the invariant CPU path runs with a weight: the
+``linear`` layers, the experts and the LM head of the invariant families, and ``matmul`` with
+two bfloat16 operands (the trainer's autograd forward), on the engine and the trainer side alike.
+float32/float16 GEMMs and the attention products keep :mod:`.cpu_gemm`'s MKL row blocks.
+
+The kernel is ``csrc/gemm_bf16.c`` (tiles of up to 4 rows x 3 columns sharing each loaded
+vector, column panels of 48); :func:`linear_spec` is its torch specification (the fallback
+without a C compiler: the same bits, slower). Calls split their columns over :mod:`.pool`
+(each output is computed whole by one thread, so the split changes no bit).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .fixed_order import lib
+from .pool import parallel
+
+_SPEC_CHUNK = 1 << 22   # floats of lane accumulators the spec holds at once
+
+
+def _weight(w: torch.Tensor) -> torch.Tensor:
+    """``w [N, K]`` bfloat16 with unit stride along K (a bfloat16 copy only when it is not)."""
+    if w.dtype != torch.bfloat16:
+        raise TypeError(f"weight dtype {w.dtype}: the bf16 GEMM takes bfloat16 weights")
+    if w.dim() != 2:
+        raise ValueError(f"weight of shape {tuple(w.shape)}: expected [N, K]")
+    if w.stride(1) != 1 or (w.shape[0] > 1 and w.stride(0) < w.shape[1]):
+        w = w.contiguous()
+    return w
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` as float32 rows with unit stride (bfloat16 widened: exact)."""
+    if x.dtype != torch.float32 or x.stride(-1) != 1:
+        x = x.float().contiguous()
+    return x
+
+
+def linear_spec(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """:func:`linear`'s float32 result with torch ops (the module doc's formula, op for op)."""
+    x, wf = _rows(x), w.float()
+    M, K = x.shape
+    N = wf.shape[0]
+    k8 = K - K % 8
+    out = torch.empty(M, N)
+    step = max(1, _SPEC_CHUNK // max(1, 8 * M))
+    for lo in range(0, N, step):
+        wc = wf[lo:lo + step]
+        acc = torch.zeros(M, wc.shape[0], 8)
+        for u in range(0, k8, 8):
+            acc = acc + x[:, None, u:u + 8] * wc[None, :, u:u + 8]
+        for c in range(K - k8):
+            acc[..., c] = acc[..., c] + x[:, None, k8 + c] * wc[None, :, k8 + c]
+        h = acc[..., :4] + acc[..., 4:]
+        q = h[..., :2] + h[..., 2:]
+        out[:, lo:lo + wc.shape[0]] = q[..., 0] + q[..., 1]
+    return out
+
+
+def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ w[N, K].T`` as float32 ``[M, N]`` (module doc); ``w`` bfloat16."""
+    w = _weight(w)
+    M, K = x.shape
+    N = w.shape[0]
+    if w.shape[1] != K:
+        raise ValueError(f"x has K = {K}, weight {tuple(w.shape)}")
+    L = lib()
+    if L is None:
+        return linear_spec(x, w)
+    x = _rows(x)
+    out = torch.empty(M, N)
+    if M == 0 or N == 0:
+        return out.zero_()
+
+    def run(lo: int, hi: int) -> None:
+        rc = L.skyrl_gemm_bf16(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0),
+                               out.data_ptr(), N, M, K, lo, hi)
+        if rc != 0:
+            raise RuntimeError(f"skyrl_gemm_bf16 failed (rc {rc})")
+
+    parallel(run, N, M * N * K)
+    return out
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x (..., K) @ w.T (+ bias)`` in ``out_dtype`` (default ``x.dtype``): the float32 result
+    of :func:`linear_f32`, plus ``float32(bias)``, rounded once."""
+    lead = x.shape[:-1]
+    out = linear_f32(x.reshape(lead.numel(), x.shape[-1]), w)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype or x.dtype).reshape(*lead, w.shape[0])
+
+
+def grouped_f32(x: torch.Tensor, ws, row_off) -> torch.Tensor:
+    """Rows ``row_off[g] .. row_off[g + 1]`` of ``x [R, K]`` times ``ws[g]`` (bfloat16 ``[N, K]``,
+    one per group: an MoE layer's experts) -> float32 ``[R, N]``; each row is :func:`linear_f32`'s
+    of its group (the same bits as one call per group, in one C call)."""
+    offs = np.ascontiguousarray(row_off, dtype=np.int64)
+    if offs.ndim != 1 or offs.size < 1 or np.any(np.diff(offs) < 0) or offs[0] != 0:
+        raise ValueError(f"row_off {offs.tolist()}: expected non-decreasing offsets from 0")
+    G = offs.size - 1
+    R, K = x.shape
+    used = [g for g in range(G) if offs[g + 1] > offs[g]]
+    if not used:
+        return torch.zeros(R, ws[0].shape[0] if G else 0)
+    wl = [_weight(ws[g]) for g in used]
+    N, ld = wl[0].shape[0], wl[0].stride(0)
+    if wl[0].shape[1] != K:
+        raise ValueError(f"x has K = {K}, expert weights {tuple(wl[0].shape)}")
+    L = lib()
+    if L is None or any(w.shape != wl[0].shape or w.stride(0) != ld for w in wl):
+        out = torch.zeros(R, N)
+        for g, w in zip(used, wl):
+            out[offs[g]:offs[g + 1]] = linear_f32(x[offs[g]:offs[g + 1]], w)
+        return out
+    x = _rows(x)
+    out = torch.zeros(R, N)
+    ptrs = np.array([w.data_ptr() for w in wl], dtype=np.uint64)
+    # groups without rows drop out; the others' rows stay contiguous and in order
+    goff = np.array([offs[g] for g in used] + [offs[used[-1] + 1]], dtype=np.int64)
+
+    def run(lo: int, hi: int) -> None:
+        rc = L.skyrl_gemm_bf16_grouped(x.data_ptr(), x.stride(0), ptrs.ctypes.data, ld,
+                                       goff.ctypes.data, len(used), out.data_ptr(), N, K, lo, hi)
+        if rc != 0:
+            raise RuntimeError(f"skyrl_gemm_bf16_grouped failed (rc {rc})")
+
+    parallel(run, N, (int(goff[-1]) - int(goff[0])) * N * K)
+    return out

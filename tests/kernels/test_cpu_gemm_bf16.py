@@ -1,0 +1,165 @@
+"""The bf16-weight GEMM (``kernels/csrc/gemm_bf16.c``, :mod:`skyrl_numerics.kernels.cpu_gemm_bf16`):
+the C kernel is its torch specification bit for bit; an output depends only on its own row and
+weight row (any M, any column split, any group layout); a baseline build gives the same bits;
+and the numbers are a float32 dot product (checked against numpy's float64 product with the
+standard error bound, and against ml_dtypes' bfloat16 for the widening)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from skyrl_numerics.kernels import cpu_gemm_bf16 as gb
+from skyrl_numerics.kernels import native
+
+pytestmark = pytest.mark.isa
+
+needs_lib = pytest.mark.skipif(native.lib() is None,
+                               reason=f"compiled kernels unavailable: {native.unavailable_reason()}")
+
+
+def _data(seed, M, K, N, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, K, generator=g) * scale).bfloat16()
+    w = (torch.randn(N, K, generator=g) * scale).bfloat16()
+    return x, w
+
+
+def _bits(t):
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
+
+
+@needs_lib
+@settings(max_examples=60, deadline=None)
+@given(M=st.integers(0, 13), K=st.integers(0, 140), N=st.integers(0, 110), seed=st.integers(0, 2**16))
+def test_c_kernel_is_its_torch_spec(M, K, N, seed):
+    x, w = _data(seed, M, K, N)
+    assert torch.equal(_bits(gb.linear_f32(x, w)), _bits(gb.linear_spec(x, w)))
+
+
+@needs_lib
+@settings(max_examples=25, deadline=None)
+@given(M=st.integers(1, 40), K=st.sampled_from([7, 64, 200, 768]), N=st.sampled_from([1, 5, 48, 97, 300]),
+       seed=st.integers(0, 2**16), threads=st.sampled_from([1, 2]))
+def test_a_row_is_the_same_in_any_batch_and_any_split(M, K, N, seed, threads):
+    """Every row of an M-row call equals that row alone, any sub-batch, and the call on one
+    thread or split over two (the column split of :mod:`.pool`)."""
+    x, w = _data(seed, M, K, N)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        full = gb.linear_f32(x, w)
+    finally:
+        torch.set_num_threads(before)
+    for m in range(M):
+        assert torch.equal(_bits(gb.linear_f32(x[m:m + 1], w)), _bits(full[m:m + 1]))
+    lo = M // 3
+    assert torch.equal(_bits(gb.linear_f32(x[lo:], w)), _bits(full[lo:]))
+    # columns: a weight's rows alone give the same outputs
+    assert torch.equal(_bits(gb.linear_f32(x, w[N // 2:])), _bits(full[:, N // 2:]))
+
+
+@settings(max_examples=25, deadline=None)
+@given(counts=st.lists(st.integers(0, 9), min_size=1, max_size=7), K=st.sampled_from([16, 40, 96]),
+       N=st.sampled_from([8, 24, 50]), seed=st.integers(0, 2**16), native_on=st.booleans())
+def test_grouped_rows_are_each_groups_own_call(counts, K, N, seed, native_on):
+    """Experts: rows of group g times ws[g] in one call equal one call per group (empty groups,
+    first and last included; with the C kernel and with its spec)."""
+    if native_on and native.lib() is None:
+        pytest.skip(f"compiled kernels unavailable: {native.unavailable_reason()}")
+    g = torch.Generator().manual_seed(seed)
+    off = np.concatenate([[0], np.cumsum(counts)])
+    R = int(off[-1])
+    x = torch.randn(R, K, generator=g).bfloat16().float()
+    ws = [torch.randn(N, K, generator=g).bfloat16() for _ in counts]
+    with pytest.MonkeyPatch.context() as mp:
+        if not native_on:
+            mp.setattr(gb, "lib", lambda: None)
+        got = gb.grouped_f32(x, ws, off)
+    assert got.shape == (R, N)
+    for i in range(len(counts)):
+        want = gb.linear_spec(x[off[i]:off[i + 1]], ws[i])
+        assert torch.equal(_bits(got[off[i]:off[i + 1]]), _bits(want))
+
+
+def test_grouped_refuses_bad_offsets():
+    x = torch.zeros(4, 8)
+    ws = [torch.zeros(3, 8, dtype=torch.bfloat16)] * 2
+    with pytest.raises(ValueError, match="non-decreasing"):
+        gb.grouped_f32(x, ws, [0, 3, 2])
+    with pytest.raises(ValueError, match="K = 8"):
+        gb.grouped_f32(x, [torch.zeros(3, 9, dtype=torch.bfloat16)] * 2, [0, 2, 4])
+
+
+def test_weight_must_be_bf16_and_match_k():
+    with pytest.raises(TypeError, match="bfloat16"):
+        gb.linear_f32(torch.zeros(2, 8), torch.zeros(3, 8))
+    with pytest.raises(ValueError, match="K = 8"):
+        gb.linear_f32(torch.zeros(2, 8), torch.zeros(3, 9, dtype=torch.bfloat16))
+
+
+@needs_lib
+def test_strided_operands_give_the_contiguous_bits():
+    """A weight view with unit stride along K is read in place; other layouts are copied in
+    bf16 first: the same bits either way."""
+    x, w = _data(5, 9, 72, 40)
+    wide = torch.zeros(40, 100, dtype=torch.bfloat16)
+    wide[:, 10:82] = w
+    tr = w.t().contiguous().t()                      # [N, K] with stride (1, N)
+    want = gb.linear_f32(x, w)
+    assert torch.equal(_bits(gb.linear_f32(x, wide[:, 10:82])), _bits(want))
+    assert torch.equal(_bits(gb.linear_f32(x, tr)), _bits(want))
+    assert torch.equal(_bits(gb.linear_f32(x.t().contiguous().t(), w)), _bits(want))
+
+
+def test_close_to_the_exact_product():
+    """The float32 result is within the standard dot-product bound of numpy's float64 product
+    of the same bfloat16 values (widened by ml_dtypes): |err| <= 1.01 K u sum |x w|."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    x, w = _data(3, 6, 1000, 33, scale=3.0)
+    xs = x.view(torch.int16).numpy().view(ml_dtypes.bfloat16).astype(np.float64)
+    wsn = w.view(torch.int16).numpy().view(ml_dtypes.bfloat16).astype(np.float64)
+    exact = xs @ wsn.T
+    got = gb.linear_f32(x, w).numpy().astype(np.float64)
+    bound = 1.01 * 1000 * 2.0 ** -24 * (np.abs(xs) @ np.abs(wsn).T)
+    assert np.all(np.abs(got - exact) <= bound)
+
+
+@needs_lib
+def test_special_values_follow_ieee():
+    """inf and NaN in x or w propagate as IEEE float32 products and sums do (the spec's ops)."""
+    x, w = _data(1, 3, 24, 5)
+    x[0, 3] = float("inf")
+    x[1, 0] = float("nan")
+    w[2, 7] = float("-inf")
+    got, want = gb.linear_f32(x, w), gb.linear_spec(x, w)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    fin = ~torch.isnan(want)
+    assert torch.equal(got[fin], want[fin])
+    assert torch.isinf(got[0]).any() and torch.isnan(got[1]).all()
+
+
+@needs_lib
+def test_a_baseline_build_gives_the_same_bits(tmp_path, monkeypatch):
+    """-O2 without -march=native (other vector instructions, other unrolling) changes no bit."""
+    monkeypatch.setenv("SKYRL_NUMERICS_CACHE_DIR", str(tmp_path))
+    base = native.load(native.build(native.BASE_FLAGS))
+    cases = [_data(s, M, K, N) for s, (M, K, N) in enumerate([(1, 2048, 97), (5, 131, 64), (17, 768, 50)])]
+    want = [gb.linear_f32(x, w) for x, w in cases]
+    monkeypatch.setattr(native, "_LIB", base)
+    for (x, w), ref in zip(cases, want):
+        assert torch.equal(_bits(gb.linear_f32(x, w)), _bits(ref))
+
+
+def test_matmul_routes_bf16_through_it():
+    """``kernels.matmul`` with two bfloat16 operands (the trainer's autograd forward) is the
+    bf16 GEMM of ``b.T``, rounded once; with a bias, the float32 bias is added first."""
+    from skyrl_numerics.kernels import matmul
+
+    x, w = _data(9, 7, 64, 30)
+    bias = torch.randn(30).bfloat16()
+    assert torch.equal(_bits(matmul(x, w.t())), _bits(gb.linear_spec(x, w).bfloat16()))
+    assert torch.equal(_bits(matmul(x, w.t(), bias)),
+                       _bits((gb.linear_spec(x, w) + bias.float()).bfloat16()))
