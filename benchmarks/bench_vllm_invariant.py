@@ -12,7 +12,9 @@ whose logprobs equal the trainer's bitwise for each engine.
     .venv/bin/python benchmarks/bench_vllm_invariant.py [--family qwen3_moe|deepseek_v3]
         [--kv-cache auto,fp8[,fp8_ds_mla]] [--prompts 16] [--max-tokens 64]
         [--config '{"hidden_size": 1024, ...}']   # overrides of the tiny config (a larger model)
-        [--forward-times]
+        [--forward-times] [--engine-args '{"kv_cache_memory_bytes": 1073741824}']
+        [--peak-rss]   # each engine's peak RSS (its worker process), from /proc
+        [--real-dims]  # the real-dims checkpoint of benchmarks/real_dims.py (issue 26)
 
 One invariant engine per ``--kv-cache`` format (the trainer simulates the same format).
 
@@ -43,11 +45,17 @@ def main() -> None:
                     help="JSON object of config overrides for the family's tiny model")
     ap.add_argument("--forward-times", action="store_true",
                     help="also time the model forward per decode step inside each worker")
+    ap.add_argument("--real-dims", action="store_true",
+                    help="the family's real-dims checkpoint (benchmarks/real_dims.py) instead of the tiny one")
+    ap.add_argument("--engine-args", default="{}",
+                    help="JSON object of extra engine arguments for every engine (both kinds)")
+    ap.add_argument("--peak-rss", action="store_true",
+                    help="report each engine's worker peak RSS (VmHWM) in GiB")
     args = ap.parse_args()
-    if args.forward_times:
+    if args.forward_times or args.peak_rss:
         import os
 
-        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"   # (to send _install_timer)
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"   # (to send _install_timer, _peak_rss)
 
     import numpy as np
 
@@ -57,7 +65,12 @@ def main() -> None:
     from skyrl_numerics.trainer.invariant import from_checkpoint
     from skyrl_numerics.trainer.invariant.base import invariant_trainer_logprobs
 
-    model_dir = build_tiny_model(args.family, **json.loads(args.config))
+    if args.real_dims:
+        from real_dims import CONFIGS     # (benchmarks/real_dims.py, beside this script)
+
+        model_dir = build_tiny_model(args.family, **CONFIGS[args.family], **json.loads(args.config))
+    else:
+        model_dir = build_tiny_model(args.family, **json.loads(args.config))
     prompts = make_prompts(args.prompts, args.prompt_len, 512, seed=0)
     results = {}
     variants = [("stock", {})] + [
@@ -65,7 +78,7 @@ def main() -> None:
         for kv in args.kv_cache.split(",")]
     gens = {}
     for name, kw in variants:
-        gens[name] = VLLMGenerator(model_dir, **kw)
+        gens[name] = VLLMGenerator(model_dir, **kw, **json.loads(args.engine_args))
         gens[name].generate([[2, 3]], max_tokens=2)
         if args.forward_times:
             gens[name].llm.collective_rpc(_install_timer, args=(args.prompts,))
@@ -87,6 +100,8 @@ def main() -> None:
         results[name] = {"tokens_per_s": max(rates[name]), "tokens_per_s_rounds": rates[name],
                          "frac_bitwise_equal": float(np.mean(lp == ro.rollout_logprobs)),
                          "mean_abs_gap": float(np.mean(np.abs(lp - ro.rollout_logprobs)))}
+        if args.peak_rss:
+            results[name]["worker_peak_rss_gib"] = gens[name].llm.collective_rpc(_peak_rss)[0]
         if args.forward_times:
             results[name]["worker_ms"] = _timing_summary(
                 gens[name].llm.collective_rpc(_fetch_timer)[0], args.prompts)
@@ -119,6 +134,15 @@ def _install_timer(worker, tokens: int) -> int:
         return out
     model.forward = timed
     return 0
+
+
+def _peak_rss(worker) -> float:
+    """(In the worker.) This process's peak resident set (VmHWM), GiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    return float("nan")
 
 
 def _fetch_timer(worker) -> list:
