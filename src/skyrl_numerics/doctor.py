@@ -16,6 +16,8 @@ from typing import Callable
 import numpy as np
 
 from skyrl_numerics.doctor_engines import _EngineStarts, _room_for_engine, _ServedInPlace  # noqa: F401
+from skyrl_numerics.doctor_engines import engine_kinds as _kinds, engine_plan, prefetch_enabled
+from skyrl_numerics.engine_memory import make_room_for, plan_for_doctor, release_engines
 from skyrl_numerics.rollout import Rollout
 
 FULL = dict(temperature=1.0, top_p=1.0, top_k=0)
@@ -82,6 +84,7 @@ class DoctorContext:
     _models: dict = field(default_factory=dict)
     info: object = None          # model_check.CheckpointInfo of model_dir
     dtype: str | None = None     # trainer dtype for rows asking for None (--dtype; else stored)
+    memory: object = None        # engine_memory.MemoryPlan of the run (trainer copies freed by it)
 
     def hf_model(self, dtype: str | None = None, qat: str | None = None):
         """The HF trainer model, loaded once per (dtype, QAT recipe). ``qat``: experts wrapped
@@ -91,6 +94,7 @@ class DoctorContext:
         if key not in self._models:
             from skyrl_numerics.models import load_hf_model
 
+            make_room_for(self, key)
             model = load_hf_model(self.model_dir, dtype=dtype)
             if qat is not None:
                 from skyrl_numerics.quant import apply_qat
@@ -127,6 +131,7 @@ def _plain_trainer(dtype: str | None, qat: str | None = None, **kw):
 
         return trainer_logprobs(ctx.hf_model(dtype, qat), rollout, **kw).logprobs
     compute.uses_routes = bool(kw.get("use_routes"))
+    compute.trainer = ("hf", dtype, qat)      # the copy it loads (engine_memory.trainer_key)
     return compute
 
 
@@ -165,6 +170,7 @@ def _invariant_trainer(kv_cache: str | None = None):
 
         key = ("invariant", kv_cache)
         if key not in ctx._models:
+            make_room_for(ctx, key)
             ctx._models[key] = from_checkpoint(ctx.model_dir, kv_cache=kv_cache)
         return invariant_trainer_logprobs(ctx._models[key], rollout).logprobs
 
@@ -173,7 +179,7 @@ def _invariant_trainer(kv_cache: str | None = None):
         from skyrl_numerics.trainer.invariant.base import invariant_topk
 
         return invariant_topk(ctx._models[("invariant", kv_cache)], rollout)
-    compute.distribution = distribution
+    compute.distribution, compute.trainer = distribution, ("invariant", kv_cache)
     return compute
 
 
@@ -497,34 +503,19 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
     if check is not None:  # before skip_reason, which may load the HF model
         prompts = check(ckpt, selected) or prompts
     skipped = {r.name: skip_reason(r, ctx) for r in selected}
+    mem = plan_for_doctor(ctx, selected, skipped, ekw, prompts=prompts, n_prompts=n_prompts,
+                          prompt_len=prompt_len, max_tokens=max_tokens, progress=progress)
+    user_ekw, ekw = ekw, {**ekw, **mem.settings}   # engine settings derived from the checkpoint
     scenarios = list(dict.fromkeys(r.scenario for r in selected if skipped[r.name] is None))
     failed: dict[str, str] = {}
     no_routes = None   # why the engine could not capture routes (R3 rows are then skipped)
     log = logging.getLogger("skyrl_numerics.doctor")
     rollouts = {}
-    import os
-
-    def _kinds(spec):
-        in_place = spec.serve is not None and spec.weights_only and not spec.engine
-        own = (spec.serve is not None and not in_place) or "kv_cache" in spec.engine
-        return in_place, own
-
-    plan, own_scenarios = {}, set()
-    for sc in scenarios:
-        spec = SCENARIOS[sc]
-        in_place, own = _kinds(spec)
-        if spec.serve is None and spec.engine and not own:     # a shared engine variant
-            plan[sc] = lambda spec=spec: get_generator(model_dir, **{**ekw, **spec.engine})
-        elif own and spec.serve is None:   # a one-off engine variant, closed once sampled
-            plan[sc] = lambda spec=spec: VLLMGenerator(model_dir, **{**ekw, **spec.engine})
-            own_scenarios.add(sc)
-        elif own:                          # another checkpoint: its own engine, closed once sampled
-            plan[sc] = lambda spec=spec: VLLMGenerator(spec.serve(model_dir), **ekw,
-                                                       capture_routes=True)
-            own_scenarios.add(sc)
-    starts = _EngineStarts(plan, os.environ.get("SKYRL_NUMERICS_DOCTOR_PREFETCH", "1") != "0")
+    plan, own_scenarios = engine_plan(scenarios, SCENARIOS, model_dir, ekw, VLLMGenerator,
+                                      get_generator)
+    starts = _EngineStarts(plan, prefetch_enabled(), alone=mem.alone_scenarios)
     beside_start: dict[str, bool] = {}   # scenario sampled while another engine was starting
-    hosts: list = []   # each engine's own host report (engine_host)
+    hosts, live = [], []   # each engine's own host report (engine_host); the shared engines
     with Progress(disable=not progress, transient=True) as prog:
         task = prog.add_task("starting vLLM engine", total=len(scenarios) + len(selected))
         gen = None
@@ -535,10 +526,13 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
                 prog.update(task, description=f"sampling: {sc}")
                 in_place, own = _kinds(spec)
                 engine = None
+                if sc in mem.alone_scenarios:   # the others closed, trainer copies freed first
+                    base_tensors = release_engines(live, ctx._models)
                 try:
                     if in_place:   # the shared engine, serving the scenario's weights for a while
                         base = get_generator(model_dir, **ekw, capture_routes=ckpt.is_moe and not no_routes)
                         gen = gen or base
+                        live.append(base)
                         served_ip = _ServedInPlace(base, model_dir, spec.serve(model_dir), base_tensors)
                         base_tensors = served_ip.base
                         starts.ahead(scenarios, i, lambda: _room_for_engine(ckpt))
@@ -551,6 +545,7 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
                             rollouts[sc] = engine.generate(sc_prompts, max_tokens=max_tokens,
                                                            seed=seed, **spec.sampling)
                             beside_start[sc] |= starts.busy()
+                        served_ip, base_tensors = None, base_tensors if mem.together else None
                         prog.advance(task)
                         continue
                     if sc in plan:                  # a shared engine variant or an own engine
@@ -578,12 +573,16 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
                 except Exception as e:  # the rows of this scenario show it; the traceback: the log
                     log.exception("doctor: scenario %r failed", sc)
                     failed[sc] = _one_line(e)
+                if not own and engine is not None:
+                    live.append(engine)
                 if own and engine is not None:
                     info = engine.info
                     engine.close()
                 prog.advance(task)
         finally:
             starts.close(own_scenarios)   # a start never used (e.g. after an error)
+        if mem.release_before_scoring:     # the trainer copies need the engines' memory
+            release_engines(live)
         out_rows, scored = score_rows(selected, ctx, rollouts, skipped, failed, no_routes=no_routes,
                                       beside_start=beside_start, advance=lambda name: (
                                           prog.update(task, description=f"trainer: {name}"),
@@ -592,7 +591,8 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
                     prompt_len=None if prompts else prompt_len, prompts="given" if prompts
                     else "seeded random ids", max_tokens=max_tokens, seed=seed,
                     engine_args={k: repr(v) if not isinstance(v, (int, float, str, bool, type(None)))
-                                 else v for k, v in ekw.items()}, trainer_dtype=dtype,
+                                 else v for k, v in user_ekw.items()}, trainer_dtype=dtype,
+                    memory=mem.to_dict(),
                     engines_started_ahead=sorted(starts.ahead_started),
                     scenarios={s: {**SCENARIOS[s].sampling,
                                    "description": SCENARIOS[s].description}

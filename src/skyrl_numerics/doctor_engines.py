@@ -1,11 +1,48 @@
-"""The doctor's engines over a run: one scenario's weights served in place for a while
+"""The doctor's engines over a run: which engine each scenario uses (:func:`engine_kinds`,
+:func:`engine_plan`), one scenario's weights served in place for a while
 (:class:`_ServedInPlace`), the next engine started while the current one samples
-(:class:`_EngineStarts`), and whether memory holds another engine (:func:`_room_for_engine`).
-Used by :func:`skyrl_numerics.doctor.run_doctor` (moved out of ``doctor.py`` verbatim)."""
+(:class:`_EngineStarts`), and whether memory holds another engine (:func:`_room_for_engine`, by
+the arithmetic of :mod:`skyrl_numerics.engine_memory`). Used by
+:func:`skyrl_numerics.doctor.run_doctor`."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Callable
+
+
+def engine_kinds(spec) -> tuple[bool, bool]:
+    """``(in_place, own)`` of a scenario: its weights loaded into the shared engine in place;
+    an engine of its own, closed once sampled."""
+    in_place = spec.serve is not None and spec.weights_only and not spec.engine
+    own = (spec.serve is not None and not in_place) or "kv_cache" in spec.engine
+    return in_place, own
+
+
+def prefetch_enabled() -> bool:
+    """Start engines ahead (``SKYRL_NUMERICS_DOCTOR_PREFETCH=0`` turns it off)."""
+    import os
+
+    return os.environ.get("SKYRL_NUMERICS_DOCTOR_PREFETCH", "1") != "0"
+
+
+def engine_plan(scenarios: list, specs: dict, model_dir, ekw: dict, vllm_generator,
+                get_generator) -> tuple[dict, set]:
+    """``({scenario: build() of the engine it starts}, {scenarios with an own engine})``; the
+    scenarios of the shared stock engine are not in it (the doctor starts that one itself)."""
+    plan, own_scenarios = {}, set()
+    for sc in scenarios:
+        spec = specs[sc]
+        in_place, own = engine_kinds(spec)
+        if spec.serve is None and spec.engine and not own:     # a shared engine variant
+            plan[sc] = lambda spec=spec: get_generator(model_dir, **{**ekw, **spec.engine})
+        elif own and spec.serve is None:   # a one-off engine variant, closed once sampled
+            plan[sc] = lambda spec=spec: vllm_generator(model_dir, **{**ekw, **spec.engine})
+            own_scenarios.add(sc)
+        elif own:                          # another checkpoint: its own engine, closed once sampled
+            plan[sc] = lambda spec=spec: vllm_generator(spec.serve(model_dir), **ekw,
+                                                        capture_routes=True)
+            own_scenarios.add(sc)
+    return plan, own_scenarios
 
 
 class _ServedInPlace:
@@ -56,11 +93,13 @@ class _EngineStarts:
     the machine has memory for one more engine beside those running (:func:`_room_for_engine`);
     ``SKYRL_NUMERICS_DOCTOR_PREFETCH=0`` turns it off. An engine that fails to start fails its
     scenario when that scenario asks for it, as a synchronous start would; engines started but
-    never used are closed by :meth:`close`."""
+    never used are closed by :meth:`close`. ``alone``: scenarios whose engine starts only after
+    the others are released (the memory plan): nothing starts ahead of them."""
 
-    def __init__(self, plan: dict, enabled: bool):
+    def __init__(self, plan: dict, enabled: bool, alone: frozenset = frozenset()):
         self.plan = plan            # scenario -> build() of the engine it starts
         self.enabled = enabled
+        self.alone = set(alone)
         self.futures: dict = {}
         self.used: set = set()
         self.ahead_started: list = []   # scenarios whose engine started in the background
@@ -80,7 +119,7 @@ class _EngineStarts:
         if not self.enabled or any(not f.done() for f in self.futures.values()):
             return
         nxt = next((s for s in scenarios[i + 1:] if s in self.plan and s not in self.used), None)
-        if nxt is None or nxt in self.futures or not room():
+        if nxt is None or nxt in self.futures or nxt in self.alone or not room():
             return
         if self.pool is None:
             from concurrent.futures import ThreadPoolExecutor
@@ -104,10 +143,12 @@ class _EngineStarts:
 
 
 def _room_for_engine(ckpt) -> bool:
-    """True on CPU when available RAM holds two more engines of this checkpoint: vLLM CPU
-    reserves ``gpu_memory_utilization`` (0.1) of RAM for the KV cache, plus the weights (twice:
-    loading) and ~1.5 GiB of process and library memory. False on GPU (engines there share the
-    device's memory by ``gpu_memory_utilization``) and when psutil is missing."""
+    """True on CPU when the measured available RAM holds one more engine beside everything
+    running now: the largest engine of the run as :mod:`skyrl_numerics.engine_memory` sizes it
+    (``ckpt.memory_plan``, set by the doctor's memory plan) plus ``HEADROOM``; without a plan,
+    ``gpu_memory_utilization`` (0.1) of RAM + twice the weights + 1.5 GiB, twice. False on GPU
+    (engines there share the device's memory by ``gpu_memory_utilization``) and when psutil is
+    missing."""
     try:
         import psutil
         import torch
@@ -117,6 +158,11 @@ def _room_for_engine(ckpt) -> bool:
         vm = psutil.virtual_memory()
     except Exception:
         return False
+    plan = getattr(ckpt, "memory_plan", None)
+    if plan is not None and plan.prefetch_bytes:
+        from skyrl_numerics.engine_memory import HEADROOM
+
+        return vm.available >= plan.prefetch_bytes + HEADROOM
     weights = int(getattr(ckpt, "weight_bytes", 0) or 0)
     one = 0.1 * vm.total + 2 * weights + 1.5 * (1 << 30)
     return vm.available > 2 * one

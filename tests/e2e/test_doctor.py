@@ -98,3 +98,41 @@ def test_doctor_batch_invariant_row(tmp_path, vllm_qwen_invariant):
     rep = json.loads((out / "report.json").read_text())["rows"][0]
     assert rep["summary"]["frac_bitwise_equal"] == 1.0 and rep["summary"]["max_abs"] == 0.0
     assert rep["vLLM tok/s"] > 0
+
+
+def test_doctor_passes_the_derived_kv_cache_size_to_the_engine(tmp_path, qwen_moe_dir,
+                                                               monkeypatch, capsys):
+    """With 4 GiB of RAM (a faked free-memory number) vLLM's default 0.1 share cannot hold an
+    engine: the doctor derives ``kv_cache_memory_bytes`` from the checkpoint, the real engine
+    starts with it and sizes its cache by it — as many blocks as engine_memory's layout says."""
+    import collections
+
+    import psutil
+
+    from skyrl_numerics import engine_memory as em
+    from skyrl_numerics.trainer.engine import generator
+
+    vm = collections.namedtuple("svmem", "total available percent used free")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: vm(4 << 30, int(3.5 * (1 << 30)),
+                                                              12.5, 1 << 29, 3 << 30))
+    before = set(generator._CACHE)
+    out = tmp_path / "mem"
+    row = "baseline: HF trainer, bf16"
+    try:
+        assert main(["doctor", "--prompts", "4", "--max-tokens", "16", "--out", str(out),
+                     "--no-progress", "--row", row]) == 0
+        rep = json.loads((out / "report.json").read_text())
+        kv = rep["settings"]["memory"]["settings"]["kv_cache_memory_bytes"]
+        cfg = json.loads((qwen_moe_dir / "config.json").read_text())
+        lay = em.kv_layout(cfg, dtype="bfloat16")
+        # 4 prompts x (16 + 16) tokens fit one block; max_model_len 1024 needs 8: x 1.25 + 1
+        assert kv == lay.layers * lay.token_bytes * em.kv_tokens(4, 32, lay.block_size, 1024)
+        assert rep["rows"][0]["status"] == "measured" and rep["settings"]["engine_args"] == {}
+        [eng] = [generator._CACHE[k] for k in set(generator._CACHE) - before]
+        cache = eng.llm.llm_engine.vllm_config.cache_config
+        assert cache.kv_cache_memory_bytes == kv and cache.block_size == lay.block_size
+        assert cache.num_gpu_blocks == kv // (lay.layers * lay.block_size * lay.token_bytes)
+        assert f"engines get kv_cache_memory_bytes={kv:,}" in capsys.readouterr().out
+    finally:
+        for key in set(generator._CACHE) - before:
+            generator._CACHE.pop(key).close()
