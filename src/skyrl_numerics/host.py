@@ -224,6 +224,8 @@ def _probe(build: str | None, vdir: Path) -> dict:
     line = next((ln for ln in p.stdout.splitlines()[::-1] if ln.startswith("SKYRL_PROBE ")), None)
     if p.returncode != 0 or line is None:
         tail = " ".join((p.stderr or p.stdout).strip().splitlines()[-1:])[:300]
+        if p.returncode == -4:          # SIGILL: the library uses instructions this CPU lacks
+            tail = f"illegal instruction: this CPU ({isa_name(isa_flags())}) cannot run {build or 'it'}"
         return {"build": build, "error": f"kernel probe exited {p.returncode}: {tail}"}
     got = json.loads(line[len("SKYRL_PROBE "):])
     loaded = next((b for b in BUILDS if any(Path(m).name.split(".")[0] == b for m in got["maps"])),
