@@ -60,22 +60,23 @@ def _parse_engine_args(pairs) -> dict:
 
 def _doctor_checks(args, ekw: dict, max_model_len: int):
     """``check(ckpt, rows) -> prompts | None`` for :func:`run_doctor`, before any engine starts:
-    memory (the engine copy of the weights + the trainer copies the rows load) and the prompts."""
-    from skyrl_numerics.model_check import check_memory, dtype_bytes, load_prompts_file
+    the prompts and memory (the smallest row: :func:`~skyrl_numerics.model_check.check_memory`)."""
+    from skyrl_numerics.model_check import check_memory, load_prompts_file
 
     def check(ckpt, rows):
         engine_dtype = ekw.get("dtype", "bfloat16")
         if engine_dtype == "auto":
             engine_dtype = ckpt.stored_dtype
         trainer_dtype = args.dtype if args.dtype not in (None, "auto") else ckpt.stored_dtype
-        copies = {f"engine {engine_dtype}": dtype_bytes(engine_dtype, "--dtype"),
-                  f"trainer {trainer_dtype}": dtype_bytes(trainer_dtype, "--dtype")}
-        if any("fp32" in r.name for r in rows) and trainer_dtype != "float32":
-            copies["trainer float32"] = 4
-        check_memory(ckpt, copies)
-        if args.prompts_file:
-            return load_prompts_file(args.prompts_file, ckpt, max_tokens=args.max_tokens,
-                                     max_model_len=max_model_len)
+        prompts = (load_prompts_file(args.prompts_file, ckpt, max_tokens=args.max_tokens,
+                                     max_model_len=max_model_len) if args.prompts_file else None)
+        n, plen = (len(prompts), max(map(len, prompts))) if prompts else (args.prompts,
+                                                                          args.prompt_len)
+        check_memory(ckpt, engine_dtype=str(engine_dtype), trainer_dtype=str(trainer_dtype),
+                     n_prompts=n, seq_len=plen + args.max_tokens, max_model_len=max_model_len,
+                     engine_args=ekw)
+        if prompts:
+            return prompts
         if args.prompt_len + args.max_tokens > max_model_len:
             raise InputError(f"--prompt-len {args.prompt_len} + --max-tokens {args.max_tokens} "
                              f"exceeds max_model_len {max_model_len}", field="max-tokens")

@@ -9,8 +9,8 @@ stored dtype, parameter count, config hash, tokenizer present or not. Every prob
 - an architecture vLLM cannot run (not in vLLM's model registry, unless the engine is told to use
   its Transformers backend with ``--engine-arg model_impl=transformers``);
 - a config transformers cannot build;
-- a model that will not fit (:func:`check_memory`: parameters x bytes per parameter for the engine
-  copy and every trainer copy the selected rows load, against ``MemAvailable``);
+- a model that will not fit (:func:`check_memory`: not even the baseline row — its stock engine,
+  then its trainer copy — fits the free memory, by :mod:`~skyrl_numerics.engine_memory`'s arithmetic);
 - a prompts file (:func:`load_prompts_file`) that is malformed, empty, has ids outside the
   vocabulary, text without a tokenizer, or prompts too long for ``max_model_len``.
 
@@ -309,18 +309,6 @@ def count_parameters(path: Path, src: str = "") -> int:
     return int(n)
 
 
-def available_memory_bytes() -> int:
-    """``MemAvailable`` from /proc/meminfo (else total physical memory)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:  # pragma: no cover
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def dtype_bytes(dtype: str, src: str = "") -> int:
     d = str(dtype).replace("torch.", "")
     if d not in _DTYPE_BYTES:
@@ -329,27 +317,46 @@ def dtype_bytes(dtype: str, src: str = "") -> int:
     return _DTYPE_BYTES[d]
 
 
-def check_memory(info: CheckpointInfo, copies: dict[str, int], *,
-                 available: int | None = None) -> int:
-    """InputError if the copies of the weights the run will hold do not fit in RAM.
+def check_memory(info: CheckpointInfo, *, engine_dtype: str, trainer_dtype: str, n_prompts: int,
+                 seq_len: int, max_model_len: int, engine_args: dict | None = None,
+                 available: int | None = None, total: int | None = None) -> int:
+    """InputError if not even one doctor row fits in RAM; returns the bytes that row needs.
 
-    ``copies``: ``{what: bytes per parameter}`` (e.g. ``{"engine bfloat16": 2, "trainer float32":
-    4}``). Returns the estimate in bytes. The KV cache is not counted (vLLM CPU sizes it from
-    ``gpu_memory_utilization``)."""
-    for what, b in copies.items():
-        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-            raise InputError(f"bytes per parameter of {what!r} must be an integer >= 1, got {b!r}",
-                             field="memory")
-    if info.params is None:
-        return 0
-    need = info.params * sum(copies.values())
-    avail = available_memory_bytes() if available is None else available
-    if need > avail:
-        parts = " + ".join(f"{what} {b} B" for what, b in copies.items())
-        raise InputError(f"model will not fit in memory: {info.params:,} parameters x ({parts}) "
-                         f"= {need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available",
-                         source=str(info.path), field="memory")
-    return need
+    The same arithmetic as the doctor's memory plan (:mod:`skyrl_numerics.engine_memory`): the
+    plan runs a row alone when the table does not fit together, sampling before scoring, so the
+    least a run needs is ``max(E, T) + HEADROOM`` — ``E`` the stock engine of the baseline row
+    (weights from the safetensors headers + the KV cache the run's ``n_prompts`` sequences of
+    ``seq_len`` need + process overhead, or what a memory knob the user set makes it take), ``T``
+    the trainer copy in ``trainer_dtype``. Rows that need more (a float32 trainer copy, a second
+    engine beside the first) are planned alone or skipped with their sizes, not refused here."""
+    from . import engine_memory as em
+
+    engine_args = dict(engine_args or {})
+    params = info.params or em.checkpoint_params(info.path)[0]
+    t, f = em.free_memory()
+    avail = f if available is None else available
+    total = t if total is None else total
+    need = em.engine_need(info.config, params, dtype=engine_dtype, n_prompts=n_prompts,
+                          seq_len=seq_len, max_model_len=max_model_len,
+                          kv_cache_dtype=engine_args.get("kv_cache_dtype", "auto"))
+    if "kv_cache_memory_bytes" in engine_args:
+        need = em.EngineNeed(need.weights, int(engine_args["kv_cache_memory_bytes"]))
+        engine = need.total
+    elif "gpu_memory_utilization" in engine_args:
+        engine = em.footprint(need, {}, total, share=float(engine_args["gpu_memory_utilization"]))
+    else:
+        settings = em.engine_settings([need], engine_args, total=total, free=avail)
+        engine = em.footprint(need, settings, total)
+    trainer = params * dtype_bytes(trainer_dtype, "--dtype")
+    least = max(engine, trainer) + em.HEADROOM
+    if least > avail:
+        raise InputError(
+            f"model will not fit in memory: its smallest row needs {em.gib(least)} (stock engine "
+            f"{engine_dtype} {em.gib(engine)}: weights {em.gib(need.weights)}, KV {em.gib(need.kv)}, "
+            f"overhead {em.gib(need.overhead)}; then the trainer {trainer_dtype} copy "
+            f"{em.gib(trainer)}; + {em.gib(em.HEADROOM)} headroom), {em.gib(avail)} available",
+            source=str(info.path), field="memory")
+    return least
 
 
 def _load_tokenizer(info: CheckpointInfo):

@@ -95,9 +95,9 @@ def test_model_that_will_not_fit(tmp_path, capsys, monkeypatch):
     machine with 64 GiB available (whatever this one has)."""
     import torch
 
-    from skyrl_numerics import model_check
+    from skyrl_numerics import engine_memory
 
-    monkeypatch.setattr(model_check, "available_memory_bytes", lambda: 64 << 30)
+    monkeypatch.setattr(engine_memory, "free_memory", lambda: (128 << 30, 64 << 30))
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
@@ -108,9 +108,9 @@ def test_model_that_will_not_fit(tmp_path, capsys, monkeypatch):
     save_file({"x": torch.zeros(1)}, str(d / "model.safetensors"))
     line = _bad(capsys, tmp_path, ["--model", str(d)], "will not fit in memory", "GiB available",
                 "field 'memory'")
-    assert "70,553,706,496 parameters" in line, line  # Llama-3-70B's count, from the meta model
-    assert "engine bfloat16 2 B + trainer bfloat16 2 B + trainer float32 4 B" in line, line
-    assert "= 525.7 GiB, 64.0 GiB available" in line, line
+    # Llama-3-70B's 70,553,706,496 parameters (the meta model's count) x 2 B = 131.4 GiB
+    assert "stock engine bfloat16" in line and "weights 131.4 GiB" in line, line
+    assert "trainer bfloat16 copy 131.4 GiB" in line and "64.0 GiB available" in line, line
 
 
 def test_prompts_file_errors(tmp_path, capsys, dense_dir):
@@ -170,12 +170,32 @@ def test_inspect_names_the_model(dense_dir):
     assert info.params == sum(p.numel() for p in m.parameters())
 
 
-def test_check_memory_counts_every_copy(dense_dir):
+def test_check_memory_is_the_plans_arithmetic(dense_dir):
+    """The least a run needs is its baseline row run alone: max(stock engine, trainer copy) +
+    headroom, with the engine sized as engine_memory sizes it (weights from the headers, the
+    run's KV cache, overhead) — a row-by-row check, not the sum of every copy."""
+    from skyrl_numerics import engine_memory as em
     from skyrl_numerics.errors import InputError
     from skyrl_numerics.model_check import check_memory, inspect_checkpoint
 
     info = inspect_checkpoint(dense_dir)
-    need = check_memory(info, {"engine": 2, "trainer": 4}, available=1 << 40)
-    assert need == info.params * 6
-    with pytest.raises(InputError, match="will not fit"):
-        check_memory(info, {"engine": 2, "trainer": 4}, available=need - 1)
+    kw = dict(engine_dtype="bfloat16", n_prompts=4, seq_len=96, max_model_len=256,
+              engine_args={"kv_cache_memory_bytes": 1 << 20}, available=1 << 40, total=1 << 41)
+    eng = em.engine_need(info.config, info.params, dtype="bfloat16", n_prompts=4, seq_len=96,
+                         max_model_len=256)
+    weights = info.params * 2
+    assert eng.weights == weights
+    need = check_memory(info, trainer_dtype="bfloat16", **kw)
+    assert need == weights + (1 << 20) + em.ENGINE_OVERHEAD + em.HEADROOM
+    # a float32 trainer copy bigger than the engine is what the smallest row needs
+    big = dict(kw, engine_args={"kv_cache_memory_bytes": 1})
+    t32 = check_memory(info, trainer_dtype="float32", **big)
+    assert t32 == max(weights + 1 + em.ENGINE_OVERHEAD, info.params * 4) + em.HEADROOM
+    with pytest.raises(InputError, match="will not fit.*GiB available"):
+        check_memory(info, trainer_dtype="bfloat16", **dict(kw, available=need - 1))
+    assert check_memory(info, trainer_dtype="bfloat16", **dict(kw, available=need)) == need
+    # the user's gpu_memory_utilization share is what the engine takes
+    share = check_memory(info, trainer_dtype="bfloat16",
+                         **dict(kw, engine_args={"gpu_memory_utilization": 0.5}, total=64 << 30))
+    assert share == max(eng.total, 32 * (1 << 30) + em.ENGINE_OVERHEAD - em.WORKER_OVERHEAD) \
+        + em.HEADROOM

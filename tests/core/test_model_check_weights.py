@@ -140,9 +140,10 @@ def test_a_sharded_index_must_match_its_shards(tiny, tmp_path):
 def test_check_memory_and_prompts_refuse_nonsense_arguments(tiny, tmp_path):
     info = inspect_checkpoint(tiny, count_params=False)
     info.params = 1000
-    for bad in (-4, 0, "x", 2.5, True):
-        with pytest.raises(InputError, match="bytes per parameter"):
-            check_memory(info, {"engine": bad})
+    for bad in ("x", "int3", None):
+        with pytest.raises(InputError, match="unsupported dtype"):
+            check_memory(info, engine_dtype="bfloat16", trainer_dtype=bad, n_prompts=1,
+                         seq_len=8, max_model_len=64, available=1 << 40)
     f = tmp_path / "p.jsonl"
     f.write_text("[1, 2]\n")
     for kw in (dict(max_tokens=0, max_model_len=64), dict(max_tokens=-100, max_model_len=64),
