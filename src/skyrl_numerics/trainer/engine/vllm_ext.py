@@ -8,6 +8,7 @@ the worker; the generator calls them with ``llm.collective_rpc("skyrl_...")``.
 """
 from __future__ import annotations
 
+from ..sync.sharded import ShardedSyncWorker
 from .capture import _install_sampler_hook, _moe_runners, _RouteStore, _SupportStore
 
 
@@ -32,7 +33,7 @@ def _request_amx_permission() -> bool:
 _request_amx_permission()
 
 
-class SkyrlWorkerExtension:
+class SkyrlWorkerExtension(ShardedSyncWorker):
     """The one worker extension: the methods vLLM mixes into its worker (``worker_extension_cls``;
     ``self`` is the worker), called over ``collective_rpc("skyrl_...")`` — in-place weight loading
     (``skyrl_load_weights``, the load path of ``sync/vllm.py``), which kernels run the layers,

@@ -41,7 +41,8 @@ def _cfg(config) -> dict:
 
 
 def _n_experts(c):
-    return c.get("num_experts") or c.get("n_routed_experts") or 0
+    """Routed experts, under any of the names configs use (``num_local_experts``: transformers 5)."""
+    return c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts") or 0
 
 
 def _mla(c) -> bool:
@@ -49,7 +50,11 @@ def _mla(c) -> bool:
 
 
 def _moe_layer(c, l) -> bool:
-    return _n_experts(c) > 0 and l >= c.get("first_k_dense_replace", 0)
+    """Qwen3-MoE: not in ``mlp_only_layers`` and ``(l + 1) % decoder_sparse_step == 0`` (HF's rule);
+    DeepSeek-V3 family: from ``first_k_dense_replace`` on."""
+    if _n_experts(c) == 0 or l < (c.get("first_k_dense_replace") or 0):
+        return False
+    return l not in (c.get("mlp_only_layers") or ()) and (l + 1) % (c.get("decoder_sparse_step") or 1) == 0
 
 
 def hf_shapes(config) -> dict:
@@ -311,7 +316,7 @@ def vllm_layout(config, *, tp: int = 1, dp: int = 1, ep: bool = False) -> Layout
             if c.get("n_shared_experts"):
                 _gate_up(lay, rows, cols, shapes, P + "mlp.shared_experts.", tp, t)
             f = c["moe_intermediate_size"]
-            w13, w2 = P + "mlp.experts.w13_weight", P + "mlp.experts.w2_weight"
+            w13, w2 = P + "mlp.experts.routed_experts.w13_weight", P + "mlp.experts.routed_experts.w2_weight"
             if ep:
                 lo, hi = _even(E, world, r, "num_experts")
                 f0, f1 = 0, f

@@ -84,6 +84,8 @@ class Transfer:
     dst_tensor: str
     dst_box: Box        # in the destination's physical tensor
     numel: int
+    hf: str = ""        # the HF tensor the block belongs to
+    hf_box: Box = ()    # the block in HF coordinates
 
 
 @dataclass
@@ -92,11 +94,15 @@ class Plan:
     itemsize: int
     dst: Layout
     src: Layout
+    colocate_offset: int = 0    # destination rank d shares a device with source rank d + offset
+
+    def _local(self, t) -> bool:
+        return t.src_rank == t.dst_rank + self.colocate_offset
 
     def sent(self) -> dict:
         out = defaultdict(int)
         for t in self.transfers:
-            if t.src_rank != t.dst_rank or self.src is self.dst:
+            if not self._local(t) or self.src is self.dst:
                 out[t.src_rank] += t.numel * self.itemsize
         return dict(out)
 
@@ -104,7 +110,7 @@ class Plan:
         """Bytes each destination rank receives (``local``: counting copies from its own rank)."""
         out = defaultdict(int)
         for t in self.transfers:
-            if local or t.src_rank != t.dst_rank:
+            if local or not self._local(t):
                 out[t.dst_rank] += t.numel * self.itemsize
         return dict(out)
 
@@ -112,7 +118,7 @@ class Plan:
         """Bytes per (source rank, destination rank) pair, local copies left out."""
         out = defaultdict(int)
         for t in self.transfers:
-            if t.src_rank != t.dst_rank:
+            if not self._local(t):
                 out[(t.src_rank, t.dst_rank)] += t.numel * self.itemsize
         return dict(out)
 
@@ -172,8 +178,14 @@ def _inside(a: Box, b: Box) -> bool:
     return all(y0 <= x0 and x1 <= y1 for (x0, x1), (y0, y1) in zip(a, b))
 
 
-def plan(src: Layout, dst: Layout, *, itemsize: int = 2) -> Plan:
-    """The transfers that give every destination piece its bytes (module docstring)."""
+def plan(src: Layout, dst: Layout, *, itemsize: int = 2, colocate_offset: int = 0,
+         load: dict | None = None) -> Plan:
+    """The transfers that give every destination piece its bytes (module docstring).
+
+    ``colocate_offset``: destination rank ``d`` shares a device with source rank
+    ``d + colocate_offset`` (a colocated engine replica placed from that device on), so a block that
+    rank holds is a local copy. ``load``: bytes already assigned per source rank (shared across the
+    plans of several engine replicas so the least-loaded choice spreads over all of them)."""
     if set(src.hf_shapes) != set(dst.hf_shapes) or any(
             tuple(src.hf_shapes[k]) != tuple(dst.hf_shapes[k]) for k in src.hf_shapes):
         bad = sorted(set(src.hf_shapes) ^ set(dst.hf_shapes)) or sorted(
@@ -182,26 +194,28 @@ def plan(src: Layout, dst: Layout, *, itemsize: int = 2) -> Plan:
     by_hf = defaultdict(lambda: defaultdict(list))      # hf -> src box -> replicas
     for p in src.pieces:
         by_hf[p.hf][p.box].append(p)
-    load = defaultdict(int)
+    load = defaultdict(int) if load is None else load
     out = []
     for d in dst.pieces:
         covered = 0
+        here = d.rank + colocate_offset
         for box, reps in by_hf[d.hf].items():
             inter = _intersect(box, d.box)
             if inter is None:
                 continue
-            s = next((r for r in reps if r.rank == d.rank), None) or min(
-                reps, key=lambda r: (load[r.rank], r.rank))
+            s = next((r for r in reps if r.rank == here), None) or min(
+                reps, key=lambda r: (load.get(r.rank, 0), r.rank))
             n = math.prod(b - a for a, b in inter)
             covered += n
-            if s.rank != d.rank:
-                load[s.rank] += n
-            out.append(Transfer(s.rank, s.tensor, _phys(s, inter), d.rank, d.tensor, _phys(d, inter), n))
+            if s.rank != here:
+                load[s.rank] = load.get(s.rank, 0) + n
+            out.append(Transfer(s.rank, s.tensor, _phys(s, inter), d.rank, d.tensor, _phys(d, inter), n,
+                                d.hf, inter))
         if covered != d.numel:
             raise InputError(f"{src.name}: HF {d.hf}{list(d.box)} needed by {dst.name} rank {d.rank} "
                              f"is {'not wholly held' if covered < d.numel else 'held twice'} "
                              f"({covered} of {d.numel} elements)", field=d.hf)
-    return Plan(out, itemsize, dst, src)
+    return Plan(out, itemsize, dst, src, colocate_offset)
 
 
 # ---- real tensors -----------------------------------------------------------------------------
