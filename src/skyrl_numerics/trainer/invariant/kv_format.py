@@ -3,7 +3,7 @@
 The engine writes each token's row into its paged cache with :meth:`KVFormat.encode` and reads
 rows back with :meth:`KVFormat.decode`; the trainer sends its own rows through
 :meth:`KVFormat.roundtrip` = decode(encode(.)) — the same functions, so both sides attend over the
-same values bit for bit. The quantizers are :mod:`skyrl_numerics.quant.kv`'s, which reproduce
+same values bit for bit. The quantizers are :mod:`skyrl_numerics.quant.kv_fp8_codec`'s, which reproduce
 vLLM's cache kernels:
 
 ===============  ==========================  =====================================================
@@ -107,7 +107,7 @@ class KVFormat:
 
     def encode(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """rows ``[T, width]`` (model dtype) -> uint8 ``[T, row_bytes]``."""
-        from skyrl_numerics.quant import kv as Q
+        from skyrl_numerics.quant import kv_fp8_codec as Q
 
         fmt, s = self.format, self.split
         if fmt == "auto":
@@ -121,7 +121,7 @@ class KVFormat:
 
     def decode(self, layer: int, data: torch.Tensor) -> torch.Tensor:
         """uint8 ``[..., row_bytes]`` -> rows ``[..., width]`` in the model dtype."""
-        from skyrl_numerics.quant import kv as Q
+        from skyrl_numerics.quant import kv_fp8_codec as Q
 
         fmt, s = self.format, self.split
         if fmt == "auto":

@@ -5,7 +5,7 @@ import torch
 
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.quant import codecs as C
-from skyrl_numerics.quant.kv import (ds_mla_cache_read, ds_mla_cache_write, fp8_kv_read, fp8_kv_roundtrip,
+from skyrl_numerics.quant.kv_fp8_codec import (ds_mla_cache_read, ds_mla_cache_write, fp8_kv_read, fp8_kv_roundtrip,
                                      fp8_kv_write, mla_cache_read, mla_cache_write)
 
 
@@ -63,7 +63,7 @@ def test_fp8_kv_read_table_is_the_formula_for_every_code(scale, dtype, lookup, m
     """The read's 256-entry table gives, code for code, ``(decode(code) * k_scale).to(dtype)``
     computed element by element (NaN codes 0x7F / 0xFF included, bit for bit), for any layout —
     through the compiled lookup (numba) and through the torch gather (its fallback)."""
-    from skyrl_numerics.quant import kv as Q
+    from skyrl_numerics.quant import kv_fp8_codec as Q
 
     if lookup == "compiled":
         assert Q._take() is not None            # numba is installed here (the Makefile's deps)

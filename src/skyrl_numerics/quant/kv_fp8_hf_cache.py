@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from skyrl_numerics.errors import InputError
 
-from .kv import ds_mla_roundtrip, fp8_kv_roundtrip
+from .kv_fp8_codec import ds_mla_roundtrip, fp8_kv_roundtrip
 
 
 def _per_layer(v, layer_idx: int, name: str) -> float:

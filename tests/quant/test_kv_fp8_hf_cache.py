@@ -5,8 +5,8 @@ from transformers import DynamicCache
 
 from qmodels import tiny_qwen3_moe
 from skyrl_numerics.errors import InputError
-from skyrl_numerics.quant.kv import ds_mla_cache_read, ds_mla_cache_write, ds_mla_roundtrip, fp8_kv_roundtrip
-from skyrl_numerics.quant.kv_cache import FP8KVCache, kv_cache_logprob_effect, token_logprobs
+from skyrl_numerics.quant.kv_fp8_codec import ds_mla_cache_read, ds_mla_cache_write, ds_mla_roundtrip, fp8_kv_roundtrip
+from skyrl_numerics.quant.kv_fp8_hf_cache import FP8KVCache, kv_cache_logprob_effect, token_logprobs
 
 
 def tiny_deepseek_v3(seed=0):

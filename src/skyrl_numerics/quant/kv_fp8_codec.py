@@ -65,7 +65,7 @@ _TAKE_MIN = 4096      # elements below which the compiled call's overhead is not
 
 
 def _take():
-    """The compiled lookup (:mod:`skyrl_numerics.quant._kv_numba`), or None when numba does not
+    """The compiled lookup (:mod:`skyrl_numerics.quant._kv_fp8_read_numba`), or None when numba does not
     import or ``SKYRL_NUMERICS_NUMBA=0`` (then the torch gather, the same bits)."""
     global _TAKE
     import os
@@ -74,11 +74,11 @@ def _take():
         return None
     if _TAKE is None:
         try:
-            from skyrl_numerics.quant import _kv_numba
+            from skyrl_numerics.quant import _kv_fp8_read_numba
         except Exception:                 # noqa: BLE001 (missing or broken numba: the torch gather)
             _TAKE = False
         else:
-            _TAKE = _kv_numba.take
+            _TAKE = _kv_fp8_read_numba.take
     return _TAKE or None
 
 

@@ -3,7 +3,7 @@
 A lookup moves bits and computes nothing, so it is bitwise the same as the torch gather it
 replaces (``table.index_select(0, codes)``), which stays the fallback. Compiled on first use
 with ``cache=True`` (numba's on-disk cache; per process where nothing is writable). Imported
-only through :func:`skyrl_numerics.quant.kv._take` (which catches a missing numba).
+only through :func:`skyrl_numerics.quant.kv_fp8_codec._take` (which catches a missing numba).
 """
 from __future__ import annotations
 
