@@ -4,7 +4,7 @@ Baseline (measured in the same process, same tensor): ``x.to(torch.float8_e4m3fn
 A ratio of 10 means the recipe takes 10x the time of that cast. ``fake_quant`` runs the fused CPU
 path (scale + round-onto-the-grid + decode per block, in cache-sized chunks; bitwise equal to the
 reference, tests/quant/test_recipes_fast.py); the "reference" column is the two-step
-``dequantize(quantize(x))`` spec it replaced. See gpu_quant.py for the Triton kernels.
+``dequantize(quantize(x))`` spec it replaced. See bench_gpu_quant.py for the Triton kernels (GPU).
 
 pytest-benchmark (16M bf16 elements by default, the issue's size)::
 

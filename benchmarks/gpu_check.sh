@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check from any directory, with whatever python has the CUDA torch:
-#   bash benchmarks/gpu_check.sh [OUT_DIR] [--budget S] [--sections ...] [--dry-run] [--install]
-# OUT_DIR defaults to $OUT, else ./gpu_check_out. PYTHON=... picks the interpreter.
-# Installs nothing unless --install is given (see benchmarks/gpu_check.py).
+#   bash benchmarks/gpu_check.sh [OUT_DIR] [--budget S] [--sections ...] [--dry-run]
+# OUT_DIR defaults to $OUT, else ./gpu_check_out. PYTHON=... picks the interpreter, which must
+# have this package installed (pip install -e .; see benchmarks/gpu_check.py).
 set -u
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="${PYTHON:-}"

@@ -86,3 +86,24 @@ def vllm_deepseek_invariant(deepseek_v3_dir):
     gen = get_generator(deepseek_v3_dir, batch_invariant=True, capture_routes=True)
     yield gen
     gen.close()
+
+
+@pytest.fixture(autouse=True)
+def _device_default(request):
+    """A test parametrized by ``device`` (tests/device_cases.py) creates its tensors there:
+    that device is the default of torch's factory functions for the test when it is not the CPU
+    (CPU tests run exactly as they are written)."""
+    callspec = getattr(request.node, "callspec", None)
+    device = callspec.params.get("device") if callspec is not None else None
+    if device is None:
+        yield
+        return
+    from device_cases import resolve
+
+    if resolve(device) == "cpu":
+        yield
+        return
+    import torch
+
+    with torch.device(resolve(device)):
+        yield

@@ -5,7 +5,8 @@ so the ``tl.dot`` lines that run on the GPU would otherwise never execute anywhe
 inputs the interpreter can run ``tl.dot`` (numpy), so this executes the GPU branch's indexing,
 masks, tile walk and stores, and checks the results against the float64 reference. Not bitwise:
 numpy's dot result for a row depends on the row's position in the tile (see ``tl_common``);
-invariance on the MMA hardware is what ``benchmarks/gpu_check.py`` measures on a GPU.
+invariance on the MMA hardware is what the ``gpu``-marked tests check on a GPU
+(test_triton_ops.py's ``cuda`` cases, test_triton_real_sizes.py; ``benchmarks/gpu_check.py``).
 
 Marked ``interpreter``: runs in a child pytest with ``TRITON_INTERPRET=1`` in the child's
 environment only (tests/triton_child.py), so nothing leaks into other tests.

@@ -1,8 +1,10 @@
 """Triton kernels under the interpreter: batch invariance (bitwise), agreement with the
 float64 reference, decode == prefill for attention, gradients vs reference.
 
-Marked ``interpreter``: these tests run in a child pytest with ``TRITON_INTERPRET=1`` in the
-child's environment only (tests/triton_child.py)."""
+Each test runs per ``device`` (tests/device_cases.py): ``cpu`` is marked ``interpreter`` and runs
+in a child pytest with ``TRITON_INTERPRET=1`` in the child's environment only
+(tests/triton_child.py); ``cuda`` is marked ``gpu`` (compiled kernels on CUDA tensors, skipped
+without a CUDA device)."""
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -10,16 +12,19 @@ from hypothesis import given, settings, strategies as st
 from skyrl_numerics.kernels import ops, reference as ref
 from skyrl_numerics.kernels import tl_attention, tl_matmul, tl_rmsnorm, tl_softmax, tl_reduce
 
-pytestmark = [pytest.mark.triton, pytest.mark.interpreter,
+from device_cases import ATTENTION_DECODE, DEVICES, DRY, SMALL, attention_tiles
+
+pytestmark = [pytest.mark.triton,
               pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
-SMALL = (16, 16, 16, 2, 4, 1)    # small tiles: several M/N/K tiles on tiny shapes
-HS = settings(max_examples=8, deadline=None)
+HS = settings(max_examples=3 if DRY else 8, deadline=None)   # the GPU check's dry run: fewer
+on_devices = pytest.mark.parametrize("device", DEVICES)
 
 
+@on_devices
 @HS
 @given(M=st.integers(1, 40), K=st.integers(1, 50), N=st.integers(1, 40), m=st.integers(1, 40),
        bias=st.booleans())
-def test_matmul_prefix_invariant_and_close(M, K, N, m, bias):
+def test_matmul_prefix_invariant_and_close(M, K, N, m, bias, device):
     m = min(m, M)
     a, b = torch.randn(M, K), torch.randn(K, N)
     c = torch.randn(N) if bias else None
@@ -28,13 +33,15 @@ def test_matmul_prefix_invariant_and_close(M, K, N, m, bias):
     torch.testing.assert_close(full, ref.matmul(a, b, c), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.interpreter
 def test_runs_under_the_interpreter():
     from skyrl_numerics.kernels._util import interpreting
     from triton.runtime.interpreter import InterpretedFunction
     assert interpreting() and isinstance(tl_matmul.matmul_kernel, InterpretedFunction)
 
 
-def test_matmul_rows_invariant_under_concatenation_and_shuffle():
+@on_devices
+def test_matmul_rows_invariant_under_concatenation_and_shuffle(device):
     a, b = torch.randn(23, 40), torch.randn(40, 33)
     full = tl_matmul.matmul(a, b, config=SMALL)
     other = torch.randn(9, 40) * 100
@@ -44,7 +51,8 @@ def test_matmul_rows_invariant_under_concatenation_and_shuffle():
     assert torch.equal(tl_matmul.matmul(a[perm], b, config=SMALL), full[perm])
 
 
-def test_matmul_bf16_and_default_config():
+@on_devices
+def test_matmul_bf16_and_default_config(device):
     a, b = torch.randn(70, 96).bfloat16(), torch.randn(96, 48).bfloat16()
     out = ops.matmul(a, b, backend="triton")
     assert out.dtype == torch.bfloat16
@@ -52,7 +60,8 @@ def test_matmul_bf16_and_default_config():
     torch.testing.assert_close(out, ref.matmul(a, b), rtol=1e-2, atol=1e-2)
 
 
-def test_matmul_autograd_matches_reference():
+@on_devices
+def test_matmul_autograd_matches_reference(device):
     a = torch.randn(12, 20, requires_grad=True)
     b = torch.randn(20, 8, requires_grad=True)
     bias = torch.randn(8, requires_grad=True)
@@ -64,9 +73,10 @@ def test_matmul_autograd_matches_reference():
         torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
 
 
+@on_devices
 @HS
 @given(B=st.integers(1, 4), M=st.integers(1, 20), K=st.integers(1, 30), N=st.integers(1, 20))
-def test_bmm_invariant_and_close(B, M, K, N):
+def test_bmm_invariant_and_close(B, M, K, N, device):
     a, b = torch.randn(B, M, K), torch.randn(B, K, N)
     full = tl_matmul.bmm(a, b, config=SMALL)
     assert torch.equal(tl_matmul.bmm(a[:, :1], b, config=SMALL), full[:, :1])
@@ -74,10 +84,11 @@ def test_bmm_invariant_and_close(B, M, K, N):
     torch.testing.assert_close(full, ref.bmm(a, b), rtol=1e-5, atol=1e-5)
 
 
+@on_devices
 @HS
 @given(counts=st.lists(st.integers(0, 20), min_size=1, max_size=5), K=st.integers(1, 24),
        N=st.integers(1, 24))
-def test_grouped_matmul_rows_do_not_depend_on_other_experts(counts, K, N):
+def test_grouped_matmul_rows_do_not_depend_on_other_experts(counts, K, N, device):
     E = len(counts)
     offs = torch.tensor([0] + counts).cumsum(0)
     T = int(offs[-1])
@@ -93,9 +104,10 @@ def test_grouped_matmul_rows_do_not_depend_on_other_experts(counts, K, N):
         assert torch.equal(got, out[lo:hi])
 
 
+@on_devices
 @HS
 @given(M=st.integers(1, 12), V=st.integers(1, 70), m=st.integers(1, 12), scale=st.floats(0.1, 30))
-def test_log_softmax_invariant_close(M, V, m, scale):
+def test_log_softmax_invariant_close(M, V, m, scale, device):
     m = min(m, M)
     x = torch.randn(M, V) * scale
     full = tl_softmax.log_softmax_fwd(x, block=16)
@@ -103,7 +115,8 @@ def test_log_softmax_invariant_close(M, V, m, scale):
     torch.testing.assert_close(full, ref.log_softmax(x), rtol=1e-5, atol=1e-5)
 
 
-def test_log_softmax_autograd():
+@on_devices
+def test_log_softmax_autograd(device):
     x = torch.randn(6, 50, requires_grad=True)
     g = torch.randn(6, 50)
     ops.log_softmax(x, backend="triton").backward(g)
@@ -112,10 +125,11 @@ def test_log_softmax_autograd():
     torch.testing.assert_close(x.grad, x2.grad.float(), rtol=1e-5, atol=1e-5)
 
 
+@on_devices
 @HS
 @given(M=st.integers(1, 10), V=st.integers(2, 80), T=st.sampled_from([1.0, 0.7, 1.3]),
        m=st.integers(1, 10))
-def test_token_logprob_entropy_invariant_close(M, V, T, m):
+def test_token_logprob_entropy_invariant_close(M, V, T, m, device):
     m = min(m, M)
     x = torch.randn(M, V) * 4
     t = torch.randint(0, V, (M,))
@@ -127,7 +141,8 @@ def test_token_logprob_entropy_invariant_close(M, V, T, m):
     torch.testing.assert_close(ent, rent, rtol=1e-5, atol=2e-5)
 
 
-def test_token_logprob_entropy_grad_vs_reference():
+@on_devices
+def test_token_logprob_entropy_grad_vs_reference(device):
     x = torch.randn(2, 3, 40, requires_grad=True)
     t = torch.randint(0, 40, (2, 3))
     glp, gent = torch.randn(2, 3), torch.randn(2, 3)
@@ -141,7 +156,8 @@ def test_token_logprob_entropy_grad_vs_reference():
     torch.testing.assert_close(x.grad, x2.grad.float(), rtol=1e-5, atol=1e-5)
 
 
-def test_entropy_hand_computed():
+@on_devices
+def test_entropy_hand_computed(device):
     # uniform over 4 -> H = log 4, logprob = -log 4; one-hot-ish -> H ~ 0
     x = torch.tensor([[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]])
     lp, ent, _ = tl_softmax.token_logprob_entropy_fwd(x, torch.tensor([2, 0]), 1.0, block=2)
@@ -149,9 +165,10 @@ def test_entropy_hand_computed():
     torch.testing.assert_close(ent, torch.tensor([1.3862944, 0.0]), atol=1e-6, rtol=0)
 
 
+@on_devices
 @HS
 @given(M=st.integers(1, 20), N=st.integers(1, 48), m=st.integers(1, 20))
-def test_rms_norm_forward_invariant_close(M, N, m):
+def test_rms_norm_forward_invariant_close(M, N, m, device):
     m = min(m, M)
     x, w = torch.randn(M, N), torch.randn(N)
     y, rstd = tl_rmsnorm.forward(x, w, 1e-6)
@@ -160,9 +177,10 @@ def test_rms_norm_forward_invariant_close(M, N, m):
     torch.testing.assert_close(y, ref.rms_norm(x, w), rtol=1e-5, atol=1e-5)
 
 
+@on_devices
 @HS
 @given(M=st.integers(1, 30), N=st.integers(1, 40), rows=st.sampled_from([1, 4, 7]))
-def test_rms_norm_backward_dw_order_is_exact(M, N, rows):
+def test_rms_norm_backward_dw_order_is_exact(M, N, rows, device):
     x, w, g = torch.randn(M, N), torch.randn(N), torch.randn(M, N)
     _, rstd = tl_rmsnorm.forward(x, w, 1e-6)
     dx, dw = tl_rmsnorm.backward(g, x, w, rstd, rows_per_block=rows, block_n=16)
@@ -174,7 +192,8 @@ def test_rms_norm_backward_dw_order_is_exact(M, N, rows):
     assert torch.equal(dx_m, dx[:1])
 
 
-def test_rms_norm_autograd():
+@on_devices
+def test_rms_norm_autograd(device):
     x = torch.randn(5, 32, requires_grad=True)
     w = torch.randn(32, requires_grad=True)
     g = torch.randn(5, 32)
@@ -185,9 +204,10 @@ def test_rms_norm_autograd():
     torch.testing.assert_close(w.grad, w2.grad.float(), rtol=1e-5, atol=1e-5)
 
 
+@on_devices
 @HS
 @given(shape=st.lists(st.integers(1, 9), min_size=1, max_size=3), data=st.data())
-def test_mean_sum_invariant_close(shape, data):
+def test_mean_sum_invariant_close(shape, data, device):
     x = torch.randn(*shape)
     dim = data.draw(st.integers(-len(shape), len(shape) - 1))
     keep = data.draw(st.booleans())
@@ -200,11 +220,10 @@ def test_mean_sum_invariant_close(shape, data):
         assert torch.equal(tl_reduce.reduce(x[:1], [dim], False, True), full[:1])
 
 
-ATT = dict(split=16, block_m=16, block_n=8)
-
-
-@pytest.mark.parametrize("H,Hkv,S", [(2, 2, 37), (4, 1, 20)])
-def test_attention_decode_equals_prefill_bitwise(H, Hkv, S):
+@on_devices
+@pytest.mark.parametrize("H,Hkv,S", ATTENTION_DECODE)
+def test_attention_decode_equals_prefill_bitwise(H, Hkv, S, device):
+    ATT = attention_tiles(device)
     B, D = 2, 16
     q, k, v = torch.randn(B, H, S, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
     prefill = tl_attention.attention(q, k, v, mode="prefill", **ATT)
@@ -218,7 +237,9 @@ def test_attention_decode_equals_prefill_bitwise(H, Hkv, S):
         assert torch.equal(out, prefill[:, :, t:t + 1]), f"query {t}"
 
 
-def test_attention_chunked_prefill_and_batch_invariant():
+@on_devices
+def test_attention_chunked_prefill_and_batch_invariant(device):
+    ATT = attention_tiles(device)
     B, H, S, D = 3, 2, 30, 16
     q, k, v = torch.randn(B, H, S, D), torch.randn(B, H, S, D), torch.randn(B, H, S, D)
     full = tl_attention.attention(q, k, v, mode="prefill", **ATT)
@@ -229,6 +250,7 @@ def test_attention_chunked_prefill_and_batch_invariant():
     torch.testing.assert_close(out, ref.attention(q, k, v), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.interpreter   # on a GPU: test_mode.py's test_mode_claimed_ops_rows_invariant_on_device
 def test_mode_cuda_table_kernels_on_cpu_tensors():
     """The kernels the mode registers for the CUDA key (Triton), run here on CPU tensors in the
     interpreter: the ops the CPU key also has (_grouped_mm in its three layouts, _softmax and its

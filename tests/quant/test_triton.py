@@ -1,7 +1,10 @@
-"""Triton fake-quant kernels bitwise against the torch recipes (interpreter) + sm_90/sm_100 compile.
+"""Triton fake-quant kernels bitwise against the torch recipes + sm_90/sm_100 compile.
 
-The ``interpreter``-marked tests run in a child pytest with ``TRITON_INTERPRET=1`` in the child's
-environment only (tests/triton_child.py); the compile test needs the interpreter off."""
+The kernel tests run per ``device`` (tests/device_cases.py, one case list ``QUANT_CASES``):
+``cpu`` is marked ``interpreter`` and runs in a child pytest with ``TRITON_INTERPRET=1`` in the
+child's environment only (tests/triton_child.py); ``cuda`` is marked ``gpu`` (compiled kernels,
+skipped without a CUDA device), as is the large-tensor test. The compile test needs the
+interpreter off."""
 import os
 import subprocess
 import sys
@@ -13,40 +16,32 @@ import torch
 from skyrl_numerics.quant import fake_quant, quantize
 from skyrl_numerics.quant.ste import representable_range
 
+from device_cases import CUDA_ONLY, DEVICES, QUANT_CASES, QUANT_IDS, QUANT_TINY_CONVENTIONS, SIZES, resolve
+
 pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 interpreter = pytest.mark.interpreter
 
-CASES = [
-    ("fp8_block", {}), ("fp8_block", {"ue8m0": True}),
-    ("mxfp8", {}), ("mxfp8", {"scale_mode": "rceil"}), ("mxfp8", {"elem": "e5m2"}),
-    ("mxfp8", {"elem": "e5m2", "scale_mode": "rceil"}), ("mxfp4", {}), ("mxfp4", {"scale_mode": "rceil"}),
-    ("nvfp4", {"convention": "vllm"}), ("nvfp4", {"convention": "te"}),
-    ("nvfp4", {"convention": "modelopt"}), ("nvfp4", {"convention": "torchao"}),
-    ("nvfp4", {"convention": "compressed_tensors"}), ("nvfp4", {"convention": "te", "global_amax": 3.0}),
-    ("nvfp4", {"convention": "torchao<0.17"}), ("nvfp4", {"convention": "modelopt<0.45"}),
-    ("nvfp4", {"convention": "modelopt", "global_amax": 1e4}),
-]
-IDS = [f"{r}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for r, o in CASES]
+CASES, IDS = QUANT_CASES, QUANT_IDS
 
 
 def _data(seed, dtype):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(24, 256, generator=g) * torch.exp(torch.randn(24, 1, generator=g) * 3)
+    g, cpu = torch.Generator().manual_seed(seed), "cpu"      # the same values on every device
+    x = torch.randn(24, 256, generator=g, device=cpu) * torch.exp(torch.randn(24, 1, generator=g, device=cpu) * 3)
     x[0, :128] = 0                                             # all-zero blocks
-    x[1, :16] = torch.tensor([6.375, 5.0, 0.25, -0.75, 2.5, -3.5, 1e-30, -0.0] * 2)   # ties, tiny, -0
-    x[2, :32] = 2.0 ** torch.arange(-16, 16).float()           # a wide block
+    x[1, :16] = torch.tensor([6.375, 5.0, 0.25, -0.75, 2.5, -3.5, 1e-30, -0.0] * 2, device=cpu)   # ties, tiny, -0
+    x[2, :32] = 2.0 ** torch.arange(-16, 16, device=cpu).float()   # a wide block
     x[3] *= 1e-38                                              # fp32-subnormal-ish block amax
     return x.to(dtype)
 
 
-@interpreter
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", range(len(CASES)), ids=IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_bitwise_equals_reference(case, dtype):
+def test_kernel_bitwise_equals_reference(case, dtype, device):
     from skyrl_numerics.quant.triton_fq import fake_quant_triton
     recipe, opts = CASES[case]
     for seed in range(2):
-        x = _data(seed, dtype)
+        x = _data(seed, dtype).to(resolve(device))
         if "global_amax" in opts:
             x = x.clamp(-3, 3)
         ref = fake_quant(x, recipe, **opts)
@@ -58,15 +53,15 @@ def test_kernel_bitwise_equals_reference(case, dtype):
         assert torch.equal(mask.bool(), (x.float() >= lo) & (x.float() <= hi))
 
 
-@interpreter
-@pytest.mark.parametrize("conv", ["vllm", "te", "modelopt", "torchao", "compressed_tensors", "torchao<0.17"])
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("conv", QUANT_TINY_CONVENTIONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_tiny_tensors_equal_reference(conv, dtype):
+def test_kernel_tiny_tensors_equal_reference(conv, dtype, device):
     """Subnormal and tiny tensors: the global is so small that element multipliers overflow to inf
     and exact zeros meet ``0 * inf`` (the reference encodes them as 0), MX scale code 0 blocks."""
     from skyrl_numerics.quant.triton_fq import fake_quant_triton
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(8, 64, generator=g)
+    x = torch.randn(8, 64, generator=g, device="cpu").to(resolve(device))
     x[:, ::5] = 0
     x[0, 1::5] = -0.0
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
@@ -87,8 +82,8 @@ def test_kernel_refuses_options_it_does_not_implement():
         fake_quant_triton(torch.ones(2, 16), "nvfp4", convention="torchao", global_scale=1e-3)
 
 
-@interpreter
-def test_triton_ste_gradients():
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_ste_gradients(device):
     from skyrl_numerics.quant.triton_fq import ste_fake_quant_triton
     x = torch.randn(4, 64) * 4
     x[0, 0] = 7.9                                              # mxfp4 floor: saturates -> no gradient (clipped)
@@ -101,6 +96,23 @@ def test_triton_ste_gradients():
     x.grad = None
     ste_fake_quant_triton(x, "nvfp4", convention="te").sum().backward()
     assert torch.equal(x.grad, torch.ones_like(x))
+
+
+@pytest.mark.parametrize("device", CUDA_ONLY)
+@pytest.mark.parametrize("case", range(len(CASES)), ids=IDS)
+def test_kernel_bitwise_equals_reference_on_a_large_tensor(case, device):
+    """A large bf16 tensor (64M elements on the GPU; the dry run's 4096): every block of it."""
+    from skyrl_numerics.quant.triton_fq import fake_quant_triton
+    recipe, opts = CASES[case]
+    n = SIZES["quant_n"] - SIZES["quant_n"] % 4096
+    g = torch.Generator(device=resolve(device)).manual_seed(0)
+    x = (torch.randn(n // 4096, 4096, generator=g, device=resolve(device)) *
+         torch.exp(torch.randn(n // 4096, 1, generator=g, device=resolve(device)))).to(torch.bfloat16)
+    if "global_amax" in opts:
+        x = x.clamp(-3, 3)
+    out, ref = fake_quant_triton(x, recipe, **opts), fake_quant(x, recipe, **opts)
+    bad = int((out.view(torch.int16) != ref.view(torch.int16)).sum())
+    assert bad == 0, f"{bad} of {n:,} elements differ from the torch recipe"
 
 
 COMPILE = textwrap.dedent("""

@@ -6,7 +6,7 @@ result for a row changes with the row's POSITION inside the tile (measured: ~800
 random 16x16 @ 16x8 products differ when the row moves), which would make every invariance
 test meaningless; there (``PORTABLE``) it is an explicit multiply + sum over K instead, whose
 order is the same for every row. The GPU claim (an MMA treats every row alike) is checked on the
-GPU by ``benchmarks/gpu_check.py``; the ``tl.dot`` branch itself runs in the interpreter (fp32,
+GPU by the ``gpu``-marked tests (``benchmarks/gpu_check.py`` runs them); the ``tl.dot`` branch itself runs in the interpreter (fp32,
 ``portable=False``, vs the float64 reference) in ``tests/kernels/test_tl_dot_branch.py``.
 """
 from __future__ import annotations
