@@ -8,7 +8,8 @@ the worker; the generator calls them with ``llm.collective_rpc("skyrl_...")``.
 """
 from __future__ import annotations
 
-from .capture import _install_sampler_hook, _moe_runners, _RouteStore, _SupportStore
+from .capture import _moe_runners, _RouteStore, _SupportStore
+from .vllm_patches import wrap_sampler
 
 
 def _request_amx_permission() -> bool:
@@ -161,7 +162,7 @@ class SkyrlWorkerExtension:
         if getattr(self, "_skyrl_support", None) is not None:
             return True
         store = _SupportStore(self.model_runner)
-        self._skyrl_support_unhook = _install_sampler_hook(self.model_runner, store)
+        self._skyrl_support_unhook = wrap_sampler(self.model_runner, store)
         self._skyrl_support = store
         return True
 
