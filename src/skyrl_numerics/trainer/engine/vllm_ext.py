@@ -2,7 +2,10 @@
 from small mixins by concern — in-place weights (:class:`WeightsMixin`), which kernels run the
 layers, parameter digests and the host report (:class:`KernelsMixin`), the capture of the experts
 each MoE router chose (R3, :class:`RoutesMixin`) and of the support the sampler kept
-(:class:`SupportsMixin`). (Every patch of vLLM's own classes and objects: ``vllm_patches.py``.)
+(:class:`SupportsMixin`) — plus the two diagnostic engines of the DeepSeek-V3 attribution, the same
+mixins with the attribution schedule recorder (``mla_attribution/worker.py``):
+:class:`MLAScheduleExtension` and :class:`MLARopeFixExtension`. (Every patch of vLLM's own
+classes and objects: ``vllm_patches.py``.)
 
 The capture itself (where each route row goes, prefix-cache hits, vLLM's own fields on CPU):
 ``capture.py``. A class here is passed as ``worker_extension_cls`` so vLLM mixes its methods into
@@ -11,10 +14,12 @@ the worker (``self`` is the worker); the generator calls them with
 """
 from __future__ import annotations
 
+from ..mla_attribution.worker import AttributionScheduleMixin, MLARopeFixMixin
 from .capture import _moe_runners, _RouteStore, _SupportStore
 from .vllm_patches import wrap_sampler
 
-__all__ = ["SkyrlWorkerExtension", "WeightsMixin", "KernelsMixin", "RoutesMixin", "SupportsMixin"]
+__all__ = ["SkyrlWorkerExtension", "MLAScheduleExtension", "MLARopeFixExtension", "WeightsMixin",
+           "KernelsMixin", "RoutesMixin", "SupportsMixin"]
 
 
 def _request_amx_permission() -> bool:
@@ -202,3 +207,14 @@ class SkyrlWorkerExtension(WeightsMixin, KernelsMixin, RoutesMixin, SupportsMixi
     ``sync/vllm.py``), which kernels run the layers, parameter digests, the host report, route
     capture and support capture."""
 
+
+class MLAScheduleExtension(AttributionScheduleMixin, SkyrlWorkerExtension):
+    """:class:`SkyrlWorkerExtension` plus a recorder of each forward's batch layout, started with
+    route capture (``mla_attribution.EXTENSION``; see
+    :class:`~skyrl_numerics.trainer.mla_attribution.worker.AttributionScheduleMixin`)."""
+
+
+class MLARopeFixExtension(MLARopeFixMixin, AttributionScheduleMixin, SkyrlWorkerExtension):
+    """:class:`MLAScheduleExtension`'s recorder plus the engine's MLA rotary calls fixed at route
+    capture start (``mla_attribution.ROPE_FIX_EXTENSION``; see
+    :class:`~skyrl_numerics.trainer.mla_attribution.worker.MLARopeFixMixin`)."""
