@@ -172,7 +172,8 @@ class RoutesMixin:
 
 
 class SupportsMixin:
-    """Support capture (top-p / top-k: the set the sampler kept, :class:`~.capture._SupportStore`)."""
+    """Support capture (top-p / top-k: the set the sampler kept,
+    :class:`~.capture._SupportStore`)."""
 
     def skyrl_support_capture_start(self) -> bool:
         """Wrap the runner's top-k/top-p sampler so every sampled token's support is recorded
