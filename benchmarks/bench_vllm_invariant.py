@@ -120,7 +120,10 @@ def main() -> None:
 
 
 def _install_timer(worker, tokens: int) -> int:
-    """(In the worker.) Record (start, duration, tokens) of each model forward."""
+    """(In the worker.) Record (start, duration, tokens) of each model forward (the instance
+    patch ``"model.forward"`` of ``vllm_patches.py``; kept for the engine's life)."""
+    from skyrl_numerics.trainer.engine.vllm_patches import patch_instance
+
     model = worker.model_runner.model
     forward = model.forward
     times = model._skyrl_bench_times = []
@@ -132,7 +135,7 @@ def _install_timer(worker, tokens: int) -> int:
         if ids is not None:
             times.append((t0, time.perf_counter() - t0, int(ids.shape[0])))
         return out
-    model.forward = timed
+    patch_instance(model, "forward", timed, what="model.forward")
     return 0
 
 

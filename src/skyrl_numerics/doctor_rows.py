@@ -241,7 +241,7 @@ SCENARIOS[_MLA_SCENARIO] = Scenario(
     FULL, description="temperature 1, full vocabulary; the engine records each step's batch "
     "layout (for the rotary-kernel emulation)",
     engine=dict(capture_routes=True,
-                worker_extension_cls="skyrl_numerics.trainer.mla_attribution.MLAScheduleExtension"))
+                worker_extension_cls="skyrl_numerics.trainer.engine.vllm_ext.MLAScheduleExtension"))
 
 
 def _mla_attribution(pieces: tuple, use_routes: bool = False, prefill: str = "absorbed"):
@@ -295,7 +295,7 @@ SCENARIOS[_MLA_FIXED] = Scenario(
     FULL, description="temperature 1, full vocabulary; vLLM's MLA layers call the CPU rotary "
     "kernel on 2-D copies of q/k (MLARopeFixExtension): every head and key at its own position",
     engine=dict(capture_routes=True,
-                worker_extension_cls="skyrl_numerics.trainer.mla_attribution.MLARopeFixExtension"))
+                worker_extension_cls="skyrl_numerics.trainer.engine.vllm_ext.MLARopeFixExtension"))
 register_row(Row("engine rotary fixed: HF trainer, bf16", _MLA_FIXED, _mla_attribution(()),
                  default=False, families=_DS,
                  note="the confirmation from the engine side: fix the rotary call instead of "

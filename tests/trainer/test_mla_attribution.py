@@ -1,4 +1,4 @@
-"""The vLLM-style pieces of the HF DeepSeek-V3 forward (trainer/mla_attribution.py): exact in
+"""The vLLM-style pieces of the HF DeepSeek-V3 forward (trainer/mla_attribution/): exact in
 fp64 where the math is the same, different (and close) in bf16, restored bitwise on exit, and the
 rotary-kernel emulation pinned to vLLM CPU's own kernel."""
 from __future__ import annotations
@@ -9,6 +9,7 @@ import torch
 
 from skyrl_numerics.models import load_hf_model
 from skyrl_numerics.trainer import mla_attribution as A
+from skyrl_numerics.trainer.mla_attribution import hf_forward as HF
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,7 @@ def test_vllm_mla_is_exact_in_fp64(fp64, prefill, rope):
 def test_restored_forward_is_bitwise_the_original(bf16):
     ids = _ids()
     ref = _hidden(bf16, ids)
-    attn = A._modules(bf16, "DeepseekV3Attention")
+    attn = HF._modules(bf16, "DeepseekV3Attention")
     with A.vllm_style(bf16, ["mla", "router", "moe", "mlp"], rope="vllm"):
         assert all("forward" in m.__dict__ for m in attn)
         patched = _hidden(bf16, ids)
@@ -84,8 +85,8 @@ def test_hf_formulation_path_is_bitwise_hf(bf16):
     """The patched forward's HF branch (used by vllm_cpu_rope) is HF's own computation."""
     ids = _ids(seed=3)
     ref = _hidden(bf16, ids)
-    with A._mla_patch(bf16, formulation="hf", prompt_lens=None, prefill="absorbed", rope="hf",
-                      rope_positions=None, what="test"):
+    with HF._mla_patch(bf16, formulation="hf", prompt_lens=None, prefill="absorbed", rope="hf",
+                       rope_positions=None, what="test"):
         got = _hidden(bf16, ids)
     assert torch.equal(got, ref)
 
@@ -216,7 +217,9 @@ def test_rowwise_rope_fix_rotates_every_head_by_its_position(fp64):
     q = torch.randn(T, H, Pn + R, generator=g)
     q0, k0 = q[..., Pn:].clone(), fused[:, Q + L:].clone()
     k_pe = fused[:, Q + L:].unsqueeze(1)
-    q[..., Pn:], k_pe = A._RowwiseRope(rope)(positions, q[..., Pn:], k_pe)
+    from skyrl_numerics.trainer.engine.vllm_patches import _RowwiseRope
+
+    q[..., Pn:], k_pe = _RowwiseRope(rope)(positions, q[..., Pn:], k_pe)
     ref_q, ref_k = ref(q0.reshape(T, -1), positions), ref(k0, positions)
     assert torch.allclose(q[..., Pn:].reshape(T, -1), ref_q, atol=1e-5)
     assert torch.allclose(k_pe.reshape(T, -1), ref_k, atol=1e-5)

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .vllm_patches import wrap_sampler
+
 
 class _RouteStore:
     """Routes ``[positions, num_layers, k]`` per request and per KV slot.
@@ -186,7 +188,8 @@ class _SupportStore:
     """The support the sampler kept, per request and sampled position (top-p / top-k capture).
 
     Installed around the runner's ``sampler.topk_topp_sampler.forward`` (an instance attribute
-    vLLM picks per platform): that call receives the temperature-scaled logits of every request
+    vLLM picks per platform; the patch ``"sampler.forward"``, :func:`vllm_patches.wrap_sampler`):
+    that call receives the temperature-scaled logits of every request
     in the batch (row ``b`` = ``input_batch`` order) with its ``k`` / ``p`` and returns the
     sampled ids and, in ``processed_logprobs`` mode, the log-softmax of the truncated logits:
     ``-inf`` exactly outside the support the token was drawn from. The support is read from those
@@ -283,24 +286,6 @@ def _moe_runners(model) -> list:
     return mods
 
 
-def _install_sampler_hook(runner, store: "_SupportStore"):
-    """Wrap the runner's top-k/top-p sampler so every sampled row's support reaches ``store``;
-    returns the function that puts the original back."""
-    tts = runner.sampler.topk_topp_sampler
-    orig = tts.forward
-
-    def forward(logits, generators, k, p):
-        # processed_logprobs / processed_logits return the truncated distribution itself;
-        # otherwise keep a copy of the logits (the sampler may mask them in place)
-        keep = None if tts.logprobs_mode.startswith("processed") else logits.clone()
-        sampled, processed = orig(logits, generators, k, p)
-        store.capture(keep, k, p, processed)
-        return sampled, processed
-
-    tts.forward = forward
-    return lambda: setattr(tts, "forward", orig)
-
-
 class AuxOutputs:
     """vLLM's own auxiliary outputs on the V1 (CPU) model runner: ``routed_experts`` and
     ``sampling_mask`` filled into ``ModelRunnerOutput`` exactly as the GPU V2 runner does.
@@ -350,7 +335,7 @@ class AuxOutputs:
             self._start_routes()
         if getattr(vc.model_config, "return_sampling_mask", False):
             self.masks = _SupportStore(runner)
-            self._unhooks.append(_install_sampler_hook(runner, self.masks))
+            self._unhooks.append(wrap_sampler(runner, self.masks))
 
     @classmethod
     def wanted(cls, vllm_config) -> bool:

@@ -1,15 +1,26 @@
-"""The one worker-side extension of the vLLM engine (:class:`SkyrlWorkerExtension`): in-place
-weight loading, the host report, and the capture of the experts each MoE router chose (R3) and of
-the support the sampler kept. (Patches of vLLM's own classes: ``vllm_patches.py``.)
+"""The one worker-side extension of the vLLM engine (:class:`SkyrlWorkerExtension`), composed here
+from small mixins by concern — in-place weights (:class:`WeightsMixin`), which kernels run the
+layers, parameter digests and the host report (:class:`KernelsMixin`), the capture of the experts
+each MoE router chose (R3, :class:`RoutesMixin`) and of the support the sampler kept
+(:class:`SupportsMixin`) — plus the two diagnostic engines of the DeepSeek-V3 attribution, the same
+mixins with the attribution schedule recorder (``mla_attribution/worker.py``):
+:class:`MLAScheduleExtension` and :class:`MLARopeFixExtension`. (Every patch of vLLM's own
+classes and objects: ``vllm_patches.py``.)
 
 The capture itself (where each route row goes, prefix-cache hits, vLLM's own fields on CPU):
-``capture.py``. This class is passed as ``worker_extension_cls`` so vLLM mixes its methods into
-the worker; the generator calls them with ``llm.collective_rpc("skyrl_...")``.
+``capture.py``. A class here is passed as ``worker_extension_cls`` so vLLM mixes its methods into
+the worker (``self`` is the worker); the generator calls them with
+``llm.collective_rpc("skyrl_...")``.
 """
 from __future__ import annotations
 
 from ..sync.sharded import ShardedSyncWorker
-from .capture import _install_sampler_hook, _moe_runners, _RouteStore, _SupportStore
+from ..mla_attribution.worker import AttributionScheduleMixin, MLARopeFixMixin
+from .capture import _moe_runners, _RouteStore, _SupportStore
+from .vllm_patches import wrap_sampler
+
+__all__ = ["SkyrlWorkerExtension", "MLAScheduleExtension", "MLARopeFixExtension", "WeightsMixin",
+           "KernelsMixin", "RoutesMixin", "SupportsMixin"]
 
 
 def _request_amx_permission() -> bool:
@@ -33,13 +44,9 @@ def _request_amx_permission() -> bool:
 _request_amx_permission()
 
 
-class SkyrlWorkerExtension(ShardedSyncWorker):
-    """The one worker extension: the methods vLLM mixes into its worker (``worker_extension_cls``;
-    ``self`` is the worker), called over ``collective_rpc("skyrl_...")`` — in-place weight loading
-    (``skyrl_load_weights``, the load path of ``sync/vllm.py``), which kernels run the layers,
-    parameter digests, the host report, route capture and support capture."""
+class WeightsMixin:
+    """In-place weight loading (caller side: ``sync/vllm.py::update_vllm_weights``)."""
 
-    # ---- in-place weights (caller side: sync/vllm.py::update_vllm_weights) ----------------
     def skyrl_load_weights(self, path: str) -> dict:
         """Reload the weights in ``path`` (safetensors, checkpoint names) into the live model."""
         import time
@@ -58,6 +65,11 @@ class SkyrlWorkerExtension(ShardedSyncWorker):
         n = load_into_model(self.vllm_config, self.model_runner.get_model(), weights(),
                             reload=self.reload_weights)  # the worker's: also resets LoRA/mm state
         return {"loaded": n, "seconds": time.perf_counter() - t0}
+
+
+class KernelsMixin:
+    """What runs the layers (``skyrl_linear_kernels``), parameter digests (for tests) and this
+    worker's host report."""
 
     def skyrl_linear_kernels(self) -> dict[str, str]:
         """Per quantized layer, what runs it: ``"<scheme> / <kernel>"`` (e.g.
@@ -88,8 +100,6 @@ class SkyrlWorkerExtension(ShardedSyncWorker):
                                         digest_size=16).hexdigest()
         return out
 
-    # ---- the host, routes, supports ----------------------------------------------------------
-
     def skyrl_host_info(self) -> dict:
         """This worker's :func:`skyrl_numerics.host.host_info`: its CPU, ISA flags, torch CPU
         capability and the vLLM kernel library it loaded (the generator asks once at start)."""
@@ -100,6 +110,12 @@ class SkyrlWorkerExtension(ShardedSyncWorker):
         # plain JSON types only: vLLM's msgpack reply cannot carry e.g. a TorchVersion, and a
         # reply it cannot encode is never answered (the caller would wait forever)
         return json.loads(json.dumps(host_info()))
+
+
+class RoutesMixin:
+    """Route capture (R3): the experts each MoE router chose, per request and position
+    (:class:`~.capture._RouteStore`), and the state of vLLM's own ``routed_experts`` /
+    ``sampling_mask`` outputs on CPU (:class:`~.capture.AuxOutputs`)."""
 
     def skyrl_route_capture_start(self) -> dict:
         if self.model_runner.vllm_config.aux_output_config.enable_return_routed_experts:
@@ -155,14 +171,18 @@ class SkyrlWorkerExtension(ShardedSyncWorker):
         self._skyrl_route_unhook()
         self._skyrl_routes = None
 
-    # ---- support capture (top-p / top-k: the set the sampler kept) -----------------------
+
+class SupportsMixin:
+    """Support capture (top-p / top-k: the set the sampler kept,
+    :class:`~.capture._SupportStore`)."""
+
     def skyrl_support_capture_start(self) -> bool:
         """Wrap the runner's top-k/top-p sampler so every sampled token's support is recorded
         (:class:`_SupportStore`). Idempotent; returns True once installed."""
         if getattr(self, "_skyrl_support", None) is not None:
             return True
         store = _SupportStore(self.model_runner)
-        self._skyrl_support_unhook = _install_sampler_hook(self.model_runner, store)
+        self._skyrl_support_unhook = wrap_sampler(self.model_runner, store)
         self._skyrl_support = store
         return True
 
@@ -179,3 +199,24 @@ class SkyrlWorkerExtension(ShardedSyncWorker):
             return
         self._skyrl_support_unhook()
         self._skyrl_support = None
+
+
+# ---- the extensions: the mixins composed ------------------------------------------------------
+
+class SkyrlWorkerExtension(WeightsMixin, ShardedSyncWorker, KernelsMixin, RoutesMixin, SupportsMixin):
+    """The one worker extension (``WORKER_EXTENSION`` of ``generator.py`` / ``server.py`` /
+    ``sync/vllm.py``): in-place weight loading (``skyrl_load_weights``, the load path of
+    ``sync/vllm.py``; ``skyrl_shard_*``, the sharded transfer of ``sync/sharded.py``), which kernels
+    run the layers, parameter digests, the host report, route capture and support capture."""
+
+
+class MLAScheduleExtension(AttributionScheduleMixin, SkyrlWorkerExtension):
+    """:class:`SkyrlWorkerExtension` plus a recorder of each forward's batch layout, started with
+    route capture (``mla_attribution.EXTENSION``; see
+    :class:`~skyrl_numerics.trainer.mla_attribution.worker.AttributionScheduleMixin`)."""
+
+
+class MLARopeFixExtension(MLARopeFixMixin, AttributionScheduleMixin, SkyrlWorkerExtension):
+    """:class:`MLAScheduleExtension`'s recorder plus the engine's MLA rotary calls fixed at route
+    capture start (``mla_attribution.ROPE_FIX_EXTENSION``; see
+    :class:`~skyrl_numerics.trainer.mla_attribution.worker.MLARopeFixMixin`)."""

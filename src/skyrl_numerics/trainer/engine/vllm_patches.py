@@ -1,11 +1,23 @@
-"""The one place that patches vLLM's server side (vLLM 0.32) — every patch listed, reversible.
+"""The one place that patches vLLM (0.32) — every patch listed, reversible, tested.
 
-Installed by our ``vllm.general_plugins`` entry point (:func:`install` in ``vllm_plugin.register``)
-in every vLLM process; :func:`uninstall` puts every original object back (reference-counted;
-an inherited attribute is inherited again; tested in ``tests/e2e/test_server_routes.py``).
-Worker-side hooks that act on a running model (route and support capture) live in
-``vllm_ext.py`` / ``capture.py`` and are installed per engine on request; this module holds the patches of
-vLLM's own classes and module globals.
+Two kinds. **Class and module patches** (the first list below) are installed by our
+``vllm.general_plugins`` entry point (:func:`install` in ``vllm_plugin.register``) in every vLLM
+process; :func:`uninstall` puts every original object back (reference-counted; an inherited
+attribute is inherited again; tested in ``tests/e2e/test_server_routes.py``). **Instance
+patches** (:data:`INSTANCE_PATCHES`, the second list) replace an attribute of *one* object of a
+running engine (its sampler, its MLA layers, its model) on request; each goes through
+:func:`patch_instance`, which refuses an unlisted one and returns the function that puts the
+original back (tested in ``tests/trainer/test_vllm_instance_patches.py``, on real vLLM classes).
+Nothing else in the project assigns to an attribute of a vLLM object.
+
+Not patches (public hooks, nothing of vLLM's is replaced; listed so nobody looks for them here):
+the route capture's ``BaseRouter.set_capture_fn`` (vLLM's own capture hook, ``capture.py``), the
+``route_hook`` attribute of our own batch-invariant model (``invariant/base.py``), and the MLA
+schedule recorder's ``register_forward_pre_hook`` on the engine's token embedding
+(``mla_attribution/worker.py``).
+
+Class and module patches (:func:`install`)
+------------------------------------------
 
 ``vllm.entrypoints.serve.middleware.authenticate.GUARDED_PREFIX``
     vLLM's ``--api-key`` middleware checks only paths under ``/v1``, ``/v2``, ``/inference`` and
@@ -49,14 +61,39 @@ vLLM's own classes and module globals.
     in ``/inference/v1/generate``) do the rest, unchanged. With neither output on, the wrappers
     only call the originals. (vLLM CPU turns async scheduling off; an ``AsyncModelRunnerOutput``
     would be passed through without the outputs.)
+
+Instance patches (:func:`patch_instance`, keys of :data:`INSTANCE_PATCHES`)
+---------------------------------------------------------------------------
+
+``"sampler.forward"``: ``TopKTopPSampler.forward`` of one runner's sampler (:func:`wrap_sampler`)
+    vLLM picks the sampling function per platform and stores it as an *instance* attribute
+    (``self.forward = self.forward_cpu``); the support capture (``skyrl_support_capture_start``,
+    and ``AuxOutputs`` for ``--return-sampling-mask``) wraps it so every sampled row's support
+    (the ids with a finite processed logit) is recorded. The wrapper calls the original and
+    returns its result unchanged. Undone by ``skyrl_support_capture_stop`` / ``AuxOutputs.close``.
+``"mla.rotary_emb"``: ``MultiHeadLatentAttentionWrapper.rotary_emb`` of every MLA layer of one
+model (:func:`rowwise_mla_rope`)
+    vLLM 0.32 CPU's rotary kernel, called on MLA's 3-D q/k *views*, rotates query head ``r %
+    heads`` of token ``r // heads`` by the position of token ``r`` (docs/mla.md); the
+    replacement (:class:`_RowwiseRope`) calls vLLM's own rotary layer on 2-D contiguous copies,
+    so every head and key is rotated by its own position. Installed by ``MLARopeFixExtension``
+    when route capture starts (a diagnostic engine of the doctor; kept for the engine's life).
+``"model.forward"``: ``forward`` of the runner's model (``benchmarks/bench_vllm_invariant.py``)
+    the benchmark's per-forward timer (``--forward-times``): the wrapper calls the original
+    forward and records its start, duration and token count. Kept for the engine's life.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import threading
+import weakref
 
-__all__ = ["install", "uninstall", "installed", "patched", "CONTROL_ROUTES", "OPEN_ROUTES"]
+import torch
+
+__all__ = ["install", "uninstall", "installed", "patched", "CONTROL_ROUTES", "OPEN_ROUTES",
+           "INSTANCE_PATCHES", "patch_instance", "instance_patches", "wrap_sampler",
+           "rowwise_mla_rope"]
 
 OPEN_ROUTES = ("/health", "/ping", "/version", "/metrics", "/load")
 CONTROL_ROUTES = (
@@ -241,3 +278,118 @@ def patched():
         yield
     finally:
         uninstall()
+
+
+# ---- instance patches ---------------------------------------------------------------------------
+
+# key -> (the vLLM class whose instances it applies to, by name, the attribute); reasons above
+INSTANCE_PATCHES = {
+    "sampler.forward": ("TopKTopPSampler", "forward"),
+    "mla.rotary_emb": ("MultiHeadLatentAttentionWrapper", "rotary_emb"),
+    "model.forward": (None, "forward"),    # any model class the runner holds
+}
+
+# (weak reference to the object, attribute, key) of every instance patch in place, in the order
+# applied (weak: a patch kept for an engine's life does not keep its model alive)
+_instance_saved: list[tuple[weakref.ref, str, str]] = []
+
+
+def _held_by(obj, name: str) -> bool:
+    """Whether ``obj`` holds ``name`` itself (its ``__dict__``, or a submodule / parameter /
+    buffer of an ``nn.Module``) rather than getting it from its class."""
+    d = vars(obj)
+    if name in d:
+        return True
+    return any(isinstance(d.get(store), dict) and name in d[store]
+               for store in ("_modules", "_parameters", "_buffers"))
+
+
+def patch_instance(obj, name: str, value, *, what: str):
+    """Set ``obj.<name> = value`` for the listed instance patch ``what`` (a key of
+    :data:`INSTANCE_PATCHES`, whose class and attribute must match) and return ``undo()``, which
+    puts the original back: the object's own attribute is set again, one it got from its class is
+    removed so the class's shows again. ``undo`` is idempotent."""
+    if what not in INSTANCE_PATCHES:
+        raise KeyError(f"{what!r} is not a listed vLLM instance patch ({sorted(INSTANCE_PATCHES)});"
+                       " list it (with its reason) in vllm_patches.py first")
+    cls_name, attr = INSTANCE_PATCHES[what]
+    if name != attr or (cls_name is not None
+                        and cls_name not in (c.__name__ for c in type(obj).__mro__)):
+        raise TypeError(f"instance patch {what!r} applies to {cls_name or 'any'}.{attr}, "
+                        f"not {type(obj).__name__}.{name}")
+    own = _held_by(obj, name)
+    original = getattr(obj, name)
+    setattr(obj, name, value)
+    entry = (weakref.ref(obj), name, what)
+    with _lock:
+        _instance_saved.append(entry)
+    done = []
+
+    def undo() -> None:
+        if done:
+            return
+        done.append(True)
+        if own:
+            setattr(obj, name, original)
+        else:   # it came from the class: drop the instance's, the class's shows again
+            delattr(obj, name)
+        with _lock:
+            _instance_saved[:] = [e for e in _instance_saved if e is not entry]
+    return undo
+
+
+def instance_patches() -> list[tuple[str, str]]:
+    """The instance patches in place in this process: ``(key, type name of the object)``."""
+    with _lock:
+        return [(what, type(ref()).__name__) for ref, _, what in _instance_saved
+                if ref() is not None]
+
+
+def wrap_sampler(runner, store):
+    """Wrap the runner's top-k/top-p sampler so every sampled row's support reaches ``store``;
+    returns the function that puts the original back."""
+    tts = runner.sampler.topk_topp_sampler
+    orig = tts.forward
+
+    def forward(logits, generators, k, p):
+        # processed_logprobs / processed_logits return the truncated distribution itself;
+        # otherwise keep a copy of the logits (the sampler may mask them in place)
+        keep = None if tts.logprobs_mode.startswith("processed") else logits.clone()
+        sampled, processed = orig(logits, generators, k, p)
+        store.capture(keep, k, p, processed)
+        return sampled, processed
+
+    return patch_instance(tts, "forward", forward, what="sampler.forward")
+
+
+class _RowwiseRope(torch.nn.Module):
+    """Calls vLLM's rotary op on 2-D ``[tokens, heads * rope]`` copies of MLA's 3-D q/k views,
+    the layout its CPU kernel handles, and returns them in the views' shapes."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, positions, query, key=None):
+        T = positions.numel()
+        q2 = query.reshape(T, -1).contiguous()
+        k2 = None if key is None else key.reshape(T, -1).contiguous()
+        q2, k2 = self.inner(positions, q2, k2)
+        return q2.view(query.shape), (None if key is None else k2.view(key.shape))
+
+
+def rowwise_mla_rope(model):
+    """Route every MLA layer's rotary call of ``model`` through 2-D contiguous copies
+    (:class:`_RowwiseRope`), so vLLM CPU rotates every query head and key by its own position.
+    Returns ``(layers patched, undo)``; layers already patched are left alone."""
+    undos = []
+    for m in model.modules():
+        rot = getattr(m, "rotary_emb", None)
+        if type(m).__name__ == "MultiHeadLatentAttentionWrapper" and rot is not None \
+                and not isinstance(rot, _RowwiseRope):
+            undos.append(patch_instance(m, "rotary_emb", _RowwiseRope(rot), what="mla.rotary_emb"))
+
+    def undo() -> None:
+        for u in reversed(undos):
+            u()
+    return len(undos), undo

@@ -13,9 +13,9 @@ rounded once to ``T``), largest first as measured (docs/mla.md):
 - :func:`vllm_cpu_rope` — vLLM 0.32 CPU's rotary kernel on MLA's 3-D q/k *views*: it rotates
   query head ``r % H`` of token ``r // H`` by the position of token ``r`` and leaves the rest
   unrotated, keys likewise, so what the engine computes depends on its batch layout. The trainer
-  emulates it from the layout the engine recorded (:class:`MLAScheduleExtension`,
-  :func:`recorded_steps`, :func:`cpu_rope_positions`). :class:`MLARopeFixExtension` fixes the
-  engine instead.
+  emulates it from the layout the engine recorded (``MLAScheduleExtension``, ``worker.py``;
+  :func:`recorded_steps`, :func:`cpu_rope_positions`, ``schedule.py``). ``MLARopeFixExtension``
+  fixes the engine instead.
 - :func:`vllm_style_mla` — the attention formulation. HF runs the *expanded* form for every
   position: ``k_nope = W_UK c``, ``v = W_UV c`` (both rounded to ``T``), per-head attention over
   ``[k_nope, k_pe]``. vLLM runs the *absorbed* form over the latent cache ``[c, k_pe]``
@@ -60,11 +60,11 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from skyrl_numerics.trainer.engine.vllm_ext import SkyrlWorkerExtension
+from .schedule import cpu_rope_positions
 
 __all__ = ["vllm_style_mla", "vllm_cpu_rope", "vllm_style_router", "vllm_style_moe",
-           "vllm_style_mlp", "vllm_style", "vllm_style_hook", "cpu_rope_positions",
-           "lockstep_schedule", "absorbed_attention", "expanded_attention", "PIECES"]
+           "vllm_style_mlp", "vllm_style", "vllm_style_hook", "absorbed_attention",
+           "expanded_attention", "PIECES"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -352,202 +352,6 @@ def vllm_cpu_rope(model, rope_positions, *, rope: str = "hf"):
     with _mla_patch(model, formulation="hf", prompt_lens=None, prefill="absorbed", rope=rope,
                     rope_positions=rope_positions, what="vllm_cpu_rope"):
         yield model
-
-
-def lockstep_schedule(prompt_lens: Sequence[int], response_lens: Sequence[int]):
-    """The engine steps of one ``generate`` call over these requests, assuming (as in the doctor:
-    equal prompts, a token budget above ``Σ prompt_lens``) that every prompt is prefilled in
-    the first step, in request order, and every later step decodes one token of each request still
-    running, in request order. A step is a list of ``(row, first_position, n_tokens)``. The last
-    response token is sampled, never fed back, so request ``i`` is fed
-    ``prompt_lens[i] + response_lens[i] - 1`` tokens."""
-    P = [int(x) for x in prompt_lens]
-    R = [int(x) for x in response_lens]
-    steps = [[(i, 0, P[i]) for i in range(len(P))]]
-    for k in range(1, max(R, default=0)):
-        step = [(i, P[i] + k - 1, 1) for i in range(len(P)) if R[i] > k]
-        if step:
-            steps.append(step)
-    return steps
-
-
-def _key_row_stride(config) -> int:
-    """Token stride of ``k_pe`` in rows of ``qk_rope_head_dim`` (see :func:`vllm_cpu_rope`)."""
-    R = config.qk_rope_head_dim
-    width = (config.q_lora_rank or 0) + config.kv_lora_rank + R
-    if width % R:
-        raise NotImplementedError(f"q_lora_rank + kv_lora_rank + qk_rope_head_dim = {width} is not "
-                                  f"a multiple of qk_rope_head_dim = {R}: the CPU rotary kernel's "
-                                  "rows then straddle two tokens, which this emulation does not "
-                                  "model")
-    return width // R
-
-
-def cpu_rope_positions(prompt_lens: Sequence[int], response_lens: Sequence[int], config,
-                       steps=None):
-    """Per request, the ``[heads + 1, prompt_len + response_len]`` positions vLLM CPU's rotary
-    kernel rotated each query head and (last row) the key by (see :func:`vllm_cpu_rope`), for the
-    engine ``steps`` (default :func:`lockstep_schedule`). Positions never fed to the engine (the
-    last response token) keep their own position. ``config``: the model's DeepseekV3 config."""
-    import numpy as np
-
-    H = config.num_attention_heads
-    kstride = _key_row_stride(config)
-    P = [int(x) for x in prompt_lens]
-    R = [int(x) for x in response_lens]
-    out = [np.tile(np.arange(P[i] + R[i]), (H + 1, 1)) for i in range(len(P))]
-    steps = lockstep_schedule(P, R) if steps is None else steps
-    for step in steps:
-        toks = [(row, p) for row, start, n in step for p in range(start, start + n)]
-        T = len(toks)
-        for t, (row, p) in enumerate(toks):
-            out[row][:, p] = 0                                   # not rotated, unless ...
-        for r in range(T):                                       # ... kernel row r reaches it
-            row, p = toks[r // H]
-            out[row][r % H, p] = toks[r][1]
-        for t in range(0, (T - 1) // kstride + 1):
-            row, p = toks[t]
-            out[row][H, p] = toks[t * kstride][1]
-    return out
-
-
-# ----------------------------------------------------------------------------------------------
-# the engine's batch layout, recorded in the worker (for vllm_cpu_rope)
-
-EXTENSION = "skyrl_numerics.trainer.mla_attribution.MLAScheduleExtension"
-
-
-class MLAScheduleExtension(SkyrlWorkerExtension):
-    """The project's worker extension plus a recorder of each forward's batch layout.
-
-    Pass it as ``VLLMGenerator(..., capture_routes=True, worker_extension_cls=EXTENSION)``: when the
-    generator starts route capture, a forward pre-hook on the model's token embedding starts
-    recording, per engine step, the scheduled tokens in batch order as ``(request id, position,
-    token id)``. :func:`recorded_steps` fetches them and maps them to a rollout's rows."""
-
-    def skyrl_route_capture_start(self) -> dict:
-        info = super().skyrl_route_capture_start()
-        self.skyrl_mla_schedule_start()
-        return info
-
-    def skyrl_mla_schedule_start(self) -> bool:
-        if getattr(self, "_skyrl_sched_handle", None) is not None:
-            return False
-        runner = self.model_runner
-        model = runner.get_model()
-        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        if not isinstance(emb, torch.nn.Module):
-            emb = model.model.embed_tokens
-        steps: list = []
-
-        def pre_hook(module, args):
-            ids = args[0]
-            ib = runner.input_batch
-            n_req = ib.num_reqs
-            qsl = [int(x) for x in runner.query_start_loc.np[: n_req + 1]]
-            n = qsl[-1]
-            pos = runner.positions[:n].cpu().tolist()
-            tok = ids[:n].cpu().tolist()
-            reqs = []
-            for b in range(n_req):
-                reqs += [str(ib.req_ids[b])] * (qsl[b + 1] - qsl[b])
-            steps.append([reqs, pos, tok])
-
-        self._skyrl_sched = steps
-        self._skyrl_sched_handle = emb.register_forward_pre_hook(pre_hook)
-        return True
-
-    def skyrl_mla_schedule_fetch(self, clear: bool = True) -> list:
-        steps = list(getattr(self, "_skyrl_sched", []))
-        if clear and steps:
-            self._skyrl_sched.clear()
-        return steps
-
-
-class _RowwiseRope(torch.nn.Module):
-    """Calls vLLM's rotary op on 2-D ``[tokens, heads * rope]`` copies of MLA's 3-D q/k views,
-    the layout its CPU kernel handles, and returns them in the views' shapes."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, positions, query, key=None):
-        T = positions.numel()
-        q2 = query.reshape(T, -1).contiguous()
-        k2 = None if key is None else key.reshape(T, -1).contiguous()
-        q2, k2 = self.inner(positions, q2, k2)
-        return q2.view(query.shape), (None if key is None else k2.view(key.shape))
-
-
-class MLARopeFixExtension(MLAScheduleExtension):
-    """:class:`MLAScheduleExtension` that also *fixes* the engine: every MLA layer's rotary call
-    goes through 2-D contiguous copies (:class:`_RowwiseRope`), so vLLM CPU rotates every query
-    head and key by its own position. Installed when the generator starts route capture (pass
-    ``capture_routes=True``), before any request runs."""
-
-    def skyrl_route_capture_start(self) -> dict:
-        info = super().skyrl_route_capture_start()
-        n = 0
-        for m in self.model_runner.get_model().modules():
-            rot = getattr(m, "rotary_emb", None)
-            if type(m).__name__ == "MultiHeadLatentAttentionWrapper" and rot is not None \
-                    and not isinstance(rot, _RowwiseRope):
-                m.rotary_emb = _RowwiseRope(rot)
-                n += 1
-        if n == 0:
-            raise RuntimeError("MLARopeFixExtension: the model has no MLA layers")
-        return info
-
-
-ROPE_FIX_EXTENSION = "skyrl_numerics.trainer.mla_attribution.MLARopeFixExtension"
-
-
-def recorded_steps(generator, rollout, *, clear: bool = True):
-    """The engine steps that produced ``rollout``, from an engine started with
-    :class:`MLAScheduleExtension`, as :func:`cpu_rope_positions` takes them (a list of steps, each
-    ``[(row, first_position, n_tokens), ...]`` in batch order). Requests are matched to rollout
-    rows by their prompt tokens (and in request order among equal prompts); steps of other
-    ``generate`` calls (warm-up) are dropped."""
-    raw = generator.llm.collective_rpc("skyrl_mla_schedule_fetch", args=(clear,))[0]
-    first: dict[str, list] = {}
-    for reqs, pos, tok in raw:
-        for r, p, t in zip(reqs, pos, tok):
-            seen = first.setdefault(r, [])
-            if p == len(seen):
-                seen.append(t)
-    rows: dict[str, int] = {}
-    taken: set[int] = set()
-    for r in sorted(first, key=lambda x: (len(x), x)):
-        pr = first[r]
-        for i in range(len(rollout)):
-            P = int(rollout.prompt_lens[i])
-            if i not in taken and len(pr) >= P and pr[:P] == rollout.prompt(i).tolist():
-                rows[r] = i
-                taken.add(i)
-                break
-    missing = [i for i in range(len(rollout)) if i not in taken]
-    if missing:
-        raise RuntimeError(f"recorded engine steps: no request found for rollout rows {missing}")
-    steps = []
-    for reqs, pos, _ in raw:
-        step = []
-        for r, p in zip(reqs, pos):
-            if r not in rows:
-                continue
-            row = rows[r]
-            if step and step[-1][0] == row and step[-1][1] + step[-1][2] == p:
-                step[-1] = (row, step[-1][1], step[-1][2] + 1)
-            else:
-                step.append((row, p, 1))
-        if step:
-            if len(step) != len({row for row, _, _ in step}) or any(
-                    r not in rows for r in reqs):
-                # a step mixing this rollout with another generate call, or a request split
-                raise RuntimeError("recorded engine steps: a step mixes requests of this rollout "
-                                   "with others (or splits one); the layout cannot be mapped")
-            steps.append(step)
-    return steps
 
 
 # ----------------------------------------------------------------------------------------------
