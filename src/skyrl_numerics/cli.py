@@ -251,7 +251,7 @@ def _cmd_train(args) -> int:
                            configs, settings, use_ray=args.ray, work_dir=out / "sync", task=task,
                            progress=not args.no_progress, backend=args.backend,
                            server=(servers if args.server and len(servers) > 1 else args.server),
-                           api_key=args.api_key)
+                           api_key=args.api_key, tp=args.tp, ep=args.ep)
         except InputError:
             raise
         except BaseException:
@@ -458,7 +458,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "or FILE.py:FUNCTION); default: the toy target-set task")
     t.add_argument("--backend", default="fsdp", choices=["fsdp", "megatron"],
                    help="trainer of the plain/aligned configs: FSDP2 over the HF model, or megatron-core "
-                        "GPTModel (MegatronTrainer, one rank; weights synced from its shards)")
+                        "GPTModel (MegatronTrainer; weights synced from its shards)")
+    t.add_argument("--tp", type=int, default=1,
+                   help="megatron backend: tensor parallel ranks of the plain/aligned trainer (Ray actors, "
+                        "gloo); each rank sends the engine only its own shards (sharded transfer)")
+    t.add_argument("--ep", type=int, default=1, help="megatron backend: expert parallel ranks")
     t.add_argument("--kv-cache", default=None, choices=["fp8", "fp8_ds_mla"],
                    help="bitwise config: the cache format the invariant engine stores (and the "
                         "trainer simulates)")

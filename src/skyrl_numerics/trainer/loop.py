@@ -10,7 +10,7 @@ One step of one configuration::
     manifest = publisher.publish(bf16 weights)             # XOR delta vs the last version, zstd
     receiver.sync(); update_vllm_weights(engine, ...)      # in place, no restart
 
-Generator and trainer are :class:`GeneratorWorker` / :class:`TrainerWorker`; with ``use_ray`` they
+Generator and trainer are :class:`GeneratorWorker` / :class:`TrainerWorker` (``workers.py``); with ``use_ray`` they
 run as Ray actors on a local cluster and rollouts travel through the object store (numpy arrays
 and packed routes come back as views of the shared buffer, not copies).
 
@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from skyrl_numerics.rollout import Rollout
+from skyrl_numerics.trainer.workers import GeneratorWorker, TrainerWorker  # noqa: F401  (re-exported)
 
 
 # ---- the task ------------------------------------------------------------------------------
@@ -96,151 +97,6 @@ class LoopSettings:
     measure_grad: bool = True
 
 
-# ---- workers (plain classes; Ray actors when use_ray) ----------------------------------------
-class GeneratorWorker:
-    """Owns the vLLM engine and a delta receiver; applies new versions to the engine in place."""
-
-    def __init__(self, model_dir: str, batch_invariant: bool = False, kv_cache=None):
-        from skyrl_numerics.trainer.engine.generator import get_generator
-
-        self.model_dir = model_dir
-        kw = dict(batch_invariant=True, kv_cache=kv_cache) if batch_invariant else {}
-        if kv_cache is None:
-            kw.pop("kv_cache", None)
-        self.gen = get_generator(model_dir, capture_routes=True, **kw)
-        self.receiver = None
-
-    def restore(self) -> None:
-        """Put the checkpoint's own weights back into the (possibly shared, cached) engine."""
-        from safetensors.torch import load_file
-
-        from skyrl_numerics.trainer.sync.vllm import update_vllm_weights
-
-        update_vllm_weights(self.gen, load_file(str(Path(self.model_dir) / "model.safetensors")))
-
-    def close(self) -> None:
-        """Shut the engine down (its worker processes would outlive a killed Ray actor)."""
-        self.gen.close()
-
-    def attach(self, sync_dir: str) -> dict:
-        """Follow a new publisher (a new configuration): load its full snapshot into the engine."""
-        from skyrl_numerics.trainer.sync.weight_sync import DeltaReceiver
-        from skyrl_numerics.trainer.sync.vllm import update_vllm_weights
-
-        self.receiver = DeltaReceiver(sync_dir)
-        applied = self.receiver.sync()
-        up = update_vllm_weights(self.gen, self.receiver.state)
-        return {"version": self.receiver.version, "versions": len(applied),
-                "engine_update_s": up.total_s}
-
-    def sync(self) -> dict:
-        from skyrl_numerics.trainer.sync.vllm import update_vllm_weights
-
-        applied = self.receiver.sync()
-        changed = sorted({n for m in applied for n in m.changed})
-        up = update_vllm_weights(self.gen, self.receiver.state, changed=changed)
-        return {"version": self.receiver.version, "engine_update_s": up.total_s,
-                "engine_update_tensors": up.tensors,
-                "payload_bytes": sum(m.payload_nbytes for m in applied),
-                "raw_bytes": sum(m.raw_nbytes for m in applied)}
-
-    def generate(self, prompts, **sampling) -> Rollout:
-        return self.gen.generate(prompts, **sampling)
-
-    def engine_host(self) -> dict | None:
-        """The engine worker's host report, asked once at engine start (generator.py)."""
-        return getattr(self.gen, "engine_host", None)
-
-
-class TrainerWorker:
-    """Owns the policy (fp32 master weights), the optimizer and the delta publisher."""
-
-    def __init__(self, model_dir: str, config: LoopConfig, sync_dir: str, snapshot_every: int,
-                 backend: str = "fsdp"):
-        import functools
-
-        from skyrl_numerics.trainer.sync.weight_sync import DeltaPublisher
-
-        self.bitwise = config.bitwise
-        self.megatron = backend == "megatron" and not config.bitwise
-        if config.bitwise:
-            from skyrl_numerics.trainer.invariant.train import InvariantTrainer
-
-            self.trainer = InvariantTrainer(model_dir, lr=config.lr, kv_cache=config.kv_cache,
-                                            use_support=config.use_support)
-            self.publisher = DeltaPublisher(sync_dir, snapshot_every=snapshot_every)
-            self.publish(full=True)
-            return
-
-        from skyrl_numerics import correction as corr
-        from skyrl_numerics.models import load_hf_model
-        from skyrl_numerics.trainer.fsdp.trainer import FSDPTrainer, TrainerConfig
-        from skyrl_numerics.trainer.sync.weight_sync import DeltaPublisher
-
-        fn = None
-        if config.correction:
-            fn = functools.partial(getattr(corr, config.correction), **config.correction_kwargs)
-        tcfg = TrainerConfig(lr=config.lr, route_replay=config.route_replay, use_support=config.use_support,
-                             correction=fn, micro_batch_size=16, weight_decay=0.0)
-        if self.megatron:  # megatron-core GPTModel, 1 rank here; weights synced from its shards
-            from skyrl_numerics.trainer.megatron.trainer import MegatronTrainer
-
-            self.trainer = MegatronTrainer(model_dir, tcfg)
-        else:
-            self.trainer = FSDPTrainer(load_hf_model(model_dir, dtype="float32"), tcfg)
-        self.trainer.keep_grads = True
-        self.publisher = DeltaPublisher(sync_dir, snapshot_every=snapshot_every)
-        self.publish(full=True)
-
-    def _served_state(self) -> dict:
-        """The weights as the engine serves them: checkpoint names, bf16."""
-        import torch
-
-        from skyrl_numerics.trainer.sync.vllm import checkpoint_state_dict
-
-        if self.bitwise:
-            return self.trainer.served_state()
-        if self.megatron:  # gathered from the TP/EP shards, HF checkpoint names
-            sd = self.trainer.full_state_dict()
-            return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in sd.items()}
-        sd = checkpoint_state_dict(self.trainer.model)
-        return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in sd.items()}
-
-    def served_state(self) -> dict:
-        return self._served_state()
-
-    def last_grads(self) -> dict:
-        """The last step's gradient (before clipping) under checkpoint names, fp32."""
-        if self.bitwise:
-            return self.trainer.last_grads
-        if self.megatron:
-            return self.trainer.hf_grads()
-        return _revert_names(self.trainer.model, self.trainer.last_grads)
-
-    def publish(self, full: bool = False) -> dict:
-        m = self.publisher.publish(self._served_state(), full=full)
-        return {"version": m.version, "full": m.is_full, "changed": len(m.changed),
-                "payload_bytes": m.payload_nbytes, "raw_bytes": m.raw_nbytes}
-
-    def logprobs(self, rollout: Rollout) -> np.ndarray:
-        return self.trainer.logprobs(rollout)
-
-    def host_info(self) -> dict:
-        """Where the trainer runs (a Ray actor may sit on another machine): host.host_info."""
-        from skyrl_numerics.host import host_info
-
-        return host_info()
-
-    def close(self) -> None:
-        """Release what the trainer holds process-wide (the megatron trainer's process group)."""
-        close = getattr(self.trainer, "close", None)
-        if close is not None:
-            close()
-
-    def step(self, rollout: Rollout, rewards, old_logprobs) -> dict:
-        return self.trainer.step(rollout, rewards, old_logprobs=old_logprobs)
-
-
 def _check_in_place_sync(model_dir, configs) -> None:
     """vLLM CPU 0.32 cannot reload an MLA model's weights in place (its layerwise reload fails in
     ``_copy_and_restore_kernel_tensors`` on the processed MLA weights), so a stock DeepSeek engine
@@ -262,16 +118,6 @@ def _check_in_place_sync(model_dir, configs) -> None:
                          "which vLLM CPU 0.32 cannot do for MLA models (layerwise reload of the "
                          "processed MLA weights fails); run --configs bitwise for this family",
                          field="configs")
-
-
-def _revert_names(model, state: dict) -> dict:
-    """``state`` (in-memory names of ``model``) under its checkpoint names (transformers >= 5
-    fuses Qwen3-MoE experts in memory; see ``checkpoint_state_dict``)."""
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:
-        return dict(state)
-    return dict(revert_weight_conversion(model, dict(state)))
 
 
 class OnPolicyReference:
@@ -313,7 +159,7 @@ def _remote(cls, use_ray: bool):
 def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings | None = None, *,
              task=None, use_ray: bool = False, work_dir=None,
              progress: bool = True, backend: str = "fsdp", server=None,
-             api_key: str | None = None) -> LoopResult:
+             api_key: str | None = None, tp: int = 1, ep: int = 1) -> LoopResult:
     """Run ``settings.steps`` GRPO steps for each configuration; return per-step metrics.
     The engine gets the checkpoint's weights back at the end (it may be a shared, cached one).
     ``settings.off_policy = 1`` overlaps generation of step s+1 with the update of step s.
@@ -325,7 +171,11 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
     instead of an in-process engine; each step's weights reach it through vLLM's own HTTP client
     and the ``skyrl_delta`` backend (:class:`~skyrl_numerics.trainer.engine.remote.RemoteGeneratorWorker`;
     ``off_policy`` pauses it with ``mode=keep`` around each update). The ``bitwise`` config needs a
-    ``--batch-invariant`` server, the others a stock one."""
+    ``--batch-invariant`` server, the others a stock one.
+    ``tp`` / ``ep`` (megatron backend): the plain/aligned trainer runs on ``max(tp, ep)`` ranks as
+    Ray actors (:class:`~skyrl_numerics.trainer.rank_group.TrainerGroup`) and reaches the in-process
+    engine by sharded transfer (``sync/sharded.py``); per step ``sync_rank_payload_bytes`` (what each
+    trainer rank sent) and ``engine_bytes_read``."""
     from rich.progress import Progress
 
     from skyrl_numerics.doctor import make_prompts
@@ -337,16 +187,27 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
         from skyrl_numerics.errors import InputError
 
         raise InputError(f"unknown backend {backend!r}; expected 'fsdp' or 'megatron'", field="backend")
+    if tp < 1 or ep < 1 or (backend != "megatron" and tp * ep > 1):
+        from skyrl_numerics.errors import InputError
+
+        raise InputError(f"tp={tp}, ep={ep}: a multi-rank trainer needs the megatron backend and "
+                         "tp, ep >= 1", field="tp" if tp != 1 else "ep")
     if backend == "megatron" and any(not c.bitwise for c in configs):
         from skyrl_numerics.trainer.megatron.model import check_parallel_config
 
-        check_parallel_config(model_dir)  # the model family must be mapped, before any engine starts
+        check_parallel_config(model_dir, tp, ep)  # the family must be mapped, before any engine starts
+    multi = backend == "megatron" and tp * ep > 1
+    if multi and server is not None:
+        from skyrl_numerics.errors import InputError
+
+        raise InputError("--tp/--ep with --server: the sharded transfer reaches an in-process engine only",
+                         field="server")
     if server is None:
         _check_in_place_sync(model_dir, configs)
     # absolute: Ray actors do not share the driver's working directory
     work = Path(work_dir or tempfile.mkdtemp(prefix="skyrl_loop_")).resolve()
     started_ray = False
-    if use_ray:
+    if use_ray or multi:
         import ray
 
         if not ray.is_initialized():
@@ -354,8 +215,17 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
             started_ray = True
     Gen, get = _remote(GeneratorWorker, use_ray)
     Trn, _ = _remote(TrainerWorker, use_ray)
-    call = (lambda obj, name, *a, **k: getattr(obj, name).remote(*a, **k)) if use_ray else \
-        (lambda obj, name, *a, **k: getattr(obj, name)(*a, **k))
+    from skyrl_numerics.trainer.rank_group import TrainerGroup
+
+    def call(obj, name, *a, **k):
+        if use_ray and not isinstance(obj, TrainerGroup):   # a group's methods block and return values
+            return getattr(obj, name).remote(*a, **k)
+        return getattr(obj, name)(*a, **k)
+
+    if use_ray:
+        import ray
+
+        get = (lambda x: ray.get(x) if isinstance(x, ray.ObjectRef) else x)
     gens: dict = {}
 
     def generator_for(cfg):
@@ -397,12 +267,15 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
                 task_id = prog.add_task(f"{cfg.name}", total=s.steps)
                 sync_dir = str(work / f"sync-{cfg.name}")
                 args = (str(model_dir), cfg, sync_dir, s.snapshot_every, backend)
-                trn = Trn.remote(*args) if use_ray else Trn(*args)
+                if multi and not cfg.bitwise:
+                    trn = TrainerGroup(*args[:4], backend=backend, tp=tp, ep=ep)
+                else:
+                    trn = Trn.remote(*args) if use_ray else Trn(*args)
                 gen = generator_for(cfg)
                 if trainer_host is None:
                     trainer_host = get(call(trn, "host_info"))
                 _check_isa(trainer_host, get(call(gen, "engine_host")), engine_hosts)
-                get(call(gen, "attach", sync_dir))
+                get(call(gen, "attach", sync_dir, get(call(trn, "sharded_info"))))
                 rows = history[cfg.name] = []
 
                 def launch(step):
@@ -430,7 +303,7 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
 
                         m = {**m, **compare_gradients(get(call(trn, "last_grads")), ref_grad)}
                     pub = get(call(trn, "publish"))
-                    syn = get(call(gen, "sync"))
+                    syn = get(call(gen, "sync", pub.get("sharded")))
                     if not s.off_policy and step + 1 < s.steps:
                         pending = launch(step + 1)
                     summ = g.summary()
@@ -446,12 +319,15 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
                                  "sync_version": pub["version"], "sync_payload_bytes": pub["payload_bytes"],
                                  "sync_raw_bytes": pub["raw_bytes"],
                                  "engine_update_s": syn["engine_update_s"],
+                                 **({"sync_rank_payload_bytes": pub["rank_payload_bytes"],
+                                     "engine_bytes_read": sum(syn["engine_bytes_read"].values())}
+                                    if "sharded" in pub else {}),
                                  **_replica_metrics(rollout, old)})
                     prog.update(task_id, advance=1, description=(
                         f"{cfg.name}: step {step} reward {rows[-1]['reward']:.3f} "
                         f"|Δ| {summ['mean_abs']:.2e} sync {pub['payload_bytes'] / 1e3:.0f} kB"))
                 get(call(trn, "close"))
-                if use_ray:
+                if use_ray and not isinstance(trn, TrainerGroup):
                     import ray
 
                     ray.kill(trn)
@@ -470,6 +346,7 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
 
     task_desc = asdict(task) if isinstance(task, TargetSetTask) else {"reward": getattr(task, "name", repr(task))}
     return LoopResult(settings={**asdict(s), "task": task_desc, "use_ray": use_ray, "backend": backend,
+                                "tp": tp, "ep": ep,
                                 "configs": [asdict(c) for c in configs]}, history=history,
                       host=host_report(trainer_host, engine_hosts))
 

@@ -1,0 +1,205 @@
+"""The RL loop's two workers (``trainer/loop.py``): :class:`GeneratorWorker` owns the vLLM engine
+and applies each new weight version to it in place (a delta receiver, or the sharded transfer of a
+multi-rank trainer); :class:`TrainerWorker` owns the policy, its optimizer and the publisher. Plain
+classes; the loop makes them Ray actors with ``use_ray``, and ``rank_group.TrainerGroup`` runs one
+``TrainerWorker`` per rank of a megatron trainer.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from skyrl_numerics.rollout import Rollout
+
+
+class GeneratorWorker:
+    """Owns the vLLM engine and a delta receiver; applies new versions to the engine in place."""
+
+    def __init__(self, model_dir: str, batch_invariant: bool = False, kv_cache=None):
+        from skyrl_numerics.trainer.engine.generator import get_generator
+
+        self.model_dir = model_dir
+        kw = dict(batch_invariant=True, kv_cache=kv_cache) if batch_invariant else {}
+        if kv_cache is None:
+            kw.pop("kv_cache", None)
+        self.gen = get_generator(model_dir, capture_routes=True, **kw)
+        self.receiver = None
+
+    def restore(self) -> None:
+        """Put the checkpoint's own weights back into the (possibly shared, cached) engine."""
+        from safetensors.torch import load_file
+
+        from skyrl_numerics.trainer.sync.vllm import update_vllm_weights
+
+        update_vllm_weights(self.gen, load_file(str(Path(self.model_dir) / "model.safetensors")))
+
+    def close(self) -> None:
+        """Shut the engine down (its worker processes would outlive a killed Ray actor)."""
+        self.gen.close()
+
+    def attach(self, sync_dir: str, sharded: dict | None = None) -> dict:
+        """Follow a new publisher (a new configuration): load its full snapshot into the engine.
+        ``sharded``: a multi-rank trainer's ``{root, spec, version}`` (``sync/sharded.py``): the
+        engine's ranks read only their links."""
+        from skyrl_numerics.trainer.sync.weight_sync import DeltaReceiver
+        from skyrl_numerics.trainer.sync.vllm import update_vllm_weights
+
+        if sharded is not None:
+            return self.sync(sharded)
+        self.receiver = DeltaReceiver(sync_dir)
+        applied = self.receiver.sync()
+        up = update_vllm_weights(self.gen, self.receiver.state)
+        return {"version": self.receiver.version, "versions": len(applied),
+                "engine_update_s": up.total_s}
+
+    def sync(self, sharded: dict | None = None) -> dict:
+        from skyrl_numerics.trainer.sync.vllm import update_vllm_weights
+
+        if sharded is not None:
+            from skyrl_numerics.trainer.sync.sharded import sharded_update
+
+            out = sharded_update(self.gen, sharded["root"], sharded["spec"], sharded["version"])
+            return {"version": out["version"], "engine_update_s": out["prepare_s"] + out["commit_s"],
+                    "engine_bytes_read": out["bytes_read"]}
+        applied = self.receiver.sync()
+        changed = sorted({n for m in applied for n in m.changed})
+        up = update_vllm_weights(self.gen, self.receiver.state, changed=changed)
+        return {"version": self.receiver.version, "engine_update_s": up.total_s,
+                "engine_update_tensors": up.tensors,
+                "payload_bytes": sum(m.payload_nbytes for m in applied),
+                "raw_bytes": sum(m.raw_nbytes for m in applied)}
+
+    def generate(self, prompts, **sampling) -> Rollout:
+        return self.gen.generate(prompts, **sampling)
+
+    def engine_host(self) -> dict | None:
+        """The engine worker's host report, asked once at engine start (generator.py)."""
+        return getattr(self.gen, "engine_host", None)
+
+
+class TrainerWorker:
+    """Owns the policy (fp32 master weights), the optimizer and the delta publisher."""
+
+    def __init__(self, model_dir: str, config, sync_dir: str, snapshot_every: int,
+                 backend: str = "fsdp", tp: int = 1, ep: int = 1):
+        import functools
+
+        from skyrl_numerics.trainer.sync.weight_sync import DeltaPublisher
+
+        self.sharded = None   # a rank of a multi-rank trainer (rank_group.py): its ShardedPublisher
+        self.bitwise = config.bitwise
+        self.megatron = backend == "megatron" and not config.bitwise
+        if config.bitwise:
+            from skyrl_numerics.trainer.invariant.train import InvariantTrainer
+
+            self.trainer = InvariantTrainer(model_dir, lr=config.lr, kv_cache=config.kv_cache,
+                                            use_support=config.use_support)
+            self.publisher = DeltaPublisher(sync_dir, snapshot_every=snapshot_every)
+            self.publish(full=True)
+            return
+
+        from skyrl_numerics import correction as corr
+        from skyrl_numerics.models import load_hf_model
+        from skyrl_numerics.trainer.fsdp.trainer import FSDPTrainer, TrainerConfig
+        from skyrl_numerics.trainer.sync.weight_sync import DeltaPublisher
+
+        fn = None
+        if config.correction:
+            fn = functools.partial(getattr(corr, config.correction), **config.correction_kwargs)
+        tcfg = TrainerConfig(lr=config.lr, route_replay=config.route_replay, use_support=config.use_support,
+                             correction=fn, micro_batch_size=16, weight_decay=0.0)
+        if self.megatron:  # megatron-core GPTModel; with tp x ep > 1 this is one rank of a group
+            from skyrl_numerics.trainer.megatron.trainer import MegatronTrainer
+
+            self.trainer = MegatronTrainer(model_dir, tcfg, tp=tp, ep=ep)
+        else:
+            self.trainer = FSDPTrainer(load_hf_model(model_dir, dtype="float32"), tcfg)
+        self.trainer.keep_grads = True
+        if self.megatron and self.trainer.world_size > 1:
+            from skyrl_numerics.trainer.sync import shard_layouts as sl
+            from skyrl_numerics.trainer.sync import shard_plan as sp
+            from skyrl_numerics.trainer.sync.sharded import ShardedPublisher
+
+            c, w = self.trainer.hf_config, self.trainer.world_size
+            plan = sp.plan(sl.megatron_layout(c, tp=tp, ep=ep, world=w), sl.vllm_layout(c, tp=1))
+            self.sharded = ShardedPublisher(sync_dir, plan, snapshot_every=snapshot_every)
+        else:
+            self.publisher = DeltaPublisher(sync_dir, snapshot_every=snapshot_every)
+        self.publish(full=True)
+
+    def _served_state(self) -> dict:
+        """The weights as the engine serves them: checkpoint names, bf16."""
+        import torch
+
+        from skyrl_numerics.trainer.sync.vllm import checkpoint_state_dict
+
+        if self.bitwise:
+            return self.trainer.served_state()
+        if self.megatron:  # gathered from the TP/EP shards, HF checkpoint names
+            sd = self.trainer.full_state_dict()
+            return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in sd.items()}
+        sd = checkpoint_state_dict(self.trainer.model)
+        return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in sd.items()}
+
+    def served_state(self) -> dict:
+        return self._served_state()
+
+    def last_grads(self) -> dict:
+        """The last step's gradient (before clipping) under checkpoint names, fp32."""
+        if self.bitwise:
+            return self.trainer.last_grads
+        if self.megatron:
+            return self.trainer.hf_grads()
+        return _revert_names(self.trainer.model, self.trainer.last_grads)
+
+    def publish(self, full: bool = False) -> dict:
+        if self.sharded is not None:   # this rank's links only; the group seals the version
+            import torch
+
+            shards = {k: v.detach().to(torch.bfloat16).contiguous()
+                      for k, v in self.trainer.megatron_state_dict().items()}
+            ms = list(self.sharded.publish(self.trainer.rank, shards, full=full).values())
+            return {"version": ms[0].version if ms else None, "full": all(m.is_full for m in ms),
+                    "changed": sum(len(m.changed) for m in ms),
+                    "payload_bytes": sum(m.payload_nbytes for m in ms),
+                    "raw_bytes": sum(m.raw_nbytes for m in ms)}
+        m = self.publisher.publish(self._served_state(), full=full)
+        return {"version": m.version, "full": m.is_full, "changed": len(m.changed),
+                "payload_bytes": m.payload_nbytes, "raw_bytes": m.raw_nbytes}
+
+    def seal(self, version: int) -> dict:
+        """(A group's rank 0) write the sharded version record once every rank has published."""
+        self.sharded.seal(version)
+        return {"root": self.sharded.root, "spec": self.sharded.spec, "version": int(version)}
+
+    def sharded_info(self) -> dict | None:
+        return None   # a single-rank trainer publishes whole tensors (DeltaPublisher)
+
+    def logprobs(self, rollout: Rollout) -> np.ndarray:
+        return self.trainer.logprobs(rollout)
+
+    def host_info(self) -> dict:
+        """Where the trainer runs (a Ray actor may sit on another machine): host.host_info."""
+        from skyrl_numerics.host import host_info
+
+        return host_info()
+
+    def close(self) -> None:
+        """Release what the trainer holds process-wide (the megatron trainer's process group)."""
+        close = getattr(self.trainer, "close", None)
+        if close is not None:
+            close()
+
+    def step(self, rollout: Rollout, rewards, old_logprobs) -> dict:
+        return self.trainer.step(rollout, rewards, old_logprobs=old_logprobs)
+
+
+def _revert_names(model, state: dict) -> dict:
+    """``state`` (in-memory names of ``model``) under its checkpoint names (transformers >= 5
+    fuses Qwen3-MoE experts in memory; see ``checkpoint_state_dict``)."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return dict(state)
+    return dict(revert_weight_conversion(model, dict(state)))
