@@ -251,7 +251,7 @@ def _cmd_train(args) -> int:
                            configs, settings, use_ray=args.ray, work_dir=out / "sync", task=task,
                            progress=not args.no_progress, backend=args.backend,
                            server=(servers if args.server and len(servers) > 1 else args.server),
-                           api_key=args.api_key, tp=args.tp, ep=args.ep)
+                           api_key=args.api_key, tp=args.tp, ep=args.ep, replicas=args.replicas)
         except InputError:
             raise
         except BaseException:
@@ -463,6 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="megatron backend: tensor parallel ranks of the plain/aligned trainer (Ray actors, "
                         "gloo); each rank sends the engine only its own shards (sharded transfer)")
     t.add_argument("--ep", type=int, default=1, help="megatron backend: expert parallel ranks")
+    t.add_argument("--replicas", type=int, default=1,
+                   help="in-process vLLM engines behind a router (sticky sessions, least-loaded); each "
+                        "gets every weight version; per-replica gap and tokens/s per step")
     t.add_argument("--kv-cache", default=None, choices=["fp8", "fp8_ds_mla"],
                    help="bitwise config: the cache format the invariant engine stores (and the "
                         "trainer simulates)")

@@ -159,7 +159,7 @@ def _remote(cls, use_ray: bool):
 def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings | None = None, *,
              task=None, use_ray: bool = False, work_dir=None,
              progress: bool = True, backend: str = "fsdp", server=None,
-             api_key: str | None = None, tp: int = 1, ep: int = 1) -> LoopResult:
+             api_key: str | None = None, tp: int = 1, ep: int = 1, replicas: int = 1) -> LoopResult:
     """Run ``settings.steps`` GRPO steps for each configuration; return per-step metrics.
     The engine gets the checkpoint's weights back at the end (it may be a shared, cached one).
     ``settings.off_policy = 1`` overlaps generation of step s+1 with the update of step s.
@@ -175,7 +175,9 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
     ``tp`` / ``ep`` (megatron backend): the plain/aligned trainer runs on ``max(tp, ep)`` ranks as
     Ray actors (:class:`~skyrl_numerics.trainer.rank_group.TrainerGroup`) and reaches the in-process
     engine by sharded transfer (``sync/sharded.py``); per step ``sync_rank_payload_bytes`` (what each
-    trainer rank sent) and ``engine_bytes_read``."""
+    trainer rank sent) and ``engine_bytes_read``. ``replicas``: in-process engines behind a
+    ``ReplicaRouter`` (:class:`~skyrl_numerics.trainer.workers.ReplicaGeneratorWorker`), every
+    version applied to each; per-replica ``replica_gap_*`` / ``replica_tokens_per_s`` per step."""
     from rich.progress import Progress
 
     from skyrl_numerics.doctor import make_prompts
@@ -197,6 +199,11 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
 
         check_parallel_config(model_dir, tp, ep)  # the family must be mapped, before any engine starts
     multi = backend == "megatron" and tp * ep > 1
+    if replicas < 1 or (replicas > 1 and server is not None):
+        from skyrl_numerics.errors import InputError
+
+        raise InputError(f"replicas={replicas}: in-process replicas need replicas >= 1 and no server "
+                         "(several servers: pass their URLs)", field="replicas")
     if multi and server is not None:
         from skyrl_numerics.errors import InputError
 
@@ -213,7 +220,9 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
         if not ray.is_initialized():
             ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
             started_ray = True
-    Gen, get = _remote(GeneratorWorker, use_ray)
+    from skyrl_numerics.trainer.workers import ReplicaGeneratorWorker
+
+    Gen, get = _remote(ReplicaGeneratorWorker if replicas > 1 else GeneratorWorker, use_ray)
     Trn, _ = _remote(TrainerWorker, use_ray)
     from skyrl_numerics.trainer.rank_group import TrainerGroup
 
@@ -233,7 +242,7 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
         if server is not None:
             return remote_for(cfg)
         if key not in gens:
-            args = (str(model_dir), *key)
+            args = (str(model_dir), *key) + ((replicas,) if replicas > 1 else ())
             gens[key] = Gen.remote(*args) if use_ray else Gen(*args)
         return gens[key]
     def remote_for(cfg):
@@ -340,13 +349,19 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
             for gen in gens.values():
                 get(call(gen, "close"))
                 ray.kill(gen)
-            if started_ray:  # leave the process as we found it
-                ray.shutdown()
+        else:   # the further replicas' engines are this run's own; the cached one stays
+            for gen in gens.values():
+                if isinstance(gen, ReplicaGeneratorWorker):
+                    gen.close(shared=False)
+        if started_ray:  # leave the process as we found it
+            import ray
+
+            ray.shutdown()
     from skyrl_numerics.host import host_report
 
     task_desc = asdict(task) if isinstance(task, TargetSetTask) else {"reward": getattr(task, "name", repr(task))}
     return LoopResult(settings={**asdict(s), "task": task_desc, "use_ray": use_ray, "backend": backend,
-                                "tp": tp, "ep": ep,
+                                "tp": tp, "ep": ep, "replicas": replicas,
                                 "configs": [asdict(c) for c in configs]}, history=history,
                       host=host_report(trainer_host, engine_hosts))
 

@@ -16,14 +16,17 @@ from skyrl_numerics.rollout import Rollout
 class GeneratorWorker:
     """Owns the vLLM engine and a delta receiver; applies new versions to the engine in place."""
 
-    def __init__(self, model_dir: str, batch_invariant: bool = False, kv_cache=None):
-        from skyrl_numerics.trainer.engine.generator import get_generator
+    def __init__(self, model_dir: str, batch_invariant: bool = False, kv_cache=None,
+                 own_engine: bool = False):
+        from skyrl_numerics.trainer.engine.generator import VLLMGenerator, get_generator
 
         self.model_dir = model_dir
         kw = dict(batch_invariant=True, kv_cache=kv_cache) if batch_invariant else {}
         if kv_cache is None:
             kw.pop("kv_cache", None)
-        self.gen = get_generator(model_dir, capture_routes=True, **kw)
+        # the process-wide cached engine, or (a further replica) an engine of its own
+        self.gen = (VLLMGenerator if own_engine else get_generator)(model_dir, capture_routes=True, **kw)
+        self.own_engine = own_engine
         self.receiver = None
 
     def restore(self) -> None:
@@ -76,6 +79,59 @@ class GeneratorWorker:
     def engine_host(self) -> dict | None:
         """The engine worker's host report, asked once at engine start (generator.py)."""
         return getattr(self.gen, "engine_host", None)
+
+
+class ReplicaGeneratorWorker:
+    """``replicas`` engines behind :class:`~skyrl_numerics.trainer.engine.router.ReplicaRouter`
+    (sticky sessions, least-loaded placement, each prompt keeps its seed), each with its own
+    receiver: every version reaches every replica (the same methods as :class:`GeneratorWorker`;
+    per-replica rows and tokens/s in the rollout's ``meta``)."""
+
+    def __init__(self, model_dir: str, batch_invariant: bool = False, kv_cache=None, replicas: int = 2):
+        from skyrl_numerics.trainer.engine.router import ReplicaRouter
+
+        self.workers = []
+        try:
+            for i in range(replicas):
+                self.workers.append(GeneratorWorker(model_dir, batch_invariant, kv_cache, own_engine=i > 0))
+        except BaseException:
+            self.close()
+            raise
+        self.router = ReplicaRouter([w.gen for w in self.workers])
+
+    def restore(self) -> None:
+        for w in self.workers:
+            w.restore()
+
+    def close(self, *, shared: bool = True) -> None:
+        """Close every replica's engine (``shared=False``: only the ones this worker started)."""
+        for w in self.workers:
+            if shared or w.own_engine:
+                w.close()
+
+    def attach(self, sync_dir: str, sharded: dict | None = None) -> dict:
+        return self._merge([w.attach(sync_dir, sharded) for w in self.workers])
+
+    def sync(self, sharded: dict | None = None) -> dict:
+        return self._merge([w.sync(sharded) for w in self.workers])
+
+    @staticmethod
+    def _merge(outs: list) -> dict:
+        versions = {o["version"] for o in outs}
+        if len(versions) != 1:   # pragma: no cover - every replica applies the same chain
+            raise RuntimeError(f"replicas hold different versions {sorted(versions)}")
+        out = dict(outs[0])
+        out["engine_update_s"] = max(o["engine_update_s"] for o in outs)
+        if "engine_bytes_read" in out:
+            out["engine_bytes_read"] = {f"{i}/{r}": b for i, o in enumerate(outs)
+                                        for r, b in o["engine_bytes_read"].items()}
+        return out
+
+    def generate(self, prompts, **sampling) -> Rollout:
+        return self.router.generate(prompts, **sampling)
+
+    def engine_host(self) -> dict | None:
+        return self.workers[0].engine_host()
 
 
 class TrainerWorker:

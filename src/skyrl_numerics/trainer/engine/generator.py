@@ -171,10 +171,13 @@ class VLLMGenerator:
     def generate(self, prompts: Sequence[Sequence[int]], *, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, max_tokens: int = 64, seed: int | None = 0,
                  n: int = 1, capture_support: bool | str = False, ignore_eos: bool = True,
-                 topk_logprobs: int = 0, progress: bool = False) -> Rollout:
+                 topk_logprobs: int = 0, progress: bool = False,
+                 seeds: Sequence[int] | None = None) -> Rollout:
         """Sample ``n`` responses per prompt; return them as a ``Rollout`` (rows grouped by prompt).
 
-        ``seed``: request ``i`` uses ``seed + i`` so runs repeat and prompts differ.
+        ``seed``: request ``i`` uses ``seed + i`` so runs repeat and prompts differ; ``seeds``: one
+        seed per prompt instead (what ``ReplicaRouter`` passes, so a prompt keeps its seed on any
+        replica).
         ``capture_support``: record each token's sampled support. With ``1 < top_k <
         max_logprobs`` it is read from the processed top-k logprobs (entries at -inf are outside
         the support; the support is bounded by ``top_k``, so it comes back whole). Otherwise
@@ -195,13 +198,17 @@ class VLLMGenerator:
                              f"got {topk_logprobs}", field="topk_logprobs")
         if in_engine:
             self._start_support_capture()
+        if seeds is not None and len(seeds) != len(prompts):
+            raise InputError(f"{len(seeds)} seeds for {len(prompts)} prompts", field="seeds")
         params = []
         for i in range(len(prompts)):
             kw = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n,
                       logprobs=max(n_logprobs, topk_logprobs), ignore_eos=ignore_eos)
             if top_k > 0:
                 kw["top_k"] = top_k
-            if seed is not None:
+            if seeds is not None:
+                kw["seed"] = int(seeds[i])
+            elif seed is not None:
                 kw["seed"] = seed + i
             params.append(SamplingParams(**kw))
         inputs = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
