@@ -8,12 +8,12 @@ the invariant GEMM is faster) and the extra bytes each path keeps beside the bf1
 
     .venv/bin/python -m pytest benchmarks/bench_gemm_bf16.py --benchmark-only -q -s
 """
-import time
 
 import pytest
 import torch
 
 from skyrl_numerics.kernels import cpu_gemm, cpu_gemm_bf16
+from _timing import best
 
 SHAPES = [   # (name, M, K, N)
     ("lm_head decode", 1, 2048, 151936),
@@ -28,14 +28,6 @@ SHAPES = [   # (name, M, K, N)
 ]
 
 
-def _best(fn, reps=3):
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 @pytest.mark.parametrize("name,M,K,N", SHAPES, ids=[s[0].replace(" ", "_") for s in SHAPES])
@@ -44,10 +36,10 @@ def test_gemm_bf16(benchmark, name, M, K, N):
     x = torch.randn(M, K, generator=g).bfloat16()
     w = (torch.randn(N, K, generator=g) / K ** 0.5).bfloat16()
     old_b = cpu_gemm.prepare_b(w.float().t())            # the float32 copy the old path kept
-    stock = _best(lambda: torch.nn.functional.linear(x, w))
-    old = _best(lambda: cpu_gemm.gemm_blocks(cpu_gemm.row_blocks(x.float())[0], old_b))
+    stock = best(lambda: torch.nn.functional.linear(x, w))
+    old = best(lambda: cpu_gemm.gemm_blocks(cpu_gemm.row_blocks(x.float())[0], old_b))
     benchmark.pedantic(lambda: cpu_gemm_bf16.linear(x, w), rounds=3, iterations=1)
-    inv = _best(lambda: cpu_gemm_bf16.linear(x, w))
+    inv = best(lambda: cpu_gemm_bf16.linear(x, w))
     extra = {"stock_over_invariant": round(stock / inv, 3), "old_over_invariant": round(old / inv, 3),
              "old_extra_weight_bytes": old_b.numel() * 4, "invariant_extra_weight_bytes": 0}
     benchmark.extra_info.update(extra)

@@ -40,6 +40,7 @@ import torch
 
 from skyrl_numerics.trainer.sync import shard_layouts as sl
 from skyrl_numerics.trainer.sync import shard_plan as sp
+from _timing import best
 
 MODELS = {
     # config.json fields of the public checkpoints (the layer dims; nothing is downloaded)
@@ -66,14 +67,6 @@ def _mid_config():
                        vocab_size=8192)
 
 
-def _best(fn, reps=3):
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 @pytest.mark.megatron
@@ -97,9 +90,9 @@ def test_apply_sharded_vs_full(benchmark):
             sp.materialize(sp.Layout(dst.name, dst.world, dst.hf_shapes,
                                      [q for q in dst.pieces if q.rank == r], dst.shapes), got)
 
-    base = _best(full)
+    base = best(full)
     benchmark.pedantic(lambda: sp.execute(p, have, out), rounds=3, iterations=1)
-    ours = _best(lambda: sp.execute(p, have, out))
+    ours = best(lambda: sp.execute(p, have, out))
     recv, fullb = p.received(local=True), p.full_bytes()
     benchmark.extra_info.update({
         "full_over_sharded_time": round(base / ours, 2), "plan_build_s": round(build, 4),
