@@ -251,7 +251,8 @@ def _cmd_train(args) -> int:
                            configs, settings, use_ray=args.ray, work_dir=out / "sync", task=task,
                            progress=not args.no_progress, backend=args.backend,
                            server=(servers if args.server and len(servers) > 1 else args.server),
-                           api_key=args.api_key, tp=args.tp, ep=args.ep, replicas=args.replicas)
+                           api_key=args.api_key, tp=args.tp, ep=args.ep, replicas=args.replicas,
+                           dp=args.dp)
         except InputError:
             raise
         except BaseException:
@@ -463,6 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="megatron backend: tensor parallel ranks of the plain/aligned trainer (Ray actors, "
                         "gloo); each rank sends the engine only its own shards (sharded transfer)")
     t.add_argument("--ep", type=int, default=1, help="megatron backend: expert parallel ranks")
+    t.add_argument("--dp", type=int, default=1,
+                   help="fsdp backend: data-parallel FSDP2 ranks of the plain/aligned trainer (Ray actors, "
+                        "gloo); rank 0 publishes the gathered weights")
     t.add_argument("--replicas", type=int, default=1,
                    help="in-process vLLM engines behind a router (sticky sessions, least-loaded); each "
                         "gets every weight version; per-replica gap and tokens/s per step")

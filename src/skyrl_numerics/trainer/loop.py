@@ -159,7 +159,8 @@ def _remote(cls, use_ray: bool):
 def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings | None = None, *,
              task=None, use_ray: bool = False, work_dir=None,
              progress: bool = True, backend: str = "fsdp", server=None,
-             api_key: str | None = None, tp: int = 1, ep: int = 1, replicas: int = 1) -> LoopResult:
+             api_key: str | None = None, tp: int = 1, ep: int = 1, replicas: int = 1,
+             dp: int = 1) -> LoopResult:
     """Run ``settings.steps`` GRPO steps for each configuration; return per-step metrics.
     The engine gets the checkpoint's weights back at the end (it may be a shared, cached one).
     ``settings.off_policy = 1`` overlaps generation of step s+1 with the update of step s.
@@ -175,7 +176,8 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
     ``tp`` / ``ep`` (megatron backend): the plain/aligned trainer runs on ``max(tp, ep)`` ranks as
     Ray actors (:class:`~skyrl_numerics.trainer.rank_group.TrainerGroup`) and reaches the in-process
     engine by sharded transfer (``sync/sharded.py``); per step ``sync_rank_payload_bytes`` (what each
-    trainer rank sent) and ``engine_bytes_read``. ``replicas``: in-process engines behind a
+    trainer rank sent) and ``engine_bytes_read``. ``dp`` (fsdp backend): an FSDP2 data-parallel
+    trainer on ``dp`` rank actors; rank 0 publishes the gathered weights. ``replicas``: in-process engines behind a
     ``ReplicaRouter`` (:class:`~skyrl_numerics.trainer.workers.ReplicaGeneratorWorker`), every
     version applied to each; per-replica ``replica_gap_*`` / ``replica_tokens_per_s`` per step."""
     from rich.progress import Progress
@@ -194,11 +196,15 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
 
         raise InputError(f"tp={tp}, ep={ep}: a multi-rank trainer needs the megatron backend and "
                          "tp, ep >= 1", field="tp" if tp != 1 else "ep")
+    if dp < 1 or (backend != "fsdp" and dp > 1):
+        from skyrl_numerics.errors import InputError
+
+        raise InputError(f"dp={dp}: data parallel ranks are the fsdp backend's, dp >= 1", field="dp")
     if backend == "megatron" and any(not c.bitwise for c in configs):
         from skyrl_numerics.trainer.megatron.model import check_parallel_config
 
         check_parallel_config(model_dir, tp, ep)  # the family must be mapped, before any engine starts
-    multi = backend == "megatron" and tp * ep > 1
+    multi = (backend == "megatron" and tp * ep > 1) or dp > 1
     if replicas < 1 or (replicas > 1 and server is not None):
         from skyrl_numerics.errors import InputError
 
@@ -207,7 +213,7 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
     if multi and server is not None:
         from skyrl_numerics.errors import InputError
 
-        raise InputError("--tp/--ep with --server: the sharded transfer reaches an in-process engine only",
+        raise InputError("a multi-rank trainer (--tp/--ep/--dp) with --server: not wired; it feeds in-process engines",
                          field="server")
     if server is None:
         _check_in_place_sync(model_dir, configs)
@@ -277,7 +283,7 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
                 sync_dir = str(work / f"sync-{cfg.name}")
                 args = (str(model_dir), cfg, sync_dir, s.snapshot_every, backend)
                 if multi and not cfg.bitwise:
-                    trn = TrainerGroup(*args[:4], backend=backend, tp=tp, ep=ep)
+                    trn = TrainerGroup(*args[:4], backend=backend, tp=tp, ep=ep, dp=dp)
                 else:
                     trn = Trn.remote(*args) if use_ray else Trn(*args)
                 gen = generator_for(cfg)
@@ -361,7 +367,7 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
 
     task_desc = asdict(task) if isinstance(task, TargetSetTask) else {"reward": getattr(task, "name", repr(task))}
     return LoopResult(settings={**asdict(s), "task": task_desc, "use_ray": use_ray, "backend": backend,
-                                "tp": tp, "ep": ep, "replicas": replicas,
+                                "tp": tp, "ep": ep, "dp": dp, "replicas": replicas,
                                 "configs": [asdict(c) for c in configs]}, history=history,
                       host=host_report(trainer_host, engine_hosts))
 

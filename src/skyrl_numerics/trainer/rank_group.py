@@ -8,11 +8,16 @@ address and a free port chosen by the driver) and builds the loop's
 :class:`~skyrl_numerics.trainer.megatron.trainer.MegatronTrainer` at tensor parallel ``tp`` x expert
 parallel ``ep``.
 
+With ``backend="fsdp", dp=N`` the ranks are an FSDP2 data-parallel group
+(:class:`~skyrl_numerics.trainer.fsdp.trainer.FSDPTrainer`: each rank its block of sequences,
+parameters sharded per decoder layer) and rank 0 publishes the weights gathered to it (the delta
+sync of ``weight_sync.py``).
+
 The group answers the loop's trainer calls (``logprobs``, ``step``, ``served_state``,
 ``last_grads``, ``host_info``, ``close``) by calling every rank at once and returning rank 0's
-answer: every megatron rank runs every micro-batch (no data parallelism), so their answers agree,
-and the collectives inside (TP all-reduces, the vocab-parallel log-softmax, gathers) need every rank
-in the call.
+answer: every megatron rank runs every micro-batch (no data parallelism) and FSDP's logprobs and
+metrics are reduced over its ranks, so the answers agree, and the collectives inside (TP
+all-reduces, the vocab-parallel log-softmax, FSDP's gathers) need every rank in the call.
 
 Weights reach the engine by sharded transfer (``sync/sharded.py``): on ``publish`` every rank
 publishes the links of its own shards (no rank gathers a tensor), and rank 0 seals the version once
@@ -57,20 +62,26 @@ class TrainerGroup:
     """The loop's trainer over ``max(tp, ep)`` rank actors (module docstring)."""
 
     def __init__(self, model_dir: str, config, sync_dir: str, snapshot_every: int, *,
-                 backend: str = "megatron", tp: int = 1, ep: int = 1, timeout_s: float = 300.0):
+                 backend: str = "megatron", tp: int = 1, ep: int = 1, dp: int = 1,
+                 timeout_s: float = 300.0):
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from skyrl_numerics.trainer.dist import free_port
 
-        if backend != "megatron":
-            raise InputError(f"a multi-rank trainer in the loop is the megatron backend (got {backend!r})",
-                             field="backend")
-        from skyrl_numerics.trainer.megatron.model import check_parallel_config
+        if backend == "megatron":
+            from skyrl_numerics.trainer.megatron.model import check_parallel_config
 
-        check_parallel_config(model_dir, tp, ep)     # before any actor starts
-        self.world = max(tp, ep)
+            check_parallel_config(model_dir, tp, ep)     # before any actor starts
+            self.world = max(tp, ep)
+        elif backend == "fsdp":
+            if dp < 1:
+                raise InputError(f"dp={dp}: need at least one rank", field="dp")
+            self.world = dp
+        else:
+            raise InputError(f"unknown backend {backend!r}", field="backend")
+        self.backend = backend
         if not ray.is_initialized():
             raise InputError("TrainerGroup needs a running Ray (ray.init())", field="ray")
         share = min(1.0, ray.available_resources().get("CPU", 1.0) / self.world)
@@ -86,12 +97,13 @@ class TrainerGroup:
             for r in range(self.world):
                 opts = dict(num_cpus=share, scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=r))
-                self.ranks.append(Actor.options(**opts).remote(r, self.world, addr, port, threads, args,
-                                                               dict(tp=tp, ep=ep)))
+                kw = dict(tp=tp, ep=ep) if backend == "megatron" else {}
+                self.ranks.append(Actor.options(**opts).remote(r, self.world, addr, port, threads, args, kw))
             # the constructors publish version 0 of every link; ready when all returned
             infos = ray.get([a.call.remote("host_info") for a in self.ranks], timeout=timeout_s)
             self.hosts = infos
-            self.info = ray.get(self.ranks[0].call.remote("seal", 0))
+            self.info = (ray.get(self.ranks[0].call.remote("seal", 0)) if backend == "megatron"
+                         else None)
         except BaseException:
             for a in self.ranks:
                 ray.kill(a)
@@ -126,6 +138,8 @@ class TrainerGroup:
         import ray
 
         outs = self._all("publish", full=full)
+        if self.backend == "fsdp":      # the weights were gathered to rank 0, which published them
+            return outs[0]
         versions = {o["version"] for o in outs if o["version"] is not None}
         if len(versions) != 1:
             raise InputError(f"trainer ranks published different versions {sorted(versions)}",

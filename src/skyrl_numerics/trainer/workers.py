@@ -172,6 +172,8 @@ class TrainerWorker:
         else:
             self.trainer = FSDPTrainer(load_hf_model(model_dir, dtype="float32"), tcfg)
         self.trainer.keep_grads = True
+        # an FSDP2 rank of a data-parallel group: weights gathered to rank 0, which alone publishes
+        self.fsdp_ranks = 1 if self.megatron else self.trainer.world_size
         if self.megatron and self.trainer.world_size > 1:
             from skyrl_numerics.trainer.sync import shard_layouts as sl
             from skyrl_numerics.trainer.sync import shard_plan as sp
@@ -180,8 +182,10 @@ class TrainerWorker:
             c, w = self.trainer.hf_config, self.trainer.world_size
             plan = sp.plan(sl.megatron_layout(c, tp=tp, ep=ep, world=w), sl.vllm_layout(c, tp=1))
             self.sharded = ShardedPublisher(sync_dir, plan, snapshot_every=snapshot_every)
-        else:
+        elif self.fsdp_ranks == 1 or self.trainer.rank == 0:
             self.publisher = DeltaPublisher(sync_dir, snapshot_every=snapshot_every)
+        else:
+            self.publisher = None
         self.publish(full=True)
 
     def _served_state(self) -> dict:
@@ -195,6 +199,9 @@ class TrainerWorker:
         if self.megatron:  # gathered from the TP/EP shards, HF checkpoint names
             sd = self.trainer.full_state_dict()
             return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in sd.items()}
+        if self.fsdp_ranks > 1:   # collective: gathered to rank 0 ({} elsewhere), checkpoint names
+            sd = _revert_names(self.trainer.model, self.trainer.full_state_dict())
+            return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in sd.items()}
         sd = checkpoint_state_dict(self.trainer.model)
         return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in sd.items()}
 
@@ -207,7 +214,10 @@ class TrainerWorker:
             return self.trainer.last_grads
         if self.megatron:
             return self.trainer.hf_grads()
-        return _revert_names(self.trainer.model, self.trainer.last_grads)
+        grads = self.trainer.last_grads
+        if self.fsdp_ranks > 1:   # collective: every rank gathers its DTensor shards, same order
+            grads = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in grads.items()}
+        return _revert_names(self.trainer.model, grads)
 
     def publish(self, full: bool = False) -> dict:
         if self.sharded is not None:   # this rank's links only; the group seals the version
@@ -220,7 +230,10 @@ class TrainerWorker:
                     "changed": sum(len(m.changed) for m in ms),
                     "payload_bytes": sum(m.payload_nbytes for m in ms),
                     "raw_bytes": sum(m.raw_nbytes for m in ms)}
-        m = self.publisher.publish(self._served_state(), full=full)
+        state = self._served_state()     # collective on a data-parallel group
+        if self.publisher is None:       # a data-parallel rank other than 0: rank 0 publishes
+            return {"version": None}
+        m = self.publisher.publish(state, full=full)
         return {"version": m.version, "full": m.is_full, "changed": len(m.changed),
                 "payload_bytes": m.payload_nbytes, "raw_bytes": m.raw_nbytes}
 
