@@ -169,8 +169,8 @@ def _cmd_doctor(args) -> int:
 
 def _cmd_gap(args) -> int:
     from skyrl_numerics.gap import measure
-    from skyrl_numerics.report import (ReportRow, check_out_dir, plain, render_table, write_files,
-                                       write_json, write_plot)
+    from skyrl_numerics.report import (ReportRow, check_out_dir, plain, render_table, turn_rows,
+                                       write_files, write_json, write_plot)
     from skyrl_numerics.rollout import Rollout
 
     import numpy as np
@@ -182,15 +182,19 @@ def _cmd_gap(args) -> int:
         raise InputError("no trainer logprobs in the file (field 'trainer_logprobs' in .jsonl "
                          "rows, array 'trainer_logprobs' in .safetensors)",
                          source=str(args.file), field="trainer_logprobs")
+    # multi-turn: model tokens only (observation tokens carry NaN), one row per turn
+    turn_kw = {} if ro.loss_mask is None else {"mask": ro.loss_mask, "turns": ro.turns}
     try:
-        report = measure(ro.trainer_logprobs, ro.rollout_logprobs, cu_seqlens=ro.response_cu)
+        report = measure(ro.trainer_logprobs, ro.rollout_logprobs, cu_seqlens=ro.response_cu, **turn_kw)
     except InputError as e:              # (name the file the values came from)
         raise (e.with_source(str(args.file)) if e.source is None else e) from None
     row = ReportRow(Path(args.file).name, report,
-                    np.abs(ro.trainer_logprobs - ro.rollout_logprobs))
+                    np.abs(ro.trainer_logprobs - ro.rollout_logprobs)[ro.model_mask])
     title = f"{args.file}: trainer vs {ro.engine} {ro.engine_version}"
     console = _console()
     render_table([row], title, console)
+    if len(report.per_turn) > 1:
+        render_table(turn_rows(report), f"{args.file}: per turn (model tokens only)", console, label="turn")
     if args.out:
         payload = {"file": str(args.file), "engine": ro.engine, "engine_version": ro.engine_version,
                    "sampling": ro.sampling, "summary": report.summary(), "report": report.to_dict()}

@@ -1,7 +1,8 @@
 """One error type for bad input, so the CLI can print one line and exit 2.
 
 Every check in the library that rejects user data raises :class:`InputError` with the place
-(``row``, ``field``, ``index``) and what was expected vs what was found.
+(``row``, ``field``, ``index``; ``turn`` for a multi-turn trajectory's token) and what was expected
+vs what was found.
 """
 from __future__ import annotations
 
@@ -10,15 +11,17 @@ class InputError(ValueError):
     """Bad input data. ``str(err)`` is one line naming where and what is wrong."""
 
     def __init__(self, message: str, *, row: int | None = None, field: str | None = None,
-                 index: int | None = None, source: str | None = None):
+                 index: int | None = None, source: str | None = None, turn: int | None = None):
         message = " ".join(str(message).split()) if ("\n" in str(message) or "\r" in str(message)) else str(message)
         self.message = message
-        self.row, self.field, self.index, self.source = row, field, index, source
+        self.row, self.field, self.index, self.source, self.turn = row, field, index, source, turn
         where = []
         if source is not None:
             where.append(str(source))
         if row is not None:
             where.append(f"row {row}")
+        if turn is not None:
+            where.append(f"turn {turn}")
         if field is not None:
             where.append(f"field '{field}'")
         if index is not None:
@@ -30,4 +33,4 @@ class InputError(ValueError):
     def with_source(self, source: str) -> "InputError":
         """The same error, naming the file (or other source) it came from."""
         return InputError(self.message, row=self.row, field=self.field, index=self.index,
-                          source=source)
+                          source=source, turn=self.turn)

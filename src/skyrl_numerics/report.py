@@ -51,14 +51,29 @@ def plain(text) -> str:
     return escape(str(text).encode("utf-8", "backslashreplace").decode("utf-8"))
 
 
-def render_table(rows: list[ReportRow], title: str, console=None) -> None:
-    """The rows as one rich table; every text is printed as given (:func:`plain`)."""
+@dataclass
+class _Summary:
+    """A per-turn row of a GapReport (a dict of its summary keys) where a report is expected."""
+    row: dict
+
+    def summary(self) -> dict:
+        return self.row
+
+
+def turn_rows(report) -> list[ReportRow]:
+    """One :class:`ReportRow` per turn of ``report.per_turn`` (for :func:`render_table`)."""
+    return [ReportRow(f"turn {r['turn']}", _Summary(r), np.zeros(0)) for r in report.per_turn]
+
+
+def render_table(rows: list[ReportRow], title: str, console=None, label: str = "configuration") -> None:
+    """The rows as one rich table; every text is printed as given (:func:`plain`). ``label``:
+    the first column's title."""
     from rich.console import Console
     from rich.table import Table
 
     console = console or Console()
     t = Table(title=plain(title), title_justify="left")
-    t.add_column("configuration", style="bold")
+    t.add_column(label, style="bold")
     t.add_column("tokens", justify="right")
     for c, _, _ in COLUMNS:
         t.add_column(c, justify="right")

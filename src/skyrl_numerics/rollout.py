@@ -11,12 +11,20 @@ Layout (B sequences; ``cu`` arrays are int64 prefix sums starting at 0, length B
     support            PackedSupport | None        top-p/top-k support per response token
     sampling           dict    temperature, top_p, top_k, seed, n, max_tokens, logprobs_mode
     engine, engine_version, meta
+    loss_mask          bool    [Σ response_len]   optional, multi-turn: True = model token,
+                                                  False = observation (environment/tool) token
+    turns              int32   [Σ response_len]   optional, multi-turn: the turn of each token
+
+Multi-turn trajectories (both arrays, or neither = single-turn): a turn is observation tokens then
+one model segment; turn indices start at 0 in each row and step by 0 or 1; logprobs are NaN
+exactly at the observation tokens. Rules and views: :mod:`skyrl_numerics.rollout_turns`.
 
 File formats (``Rollout.save`` / ``Rollout.load``, ``.safetensors`` and ``.jsonl``) and loading's
 checks: :mod:`skyrl_numerics.rollout_files`; strict array conversion: :mod:`skyrl_numerics.rollout_arrays`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -26,6 +34,7 @@ from .errors import InputError
 from .rollout_arrays import (_I64_MAX, ID_MAX, _cu, _first, _float_array, _int_array, _locate, _monotone,
                              _non_finite, _numpy)
 from .rollout_files import FILE_DTYPES, HEADER_KEYS, ROW_KEYS, SCHEMA, SCHEMA_VERSION, RolloutFiles  # noqa: F401
+from .rollout_turns import _bool_array, check_masked_logprobs, check_turns, num_turns, turn_starts
 
 # A logprob above this is rejected as "positive" (float rounding can give tiny positive values).
 POSITIVE_LOGPROB_TOL = 1e-6
@@ -50,6 +59,9 @@ class Rollout(RolloutFiles):
     # the engine's top-K logprobs per response token (gap.topk.TopkLogprobs), when asked for
     # with generate(topk_logprobs=K); in memory only: not written by save()
     topk: Any = None
+    # multi-turn trajectories (skyrl_numerics.rollout_turns): both or neither
+    loss_mask: np.ndarray | None = None   # bool, one per response token: True = model token
+    turns: np.ndarray | None = None       # int32, one per response token: its turn index
 
     def __post_init__(self):
         self.prompt_cu = _int_array(self.prompt_cu, "prompt_cu", 0, _I64_MAX, np.int64)
@@ -71,6 +83,16 @@ class Rollout(RolloutFiles):
                         row, j = _locate(self.response_cu, e.index)
                         raise InputError(e.message, row=row, field=name, index=j) from None
                     raise
+        for name, conv in (("loss_mask", lambda x: _bool_array(x, "loss_mask")),
+                           ("turns", lambda x: _int_array(x, "turns", 0, ID_MAX, np.int32))):
+            if getattr(self, name) is not None:
+                try:
+                    setattr(self, name, conv(getattr(self, name)))
+                except InputError as e:
+                    if e.index is not None and _monotone(self.response_cu) and e.index < self.response_cu[-1]:
+                        row, j = _locate(self.response_cu, e.index)
+                        raise InputError(e.message, row=row, field=name, index=j) from None
+                    raise
         if self.group_ids is None:
             self.group_ids = np.arange(max(len(self.prompt_cu) - 1, 0), dtype=np.int64)
         try:
@@ -87,8 +109,12 @@ class Rollout(RolloutFiles):
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def from_lists(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-                   logprobs: Sequence[Sequence[float]], *, trainer_logprobs=None, **kw) -> "Rollout":
-        """Build from one list per sequence (the natural shape of engine outputs)."""
+                   logprobs: Sequence[Sequence[float]], *, trainer_logprobs=None, loss_mask=None,
+                   turns=None, **kw) -> "Rollout":
+        """Build from one list per sequence (the natural shape of engine outputs).
+
+        Multi-turn: ``loss_mask`` and ``turns``, one list per sequence with one entry per response
+        token; logprobs at observation tokens are NaN or ``None``."""
         if not (len(prompts) == len(responses) == len(logprobs)):
             raise InputError(f"got {len(prompts)} prompts, {len(responses)} responses and "
                              f"{len(logprobs)} logprob rows; they must match", field="rows")
@@ -96,6 +122,10 @@ class Rollout(RolloutFiles):
             if len(r) != len(lp):
                 raise InputError(f"{len(lp)} logprobs for {len(r)} response tokens",
                                  row=i, field="logprobs")
+        def nan_for_none(rows):
+            return [[math.nan if x is None else x for x in r] if isinstance(r, (list, tuple)) else r
+                    for r in rows]
+
         def cat(seqs, name):
             # no dtype forced: floats / bools / strings stay what they are and are refused by
             # the constructor instead of being truncated into integers
@@ -103,7 +133,7 @@ class Rollout(RolloutFiles):
                 for i, s in enumerate(seqs):
                     if isinstance(s, (list, tuple)):
                         for j, x in enumerate(s):
-                            if type(x) is bool or isinstance(x, np.bool_):
+                            if (type(x) is bool or isinstance(x, np.bool_)) and name != "loss_mask":
                                 raise InputError(f"value {x!r} is a bool", row=i, field=name, index=j)
                 parts = [np.asarray(s) for s in seqs]
                 for i, a in enumerate(parts):
@@ -123,10 +153,21 @@ class Rollout(RolloutFiles):
                 if len(r) != len(lp):
                     raise InputError(f"{len(lp)} trainer logprobs for {len(r)} response tokens",
                                      row=i, field="trainer_logprobs")
-            tl = cat(trainer_logprobs, "trainer_logprobs")
+            tl = cat(nan_for_none(trainer_logprobs), "trainer_logprobs")
+        per_token = {}
+        for name, rows in (("loss_mask", loss_mask), ("turns", turns)):
+            if rows is None:
+                continue
+            if len(rows) != len(responses):
+                raise InputError(f"{len(rows)} {name} rows for {len(responses)} responses", field=name)
+            for i, (r, x) in enumerate(zip(responses, rows)):
+                if len(r) != len(x):
+                    raise InputError(f"{len(x)} {name} values for {len(r)} response tokens", row=i, field=name)
+            per_token[name] = cat(rows, name)
         return cls(prompt_tokens=cat(prompts, "prompt_tokens"), prompt_cu=_cu(map(len, prompts)),
                    response_tokens=cat(responses, "response_tokens"), response_cu=_cu(map(len, responses)),
-                   rollout_logprobs=cat(logprobs, "rollout_logprobs"), trainer_logprobs=tl, **kw)
+                   rollout_logprobs=cat(nan_for_none(logprobs), "rollout_logprobs"), trainer_logprobs=tl,
+                   **per_token, **kw)
 
     # ---- views --------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -154,10 +195,40 @@ class Rollout(RolloutFiles):
         return self.rollout_logprobs[self.response_cu[i]:self.response_cu[i + 1]]
 
     def with_trainer_logprobs(self, trainer_logprobs) -> "Rollout":
-        """A copy sharing all arrays, with ``trainer_logprobs`` set (flat, one per response token)."""
+        """A copy sharing all arrays, with ``trainer_logprobs`` set (flat, one per response token;
+        in a multi-turn rollout the values at observation tokens are replaced by NaN: a trainer
+        scores the whole stream, but only model tokens have logprobs here)."""
         d = {f: getattr(self, f) for f in self.__dataclass_fields__}
-        d["trainer_logprobs"] = _numpy(trainer_logprobs).reshape(-1)
+        tl = _numpy(trainer_logprobs).reshape(-1)
+        if self.loss_mask is not None and tl.shape == self.loss_mask.shape:
+            tl = np.where(self.loss_mask, _float_array(tl, "trainer_logprobs"), np.float32(np.nan))
+        d["trainer_logprobs"] = tl
         return Rollout(**d)
+
+    # ---- multi-turn views (skyrl_numerics.rollout_turns) ---------------------------------
+    @property
+    def is_multi_turn(self) -> bool:
+        """Whether the rollout carries ``loss_mask`` / ``turns`` (even if every row has one turn)."""
+        return self.loss_mask is not None
+
+    @property
+    def model_mask(self) -> np.ndarray:
+        """bool [Σ response_len]: True on model tokens (all True for a single-turn rollout)."""
+        return self.loss_mask if self.loss_mask is not None else np.ones(self.num_response_tokens, bool)
+
+    @property
+    def turn_index(self) -> np.ndarray:
+        """int32 [Σ response_len]: each token's turn (all 0 for a single-turn rollout)."""
+        return self.turns if self.turns is not None else np.zeros(self.num_response_tokens, np.int32)
+
+    @property
+    def num_turns(self) -> np.ndarray:
+        """int64 [B]: turns per row (0 for an empty response)."""
+        return num_turns(self.response_cu, self.turns)
+
+    def turn_starts(self, i: int) -> np.ndarray:
+        """Offsets within row ``i``'s response of each turn's model segment (its first model token)."""
+        return turn_starts(self.response_cu, self.loss_mask, self.turns, i)
 
     # ---- validation ---------------------------------------------------------------------
     def validate(self, source: str | None = None) -> None:
@@ -194,6 +265,7 @@ class Rollout(RolloutFiles):
         empty_prompt = np.flatnonzero(np.diff(self.prompt_cu) == 0)
         if len(empty_prompt):
             raise err("empty prompt", row=int(empty_prompt[0]), field="prompt_ids")
+        self._validate_turns(n, err)
         for name in ("rollout_logprobs", "trainer_logprobs"):
             lp = getattr(self, name)
             if lp is None:
@@ -202,7 +274,8 @@ class Rollout(RolloutFiles):
                 raise err(f"expected {n} float32 values (one per response token), got "
                           f"{getattr(lp, 'dtype', type(lp).__name__)} of shape {getattr(lp, 'shape', None)}",
                           field=name)
-            self._check_logprob_values(lp, name, err)
+            check_masked_logprobs(lp, self.response_cu, self.loss_mask, self.turns, name,
+                                  POSITIVE_LOGPROB_TOL, err)
         V = self.vocab_size
         if V is not None and self.support is not None and getattr(self.support, "vocab_size", None) not in (None, V):
             raise err(f"support vocab_size {self.support.vocab_size} != rollout vocab_size {V}", field="vocab_size")
@@ -242,14 +315,17 @@ class Rollout(RolloutFiles):
                 raise err(f"support sets for {ns} tokens; there are {n} response tokens",
                           field="support")
 
-    def _check_logprob_values(self, lp: np.ndarray, name: str, err) -> None:
-        bad = ~np.isfinite(lp)
-        kind = "not finite"
-        if not bad.any():
-            bad = lp > POSITIVE_LOGPROB_TOL
-            kind = "positive (a logprob must be <= 0)"
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            row = int(np.searchsorted(self.response_cu, i, side="right") - 1)
-            raise err(f"value {lp[i]!r} is {kind}", row=row, field=name,
-                      index=int(i - self.response_cu[row]))
+    def _validate_turns(self, n: int, err) -> None:
+        m, t = self.loss_mask, self.turns
+        if (m is None) != (t is None):
+            have, miss = ("loss_mask", "turns") if t is None else ("turns", "loss_mask")
+            raise err(f"'{have}' without '{miss}': a multi-turn rollout carries both", field=miss)
+        if m is None:
+            return
+        for name, dt in (("loss_mask", np.bool_), ("turns", np.int32)):
+            a = getattr(self, name)
+            if not isinstance(a, np.ndarray) or a.dtype != dt or a.shape != (n,):
+                raise err(f"expected {n} {np.dtype(dt).name} values (one per response token), got "
+                          f"{getattr(a, 'dtype', type(a).__name__)} of shape {getattr(a, 'shape', None)}",
+                          field=name)
+        check_turns(self.response_cu, m, t, err)

@@ -13,6 +13,12 @@ File formats (see docs/gap.md, "Rollout files"):
   ``trainer_logprobs``, ``group_id``, ``support`` (list of lists of token ids, one per response
   token).
 
+Multi-turn trajectories (``schema_version`` 2; :mod:`skyrl_numerics.rollout_turns`): the arrays
+``loss_mask`` (bool) and ``turns`` (int32), one per response token; in ``.jsonl`` the row fields
+``loss_mask`` (list of JSON booleans) and ``turns`` (list[int]), in every row or in none, and
+``null`` logprobs at the observation tokens. Files of ``schema_version`` 1 (single-turn) load
+unchanged; ``save`` writes version 2.
+
 Loading validates everything and raises :class:`~skyrl_numerics.errors.InputError` (one line) naming
 the file and the first bad row, field and index. Strict: token ids are integers in ``[0, 2**31)``
 (and ``< vocab_size`` when known); no float or bool is truncated into an id, a ``cu`` array or a
@@ -40,16 +46,19 @@ if TYPE_CHECKING:
     from .rollout import Rollout
 
 SCHEMA = "skyrl-numerics/rollout"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READ_VERSIONS = (1, 2)         # version 1: single-turn, without loss_mask / turns
 
-ROW_KEYS = ("prompt_ids", "response_ids", "logprobs", "trainer_logprobs", "group_id", "support")
+ROW_KEYS = ("prompt_ids", "response_ids", "logprobs", "trainer_logprobs", "group_id", "support",
+            "loss_mask", "turns")
+_V2_ONLY = ("loss_mask", "turns")
 HEADER_KEYS = ("schema", "schema_version", "engine", "engine_version", "sampling", "meta", "vocab_size",
                "digest")
 _JSONL_NAMES = {"prompt_tokens": "prompt_ids", "response_tokens": "response_ids",
                 "rollout_logprobs": "logprobs", "group_ids": "group_id"}
 FILE_DTYPES = {"prompt_tokens": np.int32, "prompt_cu": np.int64, "response_tokens": np.int32,
                "response_cu": np.int64, "rollout_logprobs": np.float32, "trainer_logprobs": np.float32,
-               "group_ids": np.int64}
+               "group_ids": np.int64, "loss_mask": np.bool_, "turns": np.int32}
 
 
 def _header_bytes(header: dict) -> bytes:
@@ -121,6 +130,8 @@ class RolloutFiles:
                   "rollout_logprobs": self.rollout_logprobs, "group_ids": self.group_ids}
         if self.trainer_logprobs is not None:
             arrays["trainer_logprobs"] = self.trainer_logprobs
+        if self.loss_mask is not None:
+            arrays["loss_mask"], arrays["turns"] = self.loss_mask, self.turns
         for prefix, obj in (("routes.", self.routes), ("support.", self.support)):
             if obj is not None:
                 for k, v in obj.to_arrays().items():
@@ -141,14 +152,23 @@ class RolloutFiles:
             raise InputError("routes cannot be written to .jsonl (too large); use .safetensors",
                              field="routes")
         lines = []
+        mask = self.loss_mask
+
+        def values(lp, a, b):           # null at observation tokens (JSON has no NaN)
+            v = lp[a:b].tolist()
+            return v if mask is None else [x if m else None for x, m in zip(v, mask[a:b].tolist())]
+
         for i in range(len(self)):
+            a, b = self.response_cu[i], self.response_cu[i + 1]
             row = {"prompt_ids": self.prompt(i).tolist(),
                    "response_ids": self.response(i).tolist(),
-                   "logprobs": self.logprobs(i).tolist(),
+                   "logprobs": values(self.rollout_logprobs, a, b),
                    "group_id": int(self.group_ids[i])}
-            a, b = self.response_cu[i], self.response_cu[i + 1]
             if self.trainer_logprobs is not None:
-                row["trainer_logprobs"] = self.trainer_logprobs[a:b].tolist()
+                row["trainer_logprobs"] = values(self.trainer_logprobs, a, b)
+            if mask is not None:
+                row["loss_mask"] = mask[a:b].tolist()
+                row["turns"] = self.turns[a:b].tolist()
             if self.support is not None:
                 row["support"] = [self.support.row(int(t)).tolist() for t in range(a, b)]
             lines.append(json.dumps(row))
@@ -192,14 +212,16 @@ class RolloutFiles:
             raise InputError(f"cannot read ({e.strerror or e})", source=src) from None
 
     @staticmethod
-    def _check_version(v, where: str) -> None:
+    def _check_version(v, where: str) -> int:
+        reads = " or ".join(map(str, READ_VERSIONS))
         if isinstance(v, bool) or not isinstance(v, int):
-            raise InputError(f"{where} 'schema_version' is {v!r}, expected the integer {SCHEMA_VERSION}",
+            raise InputError(f"{where} 'schema_version' is {v!r}, expected the integer {reads}",
                              field="schema_version")
-        if v != SCHEMA_VERSION:
+        if v not in READ_VERSIONS:
             newer = " (written by a newer version of skyrl-numerics)" if v > SCHEMA_VERSION else ""
-            raise InputError(f"{where} 'schema_version' is {v}, this library reads {SCHEMA_VERSION}{newer}",
+            raise InputError(f"{where} 'schema_version' is {v}, this library reads {reads}{newer}",
                              field="schema_version")
+        return v
 
     @staticmethod
     def _check_vocab(v, where: str):
@@ -243,8 +265,8 @@ class RolloutFiles:
             raise InputError("metadata 'schema_version' is missing", field="schema_version")
         sv = meta["schema_version"]
         # ASCII digits only: str.isdigit() also accepts "²" (int() refuses it) and "１"
-        cls._check_version(int(sv) if sv.isascii() and sv.isdigit() and len(sv) < 10 else sv,
-                           "metadata")
+        version = cls._check_version(int(sv) if sv.isascii() and sv.isdigit() and len(sv) < 10 else sv,
+                                     "metadata")
         sampling, m = js("sampling", {}), js("meta", {})
         for key, v in (("sampling", sampling), ("meta", m)):
             if not isinstance(v, dict):
@@ -257,8 +279,9 @@ class RolloutFiles:
         for k, v in arrays.items():
             if k.startswith(("routes.", "support.")):
                 continue
-            if k not in FILE_DTYPES:
-                raise InputError(f"unknown array {k!r}", field=k)
+            if k not in FILE_DTYPES or (version < 2 and k in _V2_ONLY):
+                old = f" (not in schema_version {version})" if k in FILE_DTYPES else ""
+                raise InputError(f"unknown array {k!r}{old}", field=k)
             if v.dtype != FILE_DTYPES[k] or v.ndim != 1:
                 raise InputError(f"expected 1-D {np.dtype(FILE_DTYPES[k]).name}, got {v.dtype} of shape {v.shape}",
                                  field=k)
@@ -283,6 +306,7 @@ class RolloutFiles:
                    rollout_logprobs=arrays["rollout_logprobs"],
                    trainer_logprobs=arrays.get("trainer_logprobs"),
                    group_ids=arrays.get("group_ids"), routes=routes, support=support,
+                   loss_mask=arrays.get("loss_mask"), turns=arrays.get("turns"),
                    sampling=sampling, meta=m, engine=meta.get("engine", "unknown"),
                    engine_version=meta.get("engine_version", "unknown"), vocab_size=vocab)
 
@@ -298,10 +322,13 @@ class RolloutFiles:
         return v
 
     @staticmethod
-    def _values_field(v, row: int, key: str) -> list:
+    def _values_field(v, row: int, key: str, nulls: bool = False) -> list:
+        """Numbers (``null`` too when ``nulls``: a multi-turn row's observation tokens -> NaN)."""
         if not isinstance(v, list):
             raise InputError(f"expected a list, got {type(v).__name__}", row=row, field=key)
         for j, x in enumerate(v):
+            if x is None and nulls:
+                continue
             if not isinstance(x, (int, float)) or isinstance(x, bool):
                 raise InputError(f"value {x!r} is not a number", row=row, field=key, index=j)
             if isinstance(x, int):
@@ -312,12 +339,28 @@ class RolloutFiles:
             elif abs(x) > _F32_MAX:
                 raise InputError(f"value {x!r} does not fit float32", row=row, field=key, index=j)
         # as floats: an integer beyond int64 (-10**30) would make the array an object array
-        return [float(x) for x in v]
+        return [math.nan if x is None else float(x) for x in v]
+
+    @staticmethod
+    def _turn_fields(obj: dict, row: int, n: int) -> None:
+        m, t = obj["loss_mask"], obj["turns"]
+        for key, v in (("loss_mask", m), ("turns", t)):
+            if not isinstance(v, list):
+                raise InputError(f"expected a list, got {type(v).__name__}", row=row, field=key)
+            if len(v) != n:
+                raise InputError(f"{len(v)} values for {n} response tokens", row=row, field=key)
+        for j, x in enumerate(m):
+            if not isinstance(x, bool):
+                raise InputError(f"value {x!r} is not a JSON boolean", row=row, field="loss_mask", index=j)
+        for j, x in enumerate(t):
+            if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x <= ID_MAX:
+                raise InputError(f"turn index {x!r} is not an integer in [0, 2**31)", row=row, field="turns",
+                                 index=j)
 
     @classmethod
     def _read_jsonl(cls, path: Path) -> "Rollout":
         header: dict = {}
-        prompts, responses, lps, tlps, groups, supports = [], [], [], [], [], []
+        prompts, responses, lps, tlps, groups, supports, masks, turns = [], [], [], [], [], [], [], []
         try:
             with open(path, encoding="utf-8") as f:
                 lines = f.read().splitlines()
@@ -361,19 +404,27 @@ class RolloutFiles:
                 continue
             seen_row = True
             row += 1
+            version = header.get("schema_version", SCHEMA_VERSION)
             for k in obj:
-                if k not in ROW_KEYS:
-                    raise InputError(f"unknown field {k!r}", row=row, field=k)
+                if k not in ROW_KEYS or (version < 2 and k in _V2_ONLY):
+                    old = f" (not in schema_version {version})" if k in ROW_KEYS else ""
+                    raise InputError(f"unknown field {k!r}{old}", row=row, field=k)
+            if ("loss_mask" in obj) != ("turns" in obj):
+                miss = "turns" if "loss_mask" in obj else "loss_mask"
+                raise InputError("missing field ('loss_mask' and 'turns' go together)", row=row, field=miss)
             for key in ("prompt_ids", "response_ids", "logprobs"):
                 if key not in obj:
                     raise InputError("missing field", row=row, field=key)
             cls._ids_field(obj["prompt_ids"], row, "prompt_ids")
             cls._ids_field(obj["response_ids"], row, "response_ids")
             n = len(obj["response_ids"])
+            multi = "loss_mask" in obj
+            if multi:
+                cls._turn_fields(obj, row, n)
             for key in ("logprobs", "trainer_logprobs"):
                 if key not in obj:
                     continue
-                obj[key] = cls._values_field(obj[key], row, key)   # (as floats)
+                obj[key] = cls._values_field(obj[key], row, key, nulls=multi)   # (as floats)
                 if len(obj[key]) != n:
                     raise InputError(f"{len(obj[key])} values for {n} response tokens", row=row, field=key)
             g = obj.get("group_id", row)
@@ -400,6 +451,8 @@ class RolloutFiles:
             tlps.append(obj.get("trainer_logprobs"))
             groups.append(g)
             supports.append(sup)
+            masks.append(obj.get("loss_mask"))
+            turns.append(obj.get("turns"))
         if not prompts:
             raise InputError("no rows", field="rows")
         have_t = [t is not None for t in tlps]
@@ -407,6 +460,10 @@ class RolloutFiles:
             i = have_t.index(False)
             raise InputError("'trainer_logprobs' present in some rows but not this one",
                              row=i, field="trainer_logprobs")
+        have_m = [m is not None for m in masks]
+        if any(have_m) and not all(have_m):
+            raise InputError("'loss_mask' and 'turns' present in some rows but not this one",
+                             row=have_m.index(False), field="loss_mask")
         support = None
         vocab = header.get("vocab_size")
         have_s = [s is not None for s in supports]
@@ -421,9 +478,11 @@ class RolloutFiles:
             return cls.from_lists(prompts, responses, lps,
                                   trainer_logprobs=tlps if all(have_t) else None,
                                   group_ids=np.asarray(groups, dtype=np.int64), support=support,
+                                  loss_mask=masks if all(have_m) else None,
+                                  turns=turns if all(have_m) else None,
                                   sampling=header.get("sampling", {}), meta=header.get("meta", {}),
                                   engine=header.get("engine", "unknown"),
                                   engine_version=header.get("engine_version", "unknown"), vocab_size=vocab)
         except InputError as e:     # name the field as the file spells it
             f = _JSONL_NAMES.get(e.field, e.field)
-            raise InputError(e.message, row=e.row, field=f, index=e.index) from None
+            raise InputError(e.message, row=e.row, field=f, index=e.index, turn=e.turn) from None

@@ -248,7 +248,7 @@ def _hdr(**kw):
     ([_hdr(), {**GOOD, "logprobs": [-0.1, -10 ** 400]}], "logprobs", 0, 1),
     ([_hdr(), '{"prompt_ids": [1], "response_ids": [3], "logprobs": [-Infinity]}'], "logprobs", 0, 0),
     ([_hdr(), {**GOOD, "extra": 1}], "extra", 0, None),
-    ([_hdr(schema_version=2), GOOD], "schema_version", None, None),
+    ([_hdr(schema_version=3), GOOD], "schema_version", None, None),    # (2 is multi-turn: read)
     ([_hdr(schema_version="1"), GOOD], "schema_version", None, None),
     ([_hdr(schema_version=True), GOOD], "schema_version", None, None),
     ([json.dumps({"schema": "skyrl-numerics/rollout"}), GOOD], "schema_version", None, None),
@@ -315,7 +315,7 @@ def _rewrite_safetensors(path, arrays=None, meta=None, drop_digest=True):
     ({"routes.values": np.zeros((1, 1, 1), np.uint8)}, None, "routes.cu_seqlens"),
     ({"support.token_ids": np.zeros(6, np.float32), "support.offsets": np.arange(7, dtype=np.int64)},
      None, "support.token_ids"),
-    (None, {"schema_version": "2"}, "schema_version"),
+    (None, {"schema_version": "3"}, "schema_version"),
     (None, {"schema_version": None}, "schema_version"),
     (None, {"schema_version": "01x"}, "schema_version"),
     (None, {"sampling": '{"temperature": NaN}'}, "sampling"),    # JSON has no NaN

@@ -30,6 +30,9 @@ Report fields (the same formulas, with tables: docs/gap.md):
                        and the number of tokens at p
 ``seq_*``              per sequence: length, mean |d|, max |d|, log ratio Σd (= log Π r),
                        geometric-mean ratio exp(mean d). NaN for sequences with no tokens.
+``per_turn``           with ``turns=`` (a per-token turn index): one row per turn index present
+                       among the masked tokens, the scalars above over that turn's tokens only
+                       (:mod:`skyrl_numerics.gap.turns`); summary keys ``turn_<k>/<key>``
 =====================  =====================================================================
 
 Inputs (torch or numpy, any float dtype incl. bf16): padded ``[B, T]`` with optional ``mask``
@@ -56,6 +59,7 @@ import numpy as np
 
 from skyrl_numerics.gap.fast import _fast_stats, _threads
 from skyrl_numerics.gap.layout import Tokens, find_bad_value, normalize, position_count
+from skyrl_numerics.gap.turns import turn_groups, turn_stream
 from skyrl_numerics.errors import InputError
 
 __all__ = ["GapReport", "measure", "measure_reference", "DEFAULT_TAUS", "LOGPROB_TOL"]
@@ -67,6 +71,10 @@ FAST_MIN_TOKENS = 1 << 18
 SUMMARY_KEYS = ("n_tokens", "n_seqs", "mean_abs", "max_abs", "p50_abs", "p99_abs",
                 "frac_bitwise_equal", "kl_k1", "kl_k2", "kl_k3", "chi2", "ppl_ratio", "ess",
                 "ratio_mean", "ratio_std", "ratio_min", "ratio_max", "ratio_p1", "ratio_p99")
+# per-turn keys in summary() (``turn_<k>/<key>``, then ``turn_<k>/F_<tau>``); a per-turn row
+# (``per_turn``, ``to_dict()["per_turn"]``) holds "turn" and every summary key
+TURN_SUMMARY_KEYS = ("n_tokens", "mean_abs", "max_abs", "frac_bitwise_equal", "kl_k1", "kl_k2", "kl_k3")
+_INT_KEYS = ("turn", "n_tokens", "n_seqs")
 
 
 def _tau_key(tau: float) -> str:
@@ -110,17 +118,24 @@ class GapReport:
     seq_log_ratio: np.ndarray = field(default_factory=lambda: np.zeros(0))
     seq_geo_ratio: np.ndarray = field(default_factory=lambda: np.zeros(0))
     dtypes: tuple = ("", "")
+    # with measure(turns=...): one dict per turn index present, ascending: "turn", then the
+    # summary() keys over that turn's tokens ("n_seqs": sequences with a token of the turn)
+    per_turn: list = field(default_factory=list)
 
     def summary(self) -> dict:
-        """Flat dict of the headline scalars: ``SUMMARY_KEYS`` then ``F_<tau>`` per τ."""
+        """Flat dict of the headline scalars: ``SUMMARY_KEYS`` then ``F_<tau>`` per τ; with
+        per-turn rows, then ``turn_<k>/<key>`` for ``TURN_SUMMARY_KEYS`` and ``F_<tau>``."""
         out = {k: getattr(self, k) for k in SUMMARY_KEYS}
         out.update({_tau_key(t): f for t, f in self.extreme_frac.items()})
+        for row in self.per_turn:
+            keys = TURN_SUMMARY_KEYS + tuple(_tau_key(t) for t in self.extreme_frac)
+            out.update({f"turn_{row['turn']}/{k}": row[k] for k in keys})
         return out
 
     def to_dict(self) -> dict:
         """JSON-serializable dict (non-finite floats become ``None``)."""
         s = {k: (v if isinstance(v, int) else _json_float(v)) for k, v in self.summary().items()}
-        return {
+        out = {
             "summary": s,
             "taus": [float(t) for t in self.extreme_frac],
             "dtypes": {"trainer": self.dtypes[0], "rollout": self.dtypes[1]},
@@ -134,6 +149,10 @@ class GapReport:
                 "geo_ratio": [_json_float(x) for x in self.seq_geo_ratio],
             },
         }
+        if self.per_turn:
+            out["per_turn"] = [{k: (int(v) if k in _INT_KEYS else _json_float(v)) for k, v in row.items()}
+                               for row in self.per_turn]
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> "GapReport":
@@ -154,7 +173,9 @@ class GapReport:
                    seq_len=arr(ps["len"], np.int64), seq_mean_abs=arr(ps["mean_abs"]),
                    seq_max_abs=arr(ps["max_abs"]), seq_log_ratio=arr(ps["log_ratio"]),
                    seq_geo_ratio=arr(ps["geo_ratio"]),
-                   dtypes=(d["dtypes"]["trainer"], d["dtypes"]["rollout"]))
+                   dtypes=(d["dtypes"]["trainer"], d["dtypes"]["rollout"]),
+                   per_turn=[{k: (int(v) if k in _INT_KEYS else f(v)) for k, v in row.items()}
+                             for row in d.get("per_turn", [])])
 
     def __eq__(self, other):  # arrays and NaN-aware
         if not isinstance(other, GapReport):
@@ -165,11 +186,18 @@ class GapReport:
                 if not np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True):
                     return False
             elif isinstance(x, dict):
-                if list(x) != list(y) or not all(_same(x[k], y[k]) for k in x):
+                if not _same_dict(x, y):
+                    return False
+            elif isinstance(x, list):
+                if len(x) != len(y) or not all(_same_dict(u, v) for u, v in zip(x, y)):
                     return False
             elif not _same(x, y):
                 return False
         return True
+
+
+def _same_dict(x: dict, y: dict) -> bool:
+    return list(x) == list(y) and all(_same(x[k], y[k]) for k in x)
 
 
 def _same(x, y) -> bool:
@@ -300,10 +328,14 @@ def _reference_stats(tok: Tokens, taus, tol: float) -> dict:
 
 
 # -- public -----------------------------------------------------------------------------------
-def measure(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, taus=DEFAULT_TAUS,
-            logprob_tol: float = LOGPROB_TOL, threads: int | None = None, _path: str = "auto",
-            _kernel: str = "auto") -> GapReport:
+def measure(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, turns=None,
+            taus=DEFAULT_TAUS, logprob_tol: float = LOGPROB_TOL, threads: int | None = None,
+            _path: str = "auto", _kernel: str = "auto") -> GapReport:
     """Measure the trainer–rollout logprob gap over the masked tokens. See the module doc.
+
+    ``turns``: a per-token turn index (integers >= 0) in the layout of the logprobs, read at the
+    masked tokens only; the report then has ``per_turn`` rows (multi-turn trajectories: pass the
+    rollout's ``loss_mask`` as ``mask`` so observation tokens never count).
 
     ``threads``: CPU threads for the fast pass (default: up to 8, one per 512K tokens, at most
     ``os.cpu_count()``). ``_path`` (testing): ``"auto"`` (fast pass above ``FAST_MIN_TOKENS``
@@ -314,16 +346,30 @@ def measure(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, t
     taus = _check_taus(taus)
     logprob_tol = _check_tol(logprob_tol)
     tok = normalize(trainer_logprobs, rollout_logprobs, mask, cu_seqlens)
+    tt = turn_stream(turns, trainer_logprobs, mask, tok) if turns is not None else None
+    rep = _finish(_stats(tok, taus, logprob_tol, threads, _path, _kernel), tok, taus)
+    if tt is not None:
+        for k, sub in turn_groups(tok, tt):       # (values already checked by the whole pass)
+            s = (rep if sub is tok else _finish(_stats(sub, taus, logprob_tol, threads, _path, _kernel),
+                                                sub, taus)).summary()
+            s["n_seqs"] = int(np.count_nonzero(sub.lengths))
+            rep.per_turn.append({"turn": k, **s})
+    return rep
+
+
+def _stats(tok: Tokens, taus, tol: float, threads, path: str, kernel: str) -> dict:
+    """The fast pass above ``FAST_MIN_TOKENS`` tokens (or when ``path="fast"``), else (or when it
+    declines) the reference."""
     st = None
-    if _path == "fast" or (_path == "auto" and tok.n > FAST_MIN_TOKENS):
-        st = _fast_stats(tok, taus, logprob_tol, threads=_threads(tok.n, threads), kernel=_kernel)
+    if path == "fast" or (path == "auto" and tok.n > FAST_MIN_TOKENS):
+        st = _fast_stats(tok, taus, tol, threads=_threads(tok.n, threads), kernel=kernel)
     if st is None:
-        st = _reference_stats(tok, taus, logprob_tol)
-    return _finish(st, tok, taus)
+        st = _reference_stats(tok, taus, tol)
+    return st
 
 
-def measure_reference(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None,
+def measure_reference(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, turns=None,
                       taus=DEFAULT_TAUS, logprob_tol: float = LOGPROB_TOL, threads=None) -> GapReport:
     """:func:`measure` through the plain full-array path (the spec the fast pass is tested against)."""
-    return measure(trainer_logprobs, rollout_logprobs, mask, cu_seqlens=cu_seqlens, taus=taus,
+    return measure(trainer_logprobs, rollout_logprobs, mask, cu_seqlens=cu_seqlens, turns=turns, taus=taus,
                    logprob_tol=logprob_tol, _path="reference")
