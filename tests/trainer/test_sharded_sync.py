@@ -163,3 +163,39 @@ def test_engine_ranks_read_less_than_a_full_sync(setup):
     whole = sum(e.payload_nbytes for e in full.tensors)
     for rec in recs:
         assert rec.prepare(0).bytes_read < 0.75 * whole
+
+
+def test_any_edit_of_the_version_record_is_refused(setup):
+    """Flip any bit of the sealed record: the engine rank refuses it, unless the edit left the
+    parsed record the same (white space) — then it is the same version."""
+    import json
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    cfg, src, dst, plan, root = setup
+    pub = sh.ShardedPublisher(root, plan)
+    _publish(pub, src, _hf(cfg, 0))
+    pub.seal(0)
+    path = root / "versions" / "000000000000.json"
+    good = path.read_bytes()
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(pos=st.integers(0, len(good) - 1), bit=st.integers(0, 7))
+    def flip(pos, bit):
+        bad = bytearray(good)
+        bad[pos] ^= 1 << bit
+        path.write_bytes(bytes(bad))
+        try:
+            same = json.loads(bytes(bad)) == json.loads(good)
+        except ValueError:
+            same = False
+        try:
+            sh.ShardedReceiver(root, pub.spec, 1).prepare(0)
+            assert same, (pos, bit)
+        except InputError:
+            assert not same, (pos, bit)
+        finally:
+            path.write_bytes(good)
+
+    flip()
