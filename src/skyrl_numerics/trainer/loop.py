@@ -290,7 +290,8 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
                 if trainer_host is None:
                     trainer_host = get(call(trn, "host_info"))
                 _check_isa(trainer_host, get(call(gen, "engine_host")), engine_hosts)
-                get(call(gen, "attach", sync_dir, get(call(trn, "sharded_info"))))
+                sharded = get(call(trn, "sharded_info"))   # a multi-rank trainer's store, else None
+                get(call(gen, "attach", sync_dir, *([sharded] if sharded else [])))
                 rows = history[cfg.name] = []
 
                 def launch(step):
@@ -318,7 +319,7 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
 
                         m = {**m, **compare_gradients(get(call(trn, "last_grads")), ref_grad)}
                     pub = get(call(trn, "publish"))
-                    syn = get(call(gen, "sync", pub.get("sharded")))
+                    syn = get(call(gen, "sync", *([pub["sharded"]] if pub.get("sharded") else [])))
                     if not s.off_policy and step + 1 < s.steps:
                         pending = launch(step + 1)
                     summ = g.summary()
