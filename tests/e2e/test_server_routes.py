@@ -363,3 +363,26 @@ def test_deepseek_dense_layer_rows_are_zero(deepseek_v3_dir):
     ref = _hf_routes(load_hf_model(deepseek_v3_dir), p + toks[:-1])   # its one MoE layer
     assert ref.shape == (rows.shape[0], 1, 2)
     assert _set_agreement(rows[:, 1:], ref) > 0.9
+
+
+def test_multiturn_route_deltas_over_http(server, inproc, qwen_moe_dir):
+    """``generate_multiturn`` through the server client: each turn sends
+    ``routed_experts_prompt_start`` = the trace's end, and the deltas assemble into the routes the
+    in-process capture records for the same trajectory (same seeds, same scheduling)."""
+    from skyrl_numerics.trainer.engine.multiturn import KeyValueEnv
+    from skyrl_numerics.trainer.engine.remote import RemoteGenerator
+
+    gen = RemoteGenerator(server.url, model_dir=str(qwen_moe_dir))
+    try:
+        kw = dict(max_turns=3, max_tokens=5, seed=4, top_k=TOP_K)
+        ro = gen.generate_multiturn([_prompt(40, 41)], KeyValueEnv, **kw)
+    finally:
+        gen.close()
+    ref = inproc.generate_multiturn([_prompt(40, 41)], KeyValueEnv, **kw)
+    ro.validate()
+    assert ro.num_turns.tolist() == [3]
+    np.testing.assert_array_equal(ro.response_tokens, ref.response_tokens)
+    np.testing.assert_array_equal(ro.loss_mask, ref.loss_mask)
+    assert ro.routes == ref.routes
+    assert ro.meta["route_bytes"]["delta"] == ro.routes.values.nbytes
+    assert ro.meta["route_bytes"]["delta"] < ro.meta["route_bytes"]["full_resend"]
