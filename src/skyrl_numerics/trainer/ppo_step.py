@@ -6,7 +6,9 @@ its micro-batches, its differentiable forward and its reductions; the core does,
 2. ``log π_old`` per response token (:func:`old_logprobs`): given by the caller, else recomputed
    when an off-policy correction needs it, else ``None`` (the step's own detached logprobs);
 3. the correction per micro-batch (:func:`correct_micro_batches`): weights and keep mask, and the
-   correction's metrics as token-weighted sums;
+   correction's metrics as token-weighted sums; a multi-turn rollout's observation tokens
+   (``loss_mask`` False: the environment's, not sampled) are outside the keep mask, so they
+   leave the loss, its denominator, the correction and every metric;
 4. the loss denominator (:func:`kept_totals`): kept tokens (``token_mean``) or sequences with at
    least one kept token (``seq_mean_token_mean``), summed over micro-batches and ranks;
 5. per micro-batch: forward, the clipped surrogate (:func:`..losses.ppo_clip_loss`), backward;
@@ -42,17 +44,23 @@ def old_logprobs_for(rollout: Rollout, given, needed: bool, compute: Callable[[]
     return torch.from_numpy(compute()) if needed else None
 
 
-def correct_micro_batches(mbs, correction, old_all, rollout_lp):
+def correct_micro_batches(mbs, correction, old_all, rollout_lp, model_mask=None):
     """``(per_mb, metric_sums, n_tokens)``: per micro-batch ``(mb, token_index, weights, keep)``
-    (``None, None`` without a correction), the correction's finite metrics as sums weighted by
-    its ``n_tokens``, and the total of those token counts."""
+    (``None, None`` without a correction or model mask), the correction's finite metrics as sums
+    weighted by its ``n_tokens``, and the total of those token counts. ``model_mask`` (bool per
+    response token, multi-turn): only those tokens are corrected and kept."""
     per_mb, sums, n_total = [], {}, 0.0
     for mb in mbs:
         ti = torch.from_numpy(mb.token_index)
         w = keep = None
+        m = None if model_mask is None else model_mask[ti]
+        if m is not None:
+            keep = m
         if correction is not None:
-            c = correction(old_all[ti], rollout_lp[ti], cu_seqlens=torch.from_numpy(mb.cu_seqlens))
+            c = correction(old_all[ti], rollout_lp[ti], m, cu_seqlens=torch.from_numpy(mb.cu_seqlens))
             w, keep = torch.as_tensor(c.weights).float(), torch.as_tensor(c.mask).bool()
+            if m is not None:
+                keep = keep & m
             n = float(c.metrics.get("n_tokens", len(ti)))
             for k, v in c.metrics.items():
                 if isinstance(v, (int, float)) and math.isfinite(v) and k not in ("n_tokens", "n_seqs"):
@@ -106,8 +114,9 @@ def ppo_update(rollout: Rollout, rewards, cfg, *, micro_batches: Iterable, forwa
     adv = token_advantages(seq_adv.float(), rollout.response_cu)
     rollout_lp = torch.from_numpy(rollout.rollout_logprobs)
     old_all = old_logprobs_for(rollout, old_logprobs, correction is not None, recompute_old)
+    model_mask = torch.from_numpy(rollout.loss_mask) if rollout.is_multi_turn else None
     per_mb, corr_metrics, n_corr = correct_micro_batches(list(micro_batches), correction, old_all,
-                                                         rollout_lp)
+                                                         rollout_lp, model_mask)
     kept_tok, kept_seq = kept_totals(per_mb)
     totals = reduce_sum(torch.tensor([kept_tok, kept_seq], dtype=torch.float64))
     denom = float(totals[0] if cfg.aggregation == "token_mean" else totals[1])

@@ -118,7 +118,8 @@ def onpolicy_gradient(model: InvariantCausalLM, rollout: Rollout, rewards, *,
     try:
         with torch.enable_grad():
             lp, _ = sequence_logprobs(model, rollout, use_support=use_support)
-            _surrogate(lp, lp.detach(), _advantages(rollout, rewards)).loss.backward()
+            mask = torch.from_numpy(rollout.loss_mask) if rollout.is_multi_turn else None
+            _surrogate(lp, lp.detach(), _advantages(rollout, rewards), mask=mask).loss.backward()
         return _grads(model, names)
     finally:
         for n in names:
