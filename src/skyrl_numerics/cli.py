@@ -220,6 +220,14 @@ def _cmd_train(args) -> int:
         from skyrl_numerics.trainer.reward import RewardTask, load_reward
 
         task = RewardTask(load_reward(args.reward), name=args.reward)
+    env = None
+    if args.env:
+        from skyrl_numerics.trainer.reward import load_reward
+
+        if args.multi_turn < 2:
+            raise InputError("--env without --multi-turn N (N >= 2): an environment answers "
+                             "between model turns", field="env")
+        env = load_reward(args.env, field="env")
     if args.model and (args.server or args.family != "qwen3_moe"):
         raise InputError("--model DIR with --server or --family: the server / family names the "
                          "checkpoint", field="model")
@@ -230,7 +238,7 @@ def _cmd_train(args) -> int:
     settings = LoopSettings(steps=args.steps, prompts_per_step=args.prompts,
                             samples_per_prompt=args.samples, max_tokens=args.max_tokens,
                             seed=args.seed, off_policy=1 if args.async_ else 0,
-                            measure_grad=not args.no_grad)
+                            measure_grad=not args.no_grad, turns=args.multi_turn)
     configs = [CONFIGS[n] for n in names]
     if args.kv_cache:
         import dataclasses
@@ -256,7 +264,7 @@ def _cmd_train(args) -> int:
                            progress=not args.no_progress, backend=args.backend,
                            server=(servers if args.server and len(servers) > 1 else args.server),
                            api_key=args.api_key, tp=args.tp, ep=args.ep, replicas=args.replicas,
-                           dp=args.dp)
+                           dp=args.dp, env=env)
         except InputError:
             raise
         except BaseException:
@@ -270,8 +278,10 @@ def _cmd_train(args) -> int:
     what = (f"the model at {args.server}" if args.server else args.model if args.model
             else f"the tiny {args.family}")
     t = Table(title=f"GRPO on {what} (real vLLM generator, delta weight sync)")
-    for col in ("config", "step", "reward", "mean |Δ|", "max |Δ|", "bitwise =", "F(2)", "KL k3",
-                "grad cos", "grad rel.err", "clipfrac", "sync kB (zstd XOR)", "engine update s"):
+    turns = any("gap_per_turn_max_abs" in r for rows in res.history.values() for r in rows)
+    for col in (("config", "step", "reward", "mean |Δ|", "max |Δ|", "bitwise =", "F(2)", "KL k3",
+                 "grad cos", "grad rel.err", "clipfrac", "sync kB (zstd XOR)", "engine update s")
+                + (("max |Δ| by turn",) if turns else ())):
         t.add_column(col, justify="right")
     fmt = lambda r, k, f: format(r[k], f) if k in r else "-"  # noqa: E731
     for name, rows in res.history.items():
@@ -281,7 +291,9 @@ def _cmd_train(args) -> int:
                       f"{r['gap_F2']:.1%}", f"{r['gap_kl_k3']:.2e}",
                       fmt(r, "grad_cos_onpolicy", ".4f"), fmt(r, "grad_relerr_onpolicy", ".3f"),
                       f"{r['clipfrac']:.3f}",
-                      f"{r['sync_payload_bytes'] / 1e3:.1f}", f"{r['engine_update_s']:.2f}")
+                      f"{r['sync_payload_bytes'] / 1e3:.1f}", f"{r['engine_update_s']:.2f}",
+                      *(([" ".join(f"{x:.1e}" for x in r.get("gap_per_turn_max_abs", []))])
+                        if turns else []))
     console.print(t)
     if res.host.get("isa_warning"):
         console.print(res.host["isa_warning"], markup=False)
@@ -477,6 +489,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--kv-cache", default=None, choices=["fp8", "fp8_ds_mla"],
                    help="bitwise config: the cache format the invariant engine stores (and the "
                         "trainer simulates)")
+    t.add_argument("--multi-turn", type=int, default=1, metavar="N",
+                   help="multi-turn trajectories of up to N model turns (--max-tokens each), the "
+                        "environment's observations between them (masked out of the loss), routes "
+                        "as turn deltas; default environment: the toy key-value tool")
+    t.add_argument("--env", default=None, metavar="MODULE:FACTORY",
+                   help="with --multi-turn: your environment factory (FACTORY() -> an object with "
+                        "reset(prompt_ids) and step(model_ids) -> EnvStep(observation, reward, "
+                        "done); trainer/engine/multiturn.py)")
     t.add_argument("--no-grad", action="store_true",
                    help="skip the gradient comparison against the exact on-policy gradient")
     t.add_argument("--steps", type=int, default=5)

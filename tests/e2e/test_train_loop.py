@@ -83,3 +83,27 @@ def test_train_async_one_step_off_policy(tmp_path, vllm_qwen):
     # the lag is large enough that token TIS clips (measured 1.6-4.3 % of tokens per lagged step)
     clipped = [r["correction/frac_tokens_clipped"] for r in rows]
     assert clipped[0] == 0.0 and max(clipped[1:]) > 0.0, clipped
+
+
+def test_train_multi_turn(tmp_path, vllm_qwen, vllm_qwen_invariant):
+    """--multi-turn 3: tool-using trajectories (toy key-value tool), observation tokens masked out
+    of loss and gap, routes as turn deltas. bitwise: Δ = 0 on every model token of every turn,
+    every step, after real updates; aligned (R3 + support + TIS across turns): a small gap."""
+    res, out = _run(tmp_path, "--multi-turn", "3", "--configs", "aligned,bitwise",
+                    "--max-tokens", "5")
+    assert res["settings"]["turns"] == 3 and res["settings"]["task"]["reward"] == "env"
+    for name in ("aligned", "bitwise"):
+        rows = res["history"][name]
+        assert len(rows) == 3
+        for r in rows:
+            assert r["model_tokens"] > 0 and r["observation_tokens"] > 0, r
+            assert len(r["gap_per_turn_max_abs"]) >= 2, r
+            assert 0 < r["route_bytes_delta"] < r["route_bytes_full"], r
+    for r in res["history"]["bitwise"]:
+        assert r["gap_max_abs"] == 0.0 and r["gap_frac_bitwise_equal"] == 1.0, r
+        assert set(r["gap_per_turn_max_abs"]) == {0.0}, r
+        assert r["grad_relerr_onpolicy"] == 0.0, r
+        assert 0 < r["sync_payload_bytes"] < r["sync_raw_bytes"]   # real updates reached the engine
+    for r in res["history"]["aligned"]:
+        assert r["gap_mean_abs"] < 0.05 and r["grad_cos_onpolicy"] > 0.99, r
+    assert (out / "train.png").read_bytes()[:4] == b"\x89PNG"

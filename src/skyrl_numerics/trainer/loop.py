@@ -56,6 +56,16 @@ class TargetSetTask:
         return np.where(lens > 0, sums / np.maximum(lens, 1), 0.0)
 
 
+@dataclass(frozen=True)
+class EnvRewardTask:
+    """Multi-turn: each trajectory's reward is the sum of its environment's step rewards
+    (``generate_multiturn`` puts them in ``meta["env_reward"]``)."""
+    name: str = "env"
+
+    def reward(self, rollout: Rollout) -> np.ndarray:
+        return np.asarray(rollout.meta["env_reward"], dtype=np.float64)
+
+
 # ---- configurations ------------------------------------------------------------------------
 @dataclass
 class LoopConfig:
@@ -95,6 +105,9 @@ class LoopSettings:
     off_policy: int = 0
     # cosine / relative error of each config's gradient against the exact on-policy gradient
     measure_grad: bool = True
+    # > 1: multi-turn trajectories of up to this many model turns (generate_multiturn with the
+    # run's environment; max_tokens per turn); the loss, gap and corrections see model tokens only
+    turns: int = 1
 
 
 def _check_in_place_sync(model_dir, configs) -> None:
@@ -160,7 +173,7 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
              task=None, use_ray: bool = False, work_dir=None,
              progress: bool = True, backend: str = "fsdp", server=None,
              api_key: str | None = None, tp: int = 1, ep: int = 1, replicas: int = 1,
-             dp: int = 1) -> LoopResult:
+             dp: int = 1, env=None) -> LoopResult:
     """Run ``settings.steps`` GRPO steps for each configuration; return per-step metrics.
     The engine gets the checkpoint's weights back at the end (it may be a shared, cached one).
     ``settings.off_policy = 1`` overlaps generation of step s+1 with the update of step s.
@@ -179,14 +192,32 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
     trainer rank sent) and ``engine_bytes_read``. ``dp`` (fsdp backend): an FSDP2 data-parallel
     trainer on ``dp`` rank actors; rank 0 publishes the gathered weights. ``replicas``: in-process engines behind a
     ``ReplicaRouter`` (:class:`~skyrl_numerics.trainer.workers.ReplicaGeneratorWorker`), every
-    version applied to each; per-replica ``replica_gap_*`` / ``replica_tokens_per_s`` per step."""
+    version applied to each; per-replica ``replica_gap_*`` / ``replica_tokens_per_s`` per step.
+    ``settings.turns > 1``: multi-turn trajectories through ``env`` (an environment factory,
+    ``trainer/engine/multiturn.py``; default the toy ``KeyValueEnv``), routes as turn deltas,
+    the task's default the environment's reward; per step ``gap_per_turn_max_abs`` /
+    ``gap_per_turn_mean_abs`` (by turn index) and ``route_bytes_delta`` / ``route_bytes_full``."""
     from rich.progress import Progress
 
     from skyrl_numerics.doctor import make_prompts
     from skyrl_numerics.gap import measure
 
     s = settings or LoopSettings()
-    task = task or TargetSetTask()
+    multi_turn = s.turns > 1
+    if s.turns < 1:
+        from skyrl_numerics.errors import InputError
+
+        raise InputError(f"turns must be >= 1, got {s.turns}", field="turns")
+    if multi_turn and replicas > 1:
+        from skyrl_numerics.errors import InputError
+
+        raise InputError("multi-turn with in-process replicas: not wired (each turn must reach "
+                         "the replica holding the history's KV)", field="replicas")
+    if multi_turn and env is None:
+        from skyrl_numerics.trainer.engine.multiturn import KeyValueEnv
+
+        env = KeyValueEnv
+    task = task or (EnvRewardTask() if multi_turn else TargetSetTask())
     if backend not in ("fsdp", "megatron"):
         from skyrl_numerics.errors import InputError
 
@@ -296,6 +327,9 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
 
                 def launch(step):
                     prompts = make_prompts(s.prompts_per_step, s.prompt_len, 512, s.seed + step)
+                    if multi_turn:
+                        return call(gen, "generate_multiturn", prompts, env, max_turns=s.turns,
+                                    seed=s.seed + 100_000 * step, **sampling)
                     return call(gen, "generate", prompts, seed=s.seed + 1000 * step, **sampling)
 
                 pending = launch(0)
@@ -308,7 +342,10 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
                     rollout = get(ro_ref)
                     rewards = task.reward(rollout)
                     old = get(call(trn, "logprobs", ro_ref if use_ray else rollout))
-                    g = measure(old, rollout.rollout_logprobs, cu_seqlens=rollout.response_cu)
+                    turn_kw = ({"mask": rollout.loss_mask, "turns": rollout.turns}
+                               if rollout.is_multi_turn else {})
+                    g = measure(old, rollout.rollout_logprobs, cu_seqlens=rollout.response_cu,
+                                **turn_kw)
                     ref_grad = None
                     if reference is not None:   # at the weights before this update
                         ref_grad = reference.gradient(get(call(trn, "served_state")), rollout,
@@ -338,7 +375,7 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
                                  **({"sync_rank_payload_bytes": pub["rank_payload_bytes"],
                                      "engine_bytes_read": sum(syn["engine_bytes_read"].values())}
                                     if "sharded" in pub else {}),
-                                 **_replica_metrics(rollout, old)})
+                                 **_replica_metrics(rollout, old), **_turn_metrics(rollout, g)})
                     prog.update(task_id, advance=1, description=(
                         f"{cfg.name}: step {step} reward {rows[-1]['reward']:.3f} "
                         f"|Δ| {summ['mean_abs']:.2e} sync {pub['payload_bytes'] / 1e3:.0f} kB"))
@@ -366,11 +403,26 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
             ray.shutdown()
     from skyrl_numerics.host import host_report
 
-    task_desc = asdict(task) if isinstance(task, TargetSetTask) else {"reward": getattr(task, "name", repr(task))}
+    task_desc = (asdict(task) if isinstance(task, TargetSetTask)
+                 else {"reward": getattr(task, "name", repr(task))})
+    if multi_turn:
+        task_desc["env"] = getattr(env, "__name__", repr(env))
     return LoopResult(settings={**asdict(s), "task": task_desc, "use_ray": use_ray, "backend": backend,
                                 "tp": tp, "ep": ep, "dp": dp, "replicas": replicas,
                                 "configs": [asdict(c) for c in configs]}, history=history,
                       host=host_report(trainer_host, engine_hosts))
+
+
+def _turn_metrics(rollout: Rollout, gap) -> dict:
+    """Multi-turn: the gap per turn index and the route bytes of the step's trajectories."""
+    if not rollout.is_multi_turn:
+        return {}
+    rb = rollout.meta.get("route_bytes", {})
+    return {"gap_per_turn_max_abs": [r["max_abs"] for r in gap.per_turn],
+            "gap_per_turn_mean_abs": [r["mean_abs"] for r in gap.per_turn],
+            "model_tokens": int(rollout.loss_mask.sum()),
+            "observation_tokens": int((~rollout.loss_mask).sum()),
+            "route_bytes_delta": rb.get("delta"), "route_bytes_full": rb.get("full_resend")}
 
 
 def _replica_metrics(rollout: Rollout, trainer_lp) -> dict:

@@ -20,17 +20,18 @@ import numpy as np
 from skyrl_numerics.errors import InputError
 
 
-def load_reward(spec: str) -> Callable:
-    """``"pkg.module:function"`` or ``"path/to/file.py:function"`` -> the function."""
+def load_reward(spec: str, *, field: str = "reward") -> Callable:
+    """``"pkg.module:function"`` or ``"path/to/file.py:function"`` -> the function (or any
+    callable: ``--env`` loads an environment factory the same way; ``field`` names it in errors)."""
     mod_name, sep, fn_name = str(spec).rpartition(":")
     if not sep or not mod_name or not fn_name.isidentifier():
         raise InputError(f"expected MODULE:FUNCTION or FILE.py:FUNCTION, got {spec!r}",
-                         field="reward")
+                         field=field)
     try:
         if mod_name.endswith(".py"):
             path = Path(mod_name)
             if not path.is_file():
-                raise InputError(f"{path} is not a file", field="reward")
+                raise InputError(f"{path} is not a file", field=field)
             loader_spec = importlib.util.spec_from_file_location(f"skyrl_reward_{path.stem}", path)
             module = importlib.util.module_from_spec(loader_spec)
             loader_spec.loader.exec_module(module)
@@ -40,10 +41,10 @@ def load_reward(spec: str) -> Callable:
         raise
     except Exception as e:
         raise InputError(f"{mod_name} does not import: {type(e).__name__}: "
-                         f"{' '.join(str(e).split())[:200]}", field="reward") from None
+                         f"{' '.join(str(e).split())[:200]}", field=field) from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise InputError(f"{mod_name} has no function {fn_name!r}", field="reward")
+        raise InputError(f"{mod_name} has no function {fn_name!r}", field=field)
     return fn
 
 
