@@ -146,9 +146,14 @@ def score_rows(selected: list, ctx: DoctorContext, rollouts: dict, skipped: dict
                                        "status": status}))
             advance(row.name)
             continue
-        report = measure(lp, ro.rollout_logprobs, cu_seqlens=ro.response_cu)
+        turn_kw = {"mask": ro.loss_mask, "turns": ro.turns} if ro.is_multi_turn else {}
+        report = measure(lp, ro.rollout_logprobs, cu_seqlens=ro.response_cu, **turn_kw)
         extra = {"scenario": row.scenario, "note": row.note,
                  "vLLM tok/s": ro.meta.get("tokens_per_s"), "status": "measured"}
+        if ro.is_multi_turn and "route_bytes" in ro.meta:
+            rb = ro.meta["route_bytes"]
+            extra["route kB (turn deltas / full resend)"] = (
+                f"{rb['delta'] / 1e3:.1f} / {rb['full_resend'] / 1e3:.1f}")
         dist = getattr(row.compute, "distribution", None)
         if dist is not None and ro.topk is not None:
             try:
@@ -162,7 +167,8 @@ def score_rows(selected: list, ctx: DoctorContext, rollouts: dict, skipped: dict
             extra["_vLLM tok/s mark"] = ("†", "sampled while the next engine started in the "
                                         "background (SKYRL_NUMERICS_DOCTOR_PREFETCH=0: "
                                         "throughput without it)")
-        out_rows.append(ReportRow(row.name, report, np.abs(lp - ro.rollout_logprobs), extra))
+        out_rows.append(ReportRow(row.name, report, np.abs(lp - ro.rollout_logprobs)[ro.model_mask],
+                                  extra))
         # each scenario's rollout is kept with its first row's trainer logprobs, so the
         # written file is a complete dump for `skyrl-numerics gap FILE`
         if row.scenario not in scored:
@@ -255,8 +261,8 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
                             sc_prompts = prompts or make_prompts(n_prompts, prompt_len,
                                                                  engine.vocab_size, seed)
                             beside_start[sc] = starts.busy()
-                            rollouts[sc] = engine.generate(sc_prompts, max_tokens=max_tokens,
-                                                           seed=seed, **spec.sampling)
+                            rollouts[sc] = spec.sample(engine, sc_prompts, max_tokens=max_tokens,
+                                                       seed=seed)
                             beside_start[sc] |= starts.busy()
                         served_ip, base_tensors = None, base_tensors if mem.together else None
                         prog.advance(task)
@@ -280,8 +286,7 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
                     engine.generate([[2, 3]], max_tokens=2)  # warm-up, so tokens/s compares engines
                     sc_prompts = prompts or make_prompts(n_prompts, prompt_len, engine.vocab_size, seed)
                     beside_start[sc] = starts.busy()
-                    rollouts[sc] = engine.generate(sc_prompts, max_tokens=max_tokens, seed=seed,
-                                                   **spec.sampling)
+                    rollouts[sc] = spec.sample(engine, sc_prompts, max_tokens=max_tokens, seed=seed)
                     beside_start[sc] |= starts.busy()
                 except Exception as e:  # the rows of this scenario show it; the traceback: the log
                     log.exception("doctor: scenario %r failed", sc)

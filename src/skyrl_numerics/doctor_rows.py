@@ -34,6 +34,18 @@ class Scenario:
     # vLLM CPU kernels the engine needs (skyrl_numerics.host.FEATURES keys): where the installed
     # build lacks one, the scenario's rows are skipped, naming the kernel and the host ISA
     needs: tuple = ()
+    # > 1: multi-turn trajectories through the toy key-value tool (generate_multiturn; routes as
+    # turn deltas), max_tokens per turn; rows are measured on model tokens, per turn too
+    turns: int = 1
+
+    def sample(self, engine, prompts, *, max_tokens: int, seed: int):
+        """The scenario's rollout from ``engine``."""
+        if self.turns > 1:
+            from skyrl_numerics.trainer.engine.multiturn import KeyValueEnv
+
+            return engine.generate_multiturn(prompts, KeyValueEnv, max_turns=self.turns,
+                                             max_tokens=max_tokens, seed=seed, **self.sampling)
+        return engine.generate(prompts, max_tokens=max_tokens, seed=seed, **self.sampling)
 
 
 def _fake_quant_serving(recipe: str):
@@ -62,6 +74,12 @@ SCENARIOS: dict[str, Scenario] = {
                                 "family's batch-invariant model (out-of-tree, over its paged KV "
                                 f"cache); its top-{TOPK} logprobs per token kept",
                                 engine=dict(batch_invariant=True, capture_routes=True)),
+    "multi-turn tool use": Scenario(FULL, turns=3, description="3 model turns, the toy key-value "
+                                    "tool's observations between them (masked), routes captured "
+                                    "as turn deltas"),
+    "multi-turn, batch-invariant": Scenario(FULL, turns=3, description="the same trajectories "
+                                            "through the batch-invariant model",
+                                            engine=dict(batch_invariant=True, capture_routes=True)),
     "batch-invariant, FP8 KV": Scenario(FULL, description="the batch-invariant model storing its "
                                         "KV cache (MLA: the latent) as FP8 E4M3, per-layer scales",
                                         engine=dict(batch_invariant=True, kv_cache="fp8")),
@@ -156,6 +174,13 @@ register_row(Row("top-p 0.95 only: + support replay", "top-p 0.95 only",
                  note="renormalized over the set vLLM's top-p kept (captured in the engine)"))
 register_row(Row("top-p 0.95 only: + support replay + R3", "top-p 0.95 only",
                  _plain_trainer(None, use_support=True, use_routes=True), note="both replays"))
+register_row(Row("multi-turn: HF trainer", "multi-turn tool use", _plain_trainer(None),
+                 note="each turn one request over the whole history; observation tokens masked"))
+register_row(Row("multi-turn: + R3 (routes from turn deltas)", "multi-turn tool use",
+                 _plain_trainer(None, use_routes=True),
+                 note="each position's routes shipped once (RouteTrace), replayed in the trainer"))
+
+
 def _invariant_trainer(kv_cache: str | None = None):
     """The family's invariant forward in the trainer; ``kv_cache``: the cache format it simulates
     (the engine's, for a bitwise row; ``None`` against an FP8 engine shows that cause's size)."""
@@ -181,6 +206,8 @@ def _invariant_trainer(kv_cache: str | None = None):
 register_row(Row("+ batch-invariant (trainer and vLLM)", "batch-invariant", _invariant_trainer(),
                  note="one invariant forward on both sides (MLA: absorbed for every position): "
                       "expect every token bitwise equal"))
+register_row(Row("multi-turn: batch-invariant (trainer and vLLM)", "multi-turn, batch-invariant",
+                 _invariant_trainer(), note="every model token of every turn bitwise equal"))
 register_row(Row("FP8 KV engine: trainer without KV simulation", "batch-invariant, FP8 KV",
                  _invariant_trainer(None),
                  note="invariant engine with an FP8 cache, invariant trainer attending over "
