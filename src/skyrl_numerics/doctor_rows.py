@@ -77,7 +77,7 @@ SCENARIOS: dict[str, Scenario] = {
     "multi-turn tool use": Scenario(FULL, turns=3, description="3 model turns, the toy key-value "
                                     "tool's observations between them (masked), routes captured "
                                     "as turn deltas"),
-    "multi-turn, batch-invariant": Scenario(FULL, turns=3, description="the same trajectories "
+    "multi-turn, batch-invariant": Scenario({**FULL, "topk_logprobs": TOPK}, turns=3, description="the same trajectories "
                                             "through the batch-invariant model",
                                             engine=dict(batch_invariant=True, capture_routes=True)),
     "batch-invariant, FP8 KV": Scenario(FULL, description="the batch-invariant model storing its "

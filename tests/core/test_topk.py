@@ -71,3 +71,28 @@ def test_from_dicts_keeps_rank_order_and_refuses_short_rows():
         TopkLogprobs(np.zeros((2, 3), np.int32), np.zeros((2, 2), np.float32))
     with pytest.raises(InputError, match="beyond"):
         TopkCheck(TopkLogprobs(np.zeros((1, 1), np.int32), np.zeros((1, 1)))).add(0, np.zeros((2, 4)))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(2, 12), st.integers(0, 10**6))
+def test_mask_skips_observation_rows_and_names_model_positions(T, seed):
+    """Multi-turn: rows outside the mask (observation tokens: ids 0, values NaN) are never read;
+    a mismatch is named at its position in the full response stream."""
+    rng = np.random.default_rng(seed)
+    q = _rows(T, 30, seed)
+    eng = _engine(q, 4)
+    mask = rng.random(T) < 0.6
+    mask[rng.integers(T)] = True
+    eng.ids[~mask], eng.values[~mask] = 0, np.nan
+    c = TopkCheck(eng, mask=mask)
+    c.add(0, q)
+    s = c.summary()
+    assert s["positions"] == int(mask.sum()) and s["frac_bitwise"] == 1.0 and s["tv_mean"] == 0.0
+    t = int(rng.choice(np.flatnonzero(mask)))
+    q2 = q.copy()
+    q2[t, eng.ids[t, 0]] = np.nextafter(q2[t, eng.ids[t, 0]], np.float32(-np.inf))
+    c2 = TopkCheck(eng, mask=mask)
+    c2.add(0, q2)
+    s2 = c2.summary()
+    assert s2["frac_bitwise"] < 1.0
+    assert s2["first_mismatch"] == {"position": t, "token_id": int(eng.ids[t, 0])}

@@ -120,6 +120,13 @@ def test_doctor_multi_turn_rows(tmp_path, vllm_qwen, vllm_qwen_invariant):
     assert r3["summary"]["mean_abs"] < 0.05
     assert inv["summary"]["max_abs"] == 0.0 and inv["summary"]["frac_bitwise_equal"] == 1.0
     assert all(t["max_abs"] == 0.0 for t in inv["report"]["per_turn"])
+    assert inv["top-20 dist. bitwise ="] == "100%"       # every model token's top-20, as a set
+    # the written multi-turn dump: `gap FILE` prints its per-turn table
+    dump = next(out.glob("rollout-multi-turn*tool*.safetensors"))
+    assert main(["gap", str(dump), "--out", str(tmp_path / "g")]) == 0
+    again = json.loads((tmp_path / "g" / "report.json").read_text())
+    assert [t["turn"] for t in again["report"]["per_turn"]] == [0, 1, 2]
+    assert again["summary"]["mean_abs"] == plain["summary"]["mean_abs"]
     # model tokens only: 8 per model turn (observations not counted), 4 trajectories in turn 0
     assert plain["report"]["per_turn"][0]["n_tokens"] == 4 * 8
     assert plain["summary"]["n_tokens"] == 8 * sum(1 for t in plain["report"]["per_turn"]

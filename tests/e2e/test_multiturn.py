@@ -6,7 +6,8 @@
 - routes shipped as turn deltas assemble (``RouteTrace``) into exactly the routes of a full-prefix
   resend of every turn, with fewer bytes;
 - the invariant engine + the invariant trainer: Δ = 0 on every model token of every turn, with
-  support replay; the trainer's routers choose exactly the assembled routes;
+  support replay; the trainer's routers choose exactly the assembled routes; the engine's top-K
+  logprobs of every model token equal the trainer's;
 - a bad environment (ids outside the vocabulary) is refused naming trajectory and turn.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ def _prompts(gen, n=3, seed=11, length=136):
 def inv_traj(vllm_qwen_invariant):
     gen = vllm_qwen_invariant
     return gen.generate_multiturn(_prompts(gen), KeyValueEnv, max_turns=TURNS, max_tokens=6, n=2,
-                                  seed=5, top_k=16, capture_support=True)
+                                  seed=5, top_k=16, capture_support=True, topk_logprobs=8)
 
 
 def test_trajectory_structure(inv_traj):
@@ -93,6 +94,12 @@ def test_invariant_trainer_bitwise_every_turn(qwen_moe_dir, inv_traj):
     assert all(r["max_abs"] == 0.0 for r in rep.per_turn)
     # the routes assembled from turn deltas are the ones the trainer's routers choose
     assert out.routes == ro.routes
+    # beyond the sampled token: the engine's top-8 (processed: within the top-16 support) of
+    # every model token equals the trainer's, bit for bit and as a set
+    from skyrl_numerics.trainer.invariant.base import invariant_topk
+
+    d = invariant_topk(model, ro, use_support=True)
+    assert d["positions"] == int(ro.loss_mask.sum()) and d["frac_bitwise"] == 1.0, d
 
 
 def test_bad_observation_refused(vllm_qwen_invariant):

@@ -15,6 +15,9 @@ vocabulary is read at the same ids. Per position:
 :class:`TopkLogprobs` holds the engine's side (``ids`` int32 ``[T, K]``, ``values`` float32
 ``[T, K]``, rank order); :class:`TopkCheck` accumulates the comparison sequence by sequence, so the
 trainer never holds more than one sequence's ``[r, V]`` rows (152k-vocab models included).
+Multi-turn trajectories: only model tokens were sampled, so ``TopkCheck(engine, mask=loss_mask)``
+compares those positions only (an observation token's row is never read; ``generate_multiturn``
+stores it as ids 0, values NaN).
 """
 from __future__ import annotations
 
@@ -63,6 +66,7 @@ class TopkLogprobs:
 class TopkCheck:
     """Accumulates :meth:`add` per sequence; :meth:`summary` gives the figures."""
     engine: TopkLogprobs
+    mask: np.ndarray | None = None      # bool per position: compared where True (model tokens)
     bitwise: list = field(default_factory=list)
     tv: list = field(default_factory=list)
     kl: list = field(default_factory=list)
@@ -79,6 +83,10 @@ class TopkCheck:
         if ids.shape[0] != r:
             raise InputError(f"positions {start}..{start + r - 1} beyond the engine's "
                              f"{self.engine.ids.shape[0]}", field="topk")
+        pos = start + np.arange(r)
+        if self.mask is not None:
+            sel = np.asarray(self.mask[start:start + r], dtype=bool)
+            q, ids, e, pos = q[sel], ids[sel], e[sel], pos[sel]
         qa = np.take_along_axis(q, ids, axis=1)
         same = (qa.view(np.uint32) == e.view(np.uint32)).all(axis=1)
         # the set: nothing outside it above the smallest returned value
@@ -98,7 +106,7 @@ class TopkCheck:
             t = int(np.argmin(same))
             bad = np.nonzero(qa[t].view(np.uint32) != e[t].view(np.uint32))[0]
             tok = int(ids[t, bad[0]]) if bad.size else int(np.argmax(outside[t]))
-            self.first_mismatch = {"position": start + t, "token_id": tok}
+            self.first_mismatch = {"position": int(pos[t]), "token_id": tok}
 
     def summary(self) -> dict:
         b = np.concatenate(self.bitwise) if self.bitwise else np.zeros(0, bool)

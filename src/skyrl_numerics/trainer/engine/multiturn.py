@@ -13,9 +13,10 @@ any zero-argument callable, picklable when the loop runs on Ray)::
     env.reset(prompt_ids)                 -> None
     env.step(model_token_ids)             -> EnvStep(observation ids, reward, done)
 
-The trajectory's reward is the sum of its step rewards (``meta["env_reward"]``). A trajectory ends
-when the environment says ``done``, after ``max_turns`` model turns (the last turn's
-observation is not appended: observation tokens after the last model segment are no turn), or when
+The environment steps after every model turn, the last one included; the trajectory's reward is the
+sum of its step rewards (``meta["env_reward"]``). A trajectory ends when the environment says
+``done``, after ``max_turns`` model turns (the last turn's observation is not appended: observation
+tokens after the last model segment are no turn), or when
 the next turn would not fit (``len(history) + max_tokens > max_model_len``; its pending observation
 is dropped too). Observation ids outside ``[0, vocab)`` are an ``InputError`` naming the
 trajectory and turn.
@@ -103,11 +104,14 @@ def generate_multiturn(gen, prompts: Sequence[Sequence[int]], env: Callable[[], 
                        max_turns: int = 4, max_tokens: int = 16, n: int = 1, seed: int = 0,
                        temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                        capture_support: bool | str = False, routes: bool | None = None,
-                       route_deltas: bool = True, ignore_eos: bool = True) -> Rollout:
+                       route_deltas: bool = True, ignore_eos: bool = True,
+                       topk_logprobs: int = 0) -> Rollout:
     """``n`` trajectories per prompt (rows grouped by prompt, as ``generate``) through ``gen``
     (a :class:`~.generator.VLLMGenerator` or :class:`~.remote.RemoteGenerator`); see the module
     doc. ``routes``: ``None`` takes them when the engine captures them, ``True`` requires them.
-    Trajectory ``i``'s turn ``t`` samples with seed ``seed + 1000 t + i``."""
+    Trajectory ``i``'s turn ``t`` samples with seed ``seed + 1000 t + i``. ``topk_logprobs``:
+    the engine's top-K per model token in ``ro.topk`` (observation rows: ids 0, values NaN;
+    ``TopkCheck(mask=loss_mask)`` skips them)."""
     if int(max_turns) < 1:
         raise InputError(f"max_turns must be >= 1, got {max_turns}", field="max_turns")
     if not callable(env):
@@ -132,6 +136,7 @@ def generate_multiturn(gen, prompts: Sequence[Sequence[int]], env: Callable[[], 
     mask = [[] for _ in range(B)]
     turn_of = [[] for _ in range(B)]
     sup = [[] for _ in range(B)]
+    top = [[] for _ in range(B)]    # (ids [K], values [K]) per response token
     pending: list[list[int]] = [[] for _ in range(B)]
     reward = np.zeros(B)
     traces = [None] * B
@@ -148,7 +153,8 @@ def generate_multiturn(gen, prompts: Sequence[Sequence[int]], env: Callable[[], 
                       for i in active]
         ro = gen.generate([hist[i] for i in active], n=1, seeds=[seed + 1000 * t + i for i in active],
                           max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                          capture_support=capture_support, ignore_eos=ignore_eos, route_starts=starts)
+                          capture_support=capture_support, ignore_eos=ignore_eos, route_starts=starts,
+                          **({"topk_logprobs": topk_logprobs} if topk_logprobs else {}))
         elapsed += float(ro.meta.get("generate_s") or 0.0)
         cached.append([int(c) for c in ro.meta.get("num_cached_tokens", [0] * len(active))])
         deltas = ro.meta.pop("route_deltas", None)
@@ -162,6 +168,9 @@ def generate_multiturn(gen, prompts: Sequence[Sequence[int]], env: Callable[[], 
             for o in pending[i]:
                 resp[i].append(o); lps[i].append(None); mask[i].append(False); turn_of[i].append(t)
                 sup[i].append(np.asarray([o], np.int64))
+                if topk_logprobs:
+                    top[i].append((np.zeros(topk_logprobs, np.int32),
+                                   np.full(topk_logprobs, np.nan, np.float32)))
             pending[i] = []
             a, b = int(ro.response_cu[k]), int(ro.response_cu[k + 1])
             for j, x in enumerate(toks):
@@ -169,6 +178,8 @@ def generate_multiturn(gen, prompts: Sequence[Sequence[int]], env: Callable[[], 
                 mask[i].append(True); turn_of[i].append(t)
                 if ro.support is not None:
                     sup[i].append(np.asarray(ro.support.row(a + j), np.int64))
+                if topk_logprobs:
+                    top[i].append((ro.topk.ids[a + j], ro.topk.values[a + j]))
             if deltas is not None:
                 start, rows = deltas[k]
                 rows = np.asarray(rows)
@@ -180,18 +191,16 @@ def generate_multiturn(gen, prompts: Sequence[Sequence[int]], env: Callable[[], 
                 bytes_full += (len(hist[i]) + len(toks) - 1) * rows.shape[1] * rows.shape[2] * rows.itemsize
                 traces[i].add(rows, start, allow_overlap=not route_deltas)
             hist[i] += toks
-            if t + 1 == max_turns:
-                continue
-            st = envs[i].step(toks)
+            st = envs[i].step(toks)      # after every model turn, the last one too (its reward)
             reward[i] += float(st.reward)
             obs = _checked_observation(st.observation, vocab, i, t)
-            if st.done or not obs:
+            if st.done or not obs or t + 1 == max_turns:
                 continue
             pending[i] = obs
             hist[i] += obs
             still.append(i)
         active = still
-    return _assemble(gen, prompts, traj, resp, lps, mask, turn_of, sup, traces, reward, num_experts,
+    out = _assemble(gen, prompts, traj, resp, lps, mask, turn_of, sup, traces, reward, num_experts,
                      ro, dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, n=n,
                               max_tokens=max_tokens, max_turns=int(max_turns),
                               logprobs_mode="processed_logprobs"),
@@ -199,6 +208,14 @@ def generate_multiturn(gen, prompts: Sequence[Sequence[int]], env: Callable[[], 
                           route_bytes={"delta": int(bytes_delta), "full_resend": int(bytes_full)},
                           route_deltas=bool(route_deltas)),
                      capture_support)
+    if topk_logprobs:
+        from skyrl_numerics.gap.topk import TopkLogprobs
+
+        rows = [r for t_ in top for r in t_]
+        k = int(topk_logprobs)
+        out.topk = TopkLogprobs(np.stack([r[0] for r in rows]) if rows else np.zeros((0, k), np.int32),
+                                np.stack([r[1] for r in rows]) if rows else np.zeros((0, k), np.float32))
+    return out
 
 
 def _checked_observation(obs, vocab, i: int, t: int) -> list[int]:

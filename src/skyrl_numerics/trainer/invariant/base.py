@@ -402,7 +402,7 @@ def invariant_topk(model: InvariantCausalLM, rollout, *, batch_size: int = 4,
                          field="topk")
     temperature = float(rollout.sampling.get("temperature", 1.0) or 1.0)
     mask = support_mask(model, rollout) if use_support else None
-    check = TopkCheck(rollout.topk)
+    check = TopkCheck(rollout.topk, mask=rollout.loss_mask)   # multi-turn: model tokens only
     with torch.no_grad():
         for i, logp, _, _, _, lo in response_logps(model, rollout, batch_size, temperature, mask):
             check.add(int(rollout.response_cu[i]) + lo, logp)
