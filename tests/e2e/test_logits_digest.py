@@ -119,3 +119,14 @@ def test_a_stock_engine_records_digests_and_the_check_reports_a_fraction(vllm_qw
     fm = d["first_mismatch"]
     assert fm is not None and 0 <= fm["position"] < ro.num_response_tokens   # bf16 kernels differ
     assert isinstance(fm["token_id"], int) or "batch-invariant" in fm["token_id_unknown"], fm
+
+
+def test_deepseek_mla_engine_full_rows_bitwise(vllm_deepseek_invariant, deepseek_v3_dir):
+    """The invariant DeepSeek-V3 (absorbed MLA over its own latent cache): every row bitwise."""
+    from skyrl_numerics.trainer.invariant import from_checkpoint
+
+    gen = vllm_deepseek_invariant
+    ro = gen.generate(make_prompts(3, 9, gen.vocab_size, seed=47), max_tokens=8, seed=4,
+                      logits_digest=True)
+    d = invariant_logits_digest(from_checkpoint(deepseek_v3_dir), ro, batch_size=2)
+    assert d["frac_bitwise"] == 1.0 and d["positions"] == ro.num_response_tokens == 24, d
