@@ -23,6 +23,8 @@ from skyrl_numerics.doctor_rows import (FULL, ROWS, SCENARIOS, TOPK, DoctorConte
 from skyrl_numerics.engine_memory import plan_for_doctor, release_engines
 from skyrl_numerics.rollout import Rollout
 
+DIGEST_KEY = "full distribution bitwise ="   # the report column of the full-row digest check
+
 
 @dataclass
 class DoctorResult:
@@ -46,6 +48,8 @@ class DoctorResult:
                          if r.extra.get("_vLLM tok/s mark") else {}),
                       **({"distribution": r.extra["_distribution"]}
                          if "_distribution" in r.extra else {}),
+                      **({"logits_digest": r.extra["_logits_digest"]}
+                         if "_logits_digest" in r.extra else {}),
                       "summary": r.report.summary(), "report": r.report.to_dict()}
                      for r in self.rows],
         }
@@ -163,6 +167,15 @@ def score_rows(selected: list, ctx: DoctorContext, rollouts: dict, skipped: dict
             except Exception as e:
                 log.exception("doctor: row %r distribution check failed", row.name)
                 extra[f"top-{ro.topk.k} dist. bitwise ="] = f"failed: {_one_line(e)}"
+        digest = getattr(row.compute, "logits_digest", None)
+        if digest is not None and getattr(ro, "logits_digest", None) is not None:
+            try:   # every position's whole logits row, by digest (gap/digest.py)
+                g = digest(ctx, ro)
+                extra[DIGEST_KEY] = f"{g['frac_bitwise']:.0%}"
+                extra["_logits_digest"] = g
+            except Exception as e:
+                log.exception("doctor: row %r logits digest check failed", row.name)
+                extra[DIGEST_KEY] = f"failed: {_one_line(e)}"
         if beside_start.get(row.scenario):
             extra["_vLLM tok/s mark"] = ("†", "sampled while the next engine started in the "
                                         "background (SKYRL_NUMERICS_DOCTOR_PREFETCH=0: "

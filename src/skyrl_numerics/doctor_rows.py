@@ -17,6 +17,8 @@ from skyrl_numerics.rollout import Rollout
 
 FULL = dict(temperature=1.0, top_p=1.0, top_k=0)
 TOPK = 20   # the bitwise rows also compare the engine's top-K distribution per position
+# ... and every position's full logits row by digest (gap/digest.py): scenario key
+# "logits_digest", a VLLMGenerator.generate argument (RemoteGenerator has none: doctor_remote drops it)
 
 
 @dataclass
@@ -70,20 +72,25 @@ SCENARIOS: dict[str, Scenario] = {
                              "engine serves MoE experts on the INT4 g32 grid, stored as bf16 values "
                              "on the grid: no INT4 kernel runs (see 'engine runs INT4 kernels')",
                              weights_only=True),
-    "batch-invariant": Scenario({**FULL, "topk_logprobs": TOPK}, description="vLLM runs the "
-                                "family's batch-invariant model (out-of-tree, over its paged KV "
-                                f"cache); its top-{TOPK} logprobs per token kept",
-                                engine=dict(batch_invariant=True, capture_routes=True)),
+    "batch-invariant": Scenario({**FULL, "topk_logprobs": TOPK, "logits_digest": True},
+                                description="vLLM runs the family's batch-invariant model "
+                                "(out-of-tree, over its paged KV cache); its top-"
+                                f"{TOPK} logprobs and a digest of its full logits row per token "
+                                "kept", engine=dict(batch_invariant=True, capture_routes=True)),
     "multi-turn tool use": Scenario(FULL, turns=3, description="3 model turns, the toy key-value "
                                     "tool's observations between them (masked), routes captured "
                                     "as turn deltas"),
-    "multi-turn, batch-invariant": Scenario({**FULL, "topk_logprobs": TOPK}, turns=3, description="the same trajectories "
-                                            "through the batch-invariant model",
+    "multi-turn, batch-invariant": Scenario({**FULL, "topk_logprobs": TOPK, "logits_digest": True},
+                                            turns=3, description="the same trajectories through "
+                                            "the batch-invariant model; top-K and full-row digests "
+                                            "of every model token",
                                             engine=dict(batch_invariant=True, capture_routes=True)),
-    "batch-invariant, FP8 KV": Scenario(FULL, description="the batch-invariant model storing its "
+    "batch-invariant, FP8 KV": Scenario({**FULL, "logits_digest": True},
+                                        description="the batch-invariant model storing its "
                                         "KV cache (MLA: the latent) as FP8 E4M3, per-layer scales",
                                         engine=dict(batch_invariant=True, kv_cache="fp8")),
-    "batch-invariant, fp8_ds_mla KV": Scenario(FULL, description="the batch-invariant MLA model "
+    "batch-invariant, fp8_ds_mla KV": Scenario({**FULL, "logits_digest": True},
+                                               description="the batch-invariant MLA model "
                                                "storing its latent in the fp8_ds_mla layout (656 B)",
                                                engine=dict(batch_invariant=True,
                                                            kv_cache="fp8_ds_mla")),
@@ -199,7 +206,15 @@ def _invariant_trainer(kv_cache: str | None = None):
         from skyrl_numerics.trainer.invariant.base import invariant_topk
 
         return invariant_topk(ctx._models[("invariant", kv_cache)], rollout)
+
+    def logits_digest(ctx: DoctorContext, rollout: Rollout) -> dict:
+        """The engine's full-row digests vs the invariant forward's rows (gap/digest.py). The
+        engine may be closed by now: a mismatch names its position, not its token id."""
+        from skyrl_numerics.trainer.invariant.base import invariant_logits_digest
+
+        return invariant_logits_digest(ctx._models[("invariant", kv_cache)], rollout)
     compute.distribution, compute.trainer = distribution, ("invariant", kv_cache)
+    compute.logits_digest = logits_digest
     return compute
 
 

@@ -59,6 +59,9 @@ class Rollout(RolloutFiles):
     # the engine's top-K logprobs per response token (gap.topk.TopkLogprobs), when asked for
     # with generate(topk_logprobs=K); in memory only: not written by save()
     topk: Any = None
+    # a digest of the engine's full logits row per response token (gap.digest.LogitsDigests),
+    # when asked for with generate(logits_digest=True); in memory only: not written by save()
+    logits_digest: Any = None
     # multi-turn trajectories (skyrl_numerics.rollout_turns): both or neither
     loss_mask: np.ndarray | None = None   # bool, one per response token: True = model token
     turns: np.ndarray | None = None       # int32, one per response token: its turn index

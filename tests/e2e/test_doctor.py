@@ -98,6 +98,11 @@ def test_doctor_batch_invariant_row(tmp_path, vllm_qwen_invariant):
     rep = json.loads((out / "report.json").read_text())["rows"][0]
     assert rep["summary"]["frac_bitwise_equal"] == 1.0 and rep["summary"]["max_abs"] == 0.0
     assert rep["vLLM tok/s"] > 0
+    # the sampled token, the top-20 and every position's full logits row (by digest): bitwise
+    assert rep["top-20 dist. bitwise ="] == "100%" and rep["distribution"]["frac_bitwise"] == 1.0
+    assert rep["full distribution bitwise ="] == "100%"
+    assert rep["logits_digest"]["frac_bitwise"] == 1.0 and rep["logits_digest"]["positions"] == 96
+    assert rep["logits_digest"]["first_mismatch"] is None
 
 
 def test_doctor_multi_turn_rows(tmp_path, vllm_qwen, vllm_qwen_invariant):
@@ -121,6 +126,7 @@ def test_doctor_multi_turn_rows(tmp_path, vllm_qwen, vllm_qwen_invariant):
     assert inv["summary"]["max_abs"] == 0.0 and inv["summary"]["frac_bitwise_equal"] == 1.0
     assert all(t["max_abs"] == 0.0 for t in inv["report"]["per_turn"])
     assert inv["top-20 dist. bitwise ="] == "100%"       # every model token's top-20, as a set
+    assert inv["full distribution bitwise ="] == "100%"  # and its whole logits row (digest)
     # the written multi-turn dump: `gap FILE` prints its per-turn table
     dump = next(out.glob("rollout-multi-turn*tool*.safetensors"))
     assert main(["gap", str(dump), "--out", str(tmp_path / "g")]) == 0

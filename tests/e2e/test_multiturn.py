@@ -7,7 +7,7 @@
   resend of every turn, with fewer bytes;
 - the invariant engine + the invariant trainer: Δ = 0 on every model token of every turn, with
   support replay; the trainer's routers choose exactly the assembled routes; the engine's top-K
-  logprobs of every model token equal the trainer's;
+  logprobs and its full logits row (digest) of every model token equal the trainer's;
 - a bad environment (ids outside the vocabulary) is refused naming trajectory and turn.
 """
 from __future__ import annotations
@@ -34,7 +34,8 @@ def _prompts(gen, n=3, seed=11, length=136):
 def inv_traj(vllm_qwen_invariant):
     gen = vllm_qwen_invariant
     return gen.generate_multiturn(_prompts(gen), KeyValueEnv, max_turns=TURNS, max_tokens=6, n=2,
-                                  seed=5, top_k=16, capture_support=True, topk_logprobs=8)
+                                  seed=5, top_k=16, capture_support=True, topk_logprobs=8,
+                                  logits_digest=True)
 
 
 def test_trajectory_structure(inv_traj):
@@ -100,6 +101,13 @@ def test_invariant_trainer_bitwise_every_turn(qwen_moe_dir, inv_traj):
 
     d = invariant_topk(model, ro, use_support=True)
     assert d["positions"] == int(ro.loss_mask.sum()) and d["frac_bitwise"] == 1.0, d
+    # and the whole distribution: every model token's full logits row, by digest
+    from skyrl_numerics.trainer.invariant.base import invariant_logits_digest
+
+    g = invariant_logits_digest(model, ro)
+    assert g["positions"] == int(ro.loss_mask.sum()) and g["frac_bitwise"] == 1.0, g
+    assert len(ro.logits_digest) == ro.num_response_tokens
+    assert not ro.logits_digest.digests[~ro.loss_mask].any()    # observation rows: zeros
 
 
 def test_bad_observation_refused(vllm_qwen_invariant):

@@ -90,6 +90,8 @@ def test_bad_requests_and_servers(served):
         remote.generate([[1, 2, 10**6]])
     with pytest.raises(InputError, match="sampling_mask"):
         remote.generate([[1, 2]], top_p=0.8, capture_support=True)
+    with pytest.raises(InputError, match="logits_digest"):
+        remote.generate([[1, 2]], logits_digest=True)
     with pytest.raises(InputError, match="no vLLM server"):
         RemoteGenerator("http://127.0.0.1:9")
 
@@ -131,6 +133,8 @@ def test_doctor_against_the_server(served, qwen_moe_dir, tmp_path):
     assert rep[rows[1]]["distribution"]["frac_bitwise"] == 1.0
     assert rep[rows[1]]["distribution"]["positions"] == 48
     assert rep[rows[1]]["top-20 dist. bitwise ="] == "100%"
+    # the full-row digest is hashed in an in-process engine's worker: a server sends none
+    assert "full distribution bitwise =" not in rep[rows[1]] and "logits_digest" not in rep[rows[1]]
     assert rep[rows[0]]["status"] == "measured" and rep[rows[0]]["summary"]["n_tokens"] == 48
     assert rep[rows[4]]["status"] == "measured"
     assert rep[rows[5]]["status"] == "measured"         # routes from the server's routed_experts

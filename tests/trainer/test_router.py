@@ -32,6 +32,10 @@ class Fake:
 
         ro.topk = TopkLogprobs(np.asarray(ro.response_tokens)[:, None].repeat(2, 1),
                                np.asarray(ro.rollout_logprobs)[:, None].repeat(2, 1))
+        from skyrl_numerics.gap.digest import LogitsDigests, row_digests
+
+        rows = np.stack([ro.response_tokens, ro.rollout_logprobs], 1).astype(np.float32)
+        ro.logits_digest = LogitsDigests(row_digests(rows, "blake2b-128"), "blake2b-128")
         return ro
 
 
@@ -48,6 +52,8 @@ def test_merged_rollout_equals_one_replica(prompts, replicas, n, seed):
     assert np.array_equal(got.group_ids, np.repeat(np.arange(len(prompts)), n))
     assert np.array_equal(got.topk.ids, one.topk.ids)
     assert np.array_equal(got.topk.values.view(np.uint32), one.topk.values.view(np.uint32))
+    assert np.array_equal(got.logits_digest.digests, one.logits_digest.digests)
+    assert got.logits_digest.algo == "blake2b-128"
     assert len(got.meta["replica"]) == len(prompts) * n
     distinct = len({tuple(p) for p in prompts})
     assert len(got.meta["replicas"]) == min(replicas, distinct)

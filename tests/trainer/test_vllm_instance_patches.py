@@ -117,3 +117,35 @@ def test_unlisted_or_mismatched_patches_are_refused(vllm_config):
     with pytest.raises(TypeError, match="sampler.forward.*TopKTopPSampler.forward"):
         P.patch_instance(tts, "logprobs_mode", None, what="sampler.forward")
     assert "forward" not in vars(rope) and P.instance_patches() == []
+
+
+def test_sampler_digest_hook_sees_the_logits_first_and_undo_restores_the_class_method():
+    """The logits digest wraps ``Sampler.forward`` of one sampler: the runner's
+    ``self.sampler(logits=..., sampling_metadata=...)`` reaches the store before the original
+    runs (a store that raises stops it there); undo removes the instance attribute."""
+    from vllm.v1.sample.sampler import Sampler
+
+    sampler = Sampler(logprobs_mode="processed_logprobs")
+    assert "forward" not in vars(sampler)
+
+    class Seen(Exception):
+        pass
+
+    seen = []
+
+    def capture(logits):
+        seen.append(logits)
+        raise Seen
+
+    undo = P.wrap_sampler_logits(NS(sampler=sampler), NS(capture=capture))
+    assert "forward" in vars(sampler)
+    assert P.instance_patches() == [("sampler.digest.forward", "Sampler")]
+    x = torch.randn(2, 7)
+    with pytest.raises(Seen):
+        sampler(logits=x, sampling_metadata=None)
+    with pytest.raises(Seen):
+        sampler(x, None)
+    assert seen[0] is x and seen[1] is x
+    undo()
+    assert "forward" not in vars(sampler) and sampler.forward.__func__ is Sampler.forward
+    assert P.instance_patches() == []

@@ -187,7 +187,7 @@ class VLLMGenerator:
                  top_p: float = 1.0, top_k: int = 0, max_tokens: int = 64, seed: int | None = 0,
                  n: int = 1, capture_support: bool | str = False, ignore_eos: bool = True,
                  topk_logprobs: int = 0, progress: bool = False,
-                 seeds: Sequence[int] | None = None,
+                 seeds: Sequence[int] | None = None, logits_digest: bool = False,
                  route_starts: Sequence[int] | None = None) -> Rollout:
         """Sample ``n`` responses per prompt; return them as a ``Rollout`` (rows grouped by prompt).
 
@@ -206,6 +206,9 @@ class VLLMGenerator:
         only the routes of positions ``start ..`` are fetched from the engine, and they come back
         as ``meta["route_deltas"]`` = ``[(start, [rows, L, k] array)]`` per sample (in memory
         only) instead of ``routes``.
+        ``logits_digest``: also hash the engine's full logits row of every response token inside
+        the worker (raw float32 logits, before temperature; :mod:`skyrl_numerics.gap.digest`),
+        returned in ``rollout.logits_digest``; :meth:`logits_row` recomputes one row.
         """
         from vllm import SamplingParams
 
@@ -218,6 +221,8 @@ class VLLMGenerator:
                              f"got {topk_logprobs}", field="topk_logprobs")
         if in_engine:
             self._start_support_capture()
+        if logits_digest:
+            self._start_logits_digest()
         if seeds is not None and len(seeds) != len(prompts):
             raise InputError(f"{len(seeds)} seeds for {len(prompts)} prompts", field="seeds")
         starts = check_route_starts(route_starts, prompts)
@@ -272,6 +277,12 @@ class VLLMGenerator:
 
                 support = PackedSupport.from_topk_logprobs(topk_rows, requested=n_logprobs,
                                                            vocab_size=self.vocab_size)
+        digests = None
+        if logits_digest:
+            try:
+                digests = self._fetch_digests(outputs, n, p_rows, r_rows)
+            finally:   # the hook hashes only while asked for
+                self.llm.collective_rpc("skyrl_logits_digest_stop")
         n_tok = sum(len(r) for r in r_rows)
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, n=n,
                         max_tokens=max_tokens, logprobs_mode="processed_logprobs")
@@ -287,6 +298,7 @@ class VLLMGenerator:
             from skyrl_numerics.gap.topk import TopkLogprobs
 
             ro.topk = TopkLogprobs.from_dicts(top_rows, topk_logprobs)
+        ro.logits_digest = digests
         return ro
 
     def generate_multiturn(self, prompts, env, **kw) -> Rollout:
@@ -295,6 +307,75 @@ class VLLMGenerator:
         from .multiturn import generate_multiturn
 
         return generate_multiturn(self, prompts, env, **kw)
+
+    def _start_logits_digest(self) -> None:
+        """Install the worker's digest hook (removed again after the call that asked for it)."""
+        from skyrl_numerics.gap.digest import default_algo
+
+        self._digest_algo = self.llm.collective_rpc("skyrl_logits_digest_start",
+                                                    args=(default_algo(),))[0]
+        # drop anything an interrupted call left
+        self.llm.collective_rpc("skyrl_logits_digest_fetch", args=([], [], []))
+
+    def _fetch_digests(self, outputs, n: int, p_rows, r_rows):
+        """The digests the worker recorded for every response token, as LogitsDigests."""
+        from skyrl_numerics.gap.digest import DIGEST_BYTES, LogitsDigests
+
+        ext = [out.request_id if n == 1 else f"{j}_{out.request_id}"
+               for out in outputs for j in range(len(out.outputs))]
+        got = self.llm.collective_rpc("skyrl_logits_digest_fetch",
+                                      args=(ext, [len(p) for p in p_rows],
+                                            [len(r) for r in r_rows]))[0]
+        parts = []
+        for i, g in enumerate(got):
+            if g is None:
+                raise RuntimeError(f"logits digest: nothing recorded for sample {i} "
+                                   f"(request {ext[i]})")
+            if not isinstance(g, dict):
+                raise RuntimeError(f"logits digest: sample {i} misses position {g[1]}")
+            parts.append(np.frombuffer(g["digests"], np.uint8).reshape(-1, DIGEST_BYTES))
+        flat = np.concatenate(parts) if parts else np.zeros((0, DIGEST_BYTES), np.uint8)
+        return LogitsDigests(flat, self._digest_algo)
+
+    def logits_row(self, rollout: Rollout, position: int) -> np.ndarray:
+        """The engine's float32 logits row of flat response position ``position`` of
+        ``rollout`` (one generated with ``logits_digest=True``), recomputed: the sequence's prompt
+        plus its response tokens before ``position`` are sent again for one token with the
+        worker keeping that row. The row is returned only if its digest is the one recorded at
+        ``position`` — i.e. the engine recomputed it bit for bit, as the batch-invariant engine
+        does in any batch, prefill or decode; otherwise a RuntimeError says so."""
+        from vllm import SamplingParams
+
+        if rollout.logits_digest is None:
+            raise InputError("the rollout has no logits digests (generate with "
+                             "logits_digest=True)", field="logits_digest")
+        if not 0 <= position < rollout.num_response_tokens:
+            raise InputError(f"position {position} outside [0, {rollout.num_response_tokens})",
+                             field="position", index=position)
+        i = int(np.searchsorted(rollout.response_cu, position, side="right") - 1)
+        j = position - int(rollout.response_cu[i])
+        ids = [int(t) for t in np.concatenate([rollout.prompt(i), rollout.response(i)[:j]])]
+        self._start_logits_digest()
+        try:
+            if self._digest_algo != rollout.logits_digest.algo:
+                raise RuntimeError(f"logits digest: the engine hashes with {self._digest_algo}, "
+                                   f"the rollout's digests are {rollout.logits_digest.algo}")
+            self.llm.collective_rpc("skyrl_logits_digest_keep_rows", args=(True,))
+            out = self.llm.generate([{"prompt_token_ids": ids}],
+                                    SamplingParams(max_tokens=1, temperature=1.0, seed=0),
+                                    use_tqdm=False)
+            got = self.llm.collective_rpc("skyrl_logits_digest_row",
+                                          args=(out[0].request_id, len(ids)))[0]
+        finally:
+            self.llm.collective_rpc("skyrl_logits_digest_stop")
+        if got is None:
+            raise RuntimeError(f"logits digest: the replay of position {position} recorded no row")
+        want = rollout.logits_digest.digests[position].tobytes()
+        if got["digest"] != want:
+            raise RuntimeError(f"logits digest: the engine's recomputed row of position "
+                               f"{position} differs from the one it sampled from (its digest "
+                               "changed: this engine is not batch-invariant)")
+        return np.frombuffer(got["row"], dtype="<f4").astype(np.float32)
 
     def _start_support_capture(self) -> None:
         if not getattr(self, "_support_hooked", False):

@@ -105,13 +105,14 @@ def generate_multiturn(gen, prompts: Sequence[Sequence[int]], env: Callable[[], 
                        temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                        capture_support: bool | str = False, routes: bool | None = None,
                        route_deltas: bool = True, ignore_eos: bool = True,
-                       topk_logprobs: int = 0) -> Rollout:
+                       topk_logprobs: int = 0, logits_digest: bool = False) -> Rollout:
     """``n`` trajectories per prompt (rows grouped by prompt, as ``generate``) through ``gen``
     (a :class:`~.generator.VLLMGenerator` or :class:`~.remote.RemoteGenerator`); see the module
     doc. ``routes``: ``None`` takes them when the engine captures them, ``True`` requires them.
     Trajectory ``i``'s turn ``t`` samples with seed ``seed + 1000 t + i``. ``topk_logprobs``:
     the engine's top-K per model token in ``ro.topk`` (observation rows: ids 0, values NaN;
-    ``TopkCheck(mask=loss_mask)`` skips them)."""
+    ``TopkCheck(mask=loss_mask)`` skips them). ``logits_digest``: the engine's full-row digest
+    per model token in ``ro.logits_digest`` (observation rows: zeros; ``DigestCheck(mask=)``)."""
     if int(max_turns) < 1:
         raise InputError(f"max_turns must be >= 1, got {max_turns}", field="max_turns")
     if not callable(env):
@@ -137,6 +138,8 @@ def generate_multiturn(gen, prompts: Sequence[Sequence[int]], env: Callable[[], 
     turn_of = [[] for _ in range(B)]
     sup = [[] for _ in range(B)]
     top = [[] for _ in range(B)]    # (ids [K], values [K]) per response token
+    dig = [[] for _ in range(B)]    # digest [16] per response token
+    algo = None
     pending: list[list[int]] = [[] for _ in range(B)]
     reward = np.zeros(B)
     traces = [None] * B
@@ -154,7 +157,10 @@ def generate_multiturn(gen, prompts: Sequence[Sequence[int]], env: Callable[[], 
         ro = gen.generate([hist[i] for i in active], n=1, seeds=[seed + 1000 * t + i for i in active],
                           max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                           capture_support=capture_support, ignore_eos=ignore_eos, route_starts=starts,
-                          **({"topk_logprobs": topk_logprobs} if topk_logprobs else {}))
+                          **({"topk_logprobs": topk_logprobs} if topk_logprobs else {}),
+                          **({"logits_digest": True} if logits_digest else {}))
+        if logits_digest:
+            algo = ro.logits_digest.algo
         elapsed += float(ro.meta.get("generate_s") or 0.0)
         cached.append([int(c) for c in ro.meta.get("num_cached_tokens", [0] * len(active))])
         deltas = ro.meta.pop("route_deltas", None)
@@ -171,6 +177,8 @@ def generate_multiturn(gen, prompts: Sequence[Sequence[int]], env: Callable[[], 
                 if topk_logprobs:
                     top[i].append((np.zeros(topk_logprobs, np.int32),
                                    np.full(topk_logprobs, np.nan, np.float32)))
+                if logits_digest:
+                    dig[i].append(np.zeros(ro.logits_digest.digests.shape[1], np.uint8))
             pending[i] = []
             a, b = int(ro.response_cu[k]), int(ro.response_cu[k + 1])
             for j, x in enumerate(toks):
@@ -180,6 +188,8 @@ def generate_multiturn(gen, prompts: Sequence[Sequence[int]], env: Callable[[], 
                     sup[i].append(np.asarray(ro.support.row(a + j), np.int64))
                 if topk_logprobs:
                     top[i].append((ro.topk.ids[a + j], ro.topk.values[a + j]))
+                if logits_digest:
+                    dig[i].append(ro.logits_digest.digests[a + j])
             if deltas is not None:
                 start, rows = deltas[k]
                 rows = np.asarray(rows)
@@ -215,6 +225,12 @@ def generate_multiturn(gen, prompts: Sequence[Sequence[int]], env: Callable[[], 
         k = int(topk_logprobs)
         out.topk = TopkLogprobs(np.stack([r[0] for r in rows]) if rows else np.zeros((0, k), np.int32),
                                 np.stack([r[1] for r in rows]) if rows else np.zeros((0, k), np.float32))
+    if logits_digest:
+        from skyrl_numerics.gap.digest import DIGEST_BYTES, LogitsDigests, default_algo
+
+        rows = [d for d_ in dig for d in d_]
+        out.logits_digest = LogitsDigests(np.stack(rows) if rows else
+                                          np.zeros((0, DIGEST_BYTES), np.uint8), algo or default_algo())
     return out
 
 

@@ -146,11 +146,18 @@ class RemoteGenerator:
                  n: int = 1, capture_support: bool | str = False, ignore_eos: bool = True,
                  capture_routes: bool | None = None, seeds: Sequence[int] | None = None,
                  topk_logprobs: int = 0, progress: bool = False,
-                 route_starts: Sequence[int] | None = None) -> Rollout:
+                 route_starts: Sequence[int] | None = None,
+                 logits_digest: bool = False) -> Rollout:
         """As :meth:`VLLMGenerator.generate` (``route_starts``: sent as vLLM's
-        ``routed_experts_prompt_start``; the deltas come back in ``meta["route_deltas"]``). ``capture_routes``: ``True`` requires the server's
+        ``routed_experts_prompt_start``; the deltas come back in ``meta["route_deltas"]``).
+        ``capture_routes``: ``True`` requires the server's
         ``routed_experts``; ``None`` (default) takes them when the server sends them. ``seeds``:
-        one seed per prompt instead of ``seed + i`` (a router keeps each prompt's seed)."""
+        one seed per prompt instead of ``seed + i`` (a router keeps each prompt's seed).
+        ``logits_digest=True`` is refused: the digests are hashed in an in-process engine's
+        worker and a server's responses have no field for them."""
+        if logits_digest:
+            raise InputError("logits digests are captured by an in-process VLLMGenerator only "
+                             "(a server's response has no field for them)", field="logits_digest")
         if not 0 <= topk_logprobs <= self.max_logprobs:
             raise InputError(f"topk_logprobs must be in [0, max_logprobs {self.max_logprobs}], "
                              f"got {topk_logprobs}", field="topk_logprobs")

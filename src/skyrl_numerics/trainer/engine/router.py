@@ -83,6 +83,7 @@ def _merge(prompts, where, parts, done, n: int, replicas) -> Rollout:
                 rows[(i, j)] = (r, k * n + j)
     order = [rows[(i, j)] for i in range(len(prompts)) for j in range(n)]
     p_rows, r_rows, lp_rows, route_seqs, support_sets, top = [], [], [], [], [], []
+    digests = []
     for r, b in order:
         ro = done[r][0]
         p_rows.append(ro.prompt(b))
@@ -96,6 +97,9 @@ def _merge(prompts, where, parts, done, n: int, replicas) -> Rollout:
             support_sets += [ro.support.token_ids[off[t]:off[t + 1]] for t in range(a, e)]
         if first.topk is not None:
             top.append((ro.topk.ids[a:e], ro.topk.values[a:e]))
+        if first.logits_digest is not None:
+            digests.append(type(ro.logits_digest)(ro.logits_digest.digests[a:e],
+                                                  ro.logits_digest.algo))
     routes = (PackedRoutes.from_sequences(route_seqs, first.routes.num_experts)
               if first.routes is not None else None)
     support = (PackedSupport.from_sets(support_sets, first.support.vocab_size)
@@ -117,4 +121,8 @@ def _merge(prompts, where, parts, done, n: int, replicas) -> Rollout:
 
         merged.topk = TopkLogprobs(np.concatenate([i for i, _ in top]),
                                    np.concatenate([v for _, v in top]))
+    if first.logits_digest is not None:
+        from skyrl_numerics.gap.digest import LogitsDigests
+
+        merged.logits_digest = LogitsDigests.concat(digests)
     return merged

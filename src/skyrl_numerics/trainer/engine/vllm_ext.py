@@ -1,8 +1,9 @@
 """The one worker-side extension of the vLLM engine (:class:`SkyrlWorkerExtension`), composed here
 from small mixins by concern — in-place weights (:class:`WeightsMixin`), which kernels run the
 layers, parameter digests and the host report (:class:`KernelsMixin`), the capture of the experts
-each MoE router chose (R3, :class:`RoutesMixin`) and of the support the sampler kept
-(:class:`SupportsMixin`) — plus the two diagnostic engines of the DeepSeek-V3 attribution, the same
+each MoE router chose (R3, :class:`RoutesMixin`), of the support the sampler kept
+(:class:`SupportsMixin`) and of a digest of every sampled position's logits row
+(:class:`DigestsMixin`) — plus the two diagnostic engines of the DeepSeek-V3 attribution, the same
 mixins with the attribution schedule recorder (``mla_attribution/worker.py``):
 :class:`MLAScheduleExtension` and :class:`MLARopeFixExtension`. (Every patch of vLLM's own
 classes and objects: ``vllm_patches.py``.)
@@ -16,11 +17,11 @@ from __future__ import annotations
 
 from ..sync.sharded import ShardedSyncWorker
 from ..mla_attribution.worker import AttributionScheduleMixin, MLARopeFixMixin
-from .capture import _moe_runners, _RouteStore, _SupportStore
-from .vllm_patches import wrap_sampler
+from .capture import _DigestStore, _moe_runners, _RouteStore, _SupportStore
+from .vllm_patches import wrap_sampler, wrap_sampler_logits
 
 __all__ = ["SkyrlWorkerExtension", "MLAScheduleExtension", "MLARopeFixExtension", "WeightsMixin",
-           "KernelsMixin", "RoutesMixin", "SupportsMixin"]
+           "KernelsMixin", "RoutesMixin", "SupportsMixin", "DigestsMixin"]
 
 
 def _request_amx_permission() -> bool:
@@ -201,13 +202,55 @@ class SupportsMixin:
         self._skyrl_support = None
 
 
+class DigestsMixin:
+    """Logits digests (a digest of the full logits row of every sampled position,
+    :class:`~.capture._DigestStore`; the row and the digest: :mod:`skyrl_numerics.gap.digest`)."""
+
+    def skyrl_logits_digest_start(self, algo: str) -> str:
+        """Wrap the runner's sampler so every row it receives is hashed with ``algo``.
+        Idempotent for the same algorithm (another one replaces the store); returns ``algo``."""
+        store = getattr(self, "_skyrl_digest", None)
+        if store is not None and store.algo == algo:
+            return algo
+        self.skyrl_logits_digest_stop()
+        store = _DigestStore(self.model_runner, algo)
+        self._skyrl_digest_unhook = wrap_sampler_logits(self.model_runner, store)
+        self._skyrl_digest = store
+        return algo
+
+    def skyrl_logits_digest_fetch(self, external_ids: list[str], starts: list[int],
+                                  lengths: list[int], clear: bool = True) -> list:
+        store = self._skyrl_digest
+        out = store.fetch(external_ids, starts, lengths)
+        if clear:
+            store.clear()
+        return out
+
+    def skyrl_logits_digest_keep_rows(self, on: bool) -> None:
+        """Also keep the float32 rows (for the one-position replay; off again after it)."""
+        self._skyrl_digest.keep_rows = bool(on)
+        if not on:
+            self._skyrl_digest.kept.clear()
+
+    def skyrl_logits_digest_row(self, external_id: str, pos: int):
+        return self._skyrl_digest.fetch_row(external_id, pos)
+
+    def skyrl_logits_digest_stop(self) -> None:
+        if getattr(self, "_skyrl_digest", None) is None:
+            return
+        self._skyrl_digest_unhook()
+        self._skyrl_digest = None
+
+
 # ---- the extensions: the mixins composed ------------------------------------------------------
 
-class SkyrlWorkerExtension(WeightsMixin, ShardedSyncWorker, KernelsMixin, RoutesMixin, SupportsMixin):
+class SkyrlWorkerExtension(WeightsMixin, ShardedSyncWorker, KernelsMixin, RoutesMixin, SupportsMixin,
+                           DigestsMixin):
     """The one worker extension (``WORKER_EXTENSION`` of ``generator.py`` / ``server.py`` /
     ``sync/vllm.py``): in-place weight loading (``skyrl_load_weights``, the load path of
     ``sync/vllm.py``; ``skyrl_shard_*``, the sharded transfer of ``sync/sharded.py``), which kernels
-    run the layers, parameter digests, the host report, route capture and support capture."""
+    run the layers, parameter digests, the host report, route capture, support capture and
+    logits digests."""
 
 
 class MLAScheduleExtension(AttributionScheduleMixin, SkyrlWorkerExtension):

@@ -71,6 +71,13 @@ Instance patches (:func:`patch_instance`, keys of :data:`INSTANCE_PATCHES`)
     and ``AuxOutputs`` for ``--return-sampling-mask``) wraps it so every sampled row's support
     (the ids with a finite processed logit) is recorded. The wrapper calls the original and
     returns its result unchanged. Undone by ``skyrl_support_capture_stop`` / ``AuxOutputs.close``.
+``"sampler.digest.forward"``: ``Sampler.forward`` of one runner's sampler (:func:`wrap_sampler_logits`)
+    The logits digest (``skyrl_logits_digest_start``, ``capture._DigestStore``) must see the rows
+    ``model.compute_logits`` produced, as the sampler receives them, before it converts and
+    processes them (with float32 logits its processors may work in place). vLLM's runner calls
+    ``self.sampler(logits=..., sampling_metadata=...)``, i.e. the instance's ``forward``: the
+    wrapper hashes each row and calls the original with the same arguments, returning its result
+    unchanged. Undone by ``skyrl_logits_digest_stop``.
 ``"mla.rotary_emb"``: ``MultiHeadLatentAttentionWrapper.rotary_emb`` of every MLA layer of one
 model (:func:`rowwise_mla_rope`)
     vLLM 0.32 CPU's rotary kernel, called on MLA's 3-D q/k *views*, rotates query head ``r %
@@ -93,6 +100,7 @@ import torch
 
 __all__ = ["install", "uninstall", "installed", "patched", "CONTROL_ROUTES", "OPEN_ROUTES",
            "INSTANCE_PATCHES", "patch_instance", "instance_patches", "wrap_sampler",
+           "wrap_sampler_logits",
            "rowwise_mla_rope"]
 
 OPEN_ROUTES = ("/health", "/ping", "/version", "/metrics", "/load")
@@ -285,6 +293,7 @@ def patched():
 # key -> (the vLLM class whose instances it applies to, by name, the attribute); reasons above
 INSTANCE_PATCHES = {
     "sampler.forward": ("TopKTopPSampler", "forward"),
+    "sampler.digest.forward": ("Sampler", "forward"),
     "mla.rotary_emb": ("MultiHeadLatentAttentionWrapper", "rotary_emb"),
     "model.forward": (None, "forward"),    # any model class the runner holds
 }
@@ -360,6 +369,19 @@ def wrap_sampler(runner, store):
         return sampled, processed
 
     return patch_instance(tts, "forward", forward, what="sampler.forward")
+
+
+def wrap_sampler_logits(runner, store):
+    """Wrap the runner's sampler so every logits row it receives reaches ``store.capture`` first
+    (before the sampler touches it); returns the function that puts the original back."""
+    sampler = runner.sampler
+    orig = sampler.forward
+
+    def forward(*args, **kwargs):
+        store.capture(kwargs["logits"] if "logits" in kwargs else args[0])
+        return orig(*args, **kwargs)
+
+    return patch_instance(sampler, "forward", forward, what="sampler.digest.forward")
 
 
 class _RowwiseRope(torch.nn.Module):

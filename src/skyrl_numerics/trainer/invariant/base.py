@@ -407,3 +407,45 @@ def invariant_topk(model: InvariantCausalLM, rollout, *, batch_size: int = 4,
         for i, logp, _, _, _, lo in response_logps(model, rollout, batch_size, temperature, mask):
             check.add(int(rollout.response_cu[i]) + lo, logp)
     return check.summary()
+
+
+def invariant_logits_digest(model: InvariantCausalLM, rollout, *, batch_size: int = 4,
+                            engine=None) -> dict:
+    """The engine's full-vocabulary logits digests (``rollout.logits_digest``) against this
+    forward's raw float32 logits rows (``model.logits(h).float()``, before the temperature),
+    position by position (:class:`skyrl_numerics.gap.digest.DigestCheck`): ``frac_bitwise`` of
+    the response positions whose whole row is bit for bit the engine's, and ``first_mismatch``
+    ``{"position", "token_id", ...}``. The token id needs the engine's row, which a digest does
+    not carry: with ``engine`` (the ``VLLMGenerator`` that sampled the rollout) that one row is
+    recomputed by the engine (:meth:`~skyrl_numerics.trainer.engine.generator.VLLMGenerator.
+    logits_row`, accepted only if its digest is the recorded one) and the smallest differing id
+    is named; otherwise ``token_id`` is None and ``token_id_unknown`` says why."""
+    from skyrl_numerics.gap.digest import DigestCheck
+
+    if rollout.logits_digest is None:
+        raise InputError("the rollout has no logits digests (generate with logits_digest=True)",
+                         field="logits_digest")
+    if len(rollout.logits_digest) != rollout.num_response_tokens:
+        raise InputError(f"{len(rollout.logits_digest)} digests for "
+                         f"{rollout.num_response_tokens} response tokens", field="logits_digest")
+    check = DigestCheck(rollout.logits_digest, mask=rollout.loss_mask)   # multi-turn: model tokens
+    step = logit_row_chunk(int(model.w("lm_head.weight").shape[0]))
+    with torch.no_grad():
+        for rows, seqs in packed_batches(rollout, batch_size):
+            h = model.packed_hidden(seqs)
+            off = 0
+            for i, s in zip(rows, seqs):
+                p, r = int(rollout.prompt_lens[i]), int(rollout.response_lens[i])
+                for lo in range(0, r, step):
+                    hi = min(r, lo + step)
+                    z = model.logits(h[off + p - 1 + lo: off + p - 1 + hi]).float()
+                    check.add(int(rollout.response_cu[i]) + lo, z)
+                off += len(s)
+    out = check.summary()
+    if check.first_mismatch is not None and engine is not None:
+        try:
+            check.name_token(engine.logits_row(rollout, check.first_mismatch["position"]))
+        except Exception as e:   # the figure stands; only the id stays unknown
+            check.first_mismatch["token_id_unknown"] = f"{type(e).__name__}: {e}"
+        out["first_mismatch"] = check.first_mismatch
+    return out
