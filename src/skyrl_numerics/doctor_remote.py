@@ -86,9 +86,8 @@ def run_doctor_remote(url: str, model_dir: str | Path, *, api_key: str | None = 
                 sc_prompts = prompts or make_prompts(n_prompts, prompt_len, remote.vocab_size, seed)
                 # the full-row digest is hashed inside an in-process engine's worker; a server
                 # sends no such field, so the remote scenario goes without it
-                sampling = {k: v for k, v in SCENARIOS[sc].sampling.items() if k != "logits_digest"}
-                rollouts[sc] = remote.generate(sc_prompts, max_tokens=max_tokens, seed=seed,
-                                               **sampling)
+                rollouts[sc] = SCENARIOS[sc].sample(remote, sc_prompts, max_tokens=max_tokens,
+                                                    seed=seed, without=("logits_digest",))
                 if rollouts[sc].routes is None and ckpt.is_moe:
                     no_routes = ("the server sent no routed_experts (start it with "
                                  "--enable-return-routed-experts)")

@@ -40,14 +40,24 @@ class Scenario:
     # turn deltas), max_tokens per turn; rows are measured on model tokens, per turn too
     turns: int = 1
 
-    def sample(self, engine, prompts, *, max_tokens: int, seed: int):
-        """The scenario's rollout from ``engine``."""
+    def sample(self, engine, prompts, *, max_tokens: int, seed: int, without: tuple = ()):
+        """The scenario's rollout from ``engine`` (an in-process generator or a server client);
+        ``without``: sampling keys left out (a server has no ``logits_digest``)."""
+        sampling = {k: v for k, v in self.sampling.items() if k not in without}
         if self.turns > 1:
             from skyrl_numerics.trainer.engine.multiturn import KeyValueEnv
 
             return engine.generate_multiturn(prompts, KeyValueEnv, max_turns=self.turns,
-                                             max_tokens=max_tokens, seed=seed, **self.sampling)
-        return engine.generate(prompts, max_tokens=max_tokens, seed=seed, **self.sampling)
+                                             max_tokens=max_tokens, seed=seed, **sampling)
+        return engine.generate(prompts, max_tokens=max_tokens, seed=seed, **sampling)
+
+    def max_seq_len(self, prompt_len: int, max_tokens: int) -> int:
+        """The longest sequence the scenario sends (the KV cache the engine needs): the prompt
+        and every turn's tokens, with the toy tool's observations between turns."""
+        from skyrl_numerics.trainer.engine.multiturn import KeyValueEnv
+
+        obs = KeyValueEnv.value_len + 2
+        return prompt_len + self.turns * max_tokens + (self.turns - 1) * obs
 
 
 def _fake_quant_serving(recipe: str):

@@ -449,7 +449,10 @@ def plan_for_doctor(ctx, selected: list, skipped: dict, engine_args: dict, *, pr
 
     if prompts:
         n_prompts, prompt_len = len(prompts), max(map(len, prompts))
-    seq_len, max_model_len = prompt_len + max_tokens, engine_args.get("max_model_len", 1024)
+    # the longest sequence any selected scenario sends (multi-turn: every turn and observation)
+    seq_len = max([prompt_len + max_tokens] + [SCENARIOS[r.scenario].max_seq_len(prompt_len, max_tokens)
+                                               for r in selected])
+    max_model_len = engine_args.get("max_model_len", 1024)
 
     ctx._models.clear()
     gc.collect()

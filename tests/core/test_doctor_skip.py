@@ -100,3 +100,16 @@ def test_served_in_place_restores_the_engine_after_a_failed_load(tmp_path, monke
     with doctor._ServedInPlace("ok", base, served):
         assert calls == [2.0]
     assert calls == [2.0, 1.0]
+
+
+def test_multi_turn_scenarios_size_the_cache_for_every_turn():
+    """A multi-turn scenario's longest sequence: the prompt, every turn, the observations between."""
+    from skyrl_numerics.doctor_rows import SCENARIOS
+    from skyrl_numerics.trainer.engine.multiturn import KeyValueEnv
+
+    sc = SCENARIOS["multi-turn tool use"]
+    env = KeyValueEnv()
+    env.reset([1, 2, 3])
+    obs = len(env.step([0]).observation)                 # the tool's reply to a known key
+    assert sc.max_seq_len(16, 8) == 16 + sc.turns * 8 + (sc.turns - 1) * obs
+    assert SCENARIOS["full"].max_seq_len(16, 8) == 24
