@@ -120,7 +120,8 @@ def test_doctor_against_the_server(served, qwen_moe_dir, tmp_path):
     url, _, _ = served
     rows = ["baseline: HF trainer, bf16", "+ batch-invariant (trainer and vLLM)",
             "nvfp4 experts: plain bf16 trainer", "+ batch-invariant, FP8 KV (trainer simulates the cache)",
-            "top-p/top-k: + support replay", "+ R3 (router replay)"]
+            "top-p/top-k: + support replay", "+ R3 (router replay)",
+            "multi-turn: batch-invariant (trainer and vLLM)"]
     argv = ["doctor", "--server", url, "--model", str(qwen_moe_dir), "--out", str(tmp_path),
             "--max-tokens", "12", "--prompts", "4", "--no-progress"]
     for r in rows:
@@ -136,6 +137,11 @@ def test_doctor_against_the_server(served, qwen_moe_dir, tmp_path):
     # the full-row digest is hashed in an in-process engine's worker: a server sends none
     assert "full distribution bitwise =" not in rep[rows[1]] and "logits_digest" not in rep[rows[1]]
     assert rep[rows[0]]["status"] == "measured" and rep[rows[0]]["summary"]["n_tokens"] == 48
+    # multi-turn through the server: each turn one request, routes as routed_experts_prompt_start
+    # deltas; every model token of every turn bitwise, its top-20 too
+    mt = rep[rows[6]]
+    assert mt["summary"]["max_abs"] == 0.0 and mt["top-20 dist. bitwise ="] == "100%", mt
+    assert [t["turn"] for t in mt["report"]["per_turn"]] == [0, 1, 2]
     assert rep[rows[4]]["status"] == "measured"
     assert rep[rows[5]]["status"] == "measured"         # routes from the server's routed_experts
     assert rep[rows[2]]["status"].startswith("skipped: the scenario serves other weights")
