@@ -165,7 +165,10 @@ def generate_multiturn(gen, prompts: Sequence[Sequence[int]], env: Callable[[], 
         cached.append([int(c) for c in ro.meta.get("num_cached_tokens", [0] * len(active))])
         deltas = ro.meta.pop("route_deltas", None)
         if num_experts is not None and deltas is None:
-            raise RuntimeError("the engine returned no route deltas for a turn")
+            if routes or t > 0:
+                raise InputError(f"turn {t}: the engine sent no routes (a server needs "
+                                 "--enable-return-routed-experts)", field="routes")
+            num_experts = None       # routes=None (auto): this engine captures none
         still = []
         for k, i in enumerate(active):
             toks = [int(x) for x in ro.response(k)]
