@@ -308,6 +308,8 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
                     rollouts[sc] = engine.generate(sc_prompts, max_tokens=max_tokens, seed=seed,
                                                    **spec.sampling)
                     beside_start[sc] |= starts.busy()
+                    if spec.record is not None:   # while the engine runs: scoring needs none
+                        ctx.recorded[id(rollouts[sc])] = spec.record(engine, rollouts[sc])
                 except Exception as e:  # the rows of this scenario show it; the traceback: the log
                     log.exception("doctor: scenario %r failed", sc)
                     failed[sc] = _one_line(e)
