@@ -20,7 +20,9 @@ from skyrl_numerics.doctor_engines import _EngineStarts, _room_for_engine, _Serv
 from skyrl_numerics.doctor_engines import engine_kinds as _kinds, engine_plan, prefetch_enabled
 from skyrl_numerics.doctor_rows import (FULL, ROWS, SCENARIOS, TOPK, DoctorContext, Row,  # noqa: F401
                                         Scenario, register_row)
-from skyrl_numerics.engine_memory import plan_for_doctor, release_engines
+from skyrl_numerics.engine_memory import (plan_for_doctor, release_engines,
+                                          scoring_needs_the_engines_memory)
+from skyrl_numerics.errors import NotEnoughMemory
 from skyrl_numerics.rollout import Rollout
 from skyrl_numerics.trainer_memory import copy_name, release_copy, scoring_order
 
@@ -174,6 +176,9 @@ def score_rows(selected: list, ctx: DoctorContext, rollouts: dict, skipped: dict
             ro = rollouts[row.scenario]
             try:
                 lp = np.asarray(row.compute(ctx, ro), dtype=np.float32)
+            except NotEnoughMemory as e:   # measured before loading its copy: nothing ran
+                log.warning("doctor: row %r skipped: %s", row.name, e)
+                status = f"skipped: {e}"
             except Exception as e:
                 log.exception("doctor: row %r failed", row.name)
                 status = f"failed: {_one_line(e)}"
@@ -321,7 +326,7 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
                 prog.advance(task)
         finally:
             starts.close(own_scenarios)   # a start never used (e.g. after an error)
-        if mem.release_before_scoring:     # the trainer copies need the engines' memory
+        if scoring_needs_the_engines_memory(mem):   # the trainer copies need the engines' memory
             release_engines(live)
         out_rows, scored = score_rows(selected, ctx, rollouts, skipped, failed, no_routes=no_routes,
                                       beside_start=beside_start, advance=lambda name: (

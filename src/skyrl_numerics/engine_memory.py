@@ -396,9 +396,13 @@ def plan_rows(wants: list, *, free: int | None = None, total: int | None = None,
 
 
 # ---- releasing ------------------------------------------------------------------------------
-def make_room(models: dict, need: int, *, keep=(), available=None) -> list:
+def make_room(models: dict, need: int, *, keep=(), available=None, what: str = "") -> list:
     """Free trainer copies in ``models`` (oldest first, ``keep`` kept) until the measured free
-    memory holds ``need`` bytes + ``HEADROOM``; returns the keys freed."""
+    memory holds ``need`` bytes + ``HEADROOM``; returns the keys freed. ``what`` given: raise
+    :class:`~skyrl_numerics.errors.NotEnoughMemory` naming it when, with every other copy
+    freed, the memory still does not hold it (another process took the room the plan saw)."""
+    from .errors import NotEnoughMemory
+
     avail = available or (lambda: free_memory()[1])
     freed = []
     for key in [k for k in models if k not in keep]:
@@ -407,6 +411,8 @@ def make_room(models: dict, need: int, *, keep=(), available=None) -> list:
         del models[key]
         gc.collect()
         freed.append(key)
+    if what and avail() < need + HEADROOM:
+        raise NotEnoughMemory(what, need + HEADROOM, avail())
     return freed
 
 
@@ -564,8 +570,23 @@ def _rows_of(lines) -> list | None:
 
 def make_room_for(ctx, key) -> list:
     """Before ``ctx`` loads the trainer copy ``key``: free older copies until the measured free
-    memory holds it (its bytes from the plan) + ``HEADROOM``; with room, nothing is freed."""
+    memory holds it (its bytes from the plan, with its load and scoring) + ``HEADROOM``; with
+    room, nothing is freed; without, even with the others freed,
+    :class:`~skyrl_numerics.errors.NotEnoughMemory` (the row is skipped, nothing crashes)."""
     plan = getattr(ctx, "memory", None)
     if plan is None or key in ctx._models:
         return []
-    return make_room(ctx._models, plan.trainer_bytes.get(key, 0), keep=(key,))
+    return make_room(ctx._models, plan.trainer_bytes.get(key, 0), keep=(key,),
+                     what=f"its trainer copy ({copy_name(key)}, with scoring)")
+
+
+def scoring_needs_the_engines_memory(plan, available=None) -> bool:
+    """Close the engines before scoring? Planned so, or the free memory measured now does not
+    hold the largest trainer copy (+ ``HEADROOM``): other processes may have taken the room the
+    plan saw."""
+    if plan is None or not plan.trainer_bytes:
+        return False
+    if plan.release_before_scoring:
+        return True
+    avail = free_memory()[1] if available is None else available
+    return avail < max(plan.trainer_bytes.values()) + HEADROOM

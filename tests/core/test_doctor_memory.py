@@ -215,3 +215,32 @@ def test_invariant_copy_reads_the_checkpoint_one_tensor_at_a_time(qwen_moe_dir, 
     (tmp_path / "model.safetensors").write_bytes(data[:-8])
     with pytest.raises(InputError, match="truncated"):
         list(iter_checkpoint_tensors(tmp_path))
+
+
+def test_room_measured_again_before_loading_and_before_scoring(monkeypatch, info):
+    """Other processes may take the room the plan saw: before scoring the engines are closed
+    when the memory measured then does not hold the largest copy, and a copy that does not fit
+    even with the others freed skips its rows with the sizes (no out-of-memory kill)."""
+    from skyrl_numerics import engine_memory as em
+    from skyrl_numerics.doctor import ROWS, DoctorContext, score_rows
+    from skyrl_numerics.errors import NotEnoughMemory
+    from test_engine_memory import _fake_memory
+
+    models = {"a": 1, "b": 2}
+    with pytest.raises(NotEnoughMemory, match=r"memory: copy c needs 3\.5 GiB, 1\.0 GiB free now"):
+        em.make_room(models, 3 * GiB, keep=("c",), available=lambda: GiB, what="copy c")
+    assert models == {}                                  # the others were freed first
+    plan = em.MemoryPlan(20 * GiB, 24 * GiB, [], trainer_bytes={(None, None): 4 * GiB,
+                                                                ("float32", None): 8 * GiB})
+    assert em.scoring_needs_the_engines_memory(plan, available=8 * GiB)
+    assert not em.scoring_needs_the_engines_memory(plan, available=9 * GiB)
+    assert not em.scoring_needs_the_engines_memory(None, available=0)
+    ctx = DoctorContext(model_dir=info.path, family=info.model_type, info=info, memory=plan)
+    rows = [r for r in ROWS if r.name in ROW_NAMES[:2]]
+    _fake_memory(monkeypatch, 24 * GiB, 6 * GiB)         # the bf16 copy fits, fp32 does not
+    out, _ = score_rows(rows, ctx, {"full": _fake_rollout()}, {r.name: None for r in rows}, {})
+    status = {r.name: r.extra["status"] for r in out}
+    assert status[ROW_NAMES[0]] == "measured"
+    assert status[ROW_NAMES[1]] == ("skipped: memory: its trainer copy (HF float32, with scoring) "
+                                    "needs 8.5 GiB, 6.0 GiB free now")
+    assert ctx._models == {}
