@@ -244,3 +244,37 @@ def test_room_measured_again_before_loading_and_before_scoring(monkeypatch, info
     assert status[ROW_NAMES[1]] == ("skipped: memory: its trainer copy (HF float32, with scoring) "
                                     "needs 8.5 GiB, 6.0 GiB free now")
     assert ctx._models == {}
+
+
+def test_a_scenarios_record_is_fetched_while_its_engine_runs(monkeypatch, fake_engines,
+                                                             qwen_moe_dir):
+    """Scenario.record(engine, rollout) runs right after sampling, and its rows read the result
+    from DoctorContext.recorded: scoring starts no engine (the DeepSeek attribution rows took the
+    engine's batch layout from a get_generator call during scoring before)."""
+    pytest.importorskip("vllm")
+    from skyrl_numerics import doctor
+    from skyrl_numerics.doctor_rows import FULL, SCENARIOS, Row, Scenario
+    from test_engine_memory import StandIn
+
+    calls = []
+
+    def record(engine, rollout):
+        calls.append((engine.name, len(StandIn.log)))
+        return {"steps of": id(rollout)}
+
+    def compute(ctx, ro):
+        assert ctx.recorded[id(ro)] == {"steps of": id(ro)}
+        calls.append(("scored", len(StandIn.log)))
+        return np.full(ro.num_response_tokens, -6.2, np.float32)
+
+    monkeypatch.setitem(SCENARIOS, "recorded", Scenario(FULL, record=record,
+                                                        engine=dict(capture_routes=True)))
+    row = Row("row on a recorded scenario", "recorded", compute)
+    monkeypatch.setattr(doctor, "ROWS", [*doctor.ROWS, row])
+    StandIn.log, StandIn.made = [], []
+    fake_engines(StandIn)
+    monkeypatch.setenv("SKYRL_NUMERICS_DOCTOR_PREFETCH", "0")
+    res = doctor.run_doctor(rows=[row.name], n_prompts=2, prompt_len=4, max_tokens=3,
+                            progress=False, model_dir=qwen_moe_dir)
+    assert res.rows[0].extra["status"] == "measured"
+    assert calls == [("stock", 1), ("scored", 1)]        # one engine start, before both
