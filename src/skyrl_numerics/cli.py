@@ -60,7 +60,9 @@ def _parse_engine_args(pairs) -> dict:
 
 def _doctor_checks(args, ekw: dict, max_model_len: int):
     """``check(ckpt, rows) -> prompts | None`` for :func:`run_doctor`, before any engine starts:
-    the prompts and memory (the smallest row: :func:`~skyrl_numerics.model_check.check_memory`)."""
+    the prompts and memory (the smallest row: :func:`~skyrl_numerics.model_check.check_memory`;
+    then the table's plan, printed when a row runs alone or is skipped:
+    :func:`~skyrl_numerics.engine_memory.announce_plan`)."""
     from skyrl_numerics.model_check import check_memory, load_prompts_file
 
     def check(ckpt, rows):
@@ -75,6 +77,14 @@ def _doctor_checks(args, ekw: dict, max_model_len: int):
         check_memory(ckpt, engine_dtype=str(engine_dtype), trainer_dtype=str(trainer_dtype),
                      n_prompts=n, seq_len=plen + args.max_tokens, max_model_len=max_model_len,
                      engine_args=ekw)
+        if not args.server:   # the whole table, by the doctor's own plan: one line a row
+            from skyrl_numerics.engine_memory import announce_plan
+
+            from skyrl_numerics.doctor_rows import longest_sequence
+
+            announce_plan(ckpt, rows, ekw, n_prompts=n,
+                          seq_len=longest_sequence(rows, plen, args.max_tokens),
+                          trainer_dtype=args.dtype if args.dtype != "auto" else None)
         if prompts:
             return prompts
         if args.prompt_len + args.max_tokens > max_model_len:

@@ -20,8 +20,11 @@ from skyrl_numerics.doctor_engines import _EngineStarts, _room_for_engine, _Serv
 from skyrl_numerics.doctor_engines import engine_kinds as _kinds, engine_plan, prefetch_enabled
 from skyrl_numerics.doctor_rows import (FULL, ROWS, SCENARIOS, TOPK, DoctorContext, Row,  # noqa: F401
                                         Scenario, register_row)
-from skyrl_numerics.engine_memory import plan_for_doctor, release_engines
+from skyrl_numerics.engine_memory import (plan_for_doctor, release_engines,
+                                          scoring_needs_the_engines_memory)
+from skyrl_numerics.errors import NotEnoughMemory
 from skyrl_numerics.rollout import Rollout
+from skyrl_numerics.trainer_memory import copy_name, release_copy, scoring_order
 
 DIGEST_KEY = "full distribution bitwise ="   # the report column of the full-row digest check
 
@@ -71,8 +74,10 @@ class SkippedReport:
 _GENERIC_FAMILIES = Row.__dataclass_fields__["families"].default
 
 
-def skip_reason(row: Row, ctx: DoctorContext) -> str | None:
-    """Why ``row`` cannot run on ``ctx``'s checkpoint (``None``: it applies)."""
+def skip_reason(row: Row, ctx: DoctorContext, *, load: bool = True) -> str | None:
+    """Why ``row`` cannot run on ``ctx``'s checkpoint (``None``: it applies). ``load=False``:
+    what the config, the weight names and the host tell, without loading the HF model (whose
+    routers R3 needs)."""
     spec, info = SCENARIOS[row.scenario], ctx.info
     if spec.engine.get("batch_invariant"):
         from skyrl_numerics.trainer.engine.vllm_invariant_model import engine_overrides
@@ -94,7 +99,7 @@ def skip_reason(row: Row, ctx: DoctorContext) -> str | None:
             return "dense model: no MoE router (R3 needs routed experts)"
         from skyrl_numerics.replay.hf_replay import find_routers
 
-        if not find_routers(ctx.hf_model(None)):
+        if load and not find_routers(ctx.hf_model(None)):
             from skyrl_numerics.replay.hf_families import ROUTER_FAMILIES
 
             return (f"no HF router replay for {info.architecture} "
@@ -117,21 +122,69 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
     return [rng.integers(2, vocab, size=length).tolist() for _ in range(n)]
 
 
+def _measured_row(row: Row, ctx: DoctorContext, ro: Rollout, lp: np.ndarray, beside_start: dict):
+    """The report row of ``row``'s trainer logprobs ``lp`` against the engine's (and, for a row
+    with a ``distribution`` check, the engine's top-K against the trainer's, while its copy is
+    still loaded)."""
+    import logging
+
+    from skyrl_numerics.gap import measure
+    from skyrl_numerics.report import ReportRow
+
+    turn_kw = {"mask": ro.loss_mask, "turns": ro.turns} if ro.is_multi_turn else {}
+    report = measure(lp, ro.rollout_logprobs, cu_seqlens=ro.response_cu, **turn_kw)
+    extra = {"scenario": row.scenario, "note": row.note,
+             "vLLM tok/s": ro.meta.get("tokens_per_s"), "status": "measured"}
+    if ro.is_multi_turn and "route_bytes" in ro.meta:
+        rb = ro.meta["route_bytes"]
+        extra["route kB (turn deltas / full resend)"] = (
+            f"{rb['delta'] / 1e3:.1f} / {rb['full_resend'] / 1e3:.1f}")
+    log = logging.getLogger("skyrl_numerics.doctor")
+    dist = getattr(row.compute, "distribution", None)
+    if dist is not None and ro.topk is not None:
+        try:
+            d = dist(ctx, ro)
+            extra[f"top-{d['k']} dist. bitwise ="] = f"{d['frac_bitwise']:.0%}"
+            extra["_distribution"] = d
+        except Exception as e:
+            log.exception("doctor: row %r distribution check failed", row.name)
+            extra[f"top-{ro.topk.k} dist. bitwise ="] = f"failed: {_one_line(e)}"
+    digest = getattr(row.compute, "logits_digest", None)
+    if digest is not None and getattr(ro, "logits_digest", None) is not None:
+        try:   # every position's whole logits row, by digest (gap/digest.py)
+            g = digest(ctx, ro)
+            extra[DIGEST_KEY] = f"{g['frac_bitwise']:.0%}"
+            extra["_logits_digest"] = g
+        except Exception as e:
+            log.exception("doctor: row %r logits digest check failed", row.name)
+            extra[DIGEST_KEY] = f"failed: {_one_line(e)}"
+    if beside_start.get(row.scenario):
+        extra["_vLLM tok/s mark"] = ("†", "sampled while the next engine started in the "
+                                    "background (SKYRL_NUMERICS_DOCTOR_PREFETCH=0: "
+                                    "throughput without it)")
+    return ReportRow(row.name, report, np.abs(lp - ro.rollout_logprobs)[ro.model_mask], extra)
+
+
 def score_rows(selected: list, ctx: DoctorContext, rollouts: dict, skipped: dict, failed: dict, *,
                no_routes: str | None = None, beside_start: dict | None = None,
                advance: Callable[[str], object] = lambda name: None):
     """Each selected row's trainer logprobs on its scenario's rollout, measured against the
-    engine's: ``(report rows, {scenario: rollout with the first row's trainer logprobs})``.
-    ``skipped`` / ``failed``: reasons by row name / scenario (the row is listed with them)."""
-    from skyrl_numerics.gap import measure
+    engine's: ``(report rows in table order, {scenario: rollout with the first row's trainer
+    logprobs})``. The rows are computed copy by copy and each trainer copy is freed after its
+    last row (:func:`~skyrl_numerics.trainer_memory.scoring_order`). ``skipped`` / ``failed``:
+    reasons by row name / scenario (the row is listed with them)."""
     from skyrl_numerics.report import ReportRow
 
     import logging
 
     log = logging.getLogger("skyrl_numerics.doctor")
     beside_start = beside_start or {}
-    out_rows, scored = [], {}
-    for row in selected:
+    results: dict[int, object] = {}
+    lps: dict[int, np.ndarray] = {}
+    # copy by copy, each trainer copy freed after its last row: one copy in memory at a time
+    order, frees = scoring_order(selected, ctx.dtype)
+    for i in order:
+        row = selected[i]
         why = skipped[row.name]
         if why is None and no_routes and getattr(row.compute, "uses_routes", False):
             why = f"R3: {no_routes}"
@@ -141,53 +194,29 @@ def score_rows(selected: list, ctx: DoctorContext, rollouts: dict, skipped: dict
             ro = rollouts[row.scenario]
             try:
                 lp = np.asarray(row.compute(ctx, ro), dtype=np.float32)
+            except NotEnoughMemory as e:   # measured before loading its copy: nothing ran
+                log.warning("doctor: row %r skipped: %s", row.name, e)
+                status = f"skipped: {e}"
             except Exception as e:
                 log.exception("doctor: row %r failed", row.name)
                 status = f"failed: {_one_line(e)}"
         if status is not None:
-            out_rows.append(ReportRow(row.name, SkippedReport(status), np.zeros(0, np.float32),
-                                      {"scenario": row.scenario, "note": row.note,
-                                       "status": status}))
-            advance(row.name)
-            continue
-        turn_kw = {"mask": ro.loss_mask, "turns": ro.turns} if ro.is_multi_turn else {}
-        report = measure(lp, ro.rollout_logprobs, cu_seqlens=ro.response_cu, **turn_kw)
-        extra = {"scenario": row.scenario, "note": row.note,
-                 "vLLM tok/s": ro.meta.get("tokens_per_s"), "status": "measured"}
-        if ro.is_multi_turn and "route_bytes" in ro.meta:
-            rb = ro.meta["route_bytes"]
-            extra["route kB (turn deltas / full resend)"] = (
-                f"{rb['delta'] / 1e3:.1f} / {rb['full_resend'] / 1e3:.1f}")
-        dist = getattr(row.compute, "distribution", None)
-        if dist is not None and ro.topk is not None:
-            try:
-                d = dist(ctx, ro)
-                extra[f"top-{d['k']} dist. bitwise ="] = f"{d['frac_bitwise']:.0%}"
-                extra["_distribution"] = d
-            except Exception as e:
-                log.exception("doctor: row %r distribution check failed", row.name)
-                extra[f"top-{ro.topk.k} dist. bitwise ="] = f"failed: {_one_line(e)}"
-        digest = getattr(row.compute, "logits_digest", None)
-        if digest is not None and getattr(ro, "logits_digest", None) is not None:
-            try:   # every position's whole logits row, by digest (gap/digest.py)
-                g = digest(ctx, ro)
-                extra[DIGEST_KEY] = f"{g['frac_bitwise']:.0%}"
-                extra["_logits_digest"] = g
-            except Exception as e:
-                log.exception("doctor: row %r logits digest check failed", row.name)
-                extra[DIGEST_KEY] = f"failed: {_one_line(e)}"
-        if beside_start.get(row.scenario):
-            extra["_vLLM tok/s mark"] = ("†", "sampled while the next engine started in the "
-                                        "background (SKYRL_NUMERICS_DOCTOR_PREFETCH=0: "
-                                        "throughput without it)")
-        out_rows.append(ReportRow(row.name, report, np.abs(lp - ro.rollout_logprobs)[ro.model_mask],
-                                  extra))
+            results[i] = ReportRow(row.name, SkippedReport(status), np.zeros(0, np.float32),
+                                   {"scenario": row.scenario, "note": row.note,
+                                    "status": status})
+        else:
+            results[i], lps[i] = _measured_row(row, ctx, ro, lp, beside_start), lp
+        if i in frees and release_copy(ctx._models, frees[i]):
+            log.info("doctor: trainer copy %s freed after its last row", copy_name(frees[i]))
+        advance(row.name)
+    out_rows, scored = [results[i] for i in range(len(selected))], {}
+    for i, row in enumerate(selected):
         # each scenario's rollout is kept with its first row's trainer logprobs, so the
         # written file is a complete dump for `skyrl-numerics gap FILE`
-        if row.scenario not in scored:
-            scored[row.scenario] = ro.with_trainer_logprobs(lp)
+        if i in lps and row.scenario not in scored:
+            ro = rollouts[row.scenario]
+            scored[row.scenario] = ro.with_trainer_logprobs(lps[i])
             scored[row.scenario].meta = {**ro.meta, "trainer": row.name}
-        advance(row.name)
     return out_rows, scored
 
 
@@ -301,6 +330,8 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
                     beside_start[sc] = starts.busy()
                     rollouts[sc] = spec.sample(engine, sc_prompts, max_tokens=max_tokens, seed=seed)
                     beside_start[sc] |= starts.busy()
+                    if spec.record is not None:   # while the engine runs: scoring needs none
+                        ctx.recorded[id(rollouts[sc])] = spec.record(engine, rollouts[sc])
                 except Exception as e:  # the rows of this scenario show it; the traceback: the log
                     log.exception("doctor: scenario %r failed", sc)
                     failed[sc] = _one_line(e)
@@ -312,7 +343,7 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
                 prog.advance(task)
         finally:
             starts.close(own_scenarios)   # a start never used (e.g. after an error)
-        if mem.release_before_scoring:     # the trainer copies need the engines' memory
+        if scoring_needs_the_engines_memory(mem):   # the trainer copies need the engines' memory
             release_engines(live)
         out_rows, scored = score_rows(selected, ctx, rollouts, skipped, failed, no_routes=no_routes,
                                       beside_start=beside_start, advance=lambda name: (

@@ -36,6 +36,9 @@ class Scenario:
     # vLLM CPU kernels the engine needs (skyrl_numerics.host.FEATURES keys): where the installed
     # build lacks one, the scenario's rows are skipped, naming the kernel and the host ISA
     needs: tuple = ()
+    # ``record(engine, rollout)``: what the rows need from the engine itself, fetched right after
+    # sampling (kept in ``DoctorContext.recorded`` by the rollout), so scoring needs no engine
+    record: Callable | None = None
     # > 1: multi-turn trajectories through the toy key-value tool (generate_multiturn; routes as
     # turn deltas), max_tokens per turn; rows are measured on model tokens, per turn too
     turns: int = 1
@@ -58,6 +61,12 @@ class Scenario:
 
         obs = KeyValueEnv.value_len + 2
         return prompt_len + self.turns * max_tokens + (self.turns - 1) * obs
+
+
+def longest_sequence(rows, prompt_len: int, max_tokens: int) -> int:
+    """The longest sequence any of ``rows``' scenarios sends (the memory plan's ``seq_len``)."""
+    return max([prompt_len + max_tokens] + [SCENARIOS[r.scenario].max_seq_len(prompt_len, max_tokens)
+                                            for r in rows if r.scenario in SCENARIOS])
 
 
 def _fake_quant_serving(recipe: str):
@@ -115,6 +124,7 @@ class DoctorContext:
     info: object = None          # model_check.CheckpointInfo of model_dir
     dtype: str | None = None     # trainer dtype for rows asking for None (--dtype; else stored)
     memory: object = None        # engine_memory.MemoryPlan of the run (trainer copies freed by it)
+    recorded: dict = field(default_factory=dict)   # id(rollout) -> its Scenario.record result
 
     def hf_model(self, dtype: str | None = None, qat: str | None = None):
         """The HF trainer model, loaded once per (dtype, QAT recipe). ``qat``: experts wrapped
@@ -289,11 +299,20 @@ register_row(Row(f"{_INT4_ENGINE}: + fake-quant matched", _INT4_ENGINE, _int4_ma
 # emulates it from the recording. Rows are cumulative, each adds one vLLM-side piece
 # (skyrl_numerics.trainer.mla_attribution) to the HF trainer.
 _MLA_SCENARIO = "full (engine batch layout recorded)"
+
+
+def _recorded_steps(engine, rollout):
+    from skyrl_numerics.trainer.mla_attribution import recorded_steps
+
+    return recorded_steps(engine, rollout)
+
+
 SCENARIOS[_MLA_SCENARIO] = Scenario(
     FULL, description="temperature 1, full vocabulary; the engine records each step's batch "
     "layout (for the rotary-kernel emulation)",
     engine=dict(capture_routes=True,
-                worker_extension_cls="skyrl_numerics.trainer.engine.vllm_ext.MLAScheduleExtension"))
+                worker_extension_cls="skyrl_numerics.trainer.engine.vllm_ext.MLAScheduleExtension"),
+    record=_recorded_steps)
 
 
 def _mla_attribution(pieces: tuple, use_routes: bool = False, prefill: str = "absorbed"):
@@ -302,13 +321,13 @@ def _mla_attribution(pieces: tuple, use_routes: bool = False, prefill: str = "ab
         from skyrl_numerics.trainer.logprobs import trainer_logprobs
         from skyrl_numerics.trainer.mla_attribution import recorded_steps, vllm_style_hook
 
-        key = ("mla steps", id(rollout))
-        if "cpu_rope" in pieces and key not in ctx._models:
+        steps = ctx.recorded.get(id(rollout))   # recorded by the doctor right after sampling
+        if "cpu_rope" in pieces and steps is None:   # a caller that did not record them
             gen = get_generator(ctx.model_dir, **SCENARIOS[_MLA_SCENARIO].engine)
-            ctx._models[key] = recorded_steps(gen, rollout)
+            steps = ctx.recorded[id(rollout)] = recorded_steps(gen, rollout)
         model = ctx.hf_model(None)
         hook = vllm_style_hook(model, rollout, pieces, prefill=prefill,
-                               steps=ctx._models.get(key)) if pieces else None
+                               steps=steps) if pieces else None
         return trainer_logprobs(model, rollout, forward_hook=hook, use_routes=use_routes).logprobs
     return compute
 

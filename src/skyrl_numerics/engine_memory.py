@@ -46,6 +46,7 @@ import os
 from dataclasses import dataclass, field
 
 from .errors import InputError
+from .trainer_memory import copy_name, trainer_key
 
 GiB = 1 << 30
 KV_SAFETY = 1.25                  # S: blocks beyond the exact need (rounding, a preempted request)
@@ -286,9 +287,9 @@ class MemoryPlan:
     steps: list
     settings: dict = field(default_factory=dict)      # derived engine arguments
     alone_scenarios: set = field(default_factory=set)  # engines others are released before
-    trainer_one_at_a_time: bool = False
+    trainer_one_at_a_time: bool = False                # the copies do not fit together
     release_before_scoring: bool = False
-    trainer_bytes: dict = field(default_factory=dict)  # trainer copy -> bytes
+    trainer_bytes: dict = field(default_factory=dict)  # trainer copy -> bytes held + scoring
     prefetch_bytes: int = 0                            # the largest engine's footprint
 
     def step(self, row: str) -> Step | None:
@@ -296,7 +297,8 @@ class MemoryPlan:
 
     @property
     def together(self) -> bool:
-        return all(s.mode == "together" for s in self.steps) and not self.trainer_one_at_a_time
+        return (all(s.mode == "together" for s in self.steps) and not self.trainer_one_at_a_time
+                and not self.release_before_scoring)
 
     def skipped(self) -> dict:
         return {s.row: s.reason for s in self.steps if s.mode == "skipped"}
@@ -311,15 +313,20 @@ class MemoryPlan:
         for s in self.steps:
             if s.mode != "together":
                 out.append(f"  {s.row}: {s.mode}: {s.reason}")
-        if self.trainer_one_at_a_time:
-            out.append("  trainer copies: loaded one at a time (the others freed first): "
-                       + ", ".join(f"{_copy_name(k)} {gib(v)}" for k, v in self.trainer_bytes.items()))
+        if self.trainer_one_at_a_time or self.release_before_scoring:
+            out.append("  trainer copies: scored one at a time, each freed after its last row "
+                       f"({gib(sum(self.trainer_bytes.values()))} together): "
+                       + ", ".join(f"{copy_name(k)} {gib(v)}" for k, v in self.trainer_bytes.items()))
+        if self.release_before_scoring:
+            out.append(f"  engines closed before scoring: the largest trainer copy "
+                       f"({gib(max(self.trainer_bytes.values()))} with scoring) does not fit "
+                       f"beside the engines left")
         return out
 
     def to_dict(self) -> dict:
         return {"free_bytes": self.free, "total_bytes": self.total, "settings": self.settings,
                 "trainer_one_at_a_time": self.trainer_one_at_a_time,
-                "trainer_copies": {_copy_name(k): v for k, v in self.trainer_bytes.items()},
+                "trainer_copies": {copy_name(k): v for k, v in self.trainer_bytes.items()},
                 "rows": {s.row: {"mode": s.mode, "reason": s.reason} for s in self.steps}}
 
 
@@ -331,8 +338,10 @@ def plan_rows(wants: list, *, free: int | None = None, total: int | None = None,
     Engines start in order of first use; shared ones stay resident. An engine runs *together*
     when it fits beside the shared engines already resident (+ ``HEADROOM``), *alone* (the
     engines before it closed and the trainer copies freed first) when it fits by itself, and is
-    *skipped* otherwise. Scoring runs after sampling: when the trainer copies together do not fit,
-    they are loaded one at a time; a copy that does not fit by itself skips its row."""
+    *skipped* otherwise. Scoring runs after sampling, one trainer copy at a time (each freed after
+    its last row, :func:`~skyrl_numerics.trainer_memory.scoring_order`; ``trainer_bytes``: held +
+    scoring work): the engines still running are closed first when they do not fit beside the
+    largest copy, and a copy that does not fit by itself skips its rows."""
     if free is None or total is None:
         t, f = free_memory()
         free, total = (f if free is None else free), (t if total is None else total)
@@ -367,17 +376,18 @@ def plan_rows(wants: list, *, free: int | None = None, total: int | None = None,
         if engine_mode[w.scenario][0] != "skipped":
             copies.setdefault(w.trainer, w.trainer_bytes)
     engines_left = sum(resident.values())
-    all_copies = sum(copies.values())
-    release = engines_left + all_copies > budget
-    one_at_a_time = (all_copies > budget)
+    copies = {k: v for k, v in copies.items() if v <= budget}   # the others skip their rows
+    largest = max(copies.values(), default=0)
+    # the copies are scored one at a time, each freed after its last row
+    # (trainer_memory.scoring_order): the engines left must fit beside the largest one
+    release = engines_left + largest > budget
+    one_at_a_time = sum(copies.values()) > budget
     for w in wants:
         mode, why = engine_mode[w.scenario]
         if mode != "skipped" and w.trainer_bytes > budget:
-            mode, why = "skipped", (f"memory: its trainer copy ({w.trainer}, "
-                                    f"{gib(w.trainer_bytes)}) needs more than {gib(budget)} free")
-        elif mode != "skipped" and one_at_a_time and mode == "together":
-            mode, why = "alone", (f"{why}; its trainer copy ({w.trainer}, {gib(w.trainer_bytes)}) "
-                                  f"is loaded after the others are freed (all {gib(all_copies)})")
+            mode, why = "skipped", (f"memory: its trainer copy ({copy_name(w.trainer)}, "
+                                    f"{gib(w.trainer_bytes)} with scoring) needs more than "
+                                    f"{gib(budget)} free")
         steps[w.row] = Step(w.row, mode, why)
     prefetch = max((w.engine_bytes for w in wants if engine_mode[w.scenario][0] != "skipped"),
                    default=0)
@@ -386,9 +396,13 @@ def plan_rows(wants: list, *, free: int | None = None, total: int | None = None,
 
 
 # ---- releasing ------------------------------------------------------------------------------
-def make_room(models: dict, need: int, *, keep=(), available=None) -> list:
+def make_room(models: dict, need: int, *, keep=(), available=None, what: str = "") -> list:
     """Free trainer copies in ``models`` (oldest first, ``keep`` kept) until the measured free
-    memory holds ``need`` bytes + ``HEADROOM``; returns the keys freed."""
+    memory holds ``need`` bytes + ``HEADROOM``; returns the keys freed. ``what`` given: raise
+    :class:`~skyrl_numerics.errors.NotEnoughMemory` naming it when, with every other copy
+    freed, the memory still does not hold it (another process took the room the plan saw)."""
+    from .errors import NotEnoughMemory
+
     avail = available or (lambda: free_memory()[1])
     freed = []
     for key in [k for k in models if k not in keep]:
@@ -397,6 +411,8 @@ def make_room(models: dict, need: int, *, keep=(), available=None) -> list:
         del models[key]
         gc.collect()
         freed.append(key)
+    if what and avail() < need + HEADROOM:
+        raise NotEnoughMemory(what, need + HEADROOM, avail())
     return freed
 
 
@@ -419,57 +435,32 @@ def release_engines(engines: list, models: dict | None = None) -> None:
 
 
 # ---- the doctor's rows -----------------------------------------------------------------------
-def trainer_key(row, ctx) -> tuple:
-    """The ``ctx._models`` key of the trainer copy ``row`` loads (``compute.trainer``: ``("hf",
-    dtype, qat)`` or ``("invariant", kv_cache)``; rows without it load the HF model)."""
-    t = getattr(row.compute, "trainer", None) or ("hf", None, None)
-    if t[0] == "invariant":
-        return t
-    return (t[1] if t[1] is not None else ctx.dtype, t[2])
+def plan_table(info, rows: list, engine_args: dict, *, n_prompts: int, seq_len: int,
+               trainer_dtype: str | None = None, free: int | None = None,
+               total: int | None = None, on_gpu: bool | None = None):
+    """``(plan, wants, needs)`` for the doctor ``rows`` on checkpoint ``info``: each row's engine
+    (:func:`engine_need`, the settings :func:`engine_settings` derives) and trainer copy
+    (:func:`~skyrl_numerics.trainer_memory.copy_need`: the bytes of the module itself + its
+    scoring work; ``trainer_dtype``: the dtype of rows keeping the stored one), planned by
+    :func:`plan_rows` against ``free`` bytes (default: measured now). The CLI's up-front check
+    and the doctor's plan both call this."""
+    from skyrl_numerics.doctor_rows import SCENARIOS
 
+    from .trainer_memory import copy_need
 
-def _copy_name(key: tuple) -> str:
-    if key and key[0] == "invariant":
-        return "invariant" + (f" (KV {key[1]})" if key[1] else "")
-    return f"HF {key[0] or 'stored dtype'}" + (" + QAT" if key[1] is not None else "")
-
-
-def plan_for_doctor(ctx, selected: list, skipped: dict, engine_args: dict, *, prompts=None,
-                    n_prompts: int, prompt_len: int, max_tokens: int,
-                    progress: bool = False) -> MemoryPlan:
-    """The doctor's :class:`MemoryPlan`: the trainer copies loaded so far are freed, the free
-    memory measured, every engine and trainer copy of the rows that apply (``skipped[name] is
-    None``) sized for ``prompts`` (else ``n_prompts`` of ``prompt_len``) + ``max_tokens``, the
-    engine settings derived. Rows that do not fit get their reason in ``skipped``; the plan is
-    logged, printed when a row does not run together (or with ``progress``), and kept on
-    ``ctx.memory`` and ``ctx.info.memory_plan``."""
-    import logging
-
-    from skyrl_numerics.doctor import SCENARIOS
-
-    if prompts:
-        n_prompts, prompt_len = len(prompts), max(map(len, prompts))
-    # the longest sequence any selected scenario sends (multi-turn: every turn and observation)
-    seq_len = max([prompt_len + max_tokens] + [SCENARIOS[r.scenario].max_seq_len(prompt_len, max_tokens)
-                                               for r in selected])
     max_model_len = engine_args.get("max_model_len", 1024)
-
-    ctx._models.clear()
-    gc.collect()
-    info = ctx.info
     cfg = info.config
     params = info.params or checkpoint_params(info.path)[0]
     stored = info.stored_dtype if info.stored_dtype in _BYTES else "float32"
     edtype = engine_args.get("dtype", "bfloat16")
     edtype = stored if edtype in (None, "auto") else str(edtype).replace("torch.", "")
-    total, free = free_memory()
-    try:
+    if free is None or total is None:
+        t, f = free_memory()
+        free, total = (f if free is None else free), (t if total is None else total)
+    if on_gpu is None:
         import torch
 
         on_gpu = torch.cuda.is_available()
-    except Exception:   # pragma: no cover
-        on_gpu = False
-    rows = [r for r in selected if skipped.get(r.name) is None]
     needs, kinds = {}, {}
     for r in rows:
         spec = SCENARIOS[r.scenario]
@@ -487,16 +478,17 @@ def plan_for_doctor(ctx, selected: list, skipped: dict, engine_args: dict, *, pr
                                       kv_cache_dtype=engine_args.get("kv_cache_dtype", "auto"))
     settings = engine_settings(list(needs.values()), engine_args, total=total, free=free,
                                on_gpu=on_gpu)
+    copies = {}
 
     def planned(settings):
         wants = []
         for r in rows:
             name, shared, extra = kinds[r.scenario]
-            key = trainer_key(r, ctx)
-            tb = params * dtype_bytes(key[0] or stored) if key[0] != "invariant" else int(
-                params * dtype_bytes(stored) * INVARIANT_WEIGHT_FACTOR)
+            key = trainer_key(r, trainer_dtype)
+            if key not in copies:
+                copies[key] = copy_need(info, key, n_prompts=n_prompts, seq_len=seq_len)
             wants.append(Want(r.name, r.scenario, name, footprint(needs[name], settings, total),
-                              shared, key, tb, extra))
+                              shared, key, copies[key], extra))
         return wants, plan_rows(wants, free=free, total=total, settings=settings)
 
     wants, plan = planned(settings)
@@ -506,6 +498,32 @@ def plan_for_doctor(ctx, selected: list, skipped: dict, engine_args: dict, *, pr
         wants, plan = planned({"kv_cache_memory_bytes": max(n.kv for n in needs.values())})
     if on_gpu:   # engines share the device by gpu_memory_utilization: nothing planned there
         plan = MemoryPlan(free, total, [Step(w.row, "together", "GPU") for w in wants])
+    return plan, wants, needs
+
+
+def plan_for_doctor(ctx, selected: list, skipped: dict, engine_args: dict, *, prompts=None,
+                    n_prompts: int, prompt_len: int, max_tokens: int,
+                    progress: bool = False) -> MemoryPlan:
+    """The doctor's :class:`MemoryPlan`: the trainer copies loaded so far are freed, the free
+    memory measured, the rows that apply (``skipped[name] is None``) planned by
+    :func:`plan_table` for ``prompts`` (else ``n_prompts`` of ``prompt_len``) + ``max_tokens``.
+    Rows that do not fit get their reason in ``skipped``; the plan is logged, printed when a
+    row does not run together (or with ``progress``) unless the CLI's check printed the same
+    lines already, and kept on ``ctx.memory`` and ``ctx.info.memory_plan``."""
+    import logging
+
+    if prompts:
+        n_prompts, prompt_len = len(prompts), max(map(len, prompts))
+    ctx._models.clear()
+    gc.collect()
+    info = ctx.info
+    rows = [r for r in selected if skipped.get(r.name) is None]
+    from skyrl_numerics.doctor_rows import longest_sequence
+
+    plan, wants, needs = plan_table(info, rows, engine_args, n_prompts=n_prompts,
+                                    seq_len=longest_sequence(rows, prompt_len, max_tokens),
+                                    trainer_dtype=ctx.dtype)
+    printed = getattr(info, "memory_lines", None)
     ctx.memory = plan
     info.memory_plan = plan
     skipped.update({r: why for r, why in plan.skipped().items() if skipped.get(r) is None})
@@ -513,21 +531,65 @@ def plan_for_doctor(ctx, selected: list, skipped: dict, engine_args: dict, *, pr
     log = logging.getLogger("skyrl_numerics.doctor")
     for w in wants:
         log.info("memory: %s: engine %s %s; trainer %s %s", w.row, w.engine,
-                 needs[w.engine].describe(), _copy_name(w.trainer), gib(w.trainer_bytes))
+                 needs[w.engine].describe(), copy_name(w.trainer), gib(w.trainer_bytes))
     for line in lines:
         log.info("%s", line)
-    if progress or not plan.together or plan.settings:
+    if (progress or not plan.together or plan.settings) and _rows_of(lines) != _rows_of(printed):
         import rich
 
         for line in lines:
-            rich.get_console().print(line, markup=False, highlight=False)
+            rich.get_console().print(line, markup=False, highlight=False, soft_wrap=True)
     return plan
+
+
+def announce_plan(info, rows: list, engine_args: dict, *, n_prompts: int, seq_len: int,
+                  trainer_dtype: str | None = None) -> MemoryPlan:
+    """The CLI's up-front look at the whole table (before any engine starts or weight is read):
+    :func:`plan_table` for ``rows`` (those the doctor will skip by what the config, weight
+    names and host tell left out: :func:`~skyrl_numerics.doctor.skip_reason` without loading
+    the model), its lines printed when a row does not run together —
+    one line a row, saying alone or skipped and why — and kept on ``info.memory_lines`` so the
+    doctor's own plan is printed again only when it differs."""
+    from skyrl_numerics.doctor import DoctorContext, skip_reason
+
+    ctx = DoctorContext(model_dir=info.path, family=info.model_type, info=info,
+                        dtype=trainer_dtype)
+    rows = [r for r in rows if skip_reason(r, ctx, load=False) is None]
+    plan = plan_table(info, rows, engine_args, n_prompts=n_prompts, seq_len=seq_len,
+                      trainer_dtype=trainer_dtype)[0]
+    info.memory_lines = plan.lines()
+    if not plan.together or plan.settings:
+        import rich
+
+        for line in info.memory_lines:
+            rich.get_console().print(line, markup=False, highlight=False, soft_wrap=True)
+    return plan
+
+
+def _rows_of(lines) -> list | None:
+    """The plan's lines without the measured free memory (the head), to compare two plans."""
+    return [ln for ln in lines if ln.startswith("  ")] if lines else None
 
 
 def make_room_for(ctx, key) -> list:
     """Before ``ctx`` loads the trainer copy ``key``: free older copies until the measured free
-    memory holds it (its bytes from the plan) + ``HEADROOM``; with room, nothing is freed."""
+    memory holds it (its bytes from the plan, with its load and scoring) + ``HEADROOM``; with
+    room, nothing is freed; without, even with the others freed,
+    :class:`~skyrl_numerics.errors.NotEnoughMemory` (the row is skipped, nothing crashes)."""
     plan = getattr(ctx, "memory", None)
     if plan is None or key in ctx._models:
         return []
-    return make_room(ctx._models, plan.trainer_bytes.get(key, 0), keep=(key,))
+    return make_room(ctx._models, plan.trainer_bytes.get(key, 0), keep=(key,),
+                     what=f"its trainer copy ({copy_name(key)}, with scoring)")
+
+
+def scoring_needs_the_engines_memory(plan, available=None) -> bool:
+    """Close the engines before scoring? Planned so, or the free memory measured now does not
+    hold the largest trainer copy (+ ``HEADROOM``): other processes may have taken the room the
+    plan saw."""
+    if plan is None or not plan.trainer_bytes:
+        return False
+    if plan.release_before_scoring:
+        return True
+    avail = free_memory()[1] if available is None else available
+    return avail < max(plan.trainer_bytes.values()) + HEADROOM

@@ -34,3 +34,14 @@ class InputError(ValueError):
         """The same error, naming the file (or other source) it came from."""
         return InputError(self.message, row=self.row, field=self.field, index=self.index,
                           source=source, turn=self.turn)
+
+
+class NotEnoughMemory(RuntimeError):
+    """The free memory, measured when a step is about to start, does not hold what the step
+    needs: ``what`` it is, the bytes it ``needs``, the bytes ``free``. The doctor lists the row
+    as skipped with this line instead of letting the machine run out of memory."""
+
+    def __init__(self, what: str, needs: int, free: int):
+        self.what, self.needs, self.free = what, needs, free
+        super().__init__(f"memory: {what} needs {needs / (1 << 30):.1f} GiB, "
+                         f"{free / (1 << 30):.1f} GiB free now")

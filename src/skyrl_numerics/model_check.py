@@ -327,7 +327,8 @@ def check_memory(info: CheckpointInfo, *, engine_dtype: str, trainer_dtype: str,
     least a run needs is ``max(E, T) + HEADROOM`` — ``E`` the stock engine of the baseline row
     (weights from the safetensors headers + the KV cache the run's ``n_prompts`` sequences of
     ``seq_len`` need + process overhead, or what a memory knob the user set makes it take), ``T``
-    the trainer copy in ``trainer_dtype``. Rows that need more (a float32 trainer copy, a second
+    the trainer copy in ``trainer_dtype`` (:func:`~skyrl_numerics.trainer_memory.copy_need`: its
+    parameters and buffers + the larger of its load and scoring transients). Rows that need more (a float32 trainer copy, a second
     engine beside the first) are planned alone or skipped with their sizes, not refused here."""
     from . import engine_memory as em
 
@@ -347,14 +348,17 @@ def check_memory(info: CheckpointInfo, *, engine_dtype: str, trainer_dtype: str,
     else:
         settings = em.engine_settings([need], engine_args, total=total, free=avail)
         engine = em.footprint(need, settings, total)
-    trainer = params * dtype_bytes(trainer_dtype, "--dtype")
+    dtype_bytes(trainer_dtype, "--dtype")   # a clear error for a nonsense dtype
+    from .trainer_memory import copy_need
+
+    trainer = copy_need(info, (trainer_dtype, None), n_prompts=n_prompts, seq_len=seq_len)
     least = max(engine, trainer) + em.HEADROOM
     if least > avail:
         raise InputError(
             f"model will not fit in memory: its smallest row needs {em.gib(least)} (stock engine "
             f"{engine_dtype} {em.gib(engine)}: weights {em.gib(need.weights)}, KV {em.gib(need.kv)}, "
             f"overhead {em.gib(need.overhead)}; then the trainer {trainer_dtype} copy "
-            f"{em.gib(trainer)}; + {em.gib(em.HEADROOM)} headroom), {em.gib(avail)} available",
+            f"{em.gib(trainer)} with its scoring; + {em.gib(em.HEADROOM)} headroom), {em.gib(avail)} available",
             source=str(info.path), field="memory")
     return least
 

@@ -110,7 +110,10 @@ def test_model_that_will_not_fit(tmp_path, capsys, monkeypatch):
                 "field 'memory'")
     # Llama-3-70B's 70,553,706,496 parameters (the meta model's count) x 2 B = 131.4 GiB
     assert "stock engine bfloat16" in line and "weights 131.4 GiB" in line, line
-    assert "trainer bfloat16 copy 131.4 GiB" in line and "64.0 GiB available" in line, line
+    # the trainer copy: the same 131.4 GiB of bf16 parameters (+ rotary buffers) and the
+    # scoring work, 3 fp32 [1024, 128256] logit blocks (1.5 GiB) -> 132.9 GiB
+    assert "trainer bfloat16 copy 132.9 GiB with its scoring" in line, line
+    assert "64.0 GiB available" in line, line
 
 
 def test_prompts_file_errors(tmp_path, capsys, dense_dir):

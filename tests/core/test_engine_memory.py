@@ -218,14 +218,23 @@ def test_plan_skips_what_does_not_fit_alone_and_loads_copies_one_at_a_time(monke
     plan = em.plan_rows(WANTS)
     assert plan.step("nvfp4").mode == "skipped" and "served in place" in plan.step("nvfp4").reason
     assert plan.step("baseline").mode == "together"
-    # two copies of 3 GiB cannot stay together in 5.5 GiB: one at a time, each row says so
-    plan = em.plan_rows([_want("a", "full", "stock", 2 * GiB, trainer=("x", None), tb=3 * GiB),
-                         _want("b", "full", "stock", 2 * GiB, trainer=("y", None), tb=3 * GiB),
-                         _want("c", "full", "stock", 2 * GiB, trainer=("z", None), tb=6 * GiB)])
-    assert plan.trainer_one_at_a_time
-    assert plan.step("a").mode == "alone" and "loaded after the others are freed" in plan.step("a").reason
-    assert plan.step("c").mode == "skipped" and "its trainer copy" in plan.step("c").reason
-    assert any(line.startswith("  trainer copies: loaded one at a time") for line in plan.lines())
+    # two copies of 3 GiB do not fit together in 5.5 GiB, but the doctor scores one copy at a
+    # time (each freed after its last row): each fits beside the 2 GiB engine; 6 GiB does not
+    wants = [_want("a", "full", "stock", 2 * GiB, trainer=("x", None), tb=3 * GiB),
+             _want("b", "full", "stock", 2 * GiB, trainer=("y", None), tb=3 * GiB),
+             _want("c", "full", "stock", 2 * GiB, trainer=("z", None), tb=6 * GiB)]
+    plan = em.plan_rows(wants)
+    assert plan.trainer_one_at_a_time and not plan.release_before_scoring
+    assert plan.step("a").mode == plan.step("b").mode == "together"
+    assert plan.step("c").mode == "skipped" and plan.step("c").reason == (
+        "memory: its trainer copy (HF z, 6.0 GiB with scoring) needs more than 5.5 GiB free")
+    assert "  trainer copies: scored one at a time, each freed after its last row (6.0 GiB " \
+        "together): HF x 3.0 GiB, HF y 3.0 GiB" in plan.lines()
+    # 4.5 GiB: the largest copy that runs (3) does not fit beside the engine (2): closed first
+    _fake_memory(monkeypatch, 16 * GiB, 5 * GiB)
+    plan = em.plan_rows(wants[:2])
+    assert plan.release_before_scoring and plan.lines()[-1].startswith(
+        "  engines closed before scoring: the largest trainer copy (3.0 GiB with scoring)")
 
 
 def test_make_room_frees_oldest_copies_until_the_need_fits():

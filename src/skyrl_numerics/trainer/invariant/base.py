@@ -45,6 +45,58 @@ def load_checkpoint_tensors(model_dir) -> dict[str, torch.Tensor]:
     return out
 
 
+_ST_TORCH = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+             "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+             "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+             "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def _checkpoint_files(model_dir) -> list:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise InputError(f"{model_dir}: no *.safetensors files", field="model_dir")
+    return files
+
+
+def checkpoint_tensor_names(model_dir) -> list[str]:
+    """The tensor names of an HF checkpoint directory (its safetensors headers, checked)."""
+    from skyrl_numerics.model_check import _read_header
+
+    return [n for f in _checkpoint_files(model_dir) for n in _read_header(f, str(model_dir))]
+
+
+def iter_checkpoint_tensors(model_dir, names=None):
+    """``(name, tensor)`` of an HF checkpoint directory one tensor at a time (``names``: only
+    those), each read into memory of its own with plain file reads: a loader copying each into
+    its weights holds one checkpoint tensor beside them, and no mapping of the file (a mapped
+    file's pages count in the process's RSS until it is closed)."""
+    import struct
+
+    from skyrl_numerics.model_check import _read_header
+
+    for f in _checkpoint_files(model_dir):
+        entries = _read_header(f, str(model_dir))
+        with open(f, "rb") as fh:
+            start = 8 + struct.unpack("<Q", fh.read(8))[0]
+            for name, e in entries.items():
+                if names is not None and name not in names:
+                    continue
+                if e["dtype"] not in _ST_TORCH:
+                    raise InputError(f"tensor {name!r}: dtype {e['dtype']} is not one of "
+                                     f"{sorted(_ST_TORCH)}", source=str(f), field=name)
+                lo, hi = e["data_offsets"]
+                dtype = _ST_TORCH[e["dtype"]]
+                if hi == lo:
+                    yield name, torch.empty(e["shape"], dtype=dtype)
+                    continue
+                buf = bytearray(hi - lo)
+                fh.seek(start + lo)
+                if fh.readinto(buf) != hi - lo:
+                    raise InputError(f"tensor {name!r}: the file ends inside its data",
+                                     source=str(f), field=name)
+                yield name, torch.frombuffer(buf, dtype=dtype).reshape(e["shape"])
+
+
 class InvariantCausalLM(nn.Module):
     """Parameters under HF names (``add``/``w``), loading, and the trainer-side forwards."""
 
@@ -127,7 +179,7 @@ class InvariantCausalLM(nn.Module):
 
         cfg = AutoConfig.from_pretrained(str(model_dir))
         model = cls.from_config(cfg, dtype=dtype, kv_cache=kv_cache)
-        tensors = load_checkpoint_tensors(model_dir)
+        tensors = checkpoint_tensor_names(model_dir)   # read one at a time below
         missing = set(model.hf_names()) - set(tensors)
         if missing:
             raise InputError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}",
@@ -137,7 +189,7 @@ class InvariantCausalLM(nn.Module):
             raise InputError(f"checkpoint has {len(extra)} weights the invariant "
                              f"{type(model).__name__} does not use (it would not reproduce "
                              f"them), e.g. {extra[:3]}", source=str(model_dir), field=extra[0])
-        model.load_named((k, v) for k, v in tensors.items() if k in model._names)
+        model.load_named(iter_checkpoint_tensors(model_dir, names=model._names))
         return model.eval()
 
     def ignored_weight(self, name: str) -> bool:
