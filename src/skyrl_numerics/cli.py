@@ -219,8 +219,16 @@ def _cmd_train(args) -> int:
     from skyrl_numerics.report import check_out_dir, plain, write_json
     from skyrl_numerics.trainer.loop import (CONFIGS, LoopSettings, run_loop, write_loop_plot)
 
-    names = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = [n for n in names if n not in CONFIGS]
+    names = [c.strip() for c in (args.configs or ("published,bitwise" if args.recipe else
+                                                 "plain,aligned,bitwise")).split(",") if c.strip()]
+    recipe = None
+    if args.recipe or args.recipe_set:
+        from skyrl_numerics.trainer.recipes import get_recipe
+
+        if not args.recipe:
+            raise InputError("--recipe-set without --recipe", field="recipe-set")
+        recipe = get_recipe(args.recipe, args.recipe_set)   # fields checked before anything starts
+    unknown = [n for n in names if n not in CONFIGS and recipe is None]
     if unknown:
         raise InputError(f"unknown configuration(s) {unknown}; known: {sorted(CONFIGS)}",
                          field="configs")
@@ -245,11 +253,20 @@ def _cmd_train(args) -> int:
         from skyrl_numerics.model_check import inspect_checkpoint
 
         inspect_checkpoint(args.model)   # a clear error before any engine starts
+    samples = args.samples or (recipe.samples_per_prompt if recipe else 4)
     settings = LoopSettings(steps=args.steps, prompts_per_step=args.prompts,
-                            samples_per_prompt=args.samples, max_tokens=args.max_tokens,
+                            samples_per_prompt=samples, max_tokens=args.max_tokens,
                             seed=args.seed, off_policy=1 if args.async_ else 0,
                             measure_grad=not args.no_grad, turns=args.multi_turn)
-    configs = [CONFIGS[n] for n in names]
+    if recipe is not None:
+        if args.server or args.kv_cache:
+            raise InputError("--recipe sets the engine's numerics and cache itself (--recipe-set "
+                             "kv_cache=...); not with --server / --kv-cache", field="recipe")
+        from skyrl_numerics.trainer.recipes import loop_configs
+
+        configs = loop_configs(recipe, args.model or build_tiny_model(args.family, seed=args.seed), names)
+    else:
+        configs = [CONFIGS[n] for n in names]
     if args.kv_cache:
         import dataclasses
 
@@ -474,9 +491,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="a few GRPO steps on the tiny MoE with real vLLM, comparing "
                                      "configurations")
-    t.add_argument("--configs", default="plain,aligned,bitwise",
+    t.add_argument("--configs", default=None,
                    help="comma-separated: plain, aligned (R3 + support replay + token TIS), "
-                        "bitwise (invariant engine and trainer: true on-policy)")
+                        "bitwise (invariant engine and trainer: true on-policy); default all "
+                        "three; with --recipe: published, bitwise (default both)")
+    t.add_argument("--recipe", default=None, choices=["ml4", "k2", "beam"],
+                   help="a seed recipe's whole stack (serving formats, KV cache, LoRA, R3, TIS, "
+                        "clip, group size): trainer/recipes.py")
+    t.add_argument("--recipe-set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override one recipe field (repeatable), e.g. lora_rank=16, "
+                        "experts=mxfp8/mxfp8, kv_cache=auto")
     t.add_argument("--family", default="qwen3_moe", choices=["qwen3_moe", "deepseek_v3"])
     t.add_argument("--model", default=None, metavar="DIR",
                    help="your own checkpoint directory instead of the tiny --family model")
@@ -511,7 +535,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the gradient comparison against the exact on-policy gradient")
     t.add_argument("--steps", type=int, default=5)
     t.add_argument("--prompts", type=int, default=4)
-    t.add_argument("--samples", type=int, default=4, help="samples per prompt (GRPO group)")
+    t.add_argument("--samples", type=int, default=None,
+                   help="samples per prompt (GRPO group; default 4, a recipe's own with --recipe)")
     t.add_argument("--max-tokens", type=int, default=16)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--ray", action="store_true", help="generator and trainer as Ray actors")

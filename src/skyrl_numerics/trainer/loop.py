@@ -29,6 +29,7 @@ put into the update, measured directly (``bitwise``: 1 and 0 by construction).
 from __future__ import annotations
 
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -76,7 +77,18 @@ class LoopConfig:
     correction_kwargs: dict = field(default_factory=dict)
     lr: float = 1e-2
     bitwise: bool = False                  # invariant engine + invariant trainer
-    kv_cache: str | None = None            # bitwise only: the cache format both sides use
+    kv_cache: str | None = None            # invariant engine: the cache format (bitwise: both sides)
+    eps_low: float = 0.2                   # PPO clip range (DAPO clip-higher)
+    eps_high: float = 0.28
+    # a recipe (trainer/recipes.py): its name and its serving numerics (NumericsPlan JSON). The
+    # invariant engine serves them; bitwise: the invariant trainer computes the same, published:
+    # the HF trainer fake-quantizes (apply_qat) and carries LoRA on its linears
+    recipe: str | None = None
+    numerics: str | None = None
+
+    @property
+    def invariant_engine(self) -> bool:
+        return self.bitwise or self.numerics is not None
 
 
 CONFIGS = {
@@ -125,7 +137,7 @@ def _check_in_place_sync(model_dir, configs) -> None:
     except ImportError:  # pragma: no cover
         on_gpu = False
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    stock = [c.name for c in configs if not c.bitwise]
+    stock = [c.name for c in configs if not c.invariant_engine]
     if cfg.get("kv_lora_rank") is not None and stock and not on_gpu:
         raise InputError(f"configs {stock} need the stock vLLM engine to take new weights in place, "
                          "which vLLM CPU 0.32 cannot do for MLA models (layerwise reload of the "
@@ -137,10 +149,10 @@ class OnPolicyReference:
     """The exact on-policy gradient of a batch at given served weights (one invariant model,
     weights loaded per call)."""
 
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, kv_cache=None, numerics=None):
         from skyrl_numerics.trainer.invariant import from_checkpoint
 
-        self.model = from_checkpoint(model_dir)
+        self.model = from_checkpoint(model_dir, kv_cache=kv_cache, numerics=numerics)
 
     def gradient(self, served: dict, rollout: Rollout, rewards, use_support: bool) -> dict:
         from skyrl_numerics.trainer.invariant.train import onpolicy_gradient
@@ -275,12 +287,22 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
     gens: dict = {}
 
     def generator_for(cfg):
-        key = (cfg.bitwise, cfg.kv_cache if cfg.bitwise else None)
+        key = (cfg.invariant_engine, cfg.kv_cache if cfg.invariant_engine else None, cfg.numerics)
         if server is not None:
+            if cfg.numerics is not None:
+                from skyrl_numerics.errors import InputError
+
+                raise InputError("a recipe with --server: not wired (the server would have to "
+                                 "serve the recipe's numerics)", field="recipe")
             return remote_for(cfg)
         if key not in gens:
-            args = (str(model_dir), *key) + ((replicas,) if replicas > 1 else ())
-            gens[key] = Gen.remote(*args) if use_ray else Gen(*args)
+            if cfg.numerics is not None and replicas > 1:
+                from skyrl_numerics.errors import InputError
+
+                raise InputError("a recipe with --replicas: not wired", field="replicas")
+            args = (str(model_dir), *key[:2]) + ((replicas,) if replicas > 1 else ())
+            kw = {"numerics": cfg.numerics} if cfg.numerics is not None else {}
+            gens[key] = Gen.remote(*args, **kw) if use_ray else Gen(*args, **kw)
         return gens[key]
     def remote_for(cfg):
         from skyrl_numerics.errors import InputError
@@ -300,7 +322,13 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
             raise InputError(f"config {cfg.name!r} uses kv_cache {cfg.kv_cache!r}; the server "
                              f"stores {served_kv!r}", field="kv_cache")
         return gen
-    reference = OnPolicyReference(str(model_dir)) if s.measure_grad else None
+    references: dict = {}
+
+    def reference_for(cfg):   # the exact on-policy gradient where the engine's numbers are
+        key = (cfg.kv_cache if cfg.invariant_engine else None, cfg.numerics)
+        if key not in references:
+            references[key] = OnPolicyReference(str(model_dir), *key)
+        return references[key]
     truncated = s.top_k > 1 or s.top_p < 1.0
     history: dict[str, list[dict]] = {}
     trainer_host, engine_hosts = None, []
@@ -325,7 +353,16 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
                 get(call(gen, "attach", sync_dir, *([sharded] if sharded else [])))
                 rows = history[cfg.name] = []
 
-                def launch(step):
+                gen_s: dict = {}
+
+                def launch(step):     # (in process: the generation itself; with Ray: queued)
+                    t = time.perf_counter()
+                    try:
+                        return _launch(step)
+                    finally:
+                        gen_s["launch"] = gen_s.get("launch", 0.0) + time.perf_counter() - t
+
+                def _launch(step):
                     prompts = make_prompts(s.prompts_per_step, s.prompt_len, 512, s.seed + step)
                     if multi_turn:
                         return call(gen, "generate_multiturn", prompts, env, max_turns=s.turns,
@@ -339,24 +376,32 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
                         # queued on the generator before this step's sync: it samples with the
                         # current (soon stale) weights while the trainer works
                         pending = launch(step + 1)
+                    t_gen = time.perf_counter()
                     rollout = get(ro_ref)
+                    t_gen = time.perf_counter() - t_gen + gen_s.pop("launch", 0.0)
                     rewards = task.reward(rollout)
+                    t_train = time.perf_counter()
                     old = get(call(trn, "logprobs", ro_ref if use_ray else rollout))
                     turn_kw = ({"mask": rollout.loss_mask, "turns": rollout.turns}
                                if rollout.is_multi_turn else {})
                     g = measure(old, rollout.rollout_logprobs, cu_seqlens=rollout.response_cu,
                                 **turn_kw)
                     ref_grad = None
-                    if reference is not None:   # at the weights before this update
-                        ref_grad = reference.gradient(get(call(trn, "served_state")), rollout,
-                                                      rewards, use_support=truncated)
+                    if s.measure_grad:   # at the weights before this update (not timed)
+                        t_ref = time.perf_counter()
+                        ref_grad = reference_for(cfg).gradient(get(call(trn, "served_state")),
+                                                               rollout, rewards, use_support=truncated)
+                        t_train -= time.perf_counter() - t_ref
                     m = get(call(trn, "step", ro_ref if use_ray else rollout, rewards, old))
+                    t_train = time.perf_counter() - t_train
+                    t_sync = time.perf_counter()
                     if ref_grad is not None:
                         from skyrl_numerics.trainer.invariant.train import compare_gradients
 
                         m = {**m, **compare_gradients(get(call(trn, "last_grads")), ref_grad)}
                     pub = get(call(trn, "publish"))
                     syn = get(call(gen, "sync", *([pub["sharded"]] if pub.get("sharded") else [])))
+                    t_sync = time.perf_counter() - t_sync
                     if not s.off_policy and step + 1 < s.steps:
                         pending = launch(step + 1)
                     summ = g.summary()
@@ -375,6 +420,11 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
                                  **({"sync_rank_payload_bytes": pub["rank_payload_bytes"],
                                      "engine_bytes_read": sum(syn["engine_bytes_read"].values())}
                                     if "sharded" in pub else {}),
+                                 "time_generate_s": t_gen, "time_train_s": t_train,
+                                 "time_sync_s": t_sync,
+                                 **({"sync_full_model_bytes": pub["full_model_bytes"]}
+                                    if "full_model_bytes" in pub else {}),
+                                 **_tis_metrics(cfg, old, rollout),
                                  **_replica_metrics(rollout, old), **_turn_metrics(rollout, g)})
                     prog.update(task_id, advance=1, description=(
                         f"{cfg.name}: step {step} reward {rows[-1]['reward']:.3f} "
@@ -411,6 +461,19 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
                                 "tp": tp, "ep": ep, "dp": dp, "replicas": replicas,
                                 "configs": [asdict(c) for c in configs]}, history=history,
                       host=host_report(trainer_host, engine_hosts))
+
+
+def _tis_metrics(cfg: LoopConfig, trainer_lp, rollout: Rollout) -> dict:
+    """``tis_clip_frac``: the share of (model) tokens whose ratio π_trainer / π_rollout exceeds the
+    token-TIS cap (the config's, else 2) — what the correction clips, measured for every config
+    (``bitwise``: 0, its ratio is exactly 1)."""
+    if cfg.correction != "token_tis" and cfg.recipe is None:
+        return {}
+    cap = float(cfg.correction_kwargs.get("cap", 2.0)) if cfg.correction == "token_tis" else 2.0
+    d = np.asarray(trainer_lp, np.float64) - np.asarray(rollout.rollout_logprobs, np.float64)
+    if rollout.loss_mask is not None:
+        d = d[np.asarray(rollout.loss_mask, bool)]
+    return {"tis_clip_frac": float((np.exp(d) > cap).mean()) if d.size else 0.0}
 
 
 def _turn_metrics(rollout: Rollout, gap) -> dict:

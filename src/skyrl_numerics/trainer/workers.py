@@ -17,13 +17,16 @@ class GeneratorWorker:
     """Owns the vLLM engine and a delta receiver; applies new versions to the engine in place."""
 
     def __init__(self, model_dir: str, batch_invariant: bool = False, kv_cache=None,
-                 own_engine: bool = False):
+                 own_engine: bool = False, numerics: str | None = None):
         from skyrl_numerics.trainer.engine.generator import VLLMGenerator, get_generator
 
         self.model_dir = model_dir
         kw = dict(batch_invariant=True, kv_cache=kv_cache) if batch_invariant else {}
         if kv_cache is None:
             kw.pop("kv_cache", None)
+        if numerics is not None:     # a recipe's serving numerics (invariant engine only)
+            kw["numerics"] = numerics
+        self.initial_adapters = _initial_adapters(model_dir, numerics)
         # the process-wide cached engine, or (a further replica) an engine of its own
         self.gen = (VLLMGenerator if own_engine else get_generator)(model_dir, capture_routes=True, **kw)
         self.own_engine = own_engine
@@ -35,7 +38,8 @@ class GeneratorWorker:
 
         from skyrl_numerics.trainer.sync.vllm import update_vllm_weights
 
-        update_vllm_weights(self.gen, load_file(str(Path(self.model_dir) / "model.safetensors")))
+        update_vllm_weights(self.gen, {**load_file(str(Path(self.model_dir) / "model.safetensors")),
+                                       **self.initial_adapters})
 
     def close(self) -> None:
         """Shut the engine down (its worker processes would outlive a killed Ray actor)."""
@@ -52,7 +56,8 @@ class GeneratorWorker:
             return self.sync(sharded)
         self.receiver = DeltaReceiver(sync_dir)
         applied = self.receiver.sync()
-        up = update_vllm_weights(self.gen, self.receiver.state)
+        # LoRA: adapters the new trainer does not publish start from the plan's values again
+        up = update_vllm_weights(self.gen, {**self.initial_adapters, **self.receiver.state})
         return {"version": self.receiver.version, "versions": len(applied),
                 "engine_update_s": up.total_s}
 
@@ -82,6 +87,34 @@ class GeneratorWorker:
     def engine_host(self) -> dict | None:
         """The engine worker's host report, asked once at engine start (generator.py)."""
         return getattr(self.gen, "engine_host", None)
+
+
+def _checkpoint_bf16_bytes(model_dir: str) -> int:
+    """What a full weight sync sends raw: every checkpoint tensor in bf16 (headers only)."""
+    import math
+
+    from skyrl_numerics.model_check import _read_header
+    from skyrl_numerics.trainer.invariant.base import _checkpoint_files
+
+    return sum(2 * math.prod(e["shape"]) for f in _checkpoint_files(model_dir)
+               for e in _read_header(f, str(model_dir)).values())
+
+
+def _initial_adapters(model_dir: str, numerics: str | None) -> dict:
+    """The starting adapters of a LoRA plan (what the engine holds after start-up)."""
+    if numerics is None:
+        return {}
+    import json
+
+    import torch
+
+    from skyrl_numerics.trainer.invariant.numerics import (NumericsPlan, init_adapter,
+                                                           plan_adapter_shapes)
+
+    plan = NumericsPlan.from_json(numerics)
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return {n: init_adapter(n, shp, torch.bfloat16, plan.seed)
+            for n, shp in plan_adapter_shapes(plan, cfg).items()}
 
 
 class ReplicaGeneratorWorker:
@@ -146,14 +179,18 @@ class TrainerWorker:
 
         from skyrl_numerics.trainer.sync.weight_sync import DeltaPublisher
 
+        self.model_dir = model_dir
         self.sharded = None   # a rank of a multi-rank trainer (rank_group.py): its ShardedPublisher
         self.bitwise = config.bitwise
+        self.recipe = False
         self.megatron = backend == "megatron" and not config.bitwise
         if config.bitwise:
             from skyrl_numerics.trainer.invariant.train import InvariantTrainer
 
             self.trainer = InvariantTrainer(model_dir, lr=config.lr, kv_cache=config.kv_cache,
-                                            use_support=config.use_support)
+                                            use_support=config.use_support,
+                                            numerics=config.numerics, eps_low=config.eps_low,
+                                            eps_high=config.eps_high)
             self.publisher = DeltaPublisher(sync_dir, snapshot_every=snapshot_every)
             self.publish(full=True)
             return
@@ -166,8 +203,15 @@ class TrainerWorker:
         fn = None
         if config.correction:
             fn = functools.partial(getattr(corr, config.correction), **config.correction_kwargs)
+        extra = {}
+        self.recipe = config.numerics is not None
+        if self.recipe:          # a recipe's published trainer: fake-quant rules + LoRA
+            from skyrl_numerics.trainer.recipes import published_trainer_kwargs
+
+            extra = published_trainer_kwargs(config.numerics)
         tcfg = TrainerConfig(lr=config.lr, route_replay=config.route_replay, use_support=config.use_support,
-                             correction=fn, micro_batch_size=16, weight_decay=0.0)
+                             correction=fn, micro_batch_size=16, weight_decay=0.0,
+                             eps_low=config.eps_low, eps_high=config.eps_high, **extra)
         if self.megatron:  # megatron-core GPTModel; with tp x ep > 1 this is one rank of a group
             from skyrl_numerics.trainer.megatron.trainer import MegatronTrainer
 
@@ -205,6 +249,15 @@ class TrainerWorker:
         if self.fsdp_ranks > 1:   # collective: gathered to rank 0 ({} elsewhere), checkpoint names
             sd = _revert_names(self.trainer.model, self.trainer.full_state_dict())
             return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in sd.items()}
+        if self.recipe:          # plain names; with LoRA only the adapters (the base is frozen)
+            from skyrl_numerics.trainer.recipes import plain_names
+
+            sd = plain_names(dict(self.trainer.model.state_dict()))
+            if self.trainer.lora_modules:
+                sd = {k: v for k, v in sd.items() if ".lora_" in k}
+            else:
+                sd = _revert_names(self.trainer.model, sd)
+            return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in sd.items()}
         sd = checkpoint_state_dict(self.trainer.model)
         return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in sd.items()}
 
@@ -218,6 +271,11 @@ class TrainerWorker:
         if self.megatron:
             return self.trainer.hf_grads()
         grads = self.trainer.last_grads
+        if getattr(self, "recipe", False):
+            from skyrl_numerics.trainer.recipes import plain_names
+
+            grads = plain_names(grads)
+            return grads if self.trainer.lora_modules else _revert_names(self.trainer.model, grads)
         if self.fsdp_ranks > 1:   # collective: every rank gathers its DTensor shards, same order
             grads = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in grads.items()}
         return _revert_names(self.trainer.model, grads)
@@ -237,8 +295,11 @@ class TrainerWorker:
         if self.publisher is None:       # a data-parallel rank other than 0: rank 0 publishes
             return {"version": None}
         m = self.publisher.publish(state, full=full)
-        return {"version": m.version, "full": m.is_full, "changed": len(m.changed),
-                "payload_bytes": m.payload_nbytes, "raw_bytes": m.raw_nbytes}
+        out = {"version": m.version, "full": m.is_full, "changed": len(m.changed),
+               "payload_bytes": m.payload_nbytes, "raw_bytes": m.raw_nbytes}
+        if self.recipe or (self.bitwise and self.trainer.model.numerics is not None):
+            out["full_model_bytes"] = _checkpoint_bf16_bytes(self.model_dir)   # a full sync's raw bytes
+        return out
 
     def seal(self, version: int) -> dict:
         """(A group's rank 0) write the sharded version record once every rank has published."""

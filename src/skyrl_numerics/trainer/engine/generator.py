@@ -109,7 +109,8 @@ class VLLMGenerator:
     def __init__(self, model_dir: str | os.PathLike, *, dtype: str = "bfloat16", seed: int = 0,
                  max_model_len: int = 1024, gpu_memory_utilization: float | None = None,
                  enforce_eager: bool = True, max_logprobs: int = 64, capture_routes: bool = False,
-                 batch_invariant: bool = False, kv_cache=None, **engine_kwargs: Any):
+                 batch_invariant: bool = False, kv_cache=None, numerics=None,
+                 **engine_kwargs: Any):
         from vllm import LLM
 
         import vllm
@@ -131,11 +132,14 @@ class VLLMGenerator:
 
             with open(os.path.join(self.model_dir, "config.json")) as f:
                 hf_cfg = json.load(f)
-            engine_kwargs.setdefault("hf_overrides", {}).update(engine_overrides(hf_cfg, kv_cache))
-        elif kv_cache is not None:
-            raise ValueError("kv_cache= selects the invariant model's cache format; it needs "
-                             "batch_invariant=True (for vLLM's own FP8 cache pass kv_cache_dtype)")
+            engine_kwargs.setdefault("hf_overrides", {}).update(
+                engine_overrides(hf_cfg, kv_cache, numerics))
+        elif kv_cache is not None or numerics is not None:
+            raise ValueError("kv_cache= / numerics= select the invariant model's cache format and "
+                             "serving numerics; they need batch_invariant=True (for vLLM's own "
+                             "FP8 cache pass kv_cache_dtype)")
         self.kv_cache = kv_cache
+        self.numerics = numerics
         # GPU vLLM returns routed experts itself (V2 model runner); vLLM CPU does not, so there
         # the worker extension captures them (trainer/engine/vllm_ext.py).
         self.native_routes = bool(capture_routes) and _on_gpu() and not batch_invariant

@@ -40,9 +40,12 @@ ARCHS = {hf: f"SkyrlInvariant{hf}" for hf in FAMILIES}
 ARCH = ARCHS["Qwen3MoeForCausalLM"]     # kept for callers of the Qwen3-MoE-only API
 
 
-def engine_overrides(hf_config: dict, kv_cache=None) -> dict:
+def engine_overrides(hf_config: dict, kv_cache=None, numerics=None) -> dict:
     """``hf_overrides`` that make vLLM run the invariant model for this checkpoint config
-    (``config.json`` as a dict). Errors name the config field the family cannot reproduce."""
+    (``config.json`` as a dict). Errors name the config field the family cannot reproduce.
+    ``numerics``: a :class:`~skyrl_numerics.trainer.invariant.numerics.NumericsPlan` (or its
+    JSON) — the quantized serving formats and LoRA adapters the engine computes with, checked
+    against the model's linears here, before any engine starts."""
     from types import SimpleNamespace
 
     from skyrl_numerics.errors import InputError
@@ -64,6 +67,12 @@ def engine_overrides(hf_config: dict, kv_cache=None) -> dict:
     family_class(archs[0]).config_parts(cfg, kv_cache=spec)
     over = {"architectures": [ARCHS[archs[0]]], "skyrl_base_arch": archs[0],
             "skyrl_kv_cache": json.dumps(spec)}
+    if numerics is not None:
+        from skyrl_numerics.trainer.invariant.numerics import NumericsPlan, check_plan_for_config
+
+        plan = NumericsPlan.from_json(numerics)
+        check_plan_for_config(plan, hf_config, kv_cache=spec)
+        over["skyrl_numerics"] = plan.to_json()
     if hf_config.get("kv_lora_rank") is not None:
         over["model_type"] = f"skyrl_invariant_{hf_config.get('model_type', 'mla')}"
     return over
@@ -82,8 +91,10 @@ class _SkyrlInvariantForCausalLM(nn.Module):
             keep_heap()          # per-step buffers stay mapped (heap.py: ~1 ms a decode step)
         base = getattr(cfg, "skyrl_base_arch", None) or self.hf_arch
         spec = json.loads(getattr(cfg, "skyrl_kv_cache", None) or '{"format": "auto"}')
+        # the engine never trains: quantized weights are kept packed (codes + scales)
         self.core = family_class(base).from_config(cfg, dtype=vllm_config.model_config.dtype,
-                                                   kv_cache=spec)
+                                                   kv_cache=spec, pack=True,
+                                                   numerics=getattr(cfg, "skyrl_numerics", None))
         self.kv = self.core.kv
         self.block_size = vllm_config.cache_config.block_size
         self.layers = self.core.dims.layers
@@ -210,7 +221,9 @@ class _SkyrlInvariantForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         kept = ((n, t) for n, t in weights if not self.core.ignored_weight(n))
         loaded = self.core.load_named(kept)
-        return {f"core.params.{self.core._names[n]}" for n in loaded}
+        # adapters start at the plan's own values (numerics.init_adapter), as the trainer's do
+        return {f"core.params.{self.core._names[n]}"
+                for n in loaded | set(self.core.adapter_names()) if n not in self.core._packed}
 
 
 def _word(per_slot: int, row_bytes: int) -> torch.dtype:

@@ -43,14 +43,16 @@ def architecture_of(cfg) -> str:
     return archs[0]
 
 
-def from_checkpoint(model_dir, *, kv_cache=None, dtype=None):
-    """The invariant model of any supported checkpoint (family picked from its config)."""
+def from_checkpoint(model_dir, *, kv_cache=None, dtype=None, numerics=None):
+    """The invariant model of any supported checkpoint (family picked from its config);
+    ``numerics``: a :class:`.numerics.NumericsPlan` (quantized serving formats, LoRA)."""
     import torch
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(str(model_dir))
     cls = family_class(architecture_of(cfg))
-    return cls.from_checkpoint(model_dir, kv_cache=kv_cache, dtype=dtype or torch.bfloat16)
+    return cls.from_checkpoint(model_dir, kv_cache=kv_cache, dtype=dtype or torch.bfloat16,
+                               numerics=numerics)
 
 
 def __getattr__(name):

@@ -107,6 +107,12 @@ class InvariantCausalLM(nn.Module):
         self._names: dict[str, str] = {}
         self._expert_lists: dict[str, list] = {}
         self.route_hook: Callable[[int, torch.Tensor], None] | None = None
+        # quantized serving numerics + LoRA (numerics.py): None = the model dtype throughout
+        self.numerics = None
+        self._proj: dict = {}              # HF weight name -> numerics.Projection
+        self._packed: dict = {}            # HF weight name -> QTensor (frozen, served packed)
+        self._packed_shapes: dict = {}
+        self._adapters: list[str] = []     # LoRA tensor names, in creation order
 
     # ---- weights --------------------------------------------------------------------------
     def add(self, name: str, *shape: int, dtype: torch.dtype | None = None) -> None:
@@ -127,13 +133,44 @@ class InvariantCausalLM(nn.Module):
             self.add(f"model.layers.{i}.post_attention_layernorm.weight", d.hidden)
 
     def w(self, name: str) -> torch.Tensor:
+        """The weight under an HF name (a packed one decoded: see :meth:`served_weight`)."""
+        if name in self._packed:
+            return self.served_weight(name)
         return self.params[self._names[name]]
+
+    def proj(self, name: str):
+        """What :func:`.blocks.linear` multiplies by for weight ``name``: the weight itself, or
+        its :class:`.numerics.Projection` (quantized formats, LoRA) when the plan covers it."""
+        p = self._proj.get(name)
+        return p if p is not None else self.params[self._names[name]]
+
+    def served_weight(self, name: str) -> torch.Tensor:
+        """Weight ``name`` as the plan serves it: a packed weight decoded, a planned bf16 weight
+        fake-quantized (straight-through under grad), any other weight as it is."""
+        from . import numerics as N
+
+        if name in self._packed:
+            q = self._packed[name]
+            if q is None:
+                raise InputError(f"packed weight {name!r} was never loaded", field=name)
+            return N.decode_weight(q, self.dtype)
+        w = self.params[self._names[name]]
+        f = self.numerics.format_of(N.group_of(name)) if self.numerics is not None else None
+        if f is None or not f.weight:
+            return w
+        return N._ste(lambda t: N.decode_weight(N.quantize_weight(t, f.weight), t.dtype), w)
+
+    def adapter_names(self) -> list[str]:
+        return list(self._adapters)
 
     def expert_weights(self, prefix: str, num_experts: int) -> list:
         """``[(w_gate, w_up, w_down)]`` of experts ``0 .. E-1`` named ``{prefix}{e}.gate_proj.weight``
         etc.: the parameters themselves, looked up once per layer (a decode step would otherwise
         spend ~3E dict lookups per layer). Loading copies into these tensors in place; a
         parameter replaced by another object (e.g. wrapped by FSDP) is noticed and looked up again."""
+        if f"{prefix}0.gate_proj.weight" in self._proj:   # planned experts: their projections
+            return [tuple(self.proj(f"{prefix}{e}.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj"))
+                    for e in range(num_experts)]
         hit = self._expert_lists.get(prefix)
         if (hit is None or len(hit) != num_experts
                 or hit[0][0] is not self.w(f"{prefix}0.gate_proj.weight")
@@ -147,19 +184,39 @@ class InvariantCausalLM(nn.Module):
         return list(self._names)
 
     def load_named(self, named) -> set[str]:
-        """Copy ``(hf_name, tensor)`` pairs in; unknown names and other shapes are an error."""
+        """Copy ``(hf_name, tensor)`` pairs in; unknown names and other shapes are an error
+        naming the tensor. A packed weight is quantized as it arrives. LoRA adapters are all
+        checked first and applied together at the end: an update that fails anywhere leaves
+        the adapters as they were."""
+        from . import numerics as N
+
         loaded = set()
+        adapters = []
         with torch.no_grad():
             for name, t in named:
                 if name not in self._names:
-                    raise InputError(f"unexpected weight {name!r} for {type(self).__name__}",
+                    what = ("an adapter this model's plan does not have (target, name)"
+                            if N.is_adapter(name) else "unexpected weight")
+                    raise InputError(f"{what} {name!r} for {type(self).__name__}", field=name)
+                want = self._packed_shapes.get(name) or tuple(self.params[self._names[name]].shape)
+                if tuple(t.shape) != tuple(want):
+                    raise InputError(f"tensor {name!r}: shape {tuple(t.shape)}, expected {tuple(want)}"
+                                     + (" (the adapter rank differs)" if N.is_adapter(name) else ""),
                                      field=name)
-                dst = self.w(name)
-                if tuple(t.shape) != tuple(dst.shape):
-                    raise InputError(f"shape {tuple(t.shape)}, expected {tuple(dst.shape)}",
-                                     field=name)
-                dst.copy_(t.to(dst.dtype))
+                if name in self._adapters:
+                    if not torch.isfinite(t).all():
+                        raise InputError(f"adapter {name!r} holds non-finite values", field=name)
+                    adapters.append((name, t))
+                elif name in self._packed:
+                    f = self.numerics.format_of(N.group_of(name))
+                    self._packed[name] = N.quantize_weight(t.to(self.dtype), f.weight)
+                else:
+                    dst = self.params[self._names[name]]
+                    dst.copy_(t.to(dst.dtype))
                 loaded.add(name)
+            for name, t in adapters:
+                dst = self.params[self._names[name]]
+                dst.copy_(t.to(dst.dtype))
         return loaded
 
     @classmethod
@@ -167,20 +224,31 @@ class InvariantCausalLM(nn.Module):
         raise NotImplementedError
 
     @classmethod
-    def from_config(cls, cfg, dtype: torch.dtype = torch.bfloat16, kv_cache=None):
-        """An empty model (weights to be loaded) for an HF config."""
-        return cls(**cls.config_parts(cfg, dtype=dtype, kv_cache=kv_cache))
+    def from_config(cls, cfg, dtype: torch.dtype = torch.bfloat16, kv_cache=None, numerics=None,
+                    pack: bool | None = None):
+        """An empty model (weights to be loaded) for an HF config; ``numerics`` a
+        :class:`.numerics.NumericsPlan` (or its JSON), ``pack`` whether planned quantized weights
+        are kept packed (default: under LoRA, where the base is frozen; an engine always)."""
+        model = cls(**cls.config_parts(cfg, dtype=dtype, kv_cache=kv_cache))
+        from .numerics import NumericsPlan, attach
+
+        plan = NumericsPlan.from_json(numerics)
+        if plan is not None:
+            attach(model, plan, pack=pack)
+        return model
 
     @classmethod
-    def from_checkpoint(cls, model_dir, *, kv_cache=None, dtype: torch.dtype = torch.bfloat16):
+    def from_checkpoint(cls, model_dir, *, kv_cache=None, dtype: torch.dtype = torch.bfloat16,
+                        numerics=None):
         """Build from an HF checkpoint directory; ``kv_cache`` as in
-        :func:`~skyrl_numerics.trainer.invariant.kv_format.parse_kv_spec` (the engine's)."""
+        :func:`~skyrl_numerics.trainer.invariant.kv_format.parse_kv_spec` (the engine's),
+        ``numerics`` as in :meth:`from_config`."""
         from transformers import AutoConfig
 
         cfg = AutoConfig.from_pretrained(str(model_dir))
-        model = cls.from_config(cfg, dtype=dtype, kv_cache=kv_cache)
+        model = cls.from_config(cfg, dtype=dtype, kv_cache=kv_cache, numerics=numerics)
         tensors = checkpoint_tensor_names(model_dir)   # read one at a time below
-        missing = set(model.hf_names()) - set(tensors)
+        missing = set(model.hf_names()) - set(tensors) - set(model.adapter_names())
         if missing:
             raise InputError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}",
                              source=str(model_dir), field=sorted(missing)[0])

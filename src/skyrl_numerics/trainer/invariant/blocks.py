@@ -62,7 +62,11 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
     bfloat16 on CPU: :func:`skyrl_numerics.kernels.cpu_gemm_bf16.linear`, which reads ``w`` as
     stored (no float32 copy of any weight); :func:`skyrl_numerics.kernels.matmul` (the autograd
-    path) computes the same thing, so the bits are the same with and without autograd (tested)."""
+    path) computes the same thing, so the bits are the same with and without autograd (tested).
+    ``w`` may be a :class:`.numerics.Projection` (a planned linear: quantized formats, LoRA),
+    which computes ``x`` through its own numerics."""
+    if not isinstance(w, torch.Tensor):
+        return w(x)
     if _no_grad_bf16(x, (w,)):
         from skyrl_numerics.kernels import cpu_gemm_bf16
 
@@ -73,7 +77,7 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def linear_many(x: torch.Tensor, ws) -> list[torch.Tensor]:
     """``[linear(x, w) for w in ws]`` bit for bit; on the no-grad CPU path ``x`` is widened to
     float32 once for all the weights (q/k/v projections of one input)."""
-    if not _no_grad_bf16(x, ws):
+    if not all(isinstance(w, torch.Tensor) for w in ws) or not _no_grad_bf16(x, ws):
         return [linear(x, w) for w in ws]
     from skyrl_numerics.kernels import cpu_gemm_bf16
 
@@ -107,6 +111,8 @@ def _head_weights(mats):
     if all(m.t().stride(1) == 1 for m in mats):
         return [m.t() for m in mats]
     bases = [m._base if m._base is not None else m for m in mats]
+    if any(b.is_inference() for b in bases):   # a weight decoded per call (a packed kv_b_proj)
+        return list(torch.stack([m.t() for m in mats]).contiguous())
     base = bases[0]
     key = (tuple(b._version for b in bases),
            tuple((m.data_ptr(), tuple(m.shape), tuple(m.stride())) for m in mats))
@@ -306,7 +312,7 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
     if (num_experts is not None and x.device.type == "cpu" and x.dtype == torch.bfloat16
             and not (torch.is_grad_enabled() and x.requires_grad)):
         first = expert(0)[0]
-        if not (torch.is_grad_enabled() and first.requires_grad):
+        if isinstance(first, torch.Tensor) and not (torch.is_grad_enabled() and first.requires_grad):
             return _grouped_expert_rows(x, ids, expert, num_experts, weights=weights)
         out = _looped_expert_rows(x, ids, expert)
     else:

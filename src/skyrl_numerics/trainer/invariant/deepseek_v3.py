@@ -151,8 +151,8 @@ class InvariantDeepseekV3(InvariantCausalLM):
         self.add(p + "down_proj.weight", d.hidden, inter)
 
     def _mlp(self, p: str):
-        return (self.w(p + "gate_proj.weight"), self.w(p + "up_proj.weight"),
-                self.w(p + "down_proj.weight"))
+        return (self.proj(p + "gate_proj.weight"), self.proj(p + "up_proj.weight"),
+                self.proj(p + "down_proj.weight"))
 
     @classmethod
     def config_parts(cls, cfg, dtype: torch.dtype = torch.bfloat16, kv_cache=None) -> dict:
@@ -204,23 +204,23 @@ class InvariantDeepseekV3(InvariantCausalLM):
         d, p = self.dims, f"model.layers.{i}.self_attn."
         T, R = x.shape[0], d.kv_lora_rank
         if d.q_lora_rank:
-            qa = rms_norm(linear(x, self.w(p + "q_a_proj.weight")), self.w(p + "q_a_layernorm.weight"),
+            qa = rms_norm(linear(x, self.proj(p + "q_a_proj.weight")), self.w(p + "q_a_layernorm.weight"),
                           d.eps)
-            q = linear(qa, self.w(p + "q_b_proj.weight"))
+            q = linear(qa, self.proj(p + "q_b_proj.weight"))
         else:
-            q = linear(x, self.w(p + "q_proj.weight"))
+            q = linear(x, self.proj(p + "q_proj.weight"))
         q = q.view(T, d.heads, d.nope + d.rope)
         cs = self.rope_cos_sin(positions)
         q_nope, q_pe = q[..., :d.nope], self.rope(q[..., d.nope:], positions, cs)
-        kv_a = linear(x, self.w(p + "kv_a_proj_with_mqa.weight"))
+        kv_a = linear(x, self.proj(p + "kv_a_proj_with_mqa.weight"))
         c = rms_norm(kv_a[:, :R], self.w(p + "kv_a_layernorm.weight"), d.eps)
         k_pe = self.rope(kv_a[:, None, R:], positions, cs)[:, 0]
         rows = torch.cat([c, k_pe], dim=-1)
-        wkv = self.w(p + "kv_b_proj.weight").view(d.heads, d.nope + d.v_dim, R)
+        wkv = self.served_weight(p + "kv_b_proj.weight").view(d.heads, d.nope + d.v_dim, R)
         q_lat = head_matmuls(q_nope, [wkv[h, :d.nope] for h in range(d.heads)])   # [T, H, R]
         o_lat = attend(i, torch.cat([q_lat, q_pe], dim=-1), rows)                 # [T, H, R]
         o = head_matmuls(o_lat, [wkv[h, d.nope:].t() for h in range(d.heads)])   # [T, H, Dv]
-        return linear(o.reshape(T, d.heads * d.v_dim), self.w(p + "o_proj.weight"))
+        return linear(o.reshape(T, d.heads * d.v_dim), self.proj(p + "o_proj.weight"))
 
     def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
         d, p = self.dims, f"model.layers.{i}.mlp."

@@ -135,8 +135,8 @@ class InvariantQwen3Moe(InvariantCausalLM):
                   attend: Attend) -> torch.Tensor:
         d, p = self.dims, f"model.layers.{i}.self_attn."
         T = x.shape[0]
-        q, k, v = linear_many(x, [self.w(p + "q_proj.weight"), self.w(p + "k_proj.weight"),
-                                  self.w(p + "v_proj.weight")])
+        q, k, v = linear_many(x, [self.proj(p + "q_proj.weight"), self.proj(p + "k_proj.weight"),
+                                  self.proj(p + "v_proj.weight")])
         qh, kh = q.view(T, d.heads, d.head_dim), k.view(T, d.kv_heads, d.head_dim)
         qw, kw = self.w(p + "q_norm.weight"), self.w(p + "k_norm.weight")
         fused = qk_norm_rope_rows(qh, kh, v, qw, kw, d.eps, self.rope, self.rope_cos_sin(positions))
@@ -150,4 +150,4 @@ class InvariantQwen3Moe(InvariantCausalLM):
             v = v.view(T, d.kv_heads, d.head_dim)
             rows = torch.cat([k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
         o = attend(i, q, rows)
-        return linear(o.reshape(T, d.heads * d.head_dim), self.w(p + "o_proj.weight"))
+        return linear(o.reshape(T, d.heads * d.head_dim), self.proj(p + "o_proj.weight"))

@@ -66,8 +66,12 @@ class StraightThrough(torch.autograd.Function):
 
 
 def trainable_names(model: InvariantCausalLM) -> list[str]:
-    """HF names of the trained weights (the router's correction bias is a buffer in HF)."""
-    return [n for n in model.hf_names() if not n.endswith("e_score_correction_bias")]
+    """HF names of the trained weights (the router's correction bias is a buffer in HF); under a
+    LoRA plan only the adapters (the base is frozen, quantized weights packed)."""
+    if model.numerics is not None and model.numerics.lora:
+        return model.adapter_names()
+    return [n for n in model.hf_names()
+            if not n.endswith("e_score_correction_bias") and n not in model._packed]
 
 
 def sequence_logprobs(model: InvariantCausalLM, rollout: Rollout, *, batch_size: int = 8,
@@ -146,10 +150,11 @@ class InvariantTrainer:
     step's gradient (before clipping) in ``last_grads`` by HF name."""
 
     def __init__(self, model_dir, *, lr: float = 1e-2, kv_cache=None, use_support: bool = False,
-                 grad_clip: float | None = 1.0, betas=(0.9, 0.999), eps_low=0.2, eps_high=0.28):
+                 grad_clip: float | None = 1.0, betas=(0.9, 0.999), eps_low=0.2, eps_high=0.28,
+                 numerics=None):
         from . import from_checkpoint
 
-        self.model = from_checkpoint(model_dir, kv_cache=kv_cache)
+        self.model = from_checkpoint(model_dir, kv_cache=kv_cache, numerics=numerics)
         self.names = trainable_names(self.model)
         self.master = {n: torch.nn.Parameter(self.model.w(n).detach().float().clone())
                        for n in self.names}
@@ -170,8 +175,10 @@ class InvariantTrainer:
                                           use_support=self.use_support).logprobs
 
     def served_state(self) -> dict[str, torch.Tensor]:
-        """The weights as the engine serves them (HF names, model dtype)."""
-        return {n: self.model.w(n).detach().clone() for n in self.model.hf_names()}
+        """The weights as the engine serves them (HF names, model dtype); under a LoRA plan
+        only the adapters (the engine loaded the same frozen base from the checkpoint)."""
+        names = self.names if self.model.adapter_names() else self.model.hf_names()
+        return {n: self.model.w(n).detach().clone() for n in names}
 
     def step(self, rollout: Rollout, rewards, *, old_logprobs=None) -> dict:
         """One update (:func:`..ppo_step.ppo_update`, GRPO, token mean): the whole rollout is one

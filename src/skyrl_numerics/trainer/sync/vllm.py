@@ -248,8 +248,15 @@ def update_vllm_weights(llm, named_tensors: Mapping[str, Any] | Iterable[tuple[s
         if not items:
             return EngineUpdate(tensors=0, bytes=0, stage_s=0.0, load_s=0.0,
                                 total_s=time.perf_counter() - t0)
-    if all_names:
-        check_complete_blocks(items, all_names)
+    from skyrl_numerics.trainer.invariant.numerics import (check_adapters, engine_adapter_shapes,
+                                                           is_adapter)
+
+    adapters = [k for k in items if is_adapter(k)]
+    if adapters:   # LoRA adapters of an invariant engine's plan: no fused layer, no block rule
+        check_adapters({k: items[k] for k in adapters},
+                       engine_adapter_shapes(engine.llm_engine.model_config.hf_config))
+    if all_names and len(adapters) < len(items):
+        check_complete_blocks([k for k in items if not is_adapter(k)], all_names)
 
     stage = tempfile.mkdtemp(prefix="skyrl_vllm_update_",
                              dir=str(staging_dir) if staging_dir else _default_staging())

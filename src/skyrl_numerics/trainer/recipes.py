@@ -1,0 +1,316 @@
+"""The seed recipes as small config objects: ``train --recipe ml4|k2|beam [--recipe-set KEY=VALUE]``.
+
+A :class:`Recipe` is the whole stack a published run uses — serving formats per group of linears,
+the KV cache, LoRA, R3, the off-policy correction, the PPO clip and the GRPO group — and becomes
+two loop configurations (:func:`loop_configs`):
+
+- ``bitwise``: the invariant engine serving the recipe's numerics (quantized weights packed,
+  activations quantized per token, LoRA adapters, the cache format) and the invariant trainer
+  computing the same numbers (:mod:`skyrl_numerics.trainer.invariant.numerics`); with LoRA only
+  the adapters are trained and synced. True on-policy: Δ = 0.
+- ``published``: the recipe as its authors run it — a stock trainer (HF model, FSDP) simulating
+  the serving formats with fake-quant (weights and activations, ``quant.apply_qat``) and LoRA on
+  its linears, R3 and support replay, the token TIS correction; the engine serves the recipe's
+  formats. vLLM CPU has no NVFP4 / MXFP8 / W4A4 kernels, so that engine is the invariant one with
+  the recipe's numerics standing in for the GPU kernels: the gap shown is the trainer's (its
+  kernels, its MLA formulation, its fake-quant placement), not a GPU kernel's.
+
+Format fields are ``WEIGHT/ACT`` (``nvfp4/nvfp4`` = W4A4, ``fp8_tensor/fp8_token`` = W8A8 with
+dynamic per-token activations, ``int4_g32/none`` = W4A16); ``none`` keeps the model dtype;
+``fp8_tensor@S`` is a static activation scale ``S``, ``nvfp4@A`` a static activation amax ``A``.
+
+=========  ================================================================================
+recipe     what (source)
+=========  ================================================================================
+``ml4``    Mistral Large 4 day-0 recipe (SkyRL #2575): NVFP4 W4A4 routed experts, FP8 W8A8
+           attention + shared experts (+ dense MLPs), FP8 latent KV, LoRA 32/64 on attention,
+           dense, shared and routed experts, R3, token TIS cap 2, DAPO clip 0.2 / 0.28,
+           GRPO 8 samples per prompt, no KL
+``k2``     Kimi K2 RL: INT4 W4A16 (groups of 32) routed experts, trainer fake-quant, LoRA
+           32/64, R3, token TIS cap 2
+``beam``   MXFP8 RL: MXFP8 weights and activations on every linear, full fine-tune (no LoRA:
+           the trainer fake-quantizes its bf16 weights, the engine packs what it is sent)
+=========  ================================================================================
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from skyrl_numerics.errors import InputError
+
+KV_CHOICES = ("auto", "fp8", "fp8_latent", "fp8_ds_mla")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One recipe; every field can be overridden with ``--recipe-set FIELD=VALUE``."""
+    name: str
+    experts: str = "none/none"          # WEIGHT/ACT of the routed experts
+    attention: str = "none/none"
+    shared: str = "none/none"           # shared experts
+    dense: str = "none/none"            # dense MLP layers
+    kv_cache: str = "auto"              # auto | fp8 | fp8_latent (MLA only) | fp8_ds_mla
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple = ("attention", "dense", "shared", "experts")
+    route_replay: bool = True           # R3 in the published trainer
+    tis_cap: float | None = 2.0         # token TIS cap of the published trainer (None: off)
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    samples_per_prompt: int = 8
+    kl_coef: float = 0.0
+    lr: float = 1e-2
+    doc: str = field(default="", compare=False)
+
+    def formats(self) -> dict:
+        """``{group: LinearFormat kwargs}`` of the groups this recipe quantizes."""
+        out = {}
+        for g in ("attention", "dense", "shared", "experts"):
+            spec = getattr(self, g)
+            f = parse_format(spec, g)
+            if f["weight"] is not None or f["act"] != "none":
+                out[g] = f
+        return out
+
+    def with_overrides(self, items) -> "Recipe":
+        """``["lora_rank=16", "experts=mxfp8/mxfp8", ...]`` applied; unknown fields and bad
+        values are refused naming the field."""
+        names = {f.name: f for f in dataclasses.fields(self) if f.name not in ("name", "doc")}
+        kw = {}
+        for item in items or ():
+            if "=" not in item:
+                raise InputError(f"--recipe-set {item!r}: expected FIELD=VALUE", field="recipe-set")
+            k, v = item.split("=", 1)
+            k = k.strip().replace("-", "_")
+            if k not in names:
+                raise InputError(f"recipe {self.name!r} has no field {k!r}; fields: {sorted(names)}",
+                                 field=k)
+            kw[k] = _coerce(k, v.strip(), getattr(self, k))
+        r = dataclasses.replace(self, **kw)
+        r.check()
+        return r
+
+    def check(self) -> None:
+        for g in ("attention", "dense", "shared", "experts"):
+            parse_format(getattr(self, g), g)
+        if self.kv_cache not in KV_CHOICES:
+            raise InputError(f"recipe {self.name!r}: kv_cache {self.kv_cache!r} is not one of "
+                             f"{list(KV_CHOICES)}", field="kv_cache")
+        if self.kl_coef != 0:
+            raise InputError(f"recipe {self.name!r}: kl_coef {self.kl_coef}: the loop has no KL "
+                             "term (all three seed recipes run without one)", field="kl_coef")
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            raise InputError(f"tis_cap must be > 0 or none, got {self.tis_cap}", field="tis_cap")
+        if not (0 <= self.eps_low < 1 and 0 <= self.eps_high):
+            raise InputError(f"clip range eps_low={self.eps_low}, eps_high={self.eps_high}",
+                             field="eps_low")
+        if self.samples_per_prompt < 2:
+            raise InputError(f"samples_per_prompt {self.samples_per_prompt}: GRPO needs a group "
+                             "of >= 2", field="samples_per_prompt")
+        self.plan_for_groups(("attention", "dense", "shared", "experts"))   # plan fields
+
+    def plan_for_groups(self, groups):
+        from skyrl_numerics.trainer.invariant.numerics import NumericsPlan
+
+        fm = {g: f for g, f in self.formats().items() if g in groups}
+        targets = tuple(t for t in self.lora_targets if t in groups) if self.lora_rank else ()
+        return NumericsPlan(formats=fm, lora_rank=self.lora_rank, lora_alpha=self.lora_alpha,
+                            lora_targets=targets)
+
+
+def _coerce(k: str, v: str, old):
+    if v.lower() in ("none", "null") and k in ("tis_cap",):
+        return None
+    try:
+        if isinstance(old, bool):
+            if v.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                raise ValueError(v)
+            return v.lower() in ("true", "1", "yes", "on")
+        if isinstance(old, int) and not isinstance(old, bool):
+            return int(v)
+        if isinstance(old, float) or old is None:
+            return float(v)
+        if isinstance(old, tuple):
+            return tuple(s.strip() for s in v.split(",") if s.strip())
+    except ValueError:
+        raise InputError(f"--recipe-set {k}={v!r}: expected a {type(old).__name__}", field=k) from None
+    return v
+
+
+def parse_format(spec: str, group: str) -> dict:
+    """``"WEIGHT/ACT[@X]"`` -> LinearFormat kwargs (checked); errors name the group."""
+    from skyrl_numerics.trainer.invariant.numerics import LinearFormat
+
+    if not isinstance(spec, str) or spec.count("/") != 1:
+        raise InputError(f"{group}={spec!r}: expected WEIGHT/ACT, e.g. nvfp4/nvfp4 or int4_g32/none",
+                         field=group)
+    w, a = (s.strip() for s in spec.split("/"))
+    kw = {"weight": None if w == "none" else w, "act": a}
+    if "@" in a:
+        a, x = a.split("@", 1)
+        try:
+            val = float(x)
+        except ValueError:
+            raise InputError(f"{group}={spec!r}: {x!r} after @ is not a number", field=group) from None
+        kw["act"] = a
+        kw["act_scale" if a == "fp8_tensor" else "act_amax"] = val
+    f = LinearFormat(**kw)
+    f.check(group)
+    return dataclasses.asdict(f)
+
+
+RECIPES = {
+    "ml4": Recipe("ml4", experts="nvfp4/nvfp4", attention="fp8_tensor/fp8_token",
+                  shared="fp8_tensor/fp8_token", dense="fp8_tensor/fp8_token",
+                  kv_cache="fp8_latent", lora_rank=32, lora_alpha=64.0,
+                  doc="Mistral Large 4 day-0 (SkyRL #2575): NVFP4 W4A4 experts, FP8 W8A8 "
+                      "attention + shared, FP8 latent KV, LoRA 32/64, R3, TIS 2"),
+    "k2": Recipe("k2", experts="int4_g32/none", lora_rank=32, lora_alpha=64.0,
+                 doc="Kimi K2: INT4 W4A16 experts, fake-quant trainer, LoRA 32/64, R3, TIS 2"),
+    "beam": Recipe("beam", experts="mxfp8/mxfp8", attention="mxfp8/mxfp8",
+                   shared="mxfp8/mxfp8", dense="mxfp8/mxfp8",
+                   doc="MXFP8 RL: MXFP8 weights and activations, full fine-tune"),
+}
+
+
+def get_recipe(name: str, overrides=()) -> Recipe:
+    if name not in RECIPES:
+        raise InputError(f"unknown recipe {name!r}; known: {sorted(RECIPES)}", field="recipe")
+    return RECIPES[name].with_overrides(overrides)
+
+
+def resolve(recipe: Recipe, model_dir) -> tuple:
+    """``(NumericsPlan, kv_cache format, notes)`` of ``recipe`` on the checkpoint at
+    ``model_dir``; groups the model does not have are dropped (noted), and what cannot apply is
+    refused naming the recipe field — all before any engine starts."""
+    from skyrl_numerics.trainer.invariant import FAMILIES
+    from skyrl_numerics.trainer.invariant.numerics import check_plan_for_config, group_of
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    arch = (cfg.get("architectures") or ["?"])[0]
+    if arch not in FAMILIES:
+        raise InputError(f"recipe {recipe.name!r}: its bitwise config needs a batch-invariant family; "
+                         f"{arch} is not one of {sorted(FAMILIES)}", field="model")
+    if cfg.get("quantization_config"):
+        raise InputError(f"recipe {recipe.name!r} quantizes a bf16 base itself; {model_dir} is "
+                         f"already quantized ({cfg['quantization_config'].get('quant_method')})",
+                         field="model")
+    from types import SimpleNamespace
+
+    import torch
+
+    from skyrl_numerics.trainer.invariant import family_class
+
+    cls = family_class(arch)
+    with torch.device("meta"):
+        model = cls(**cls.config_parts(SimpleNamespace(**cfg)))
+    have = {group_of(n) for n in model.hf_names()} - {None}
+    if "experts" in recipe.formats() and "experts" not in have:
+        raise InputError(f"recipe {recipe.name!r} serves routed experts in {recipe.experts}; "
+                         "this model has none", field="experts")
+    notes = [f"{g}: not in this model" for g in ("attention", "dense", "shared", "experts")
+             if g not in have and (g in recipe.formats() or (recipe.lora_rank and g in recipe.lora_targets))]
+    mla = cfg.get("kv_lora_rank") is not None
+    kv = recipe.kv_cache
+    if kv == "fp8_latent":
+        if not mla:
+            raise InputError(f"recipe {recipe.name!r}: kv_cache=fp8_latent needs an MLA model (a "
+                             "latent cache); this one caches K/V per head: set kv_cache=fp8 or auto",
+                             field="kv_cache")
+        kv = "fp8"
+    plan = recipe.plan_for_groups(have)
+    check_plan_for_config(plan, cfg, kv_cache=None if kv == "auto" else kv)
+    return plan, (None if kv == "auto" else kv), notes
+
+
+def loop_configs(recipe: Recipe, model_dir, names) -> list:
+    """The :class:`~skyrl_numerics.trainer.loop.LoopConfig` of each requested configuration
+    (``published``, ``bitwise``) of ``recipe`` on ``model_dir``."""
+    from skyrl_numerics.trainer.loop import LoopConfig
+
+    plan, kv, _ = resolve(recipe, model_dir)
+    out = []
+    for n in names:
+        if n == "bitwise":
+            out.append(LoopConfig("bitwise", use_support=True, bitwise=True, kv_cache=kv,
+                                  numerics=plan.to_json(), lr=recipe.lr, recipe=recipe.name,
+                                  eps_low=recipe.eps_low, eps_high=recipe.eps_high))
+        elif n == "published":
+            out.append(LoopConfig("published", route_replay=recipe.route_replay, use_support=True,
+                                  correction="token_tis" if recipe.tis_cap else None,
+                                  correction_kwargs={"cap": recipe.tis_cap} if recipe.tis_cap else {},
+                                  lr=recipe.lr, recipe=recipe.name, numerics=plan.to_json(),
+                                  kv_cache=kv,
+                                  eps_low=recipe.eps_low, eps_high=recipe.eps_high))
+        else:
+            raise InputError(f"recipe configurations are 'published' and 'bitwise', got {n!r}",
+                             field="configs")
+    return out
+
+
+# ---- the published trainer: fake-quant rules and LoRA on the HF model ------------------------
+_HF_PATTERNS = {
+    "attention": ["model.layers.*.self_attn.*_proj"],
+    "shared": [f"model.layers.*.mlp.shared_experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")],
+    "dense": [f"model.layers.*.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")],
+    "experts": ["model.layers.*.mlp.experts"],
+}
+_HF_LORA = {
+    "attention": [f"*.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj",
+                                                "q_b_proj", "kv_a_proj_with_mqa")],
+    "shared": [f"*.mlp.shared_experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")],
+    "dense": [f"model.layers.*.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")],
+}
+
+
+def _act_rule(f) -> tuple:
+    import torch
+
+    if f.act == "none":
+        return None, {}
+    if f.act == "fp8_tensor":
+        return "fp8_tensor", {"scale": torch.tensor(float(f.act_scale))}
+    if f.act == "nvfp4":
+        return "nvfp4", {"convention": "vllm", "global_amax": torch.tensor(float(f.act_amax))}
+    return f.act, {}
+
+
+def published_trainer_kwargs(plan_json: str) -> dict:
+    """``TrainerConfig`` fields (``qat`` rules, LoRA) of the published trainer for a plan:
+    the HF model fake-quantizes the planned weights (STE) and their inputs
+    (``quant.apply_qat``: for a fused experts module only the tokens entering ``gate_up_proj``;
+    MLA's ``kv_b_proj`` weight only), and carries LoRA on the planned linears it has as
+    ``nn.Linear`` (routed experts are fused 3-D parameters in transformers 5: no adapters there)."""
+    from skyrl_numerics.quant import QATRule
+    from skyrl_numerics.trainer.invariant.numerics import WEIGHT_FORMATS, NumericsPlan
+
+    plan = NumericsPlan.from_json(plan_json)
+    rules = []
+    for g, f in plan.formats.items():
+        recipe, opts = WEIGHT_FORMATS[f.weight] if f.weight else (None, {})
+        act, act_opts = _act_rule(f)
+        if g == "attention" and recipe:
+            rules.append(QATRule("model.layers.*.self_attn.kv_b_proj", recipe, dict(opts)))
+        rules += [QATRule(p, recipe, dict(opts), act, dict(act_opts)) for p in _HF_PATTERNS[g]]
+    targets = [p for t in plan.lora_targets for p in _HF_LORA.get(t, ())]
+    return {"qat": rules or None, "lora_rank": plan.lora_rank if targets else 0,
+            "lora_alpha": plan.lora_alpha, "lora_targets": targets or ("*.o_proj",)}
+
+
+def plain_names(state: dict) -> dict:
+    """A parametrized (QAT) / LoRA model's state under plain names: ``X.parametrizations.P.original``
+    -> ``X.P`` (the full-precision weight), ``X.lora_A`` -> ``X.lora_A.weight``."""
+    out = {}
+    for k, v in state.items():
+        if ".parametrizations." in k and k.endswith(".original"):
+            head, _, rest = k.partition(".parametrizations.")
+            k = f"{head}.{rest[: -len('.original')]}"
+        elif k.endswith((".lora_A", ".lora_B")):
+            k = k + ".weight"
+        elif k.endswith(".lora_scaling"):
+            continue
+        out[k.replace(".base.", ".")] = v
+    return out
