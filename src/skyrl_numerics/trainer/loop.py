@@ -523,7 +523,9 @@ def _check_isa(trainer: dict, engine: dict | None, seen: list) -> None:
 
 
 def write_loop_plot(path, result: LoopResult) -> None:
-    """Reward and mean |Δ| per step, one line per configuration."""
+    """Reward and mean |Δ| per step, one line per configuration; with the gradient comparison
+    its cosine and relative error; with a recipe (or any TIS / time figures) also the TIS clip
+    fraction, the bytes synced per step (against a full sync) and the step time split."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -531,29 +533,61 @@ def write_loop_plot(path, result: LoopResult) -> None:
 
     from skyrl_numerics.atomic import atomic_file
 
-    has_grad = any("grad_cos_onpolicy" in r for rows in result.history.values() for r in rows)
-    fig, axes = plt.subplots(1, 4 if has_grad else 2, figsize=(21 if has_grad else 11, 4))
-    a1, a2 = axes[0], axes[1]
+    rows_all = [r for rows in result.history.values() for r in rows]
+    has_grad = any("grad_cos_onpolicy" in r for r in rows_all)
+    has_recipe = any("tis_clip_frac" in r for r in rows_all)
+    panels = ["reward", "gap"] + (["cos", "relerr"] if has_grad else []) \
+        + (["tis", "bytes", "time"] if has_recipe else [])
+    ncol = min(len(panels), 4)
+    nrow = -(-len(panels) // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(5.2 * ncol, 4 * nrow), squeeze=False)
+    ax = dict(zip(panels, axes.flat))
+    for a in list(axes.flat)[len(panels):]:
+        a.set_visible(False)
     floor = 1e-9   # bitwise steps have |Δ| = 0: drawn at the floor of the log axis
-    for name, rows in result.history.items():
+    for i, (name, rows) in enumerate(result.history.items()):
         steps = [r["step"] for r in rows]
-        a1.plot(steps, [r["reward"] for r in rows], marker="o", label=name)
-        a2.plot(steps, [max(r["gap_mean_abs"], floor) for r in rows], marker="o", label=name)
+        col = f"C{i}"
+        ax["reward"].plot(steps, [r["reward"] for r in rows], marker="o", label=name, color=col)
+        ax["gap"].plot(steps, [max(r["gap_mean_abs"], floor) for r in rows], marker="o", label=name,
+                       color=col)
         if has_grad:
-            axes[2].plot(steps, [r.get("grad_cos_onpolicy", np.nan) for r in rows], marker="o",
-                         label=name)
-            axes[3].plot(steps, [max(r.get("grad_relerr_onpolicy", np.nan), floor) for r in rows],
-                         marker="o", label=name)
-    a1.set_xlabel("step"); a1.set_ylabel("mean reward"); a1.set_title("reward")
-    a2.set_xlabel("step"); a2.set_ylabel("mean |Δ logprob|"); a2.set_yscale("log")
-    a2.set_title(f"trainer–vLLM gap before each update (0 drawn at {floor:g})")
-    if has_grad:
-        axes[2].set_xlabel("step"); axes[2].set_ylabel("cosine")
-        axes[2].set_title("gradient vs exact on-policy gradient")
-        axes[3].set_xlabel("step"); axes[3].set_ylabel("|g - g*| / |g*|"); axes[3].set_yscale("log")
-        axes[3].set_title(f"relative gradient error (0 drawn at {floor:g})")
-    for a in axes:
-        a.legend()
+            ax["cos"].plot(steps, [r.get("grad_cos_onpolicy", np.nan) for r in rows], marker="o",
+                           label=name, color=col)
+            ax["relerr"].plot(steps, [max(r.get("grad_relerr_onpolicy", np.nan), floor) for r in rows],
+                              marker="o", label=name, color=col)
+        if has_recipe:
+            ax["tis"].plot(steps, [r.get("tis_clip_frac", np.nan) for r in rows], marker="o",
+                           label=name, color=col)
+            ax["bytes"].plot(steps, [r["sync_raw_bytes"] for r in rows], marker="o", color=col,
+                             label=f"{name} raw")
+            ax["bytes"].plot(steps, [r["sync_payload_bytes"] for r in rows], marker="x", ls="--",
+                             color=col, label=f"{name} sent (zstd XOR)")
+            w = 0.8 / max(len(result.history), 1)
+            x = np.asarray(steps, float) + (i - (len(result.history) - 1) / 2) * w
+            bottom = np.zeros(len(rows))
+            for j, (k, lab) in enumerate((("time_generate_s", "generate"), ("time_train_s", "train"),
+                                          ("time_sync_s", "sync"))):
+                v = np.asarray([r.get(k, 0.0) for r in rows])
+                ax["time"].bar(x, v, w, bottom=bottom, color=col, alpha=1.0 - 0.3 * j,
+                               label=f"{name} {lab}", edgecolor="k", linewidth=0.3)
+                bottom += v
+    full = [r["sync_full_model_bytes"] for r in rows_all if "sync_full_model_bytes" in r]
+    if has_recipe and full:
+        ax["bytes"].axhline(full[0], color="k", ls=":", label="full sync (bf16)")
+    titles = {"reward": ("mean reward", "reward", False),
+              "gap": ("mean |Δ logprob|", f"trainer–vLLM gap before each update (0 drawn at {floor:g})", True),
+              "cos": ("cosine", "gradient vs exact on-policy gradient", False),
+              "relerr": ("|g - g*| / |g*|", f"relative gradient error (0 drawn at {floor:g})", True),
+              "tis": ("share of tokens", "token-TIS clip fraction (ratio > cap)", False),
+              "bytes": ("bytes", "weights synced per step", True),
+              "time": ("seconds", "step time: generate / train / sync", False)}
+    for k, a in ax.items():
+        ylab, title, log = titles[k]
+        a.set_xlabel("step"); a.set_ylabel(ylab); a.set_title(title)
+        if log:
+            a.set_yscale("log")
+        a.legend(fontsize=7)
     fig.tight_layout()
     with atomic_file(path) as tmp:
         fig.savefig(tmp, dpi=110, format="png")
