@@ -49,6 +49,14 @@ def test_activation_formats_are_row_local(rows, k, seed, act, mag):
     for i in range(rows):
         assert torch.equal(whole[i:i + 1], N.quantize_activation(x[i:i + 1], f)), (act, i)
     assert whole.dtype == x.dtype and not torch.equal(whole, x)   # it did round
+    # and it is the recipe's reference, dequantize(quantize(x)), with the format's options
+    from skyrl_numerics.quant import dequantize, quantize
+
+    opts = {"fp8_token": ("fp8_token", {}),
+            "fp8_tensor": ("fp8_tensor", {"scale": torch.tensor(0.05)}),
+            "nvfp4": ("nvfp4", {"convention": "vllm", "global_amax": torch.tensor(2688.0)}),
+            "mxfp8": ("mxfp8", {})}[act]
+    assert torch.equal(whole, dequantize(quantize(x, opts[0], **opts[1]), x.dtype))
 
 
 def test_projection_is_the_formula():

@@ -227,22 +227,24 @@ def _ste(fn, x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_activation(x: torch.Tensor, f: LinearFormat) -> torch.Tensor:
-    """``A(x)`` of the module doc in ``x.dtype``, row by row (straight-through under grad)."""
+    """``A(x)`` of the module doc in ``x.dtype``, row by row (straight-through under grad):
+    ``quant.fake_quant`` — ``dequantize(quantize(x))`` bit for bit (its fused paths are tested
+    against that reference)."""
     if f.act == "none":
         return x
-    from skyrl_numerics.quant import dequantize, quantize
+    from skyrl_numerics.quant import fake_quant
+
+    if f.act == "fp8_token":
+        recipe, opts = "fp8_token", {}
+    elif f.act == "fp8_tensor":
+        recipe, opts = "fp8_tensor", {"scale": torch.tensor(float(f.act_scale))}
+    elif f.act == "nvfp4":
+        recipe, opts = "nvfp4", {"convention": "vllm", "global_amax": torch.tensor(float(f.act_amax))}
+    else:
+        recipe, opts = "mxfp8", {}
 
     def fn(t):
-        t2 = t.reshape(-1, t.shape[-1])
-        if f.act == "fp8_token":
-            q = quantize(t2, "fp8_token")
-        elif f.act == "fp8_tensor":
-            q = quantize(t2, "fp8_tensor", scale=torch.tensor(float(f.act_scale)))
-        elif f.act == "nvfp4":
-            q = quantize(t2, "nvfp4", convention="vllm", global_amax=torch.tensor(float(f.act_amax)))
-        else:
-            q = quantize(t2, "mxfp8")
-        return dequantize(q, t.dtype).reshape(t.shape)
+        return fake_quant(t.reshape(-1, t.shape[-1]), recipe, **opts).reshape(t.shape)
     return _ste(fn, x)
 
 

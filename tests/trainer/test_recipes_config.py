@@ -1,0 +1,103 @@
+"""Recipe objects (trainer/recipes.py): fields, overrides, what cannot apply to a model — all
+refused before any engine starts, with one line naming the field."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from skyrl_numerics.cli import main
+from skyrl_numerics.errors import InputError
+from skyrl_numerics.trainer.recipes import RECIPES, get_recipe, loop_configs, published_trainer_kwargs, resolve
+
+
+def test_the_three_recipes_resolve_on_both_families(qwen_moe_dir, deepseek_v3_dir):
+    plan, kv, notes = resolve(get_recipe("ml4"), deepseek_v3_dir)
+    assert kv == "fp8" and plan.lora_rank == 32 and plan.lora_alpha == 64
+    assert plan.formats["experts"].weight == "nvfp4" and plan.formats["experts"].act == "nvfp4"
+    assert set(plan.lora_targets) == {"attention", "dense", "shared", "experts"} and not notes
+    plan, kv, notes = resolve(get_recipe("ml4", ["kv_cache=auto"]), qwen_moe_dir)
+    assert kv is None and set(plan.formats) == {"attention", "experts"}
+    assert notes == ["dense: not in this model", "shared: not in this model"]
+    k2, _, _ = resolve(get_recipe("k2"), qwen_moe_dir)
+    assert k2.formats["experts"].weight == "int4_g32" and k2.formats["experts"].act == "none"
+    beam, _, _ = resolve(get_recipe("beam"), deepseek_v3_dir)
+    assert not beam.lora and {f.act for f in beam.formats.values()} == {"mxfp8"}
+    cfgs = loop_configs(get_recipe("ml4"), deepseek_v3_dir, ["published", "bitwise"])
+    assert [c.name for c in cfgs] == ["published", "bitwise"]
+    assert cfgs[0].correction == "token_tis" and cfgs[0].correction_kwargs == {"cap": 2.0}
+    assert cfgs[0].route_replay and cfgs[1].bitwise and cfgs[0].numerics == cfgs[1].numerics
+    assert (cfgs[1].eps_low, cfgs[1].eps_high) == (0.2, 0.28)
+
+
+def test_overrides_apply_and_bad_fields_are_refused():
+    r = get_recipe("ml4", ["lora_rank=16", "experts=mxfp8/mxfp8", "tis_cap=none",
+                           "attention=fp8_tensor/fp8_tensor@0.05", "route_replay=false"])
+    assert (r.lora_rank, r.experts, r.tis_cap, r.route_replay) == (16, "mxfp8/mxfp8", None, False)
+    assert r.formats()["attention"]["act_scale"] == 0.05
+    for bad, field in (("lora_rnk=3", "lora_rnk"), ("lora_rank=x", "lora_rank"),
+                       ("experts=nvfp4", "experts"), ("experts=int3/none", "experts.weight"),
+                       ("attention=fp8_tensor/fp8_tensor", "attention.act_scale"),
+                       ("kv_cache=fp4", "kv_cache"), ("kl_coef=0.1", "kl_coef"),
+                       ("samples_per_prompt=1", "samples_per_prompt"), ("route_replay=maybe", "route_replay"),
+                       ("nofield", "recipe-set")):
+        with pytest.raises(InputError) as e:
+            get_recipe("ml4", [bad])
+        assert field in str(e.value), (bad, str(e.value))
+    with pytest.raises(InputError, match="unknown recipe"):
+        get_recipe("ml5")
+    assert set(RECIPES) == {"ml4", "k2", "beam"}
+
+
+def test_what_does_not_apply_is_refused(qwen_moe_dir, tmp_path):
+    with pytest.raises(InputError, match="kv_cache=fp8_latent needs an MLA model") as e:
+        resolve(get_recipe("ml4"), qwen_moe_dir)
+    assert e.value.field == "kv_cache"
+    cfg = json.loads((qwen_moe_dir / "config.json").read_text())
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({**cfg, "moe_intermediate_size": 40}))
+    with pytest.raises(InputError, match=r"experts\.\d+\.down_proj.weight: nvfp4"):
+        resolve(get_recipe("ml4", ["kv_cache=auto"]), odd)
+    quant = tmp_path / "quant"
+    quant.mkdir()
+    (quant / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(InputError, match="already quantized"):
+        resolve(get_recipe("k2"), quant)
+    mix = tmp_path / "mix"
+    mix.mkdir()
+    (mix / "config.json").write_text(json.dumps({**cfg, "architectures": ["MixtralForCausalLM"]}))
+    with pytest.raises(InputError, match="batch-invariant family"):
+        resolve(get_recipe("k2"), mix)
+
+
+def test_published_trainer_rules_follow_the_plan(deepseek_v3_dir):
+    plan, _, _ = resolve(get_recipe("ml4"), deepseek_v3_dir)
+    kw = published_trainer_kwargs(plan.to_json())
+    pats = {r.pattern: r for r in kw["qat"]}
+    assert pats["model.layers.*.self_attn.kv_b_proj"].act_recipe is None     # absorbed: weight only
+    assert pats["model.layers.*.mlp.experts"].recipe == "nvfp4"
+    assert pats["model.layers.*.mlp.experts"].act_opts["convention"] == "vllm"
+    assert pats["model.layers.*.self_attn.*_proj"].act_recipe == "fp8_token"
+    assert kw["lora_rank"] == 32 and "*.self_attn.kv_a_proj_with_mqa" in kw["lora_targets"]
+    assert not any("kv_b_proj" in t for t in kw["lora_targets"])
+    from skyrl_numerics.models import load_hf_model
+    from skyrl_numerics.quant import apply_qat
+
+    done = apply_qat(load_hf_model(deepseek_v3_dir, dtype="float32"), kw["qat"])   # every rule hits
+    assert any(k.endswith("mlp.experts") for k in done)
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--recipe", "ml4", "--recipe-set", "lora_rank=-3"], "lora_rank"),
+    (["--recipe", "ml4"], "kv_cache"),                                   # the tiny Qwen3 is GQA
+    (["--recipe", "k2", "--configs", "aligned"], "configs"),
+    (["--recipe-set", "lora_rank=4"], "recipe-set"),
+    (["--recipe", "k2", "--kv-cache", "fp8"], "recipe"),
+])
+def test_cli_refuses_with_one_line_before_any_engine(argv, field, tmp_path, capsys):
+    out = tmp_path / "o"
+    assert main(["train", "--out", str(out), "--no-progress", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and field in err, err
+    assert not out.exists() or not any(out.iterdir())
