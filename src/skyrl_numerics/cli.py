@@ -277,9 +277,18 @@ def _cmd_serve(args) -> int:
 
     from skyrl_numerics.trainer.engine.server import VLLMServer
 
+    numerics, kv = None, args.kv_cache
+    if args.recipe or args.recipe_set:    # a recipe's serving numerics and cache (train --recipe)
+        from skyrl_numerics.trainer.recipes import get_recipe, resolve
+
+        if not args.recipe or not args.batch_invariant or args.kv_cache:
+            raise InputError("--recipe (with --recipe-set) needs --batch-invariant and sets the "
+                             "cache itself", field="recipe")
+        plan, kv, _ = resolve(get_recipe(args.recipe, args.recipe_set), args.model_dir)
+        numerics = plan.to_json()
     srv = VLLMServer(args.model_dir, host=args.host, port=args.port, api_key=args.api_key,
                      log_path=args.log, batch_invariant=args.batch_invariant,
-                     kv_cache=args.kv_cache, max_model_len=args.max_model_len,
+                     kv_cache=kv, numerics=numerics, max_model_len=args.max_model_len,
                      sampling_mask=args.sampling_mask, extra_args=args.vllm_args)
     if args.print_command:
         env = "".join(f"{k}={srv.env[k]} " for k in ("VLLM_SERVER_DEV_MODE",
@@ -451,6 +460,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve the checkpoint's family through the batch-invariant model")
     v.add_argument("--kv-cache", default=None, choices=["fp8", "fp8_ds_mla"],
                    help="with --batch-invariant: the KV cache format the model stores")
+    v.add_argument("--recipe", default=None, choices=["ml4", "k2", "beam"],
+                   help="with --batch-invariant: serve a seed recipe's numerics (quantized "
+                        "formats, LoRA adapters, KV cache) for train --server URL --recipe")
+    v.add_argument("--recipe-set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override one recipe field (as train --recipe-set)")
     v.add_argument("--sampling-mask", action="store_true",
                    help="also return vLLM's sampling_mask (/inference/v1/generate); vLLM then "
                         "requires top_k > 0 and temperature > 0 on every request")

@@ -53,15 +53,10 @@ def cmd_train(args) -> int:
                             samples_per_prompt=samples, max_tokens=args.max_tokens,
                             seed=args.seed, off_policy=1 if args.async_ else 0,
                             measure_grad=not args.no_grad, turns=args.multi_turn)
-    if recipe is not None:
-        if args.server or args.kv_cache:
-            raise InputError("--recipe sets the engine's numerics and cache itself (--recipe-set "
-                             "kv_cache=...); not with --server / --kv-cache", field="recipe")
-        from skyrl_numerics.trainer.recipes import loop_configs
-
-        configs = loop_configs(recipe, args.model or build_tiny_model(args.family, seed=args.seed), names)
-    else:
-        configs = [CONFIGS[n] for n in names]
+    if recipe is not None and args.kv_cache:
+        raise InputError("--recipe sets the engine's cache format itself (--recipe-set "
+                         "kv_cache=...); not with --kv-cache", field="recipe")
+    configs = [CONFIGS[n] for n in names] if recipe is None else []
     if args.kv_cache:
         import dataclasses
 
@@ -79,6 +74,11 @@ def cmd_train(args) -> int:
         if not (Path(model_dir) / "config.json").is_file():
             raise InputError(f"the server serves {model_dir}, which is not a checkpoint directory "
                              "on this machine (the trainer loads it)", field="server")
+    if recipe is not None:   # the plan for the checkpoint, checked before any engine starts
+        from skyrl_numerics.trainer.recipes import loop_configs
+
+        configs = loop_configs(recipe, model_dir or args.model
+                               or build_tiny_model(args.family, seed=args.seed), names)
     with _engine_log(args) as elog:
         try:
             res = run_loop(model_dir or args.model or build_tiny_model(args.family, seed=args.seed),

@@ -77,21 +77,34 @@ def test_ml4_published_and_bitwise_on_deepseek(tmp_path, deepseek_v3_dir):
     assert (out / "train.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.fixture(scope="module")
+def user_dir():
+    """A checkpoint of dims nobody here chose for the recipes: 6 experts top-3 of width 96,
+    hidden 192, 3 layers (passed as ``--model DIR``, a user's checkpoint)."""
+    from skyrl_numerics.models import build_tiny_model
+
+    return build_tiny_model("qwen3_moe", seed=3, hidden_size=192, moe_intermediate_size=96,
+                            num_experts=6, num_experts_per_tok=3, num_hidden_layers=3,
+                            num_attention_heads=3, num_key_value_heads=1)
+
+
 @pytest.mark.parametrize("recipe", ["k2", "beam"])
-def test_k2_and_beam_bitwise_on_qwen(tmp_path, recipe, qwen_moe_dir):
-    """k2: INT4 W4A16 experts + LoRA (adapters only); beam: MXFP8 W8A8 everywhere, full fine-tune
-    (the engine re-packs the bf16 weights it is sent). Bitwise on every step."""
-    res, _ = _run(tmp_path, "--recipe", recipe, "--configs", "bitwise")
+def test_k2_and_beam_bitwise(tmp_path, recipe, qwen_moe_dir, user_dir):
+    """k2 on a user's checkpoint (``--model DIR``): INT4 W4A16 experts + LoRA (adapters only);
+    beam on the tiny Qwen3: MXFP8 W8A8 everywhere, full fine-tune (the engine re-packs the bf16
+    weights it is sent). Bitwise on every step."""
+    where = ["--model", str(user_dir)] if recipe == "k2" else []
+    res, _ = _run(tmp_path, "--recipe", recipe, "--configs", "bitwise", *where)
     rows = res["history"]["bitwise"]
     _bitwise_every_step(rows)
     if recipe == "k2":     # adapters only
         plan = res["settings"]["configs"][0]["numerics"]
-        assert all(r["sync_raw_bytes"] == _adapter_bytes(qwen_moe_dir, plan) for r in rows)
+        assert all(r["sync_raw_bytes"] == _adapter_bytes(user_dir, plan) for r in rows)
     else:   # full fine-tune: every weight travels
         assert all(r["sync_raw_bytes"] == r["sync_full_model_bytes"] for r in rows)
 
 
-def test_adapter_sync_refuses_a_wrong_adapter_and_keeps_the_old_ones(qwen_moe_dir):
+def test_adapter_sync_refuses_a_wrong_adapter_and_keeps_the_old_ones(user_dir):
     """The engine serving a LoRA plan: a new adapter version applies in memory and the trainer's
     logprobs still match bit for bit; an adapter of another rank / an unknown target is refused
     with one line before anything is sent, and the engine keeps its adapters."""
@@ -103,10 +116,10 @@ def test_adapter_sync_refuses_a_wrong_adapter_and_keeps_the_old_ones(qwen_moe_di
     from skyrl_numerics.trainer.recipes import get_recipe, resolve
     from skyrl_numerics.trainer.sync.vllm import update_vllm_weights
 
-    plan, kv, _ = resolve(get_recipe("k2"), qwen_moe_dir)
-    gen = get_generator(qwen_moe_dir, batch_invariant=True, capture_routes=True,
-                        numerics=plan.to_json())
-    model = from_checkpoint(qwen_moe_dir, numerics=plan)
+    plan, kv, _ = resolve(get_recipe("k2"), user_dir)
+    gen = get_generator(user_dir, batch_invariant=True, capture_routes=True,
+                        numerics=plan.to_json())     # the k2 loop's engine (same arguments)
+    model = from_checkpoint(user_dir, numerics=plan)
     prompts = make_prompts(3, 8, 512, 5)
     g = torch.Generator().manual_seed(0)
     new = {}
@@ -130,4 +143,30 @@ def test_adapter_sync_refuses_a_wrong_adapter_and_keeps_the_old_ones(qwen_moe_di
     # put the plan's own starting adapters back (the engine is shared with the k2 loop test)
     from skyrl_numerics.trainer.workers import _initial_adapters
 
-    update_vllm_weights(gen, _initial_adapters(str(qwen_moe_dir), plan.to_json()))
+    update_vllm_weights(gen, _initial_adapters(str(user_dir), plan.to_json()))
+
+
+def test_k2_over_a_vllm_server(tmp_path, user_dir, monkeypatch):
+    """``serve --batch-invariant --recipe k2`` then ``train --server URL --recipe k2``: the
+    adapters reach the server through vLLM's own weight-transfer routes (the skyrl_delta backend
+    takes adapter-only snapshots from a LoRA server), Δ = 0 every step; a config whose plan the
+    server does not serve is refused with one line."""
+    from skyrl_numerics.errors import InputError
+    from skyrl_numerics.trainer.engine.server import VLLMServer
+    from skyrl_numerics.trainer.recipes import get_recipe, resolve
+
+    plan, kv, _ = resolve(get_recipe("k2"), user_dir)
+    monkeypatch.setenv("VLLM_API_KEY", "k2-key")
+    with VLLMServer(user_dir, api_key="k2-key", log_path=tmp_path / "serve.log",
+                    batch_invariant=True, numerics=plan.to_json()) as srv:
+        res, _ = _run(tmp_path, "--recipe", "k2", "--configs", "bitwise", "--server", srv.url)
+        rows = res["history"]["bitwise"]
+        _bitwise_every_step(rows)
+        assert all(r["sync_raw_bytes"] == _adapter_bytes(user_dir, plan.to_json()) for r in rows)
+        with pytest.raises(InputError, match="serves another plan"):
+            from skyrl_numerics.trainer.loop import LoopSettings, run_loop
+            from skyrl_numerics.trainer.recipes import loop_configs
+
+            other = loop_configs(get_recipe("k2", ["lora_rank=8"]), user_dir, ["bitwise"])
+            run_loop(str(user_dir), other, LoopSettings(steps=1), server=srv.url,
+                     api_key="k2-key", progress=False, work_dir=tmp_path / "w")

@@ -289,11 +289,6 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
     def generator_for(cfg):
         key = (cfg.invariant_engine, cfg.kv_cache if cfg.invariant_engine else None, cfg.numerics)
         if server is not None:
-            if cfg.numerics is not None:
-                from skyrl_numerics.errors import InputError
-
-                raise InputError("a recipe with --server: not wired (the server would have to "
-                                 "serve the recipe's numerics)", field="recipe")
             return remote_for(cfg)
         if key not in gens:
             if cfg.numerics is not None and replicas > 1:
@@ -312,13 +307,20 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
             gens["server"] = RemoteGeneratorWorker(server, api_key=api_key, model_dir=str(model_dir),
                                                    pause="keep" if s.off_policy else None)
         gen = gens["server"]
-        if cfg.bitwise != gen.gen.batch_invariant:
-            need = "a --batch-invariant server" if cfg.bitwise else "a stock server"
+        if cfg.invariant_engine != gen.gen.batch_invariant:
+            need = "a --batch-invariant server" if cfg.invariant_engine else "a stock server"
             raise InputError(f"config {cfg.name!r} needs {need}; {server} is "
                              f"{'batch-invariant' if gen.gen.batch_invariant else 'stock'}",
                              field="configs")
+        from skyrl_numerics.trainer.invariant.numerics import NumericsPlan
+
+        if NumericsPlan.from_json(cfg.numerics) != NumericsPlan.from_json(gen.gen.numerics):
+            what = f"recipe {cfg.recipe!r}'s serving numerics" if cfg.recipe else "no recipe"
+            raise InputError(f"config {cfg.name!r} needs {what}; {server} serves "
+                             f"{'another plan' if gen.gen.numerics else 'none'} (start it with "
+                             "skyrl-numerics serve --batch-invariant --recipe ...)", field="recipe")
         served_kv = (gen.gen.kv_cache or {}).get("format", "auto")
-        if cfg.bitwise and served_kv != (cfg.kv_cache or "auto"):
+        if cfg.invariant_engine and served_kv != (cfg.kv_cache or "auto"):
             raise InputError(f"config {cfg.name!r} uses kv_cache {cfg.kv_cache!r}; the server "
                              f"stores {served_kv!r}", field="kv_cache")
         return gen

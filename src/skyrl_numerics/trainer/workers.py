@@ -90,13 +90,17 @@ class GeneratorWorker:
 
 
 def _checkpoint_bf16_bytes(model_dir: str) -> int:
-    """What a full weight sync sends raw: every checkpoint tensor in bf16 (headers only)."""
+    """What a full weight sync sends raw: every checkpoint tensor, floating ones of 2 bytes or
+    more in bf16 except float32 ones the model keeps in float32 (a router bias), from the
+    headers."""
     import math
 
     from skyrl_numerics.model_check import _read_header
     from skyrl_numerics.trainer.invariant.base import _checkpoint_files
 
-    return sum(2 * math.prod(e["shape"]) for f in _checkpoint_files(model_dir)
+    size = {"F32": 4, "F64": 2, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+            "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+    return sum(size.get(e["dtype"], 2) * math.prod(e["shape"]) for f in _checkpoint_files(model_dir)
                for e in _read_header(f, str(model_dir)).values())
 
 
@@ -209,6 +213,7 @@ class TrainerWorker:
             from skyrl_numerics.trainer.recipes import published_trainer_kwargs
 
             extra = published_trainer_kwargs(config.numerics)
+            self.initial_adapters = _initial_adapters(model_dir, config.numerics)
         tcfg = TrainerConfig(lr=config.lr, route_replay=config.route_replay, use_support=config.use_support,
                              correction=fn, micro_batch_size=16, weight_decay=0.0,
                              eps_low=config.eps_low, eps_high=config.eps_high, **extra)
@@ -253,8 +258,9 @@ class TrainerWorker:
             from skyrl_numerics.trainer.recipes import plain_names
 
             sd = plain_names(dict(self.trainer.model.state_dict()))
-            if self.trainer.lora_modules:
-                sd = {k: v for k, v in sd.items() if ".lora_" in k}
+            if self.trainer.lora_modules:   # every adapter the engine serves: the ones this
+                # trainer has no layer for (routed experts) at the plan's starting values
+                sd = {**self.initial_adapters, **{k: v for k, v in sd.items() if ".lora_" in k}}
             else:
                 sd = _revert_names(self.trainer.model, sd)
             return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in sd.items()}

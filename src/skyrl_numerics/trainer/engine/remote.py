@@ -91,6 +91,7 @@ class RemoteGenerator:
         self.batch_invariant = "skyrl_base_arch" in overrides
         self.kv_cache = json.loads(overrides["skyrl_kv_cache"]) if "skyrl_kv_cache" in overrides \
             else None
+        self.numerics = overrides.get("skyrl_numerics")     # a recipe's plan (JSON), or None
         self.model_dir = str(model_dir or mc.get("model") or models[0].get("root") or self.model)
         self.hf_config = self._hf_config()
         self.vocab_size = int(self.hf_config.get("vocab_size") or 0) or None

@@ -94,8 +94,8 @@ def _on_gpu() -> bool:
 
 
 def serve_command(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8000,
-                  batch_invariant: bool = False, kv_cache=None, max_model_len: int = 1024,
-                  dtype: str = "bfloat16", max_logprobs: int = 64,
+                  batch_invariant: bool = False, kv_cache=None, numerics=None,
+                  max_model_len: int = 1024, dtype: str = "bfloat16", max_logprobs: int = 64,
                   gpu_memory_utilization: float | None = None, api_key: str | None = None,
                   sampling_mask: bool = False, extra_args: Sequence[str] = ()) -> list[str]:
     """The argv of the server (see the module docstring)."""
@@ -118,11 +118,11 @@ def serve_command(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port
     if batch_invariant:
         from .vllm_invariant_model import engine_overrides
 
-        argv += ["--hf-overrides", json.dumps(engine_overrides(hf_cfg, kv_cache))]
-    elif kv_cache is not None:
-        raise InputError("--kv-cache selects the invariant model's cache format; it needs "
-                         "--batch-invariant (for vLLM's own FP8 cache pass --kv-cache-dtype "
-                         "after --)", field="kv_cache")
+        argv += ["--hf-overrides", json.dumps(engine_overrides(hf_cfg, kv_cache, numerics))]
+    elif kv_cache is not None or numerics is not None:
+        raise InputError("--kv-cache / --recipe select the invariant model's cache format and "
+                         "serving numerics; they need --batch-invariant (for vLLM's own FP8 cache "
+                         "pass --kv-cache-dtype after --)", field="kv_cache" if kv_cache else "recipe")
     from .remote import moe_layout
 
     if moe_layout(hf_cfg) is not None:

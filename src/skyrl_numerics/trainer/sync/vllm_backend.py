@@ -199,10 +199,22 @@ class SkyrlDeltaEngine(WeightTransferEngine[SkyrlDeltaInitInfo, SkyrlDeltaUpdate
             self.receiver, self.store = held, init_info.store
             return
         self.receiver = DeltaReceiver(init_info.store, key=key, max_bytes=init_info.max_bytes,
-                                      expect=served_layout(self.model_config.model),
+                                      expect=self._expected_layout(),
                                       weights_format=init_info.weights_format)
         self.store = init_info.store
         self._receivers[init_info.store] = self.receiver
+
+    def _expected_layout(self) -> dict:
+        """What a snapshot must hold: the served checkpoint's tensors, or — an invariant engine
+        serving a LoRA plan, whose base is frozen and packed — exactly its adapters (bf16)."""
+        import torch
+
+        from skyrl_numerics.trainer.invariant.numerics import engine_adapter_shapes
+
+        shapes = engine_adapter_shapes(self.model_config.hf_config)
+        if shapes:
+            return {n: torch.empty(s, dtype=torch.bfloat16, device="meta") for n, s in shapes.items()}
+        return served_layout(self.model_config.model)
 
     def start_weight_update(self) -> None:
         if self.receiver is None:
