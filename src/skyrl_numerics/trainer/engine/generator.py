@@ -321,23 +321,28 @@ class VLLMGenerator:
         # drop anything an interrupted call left
         self.llm.collective_rpc("skyrl_logits_digest_fetch", args=([], [], []))
 
+    def _fetch_per_sample(self, method: str, what: str, outputs, n: int, *args) -> list[dict]:
+        """The worker store's record of every returned sample (``method`` of the worker
+        extension, called with the samples' external ids and ``args``): one dict per sample;
+        a sample with nothing recorded, or missing a position, is a RuntimeError naming it."""
+        # vLLM names the j-th of n samples of request r "j_r" (parallel sampling), else "r".
+        ext = [out.request_id if n == 1 else f"{j}_{out.request_id}"
+               for out in outputs for j in range(len(out.outputs))]
+        got = self.llm.collective_rpc(method, args=(ext, *args))[0]
+        for i, g in enumerate(got):
+            if g is None:
+                raise RuntimeError(f"{what}: nothing recorded for sample {i} (request {ext[i]})")
+            if not isinstance(g, dict):
+                raise RuntimeError(f"{what}: sample {i} misses position {g[1]}")
+        return got
+
     def _fetch_digests(self, outputs, n: int, p_rows, r_rows):
         """The digests the worker recorded for every response token, as LogitsDigests."""
         from skyrl_numerics.gap.digest import DIGEST_BYTES, LogitsDigests
 
-        ext = [out.request_id if n == 1 else f"{j}_{out.request_id}"
-               for out in outputs for j in range(len(out.outputs))]
-        got = self.llm.collective_rpc("skyrl_logits_digest_fetch",
-                                      args=(ext, [len(p) for p in p_rows],
-                                            [len(r) for r in r_rows]))[0]
-        parts = []
-        for i, g in enumerate(got):
-            if g is None:
-                raise RuntimeError(f"logits digest: nothing recorded for sample {i} "
-                                   f"(request {ext[i]})")
-            if not isinstance(g, dict):
-                raise RuntimeError(f"logits digest: sample {i} misses position {g[1]}")
-            parts.append(np.frombuffer(g["digests"], np.uint8).reshape(-1, DIGEST_BYTES))
+        got = self._fetch_per_sample("skyrl_logits_digest_fetch", "logits digest", outputs, n,
+                                     [len(p) for p in p_rows], [len(r) for r in r_rows])
+        parts = [np.frombuffer(g["digests"], np.uint8).reshape(-1, DIGEST_BYTES) for g in got]
         flat = np.concatenate(parts) if parts else np.zeros((0, DIGEST_BYTES), np.uint8)
         return LogitsDigests(flat, self._digest_algo)
 
@@ -392,20 +397,11 @@ class VLLMGenerator:
         """The supports the engine's sampler kept, for every response token, as PackedSupport."""
         from skyrl_numerics.replay import PackedSupport
 
-        ext = [out.request_id if n == 1 else f"{j}_{out.request_id}"
-               for out in outputs for j in range(len(out.outputs))]
-        starts = [len(p) for p in p_rows]
-        lengths = [len(r) for r in r_rows]
-        got = self.llm.collective_rpc("skyrl_support_capture_fetch",
-                                      args=(ext, starts, lengths))[0]
+        got = self._fetch_per_sample("skyrl_support_capture_fetch", "support capture", outputs, n,
+                                     [len(p) for p in p_rows], [len(r) for r in r_rows])
         ids, offs = [], [np.zeros(1, np.int64)]
         base = 0
-        for i, g in enumerate(got):
-            if g is None:
-                raise RuntimeError(f"support capture: nothing recorded for sample {i} "
-                                   f"(request {ext[i]})")
-            if not isinstance(g, dict):
-                raise RuntimeError(f"support capture: sample {i} misses position {g[1]}")
+        for g in got:
             a = np.frombuffer(g["ids"], dtype=np.int32)
             o = np.frombuffer(g["offsets"], dtype=np.int64)
             ids.append(a)
@@ -435,20 +431,10 @@ class VLLMGenerator:
                 return [(int(a), s_[a:]) for a, s_ in zip(starts, seqs)]
             return PackedRoutes.from_sequences(seqs, self.route_info["num_experts"])
 
-        # vLLM names the j-th of n samples of request r "j_r" (parallel sampling), else "r".
-        ext = [out.request_id if n == 1 else f"{j}_{out.request_id}"
-               for out in outputs for j in range(len(out.outputs))]
         lengths = [len(p) + len(r) - 1 for p, r in zip(p_rows, r_rows)]
-        got = self.llm.collective_rpc("skyrl_route_capture_fetch",
-                                      args=(ext, lengths, True, starts))[0]
-        seqs = []
-        for i, g in enumerate(got):
-            if g is None:
-                raise RuntimeError(f"route capture: no routes recorded for sample {i} "
-                                   f"(request {ext[i]})")
-            if not isinstance(g, dict):
-                raise RuntimeError(f"route capture: sample {i} misses routes at position {g[1]}")
-            seqs.append(np.frombuffer(g["data"], dtype=np.dtype(g["dtype"])).reshape(g["shape"]))
+        got = self._fetch_per_sample("skyrl_route_capture_fetch", "route capture", outputs, n,
+                                     lengths, True, starts)
+        seqs = [np.frombuffer(g["data"], dtype=np.dtype(g["dtype"])).reshape(g["shape"]) for g in got]
         if starts is not None:
             return [(int(a), s_) for a, s_ in zip(starts, seqs)]
         return PackedRoutes.from_sequences(seqs, self.route_info["num_experts"])
