@@ -118,7 +118,7 @@ def serve_command(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port
     if batch_invariant:
         from .vllm_invariant_model import engine_overrides
 
-        argv += ["--hf-overrides", json.dumps(engine_overrides(hf_cfg, kv_cache))]
+        argv += ["--hf-overrides", json.dumps(engine_overrides(hf_cfg, kv_cache, model_dir=model_dir))]
     elif kv_cache is not None:
         raise InputError("--kv-cache selects the invariant model's cache format; it needs "
                          "--batch-invariant (for vLLM's own FP8 cache pass --kv-cache-dtype "
