@@ -36,7 +36,7 @@ EXPORT = textwrap.dedent("""
     for job in sys.argv[2:]:
         algo, out = job.split(",")
         m = tiny_qwen3_moe(0).to(torch.bfloat16)
-        m.config.architectures = ["Qwen3MoeForCausalLM"]     # (save_pretrained would set it)
+        m.save_pretrained(out + ".base")                     # the bf16 model it quantizes
         ids = torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(0))
         def fwd(model):
             with torch.no_grad():
@@ -47,7 +47,8 @@ EXPORT = textwrap.dedent("""
 
 
 def modelopt_export(root: Path, algos=("NVFP4_DEFAULT_CFG", "FP8_DEFAULT_CFG")) -> dict | None:
-    """``{algo: DIR}`` exported by modelopt itself, or None when its export cannot run here."""
+    """``{algo: DIR}`` exported by modelopt itself (the bf16 model beside it in ``DIR.base``), or
+    None when its export cannot run here."""
     import importlib.util
 
     if not DEPS.is_dir() or importlib.util.find_spec("modelopt") is None:

@@ -546,11 +546,13 @@ def from_vendor_checkpoint(cls, model_dir, quant: dict, *, kv_cache=None, dtype=
     model = cls.from_config(cfg, dtype=dtype, kv_cache=kv_cache, numerics=plan, pack=True)
     need, may = model._vendor.names()
     plain = {n for n in model.hf_names() if n not in model._packed and n not in model.adapter_names()}
-    stored = checkpoint_tensor_names(model_dir)
-    missing = sorted((need | plain) - set(stored))
+    stored = set(checkpoint_tensor_names(model_dir))
+    missing = sorted((need | plain) - stored)
     if missing:
-        raise InputError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}", source=str(model_dir),
-                         field=missing[0])
+        q = [missing[0] + s for s in ("_packed", "_scale", "_scale_inv") if missing[0] + s in stored]
+        raise InputError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}" + (
+            f" ({q[0]} is stored: the checkpoint holds {missing[0]} quantized, its config says it is not)"
+            if q else ""), source=str(model_dir), field=missing[0])
     extra = sorted(n for n in stored if n not in need | plain | may and not model.ignored_weight(n))
     if extra:
         raise InputError(f"checkpoint has {len(extra)} tensors the invariant {type(model).__name__} does not "
