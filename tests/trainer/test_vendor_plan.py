@@ -217,3 +217,47 @@ def test_hf_quant_config_alone_and_disagreeing_with_config_json(ckpts, tmp_path)
     with pytest.raises(InputError) as e:
         from_checkpoint(other)
     assert e.value.field == "exclude_modules"
+
+
+def _ct_fp8(acts):
+    g = {"targets": ["Linear"], "format": "float-quantized",
+         "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False}}
+    if acts is not None:
+        g["input_activations"] = {"num_bits": 8, "type": "float", "symmetric": True, **acts}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "ignore": ["lm_head", "re:.*mlp.gate$"], "config_groups": {"group_0": g}}
+
+
+@pytest.mark.parametrize("qc,want", [
+    (_ct_fp8({"strategy": "token", "dynamic": True}), ("fp8_channel", "fp8_token", None)),
+    (_ct_fp8({"strategy": "tensor", "dynamic": False}), ("fp8_channel", "fp8_tensor", 1.0)),
+    (_ct_fp8({"strategy": "group", "group_size": 128, "dynamic": True}), ("fp8_channel", "fp8_group", None)),
+    (_ct_fp8(None), ("fp8_channel", "none", None)),
+    ({"quant_method": "modelopt", "quant_algo": "W4A16_NVFP4", "exclude_modules": ["lm_head", "*mlp.gate"]},
+     ("nvfp4", "none", None)),
+])
+def test_activation_formats_from_the_config(qwen_moe_dir, qc, want):
+    """What the engine is told (``skyrl_numerics``) for each activation scheme; static scales are
+    placeholders the loader replaces per linear with the stored ``input_scale``."""
+    from skyrl_numerics.trainer.engine.vllm_invariant_model import engine_overrides
+
+    cfg = json.loads((qwen_moe_dir / "config.json").read_text())
+    if want[1] == "fp8_group":      # 1x128 groups: the tiny experts' 64-wide down_proj input is refused
+        with pytest.raises(InputError) as e:
+            engine_overrides({**cfg, "quantization_config": qc})
+        assert e.value.field == "formats.experts.act"
+        cfg = {**cfg, "moe_intermediate_size": 128}
+    plan = N.NumericsPlan.from_json(engine_overrides({**cfg, "quantization_config": qc})["skyrl_numerics"])
+    for g in ("attention", "experts"):
+        f = plan.formats[g]
+        assert (f.weight, f.act, f.act_scale) == want, g
+
+
+def test_an_update_of_a_packed_weight_in_bf16_is_refused(ckpts):
+    d = ckpts["ct_int4_experts"]
+    m = from_checkpoint(d)
+    P = "model.layers.0.self_attn.q_proj.weight"
+    before = m._packed[P].codes.clone()
+    with pytest.raises(InputError, match="stored codes") as e:
+        m.load_named([(P, torch.zeros(m._packed_shapes[P], dtype=torch.bfloat16))])
+    assert e.value.field == P and torch.equal(m._packed[P].codes, before)

@@ -467,6 +467,10 @@ class VendorLoader:
         """The pairs of ``named`` that are not a packed weight's parts (those are consumed)."""
         for name, t in named:
             hit = self.owner.get(name)
+            if name in self.rules and t.is_floating_point() and t.dtype.itemsize > 1:
+                raise InputError(f"weight {name!r} is served from the checkpoint's stored codes + scales "
+                                 f"({self.rules[name].where}); a {t.dtype} value for it would be requantized "
+                                 "by other rules than the vendor's: send its stored parts", field=name)
             if hit is None:
                 if (name.endswith(_COMPANION) or t.dtype in (torch.uint8, torch.int8, torch.int32)
                         or t.dtype.itemsize == 1):
