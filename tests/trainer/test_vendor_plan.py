@@ -10,6 +10,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoConfig
 
 import vendor_ckpts as V
@@ -261,3 +263,25 @@ def test_an_update_of_a_packed_weight_in_bf16_is_refused(ckpts):
     with pytest.raises(InputError, match="stored codes") as e:
         m.load_named([(P, torch.zeros(m._packed_shapes[P], dtype=torch.bfloat16))])
     assert e.value.field == P and torch.equal(m._packed[P].codes, before)
+
+
+@pytest.mark.isa
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 7), seed=st.integers(0, 2**31 - 1), mag=st.floats(1e-3, 1e3),
+       act=st.sampled_from(["fp8_group", "nvfp4"]))
+def test_new_activation_formats_are_row_local_and_the_recipes(rows, seed, mag, act):
+    """``fp8_group`` is the ``fp8_block`` 1x128 recipe (vLLM's per-token-group FP8) and nvfp4 with
+    ``act_global = g`` is the vllm-convention recipe at the stored global (``G = fl(1/g)``, what
+    vLLM computes from a modelopt ``input_scale``), row by row."""
+    from skyrl_numerics.quant import fake_quant
+
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, 256, generator=g) * mag).to(torch.bfloat16)
+    gl = float(torch.tensor(mag * 4 / 2688, dtype=torch.float32))
+    f = N.LinearFormat(act=act, act_global=gl if act == "nvfp4" else None)
+    whole = N.quantize_activation(x, f)
+    want = (fake_quant(x, "fp8_block", block=(1, 128)) if act == "fp8_group" else
+            fake_quant(x, "nvfp4", convention="vllm", global_scale=torch.tensor(gl)))
+    assert torch.equal(whole, want)
+    for i in range(rows):
+        assert torch.equal(whole[i:i + 1], N.quantize_activation(x[i:i + 1], f))
