@@ -24,7 +24,7 @@ _MODELOPT = None
 
 
 def modelopt_qtensors():
-    """-> namespace with ``NVFP4QTensor``, ``MXFP8QTensor``, ``cast_per_block_scale_to_fp8``,
+    """-> namespace with ``NVFP4QTensor``, ``MXFP8QTensor``, ``FP8QTensor``, ``cast_per_block_scale_to_fp8``,
     ``version``. Skips the test when nvidia-modelopt is not installed."""
     global _MODELOPT
     if _MODELOPT is not None:
@@ -63,7 +63,8 @@ def modelopt_qtensors():
         utils = pkg("modelopt.torch.quantization.utils", q / "utils")
         # the reduction helpers, verbatim from core_utils.py (its imports are the heavy part)
         src = (q / "utils" / "core_utils.py").read_text()
-        want = {"reduce_amax", "reduce_block_amax", "reduce_block_padding", "_FP8_DTYPES"}
+        want = {"reduce_amax", "reduce_block_amax", "reduce_block_padding", "_FP8_DTYPES",
+                "convert_quantization_axis_to_reduce_axis"}
         nodes = [n for n in ast.parse(src).body
                  if (isinstance(n, ast.FunctionDef) and n.name in want)
                  or (isinstance(n, ast.Assign) and any(getattr(t, "id", None) in want for t in n.targets))]
@@ -77,12 +78,14 @@ def modelopt_qtensors():
         load("modelopt.torch.quantization.qtensor.base_qtensor", q / "qtensor" / "base_qtensor.py")
         nv = load("modelopt.torch.quantization.qtensor.nvfp4_tensor", q / "qtensor" / "nvfp4_tensor.py")
         mx8 = load("modelopt.torch.quantization.qtensor.mxfp8_tensor", q / "qtensor" / "mxfp8_tensor.py")
+        fp8 = load("modelopt.torch.quantization.qtensor.fp8_tensor", q / "qtensor" / "fp8_tensor.py")
     finally:
         for k in [k for k in sys.modules if k == "modelopt" or k.startswith("modelopt.")]:
             del sys.modules[k]
         sys.modules.update(saved)
     from importlib.metadata import version
     _MODELOPT = types.SimpleNamespace(NVFP4QTensor=nv.NVFP4QTensor, MXFP8QTensor=mx8.MXFP8QTensor,
+                                      FP8QTensor=fp8.FP8QTensor,
                                       cast_per_block_scale_to_fp8=nv._cast_per_block_scale_to_fp8,
                                       version=version("nvidia-modelopt"))
     return _MODELOPT

@@ -36,15 +36,21 @@ def _seqs():
 
 
 @settings(max_examples=25, deadline=None)
-@given(rows=st.integers(1, 9), k=st.sampled_from([32, 64, 96]), seed=st.integers(0, 2**31 - 1),
-       act=st.sampled_from(["fp8_token", "fp8_tensor", "nvfp4", "mxfp8"]),
+@given(rows=st.integers(1, 9), k=st.sampled_from([32, 64, 96, 128, 256]),
+       seed=st.integers(0, 2**31 - 1),
+       act=st.sampled_from(["fp8_token", "fp8_tensor", "nvfp4", "nvfp4_global", "mxfp8", "fp8_group"]),
        mag=st.floats(1e-3, 1e3))
 def test_activation_formats_are_row_local(rows, k, seed, act, mag):
     """A token's quantized activation is computed from its own row: the same bits alone and in
     any batch (what makes W4A4 / W8A8 batch-invariant)."""
+    from hypothesis import assume
+
+    assume(act != "fp8_group" or k % 128 == 0)
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, k, generator=g) * mag).to(torch.bfloat16)
-    f = N.LinearFormat(act=act, act_scale=0.05 if act == "fp8_tensor" else None)
+    f = N.LinearFormat(act="nvfp4" if act == "nvfp4_global" else act,
+                       act_scale=0.05 if act == "fp8_tensor" else None,
+                       act_global=0.0123 if act == "nvfp4_global" else None)
     whole = N.quantize_activation(x, f)
     for i in range(rows):
         assert torch.equal(whole[i:i + 1], N.quantize_activation(x[i:i + 1], f)), (act, i)
@@ -55,6 +61,8 @@ def test_activation_formats_are_row_local(rows, k, seed, act, mag):
     opts = {"fp8_token": ("fp8_token", {}),
             "fp8_tensor": ("fp8_tensor", {"scale": torch.tensor(0.05)}),
             "nvfp4": ("nvfp4", {"convention": "vllm", "global_amax": torch.tensor(2688.0)}),
+            "nvfp4_global": ("nvfp4", {"convention": "vllm", "global_scale": torch.tensor(0.0123)}),
+            "fp8_group": ("fp8_block", {"block": (1, 128)}),
             "mxfp8": ("mxfp8", {})}[act]
     assert torch.equal(whole, dequantize(quantize(x, opts[0], **opts[1]), x.dtype))
 

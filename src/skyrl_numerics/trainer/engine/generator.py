@@ -133,7 +133,7 @@ class VLLMGenerator:
             with open(os.path.join(self.model_dir, "config.json")) as f:
                 hf_cfg = json.load(f)
             engine_kwargs.setdefault("hf_overrides", {}).update(
-                engine_overrides(hf_cfg, kv_cache, numerics))
+                engine_overrides(hf_cfg, kv_cache, numerics, model_dir=self.model_dir))
         elif kv_cache is not None or numerics is not None:
             raise ValueError("kv_cache= / numerics= select the invariant model's cache format and "
                              "serving numerics; they need batch_invariant=True (for vLLM's own "

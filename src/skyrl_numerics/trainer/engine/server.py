@@ -118,7 +118,8 @@ def serve_command(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port
     if batch_invariant:
         from .vllm_invariant_model import engine_overrides
 
-        argv += ["--hf-overrides", json.dumps(engine_overrides(hf_cfg, kv_cache, numerics))]
+        argv += ["--hf-overrides", json.dumps(engine_overrides(hf_cfg, kv_cache, numerics,
+                                                              model_dir=model_dir))]
     elif kv_cache is not None or numerics is not None:
         raise InputError("--kv-cache / --recipe select the invariant model's cache format and "
                          "serving numerics; they need --batch-invariant (for vLLM's own FP8 cache "

@@ -40,12 +40,16 @@ ARCHS = {hf: f"SkyrlInvariant{hf}" for hf in FAMILIES}
 ARCH = ARCHS["Qwen3MoeForCausalLM"]     # kept for callers of the Qwen3-MoE-only API
 
 
-def engine_overrides(hf_config: dict, kv_cache=None, numerics=None) -> dict:
+def engine_overrides(hf_config: dict, kv_cache=None, numerics=None, model_dir=None) -> dict:
     """``hf_overrides`` that make vLLM run the invariant model for this checkpoint config
     (``config.json`` as a dict). Errors name the config field the family cannot reproduce.
     ``numerics``: a :class:`~skyrl_numerics.trainer.invariant.numerics.NumericsPlan` (or its
     JSON) — the quantized serving formats and LoRA adapters the engine computes with, checked
-    against the model's linears here, before any engine starts."""
+    against the model's linears here, before any engine starts. A checkpoint a vendor quantized
+    (its ``quantization_config``, or ``model_dir``'s ``hf_quant_config.json``) is served from its
+    stored codes + scales with the plan its config describes
+    (:mod:`skyrl_numerics.trainer.invariant.vendor_plan`; ``numerics`` may add LoRA); a config
+    it cannot serve is refused naming the field."""
     from types import SimpleNamespace
 
     from skyrl_numerics.errors import InputError
@@ -55,18 +59,18 @@ def engine_overrides(hf_config: dict, kv_cache=None, numerics=None) -> dict:
     if len(archs) != 1 or archs[0] not in ARCHS:
         raise InputError(f"no batch-invariant family for architectures {archs} "
                          f"(supported: {sorted(ARCHS)})", field="architectures")
-    if hf_config.get("quantization_config"):
-        from skyrl_numerics.trainer.invariant.blocks import UnsupportedConfig
+    from skyrl_numerics.trainer.invariant import vendor_plan
 
-        raise UnsupportedConfig("the invariant forward runs bf16/fp32 weights; this checkpoint is "
-                                f"quantized ({hf_config['quantization_config'].get('quant_method')})",
-                                field="quantization_config")
+    quant = vendor_plan.vendor_quant_config(model_dir, hf_config)
     spec = parse_kv_spec(kv_cache)
     # build the family's dims now: an unsupported field fails here, before any engine starts
     cfg = SimpleNamespace(**hf_config)
     family_class(archs[0]).config_parts(cfg, kv_cache=spec)
     over = {"architectures": [ARCHS[archs[0]]], "skyrl_base_arch": archs[0],
             "skyrl_kv_cache": json.dumps(spec)}
+    if quant is not None:
+        numerics = vendor_plan.vendor_numerics(hf_config, quant, numerics, kv_cache=spec)
+        over.update(vendor_plan.vendor_overrides(quant))
     if numerics is not None:
         from skyrl_numerics.trainer.invariant.numerics import NumericsPlan, check_plan_for_config
 

@@ -192,6 +192,9 @@ class InvariantCausalLM(nn.Module):
 
         loaded = set()
         adapters = []
+        vendor = getattr(self, "_vendor", None)     # a vendor-quantized checkpoint (vendor_plan.py)
+        if vendor is not None:
+            named = vendor.take(self, named)        # its weights' stored parts go to the packed storage
         with torch.no_grad():
             for name, t in named:
                 if name not in self._names:
@@ -217,6 +220,8 @@ class InvariantCausalLM(nn.Module):
             for name, t in adapters:
                 dst = self.params[self._names[name]]
                 dst.copy_(t.to(dst.dtype))
+        if vendor is not None:
+            vendor.finish(self)
         return loaded
 
     @classmethod
@@ -235,6 +240,10 @@ class InvariantCausalLM(nn.Module):
         plan = NumericsPlan.from_json(numerics)
         if plan is not None:
             attach(model, plan, pack=pack)
+        if getattr(cfg, "skyrl_vendor", None):      # served from a vendor's stored codes + scales
+            from .vendor_plan import install
+
+            install(model, cfg.skyrl_vendor)
         return model
 
     @classmethod
@@ -245,6 +254,12 @@ class InvariantCausalLM(nn.Module):
         ``numerics`` as in :meth:`from_config`."""
         from transformers import AutoConfig
 
+        from .vendor_plan import from_vendor_checkpoint, vendor_quant_config
+
+        quant = vendor_quant_config(model_dir)      # a vendor-quantized checkpoint: its own plan
+        if quant is not None:
+            return from_vendor_checkpoint(cls, model_dir, quant, kv_cache=kv_cache, dtype=dtype,
+                                          numerics=numerics)
         cfg = AutoConfig.from_pretrained(str(model_dir))
         model = cls.from_config(cfg, dtype=dtype, kv_cache=kv_cache, numerics=numerics)
         tensors = checkpoint_tensor_names(model_dir)   # read one at a time below

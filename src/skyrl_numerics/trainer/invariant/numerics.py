@@ -28,6 +28,8 @@ Weight formats (``quant`` recipes; formulas in ``quant/recipes_*.py``):
     fp8_block    E4M3, 128x128 blocks (DeepSeek-V3 ``weight_scale_inv``)
     int4_g32     INT4 symmetric groups of 32 along the input (compressed-tensors W4A16)
     mxfp8        E4M3, 1x32 blocks, E8M0 scales
+    nvfp4_ct     NVFP4 as compressed-tensors stores it (encode global 2688/amax)
+    int4_g128    INT4 symmetric groups of 128
 
 Activation formats — each one quantizes a token's row from that row alone, so a token's bits do
 not depend on the batch (the invariance the engine needs):
@@ -37,8 +39,10 @@ not depend on the batch (the invariance the engine needs):
     fp8_tensor   *static* per-tensor E4M3 with ``act_scale`` (a checkpoint's ``input_scale``).
                  Dynamic per-tensor scales depend on every token of the batch: refused.
     nvfp4        vLLM's NVFP4 activation quantizer with a static global amax ``act_amax``
-                 (a modelopt checkpoint's ``input_scale · 2688``); default 2688, global scale 1
+                 (default 2688, global scale 1), or the stored global ``act_global`` itself
+                 (a modelopt checkpoint's ``input_scale``: ``fl(fl(g·2688)/2688)`` is not always g)
     mxfp8        dynamic E4M3 1x32 blocks, E8M0 scales
+    fp8_group    dynamic E4M3 1x128 groups (vLLM ``per_token_group_quant_fp8``, DeepSeek-V3 FP8)
 
 With adapters (``lora_rank > 0``) the base is frozen: quantized weights are kept *packed*
 (codes + scales, :class:`~skyrl_numerics.quant.qtensor.QTensor`) on both sides and decoded per
@@ -71,10 +75,14 @@ WEIGHT_FORMATS = {
     "fp8_block": ("fp8_block", {"block": (128, 128)}),
     "int4_g32": ("int4_g32", {}),
     "mxfp8": ("mxfp8", {}),
+    # read from vendor checkpoints (vendor_plan.py): compressed-tensors' NVFP4, INT4 groups of 128
+    "nvfp4_ct": ("nvfp4", {"convention": "compressed_tensors"}),
+    "int4_g128": ("int4_g32", {"group": 128}),
 }
-ACT_FORMATS = ("none", "fp8_token", "fp8_tensor", "nvfp4", "mxfp8")
+ACT_FORMATS = ("none", "fp8_token", "fp8_tensor", "nvfp4", "mxfp8", "fp8_group")
 # the input dim a format's blocks need to divide (serving kernels do not pad these)
-_K_MULTIPLE = {"nvfp4": 16, "int4_g32": 32, "mxfp8": 32}
+_K_MULTIPLE = {"nvfp4": 16, "int4_g32": 32, "mxfp8": 32, "nvfp4_ct": 16, "int4_g128": 128,
+               "fp8_group": 128}
 _ADAPTER = (".lora_A.weight", ".lora_B.weight")
 
 
@@ -87,6 +95,7 @@ class LinearFormat:
     act: str = "none"
     act_scale: float | None = None
     act_amax: float = 2688.0
+    act_global: float | None = None     # nvfp4: the stored global g itself (modelopt input_scale)
 
     def check(self, where: str) -> None:
         if self.weight is not None and self.weight not in WEIGHT_FORMATS:
@@ -100,6 +109,10 @@ class LinearFormat:
             raise InputError(f"{where}: fp8_tensor activations need a static act_scale > 0 (a "
                              "dynamic per-tensor scale depends on the whole batch, so no token's "
                              "bits would be its own)", field=f"{where}.act_scale")
+        if self.act_global is not None and not (self.act == "nvfp4" and self.act_global > 0
+                                                and math.isfinite(self.act_global)):
+            raise InputError(f"{where}: act_global is the static global of nvfp4 activations, finite "
+                             f"and > 0; got {self.act_global} for {self.act!r}", field=f"{where}.act_global")
         if not (self.act_amax > 0 and math.isfinite(self.act_amax)):
             raise InputError(f"{where}: act_amax must be finite and > 0, got {self.act_amax}",
                              field=f"{where}.act_amax")
@@ -238,8 +251,12 @@ def quantize_activation(x: torch.Tensor, f: LinearFormat) -> torch.Tensor:
         recipe, opts = "fp8_token", {}
     elif f.act == "fp8_tensor":
         recipe, opts = "fp8_tensor", {"scale": torch.tensor(float(f.act_scale))}
-    elif f.act == "nvfp4":
-        recipe, opts = "nvfp4", {"convention": "vllm", "global_amax": torch.tensor(float(f.act_amax))}
+    elif f.act == "nvfp4":     # a checkpoint's stored global scale, else the static amax
+        g = ({"global_scale": torch.tensor(float(f.act_global))} if f.act_global is not None
+             else {"global_amax": torch.tensor(float(f.act_amax))})
+        recipe, opts = "nvfp4", {"convention": "vllm", **g}
+    elif f.act == "fp8_group":
+        recipe, opts = "fp8_block", {"block": (1, 128)}
     else:
         recipe, opts = "mxfp8", {}
 
