@@ -8,19 +8,13 @@ modelopt NVFP4 W4A4 with static input scales (modelopt's own HF export, when it 
 DeepSeek-V3 block FP8 with per-token 1x128 FP8 activations (MLA, shared experts, a dense layer)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
+import vendor_ckpts as V     # tests/vendor_ckpts.py (tests/ is on the path: its conftest)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
-import vendor_ckpts as V  # noqa: E402
-
-from skyrl_numerics.doctor import make_prompts  # noqa: E402
-from skyrl_numerics.trainer.invariant import from_checkpoint  # noqa: E402
-from skyrl_numerics.trainer.invariant.base import (invariant_logits_digest,  # noqa: E402
-                                                   invariant_trainer_logprobs)
+from skyrl_numerics.doctor import make_prompts
+from skyrl_numerics.trainer.invariant import from_checkpoint
+from skyrl_numerics.trainer.invariant.base import invariant_logits_digest, invariant_trainer_logprobs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
 

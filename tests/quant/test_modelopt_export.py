@@ -63,7 +63,7 @@ def exported(tmp_path_factory):
     jobs = {"moe": ("moe", "NVFP4_DEFAULT_CFG", 0), "llama": ("llama", "FP8_DEFAULT_CFG", 0),
             "moe_seed1": ("moe", "none", 1)}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(DEPS), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    r = subprocess.run([sys.executable, "-c", EXPORT, str(Path(__file__).parent),
+    r = subprocess.run([sys.executable, "-c", EXPORT, str(Path(__file__).parents[1]),  # tests/: qmodels.py
                         *(f"{k},{a},{root / n},{s}" for n, (k, a, s) in jobs.items())],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

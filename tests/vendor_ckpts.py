@@ -21,9 +21,7 @@ from pathlib import Path
 
 import torch
 
-QUANT_TESTS = Path(__file__).resolve().parents[1] / "quant"
-if str(QUANT_TESTS) not in sys.path:
-    sys.path.insert(0, str(QUANT_TESTS))
+TESTS = Path(__file__).resolve().parent      # qmodels.py, for modelopt's export child
 DEPS = Path(sys.prefix) / "modelopt-export-deps"
 
 EXPORT = textwrap.dedent("""
@@ -58,7 +56,7 @@ def modelopt_export(root: Path, algos=("NVFP4_DEFAULT_CFG", "FP8_DEFAULT_CFG")) 
     if todo:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(DEPS), *filter(None, [os.environ.get("PYTHONPATH")])]))
         with open(root / "modelopt_export.log", "w") as log:
-            r = subprocess.run([sys.executable, "-c", EXPORT, str(QUANT_TESTS), *(f"{a},{out[a]}" for a in todo)],
+            r = subprocess.run([sys.executable, "-c", EXPORT, str(TESTS), *(f"{a},{out[a]}" for a in todo)],
                                env=env, stdout=log, stderr=subprocess.STDOUT, timeout=900)
         assert r.returncode == 0, (root / "modelopt_export.log").read_text()[-3000:]
     return out
