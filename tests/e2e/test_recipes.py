@@ -170,3 +170,19 @@ def test_k2_over_a_vllm_server(tmp_path, user_dir, monkeypatch):
             other = loop_configs(get_recipe("k2", ["lora_rank=8"]), user_dir, ["bitwise"])
             run_loop(str(user_dir), other, LoopSettings(steps=1), server=srv.url,
                      api_key="k2-key", progress=False, work_dir=tmp_path / "w")
+
+
+def test_k2_on_a_vendor_quantized_checkpoint(tmp_path, qwen_moe_dir):
+    """``--model DIR`` written by compressed-tensors' own compressor (INT4 W4A16 g32, attention and
+    experts): the engine and the trainer serve the stored codes + scales (never a bf16 copy), the
+    recipe's LoRA rides on that frozen base, adapters synced in memory: Δ = 0 every step."""
+    from skyrl_numerics.trainer.engine.serving_checkpoint import write_int4_checkpoint
+
+    q = write_int4_checkpoint(qwen_moe_dir, experts=True)
+    res, _ = _run(tmp_path, "--model", str(q), "--recipe", "k2", "--configs", "bitwise")
+    rows = res["history"]["bitwise"]
+    _bitwise_every_step(rows)
+    plan = json.loads(res["settings"]["configs"][0]["numerics"])
+    assert plan["formats"]["attention"]["weight"] == "int4_g32" and plan["lora_rank"] == 32
+    assert all(r["sync_raw_bytes"] == _adapter_bytes(q, res["settings"]["configs"][0]["numerics"])
+               for r in rows)

@@ -59,11 +59,6 @@ def test_what_does_not_apply_is_refused(qwen_moe_dir, tmp_path):
     (odd / "config.json").write_text(json.dumps({**cfg, "moe_intermediate_size": 40}))
     with pytest.raises(InputError, match=r"experts\.\d+\.down_proj.weight: nvfp4"):
         resolve(get_recipe("ml4", ["kv_cache=auto"]), odd)
-    quant = tmp_path / "quant"
-    quant.mkdir()
-    (quant / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "fp8"}}))
-    with pytest.raises(InputError, match="already quantized"):
-        resolve(get_recipe("k2"), quant)
     mix = tmp_path / "mix"
     mix.mkdir()
     (mix / "config.json").write_text(json.dumps({**cfg, "architectures": ["MixtralForCausalLM"]}))
@@ -101,3 +96,23 @@ def test_cli_refuses_with_one_line_before_any_engine(argv, field, tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and field in err, err
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_a_vendor_quantized_base_keeps_its_own_formats(qwen_moe_dir):
+    """``--model DIR`` a vendor quantized (compressed-tensors INT4, written by compressed-tensors'
+    own compressor): the bitwise plan serves the stored codes with the recipe's LoRA; a full
+    fine-tune and the published (HF) trainer are refused naming the field."""
+    from skyrl_numerics.trainer.engine.serving_checkpoint import write_int4_checkpoint
+
+    q = write_int4_checkpoint(qwen_moe_dir, experts=True)
+    plan, kv, notes = resolve(get_recipe("ml4", ["kv_cache=auto"]), q)
+    assert plan.formats["experts"].weight == "int4_g32" and plan.formats["attention"].weight == "int4_g32"
+    assert plan.lora_rank == 32 and "experts" in plan.lora_targets
+    assert any("checkpoint's own (compressed-tensors)" in n for n in notes), notes
+    (cfg,) = loop_configs(get_recipe("k2"), q, ["bitwise"])
+    assert cfg.numerics == resolve(get_recipe("k2"), q)[0].to_json()
+    with pytest.raises(InputError, match="set lora_rank") as e:
+        resolve(get_recipe("beam"), q)
+    assert e.value.field == "lora_rank"
+    with pytest.raises(InputError, match="run --configs bitwise"):
+        loop_configs(get_recipe("k2"), q, ["published", "bitwise"])

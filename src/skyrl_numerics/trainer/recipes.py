@@ -189,15 +189,18 @@ def resolve(recipe: Recipe, model_dir) -> tuple:
     from skyrl_numerics.trainer.invariant import FAMILIES
     from skyrl_numerics.trainer.invariant.numerics import check_plan_for_config, group_of
 
+    from skyrl_numerics.trainer.invariant.vendor_plan import vendor_quant_config
+
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     arch = (cfg.get("architectures") or ["?"])[0]
     if arch not in FAMILIES:
         raise InputError(f"recipe {recipe.name!r}: its bitwise config needs a batch-invariant family; "
                          f"{arch} is not one of {sorted(FAMILIES)}", field="model")
-    if cfg.get("quantization_config"):
-        raise InputError(f"recipe {recipe.name!r} quantizes a bf16 base itself; {model_dir} is "
-                         f"already quantized ({cfg['quantization_config'].get('quant_method')})",
-                         field="model")
+    quant = vendor_quant_config(model_dir, cfg)    # a vendor-quantized base: its own formats
+    if quant is not None and not recipe.lora_rank:
+        raise InputError(f"recipe {recipe.name!r} fine-tunes every weight, but {model_dir} is "
+                         "quantized (its packed weights are not trainable): set lora_rank",
+                         field="lora_rank")
     from types import SimpleNamespace
 
     import torch
@@ -222,6 +225,16 @@ def resolve(recipe: Recipe, model_dir) -> tuple:
                              field="kv_cache")
         kv = "fp8"
     plan = recipe.plan_for_groups(have)
+    if quant is not None:
+        from dataclasses import replace
+
+        from skyrl_numerics.trainer.invariant.kv_format import parse_kv_spec
+        from skyrl_numerics.trainer.invariant.vendor_plan import vendor_numerics
+
+        plan = vendor_numerics(cfg, quant, replace(plan, formats={}),
+                               kv_cache=parse_kv_spec(None if kv == "auto" else kv))
+        method = (quant.get("config") or {}).get("quant_method", "?")
+        notes.append(f"formats: the checkpoint's own ({method}), not the recipe's")
     check_plan_for_config(plan, cfg, kv_cache=None if kv == "auto" else kv)
     return plan, (None if kv == "auto" else kv), notes
 
@@ -231,7 +244,7 @@ def loop_configs(recipe: Recipe, model_dir, names) -> list:
     (``published``, ``bitwise``) of ``recipe`` on ``model_dir``."""
     from skyrl_numerics.trainer.loop import LoopConfig
 
-    plan, kv, _ = resolve(recipe, model_dir)
+    plan, kv, notes = resolve(recipe, model_dir)
     out = []
     for n in names:
         if n == "bitwise":
@@ -239,6 +252,10 @@ def loop_configs(recipe: Recipe, model_dir, names) -> list:
                                   numerics=plan.to_json(), lr=recipe.lr, recipe=recipe.name,
                                   eps_low=recipe.eps_low, eps_high=recipe.eps_high))
         elif n == "published":
+            if any(x.startswith("formats: the checkpoint") for x in notes):
+                raise InputError(f"recipe {recipe.name!r}: 'published' trains an HF model, which "
+                                 f"would load {model_dir} dequantized by transformers — not wired; "
+                                 "run --configs bitwise on a quantized checkpoint", field="configs")
             out.append(LoopConfig("published", route_replay=recipe.route_replay, use_support=True,
                                   correction="token_tis" if recipe.tis_cap else None,
                                   correction_kwargs={"cap": recipe.tis_cap} if recipe.tis_cap else {},
