@@ -77,7 +77,11 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def linear_many(x: torch.Tensor, ws) -> list[torch.Tensor]:
     """``[linear(x, w) for w in ws]`` bit for bit; on the no-grad CPU path ``x`` is widened to
     float32 once for all the weights (q/k/v projections of one input)."""
-    if not all(isinstance(w, torch.Tensor) for w in ws) or not _no_grad_bf16(x, ws):
+    if not all(isinstance(w, torch.Tensor) for w in ws):     # planned linears (numerics.py)
+        from .numerics import project_many
+
+        return project_many(x, ws)
+    if not _no_grad_bf16(x, ws):
         return [linear(x, w) for w in ws]
     from skyrl_numerics.kernels import cpu_gemm_bf16
 
@@ -292,7 +296,11 @@ def sigmoid_group_topk(logits: torch.Tensor, bias: torch.Tensor | None, k: int, 
 # ---- MLPs -----------------------------------------------------------------------------------
 def swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                w_down: torch.Tensor) -> torch.Tensor:
-    h = silu(linear(x, w_gate)) * linear(x, w_up)
+    if isinstance(w_gate, torch.Tensor) and isinstance(w_up, torch.Tensor):
+        g, u = linear(x, w_gate), linear(x, w_up)
+    else:                       # planned linears: the input's activation format once for both
+        g, u = linear_many(x, [w_gate, w_up])
+    h = silu(g) * u
     return linear(h, w_down)
 
 

@@ -277,15 +277,35 @@ class Projection:
         return self.model.served_weight(self.name)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.apply(x, quantize_activation(x, self.fmt) if self.fmt is not None else x)
+
+    def apply(self, x: torch.Tensor, xq: torch.Tensor) -> torch.Tensor:
+        """``y`` given ``xq = A(x)`` already computed (projections sharing an input share it)."""
         from .blocks import linear
 
-        xq = quantize_activation(x, self.fmt) if self.fmt is not None else x
         y = linear(xq, self.weight())
         if self.adapter is None:
             return y
         a, b = (self.model.w(n) for n in self.adapter)
         lo = linear(linear(x, a), b)
         return (y.float() + self.scale * lo.float()).to(y.dtype)
+
+
+def project_many(x: torch.Tensor, ws) -> list[torch.Tensor]:
+    """``[linear(x, w) for w in ws]`` bit for bit, each activation format of ``x`` computed once
+    (q/k/v, gate/up: one input, one format)."""
+    from .blocks import linear
+
+    done: dict = {}
+    out = []
+    for w in ws:
+        if not isinstance(w, Projection):
+            out.append(linear(x, w))
+            continue
+        if w.fmt not in done:
+            done[w.fmt] = quantize_activation(x, w.fmt) if w.fmt is not None else x
+        out.append(w.apply(x, done[w.fmt]))
+    return out
 
 
 def init_adapter(name: str, shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
