@@ -53,6 +53,7 @@ class DoctorResult:
                          if "_distribution" in r.extra else {}),
                       **({"logits_digest": r.extra["_logits_digest"]}
                          if "_logits_digest" in r.extra else {}),
+                      **({"cause": r.extra["_cause"]} if "_cause" in r.extra else {}),
                       "summary": r.report.summary(), "report": r.report.to_dict()}
                      for r in self.rows],
         }
@@ -86,6 +87,12 @@ def skip_reason(row: Row, ctx: DoctorContext, *, load: bool = True) -> str | Non
             engine_overrides(info.config, spec.engine.get("kv_cache"))
         except (ValueError, NotImplementedError) as e:  # InputError / UnsupportedConfig
             return f"batch-invariant: {e}"
+        if "numerics" in spec.engine:   # the scenario's plan, built for this model and checked
+            try:
+                engine_overrides(info.config, spec.engine.get("kv_cache"),
+                                 spec.engine_for(ctx.model_dir)["numerics"])
+            except (ValueError, NotImplementedError) as e:
+                return f"{row.scenario}: {e}"
     if row.families != _GENERIC_FAMILIES and ctx.family not in row.families:
         return f"a row for {', '.join(row.families)} only"
     if spec.serve is not None:
@@ -109,6 +116,15 @@ def skip_reason(row: Row, ctx: DoctorContext, *, load: bool = True) -> str | Non
 
         return next((w for w in map(missing_kernel_reason, spec.needs) if w), None)
     return None
+
+
+def _plan_setting(spec: Scenario, model_dir) -> dict:
+    """``{"numerics": plan}`` of a scenario whose engine serves a numerics plan (report.json)."""
+    if "numerics" not in spec.engine:
+        return {}
+    import json
+
+    return {"numerics": json.loads(spec.engine_for(model_dir)["numerics"])}
 
 
 def _one_line(e: BaseException) -> str:
@@ -165,6 +181,25 @@ def _measured_row(row: Row, ctx: DoctorContext, ro: Rollout, lp: np.ndarray, bes
     return ReportRow(row.name, report, np.abs(lp - ro.rollout_logprobs)[ro.model_mask], extra)
 
 
+CAUSE_KEY = "cause closed (mean |Δ|)"   # the report column of a row's ``closes``
+
+
+def _causes(selected: list, out_rows: list) -> None:
+    """For each measured row that ``closes`` a cause of another measured row: the mean |Δ| it
+    removes (that row's minus its own) — the size of the cause — as a column and as ``cause``
+    in report.json (with both means)."""
+    by_name = {r.name: out for r, out in zip(selected, out_rows)}
+    for row, out in zip(selected, out_rows):
+        ref = by_name.get(row.closes[1]) if row.closes else None
+        if ref is None or out.extra.get("status") != "measured" or ref.extra.get("status") != "measured":
+            continue
+        before, after = ref.report.summary()["mean_abs"], out.report.summary()["mean_abs"]
+        out.extra[CAUSE_KEY] = f"{row.closes[0]}: {before - after:.2e}"
+        out.extra["_cause"] = {"cause": row.closes[0], "vs": row.closes[1],
+                               "mean_abs_before": before, "mean_abs_after": after,
+                               "closed": before - after}
+
+
 def score_rows(selected: list, ctx: DoctorContext, rollouts: dict, skipped: dict, failed: dict, *,
                no_routes: str | None = None, beside_start: dict | None = None,
                advance: Callable[[str], object] = lambda name: None):
@@ -210,6 +245,7 @@ def score_rows(selected: list, ctx: DoctorContext, rollouts: dict, skipped: dict
             log.info("doctor: trainer copy %s freed after its last row", copy_name(frees[i]))
         advance(row.name)
     out_rows, scored = [results[i] for i in range(len(selected))], {}
+    _causes(selected, out_rows)
     for i, row in enumerate(selected):
         # each scenario's rollout is kept with its first row's trainer logprobs, so the
         # written file is a complete dump for `skyrl-numerics gap FILE`
@@ -357,7 +393,8 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
                     memory=mem.to_dict(),
                     engines_started_ahead=sorted(starts.ahead_started),
                     scenarios={s: {**SCENARIOS[s].sampling,
-                                   "description": SCENARIOS[s].description}
+                                   "description": SCENARIOS[s].description,
+                                   **_plan_setting(SCENARIOS[s], model_dir)}
                                for s in scenarios})
     if gen is not None:
         info = gen.info

@@ -12,9 +12,10 @@ from typing import Callable
 
 def engine_kinds(spec) -> tuple[bool, bool]:
     """``(in_place, own)`` of a scenario: its weights loaded into the shared engine in place;
-    an engine of its own, closed once sampled."""
+    an engine of its own, closed once sampled (another checkpoint, KV format or numerics plan)."""
     in_place = spec.serve is not None and spec.weights_only and not spec.engine
-    own = (spec.serve is not None and not in_place) or "kv_cache" in spec.engine
+    own = ((spec.serve is not None and not in_place) or "kv_cache" in spec.engine
+           or "numerics" in spec.engine)
     return in_place, own
 
 
@@ -34,9 +35,9 @@ def engine_plan(scenarios: list, specs: dict, model_dir, ekw: dict, vllm_generat
         spec = specs[sc]
         in_place, own = engine_kinds(spec)
         if spec.serve is None and spec.engine and not own:     # a shared engine variant
-            plan[sc] = lambda spec=spec: get_generator(model_dir, **{**ekw, **spec.engine})
+            plan[sc] = lambda spec=spec: get_generator(model_dir, **{**ekw, **spec.engine_for(model_dir)})
         elif own and spec.serve is None:   # a one-off engine variant, closed once sampled
-            plan[sc] = lambda spec=spec: vllm_generator(model_dir, **{**ekw, **spec.engine})
+            plan[sc] = lambda spec=spec: vllm_generator(model_dir, **{**ekw, **spec.engine_for(model_dir)})
             own_scenarios.add(sc)
         elif own:                          # another checkpoint: its own engine, closed once sampled
             plan[sc] = lambda spec=spec: vllm_generator(spec.serve(model_dir), **ekw,

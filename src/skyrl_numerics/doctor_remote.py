@@ -24,6 +24,9 @@ def _scenario_skip(spec, remote, sampling_mask: bool) -> str | None:
     if spec.serve is not None:
         return (f"the scenario serves other weights ({spec.description.split(':')[0]}); "
                 f"{remote.url} serves its own checkpoint")
+    if "numerics" in spec.engine:
+        return (f"the scenario's engine serves a numerics plan ({spec.description.split(' (')[0]}); "
+                f"{remote.url} serves its checkpoint's dtype")
     if spec.engine.get("batch_invariant") and not remote.batch_invariant:
         return f"needs a batch-invariant server (skyrl-numerics serve DIR --batch-invariant); {remote.url} is stock"
     want = spec.engine.get("kv_cache") or "auto"

@@ -43,6 +43,11 @@ class Scenario:
     # turn deltas), max_tokens per turn; rows are measured on model tokens, per turn too
     turns: int = 1
 
+    def engine_for(self, model_dir) -> dict:
+        """``engine`` for the checkpoint at ``model_dir``: a value that depends on the model (a
+        callable of the checkpoint dir, e.g. a numerics plan built for its linears) resolved."""
+        return {k: (v(Path(model_dir)) if callable(v) else v) for k, v in self.engine.items()}
+
     def sample(self, engine, prompts, *, max_tokens: int, seed: int, without: tuple = ()):
         """The scenario's rollout from ``engine`` (an in-process generator or a server client);
         ``without``: sampling keys left out (a server has no ``logits_digest``)."""
@@ -128,7 +133,9 @@ class DoctorContext:
 
     def hf_model(self, dtype: str | None = None, qat: str | None = None):
         """The HF trainer model, loaded once per (dtype, QAT recipe). ``qat``: experts wrapped
-        with ``apply_qat`` in that recipe (the trainer-side match of a quantized server)."""
+        with ``apply_qat`` in that recipe (the trainer-side match of a quantized server), or
+        ``("plan", scenario)``: the published trainer's QAT rules for that serving scenario's
+        plan (:func:`serving_plan`, ``recipes.published_trainer_kwargs``)."""
         dtype = dtype if dtype is not None else self.dtype
         key = (dtype, qat)
         if key not in self._models:
@@ -136,7 +143,11 @@ class DoctorContext:
 
             make_room_for(self, key)
             model = load_hf_model(self.model_dir, dtype=dtype)
-            if qat is not None:
+            if isinstance(qat, tuple) and qat[0] == "plan":   # a serving scenario's plan
+                from skyrl_numerics.quant import apply_qat
+
+                apply_qat(model, plan_qat_rules(model, serving_plan(qat[1], self.model_dir)))
+            elif qat is not None:
                 from skyrl_numerics.quant import apply_qat
                 from skyrl_numerics.trainer.engine.serving_checkpoint import qat_rules
 
@@ -153,6 +164,9 @@ class Row:
     note: str = ""
     default: bool = True
     families: tuple = ("qwen3_moe", "deepseek_v3")
+    # ``(cause, row name)``: this row removes ``cause`` from the gap of that row (same scenario);
+    # the doctor reports the mean |Δ| it closes (score_rows), the size of that cause
+    closes: tuple | None = None
 
 
 ROWS: list[Row] = []
@@ -208,32 +222,39 @@ register_row(Row("multi-turn: + R3 (routes from turn deltas)", "multi-turn tool 
                  note="each position's routes shipped once (RouteTrace), replayed in the trainer"))
 
 
-def _invariant_trainer(kv_cache: str | None = None):
+def _invariant_trainer(kv_cache: str | None = None, plan_of: str | None = None):
     """The family's invariant forward in the trainer; ``kv_cache``: the cache format it simulates
-    (the engine's, for a bitwise row; ``None`` against an FP8 engine shows that cause's size)."""
+    (the engine's, for a bitwise row; ``None`` against an FP8 engine shows that cause's size);
+    ``plan_of``: a serving scenario whose numerics plan (:func:`serving_plan`) it computes."""
+    key = ("invariant", kv_cache) if plan_of is None else ("invariant", kv_cache, plan_of)
+
     def compute(ctx: DoctorContext, rollout: Rollout) -> np.ndarray:
         from skyrl_numerics.trainer.invariant import from_checkpoint
         from skyrl_numerics.trainer.invariant.base import invariant_trainer_logprobs
 
-        key = ("invariant", kv_cache)
         if key not in ctx._models:
             make_room_for(ctx, key)
-            ctx._models[key] = from_checkpoint(ctx.model_dir, kv_cache=kv_cache)
+            plan = None
+            if plan_of is not None:
+                from skyrl_numerics.trainer.invariant.numerics import NumericsPlan
+
+                plan = NumericsPlan.from_json(serving_plan(plan_of, ctx.model_dir))
+            ctx._models[key] = from_checkpoint(ctx.model_dir, kv_cache=kv_cache, numerics=plan)
         return invariant_trainer_logprobs(ctx._models[key], rollout).logprobs
 
     def distribution(ctx: DoctorContext, rollout: Rollout) -> dict:
         """The engine's top-K logprobs vs the invariant forward's rows (gap/topk.py)."""
         from skyrl_numerics.trainer.invariant.base import invariant_topk
 
-        return invariant_topk(ctx._models[("invariant", kv_cache)], rollout)
+        return invariant_topk(ctx._models[key], rollout)
 
     def logits_digest(ctx: DoctorContext, rollout: Rollout) -> dict:
         """The engine's full-row digests vs the invariant forward's rows (gap/digest.py). The
         engine may be closed by now: a mismatch names its position, not its token id."""
         from skyrl_numerics.trainer.invariant.base import invariant_logits_digest
 
-        return invariant_logits_digest(ctx._models[("invariant", kv_cache)], rollout)
-    compute.distribution, compute.trainer = distribution, ("invariant", kv_cache)
+        return invariant_logits_digest(ctx._models[key], rollout)
+    compute.distribution, compute.trainer = distribution, key
     compute.logits_digest = logits_digest
     return compute
 
@@ -263,6 +284,123 @@ for _recipe, _sc in (("nvfp4", "nvfp4 experts"), ("int4_g32", "int4 experts")):
                      note=f"trainer keeps bf16 experts; the engine serves the {_recipe} grid"))
     register_row(Row(f"{_sc}: + fake-quant matched", _sc, _plain_trainer(None, qat=_recipe),
                      note=f"apply_qat(experts, {_recipe}) reproduces the served grid bit for bit"))
+
+
+# ---- quantized serving numerics: the invariant engine serving a NumericsPlan -------------------
+# W4A4 / W8A8 run on no vLLM CPU kernel; the invariant engine computes them (weights packed as
+# codes + scales, activations quantized per token: trainer/invariant/numerics.py) and the rows
+# split the gap into its causes: the serving formats' rounding (stock -> fake-quant matched) and
+# the kernels / formulation (fake-quant matched -> batch-invariant, which computes the same bits)
+_W8A8 = "fp8_channel/fp8_token"
+SERVING_RECIPES = {
+    # Mistral Large 4's formats (recipes.RECIPES["ml4"]) without its LoRA and FP8 KV cache
+    "W4A4 serving": dict(base="ml4", lora_rank=0, kv_cache="auto"),
+    # FP8 W8A8 "dynamic" (compressed-tensors FP8_DYNAMIC): per-channel weights, per-token acts
+    "W8A8 serving": dict(experts=_W8A8, attention=_W8A8, shared=_W8A8, dense=_W8A8),
+}
+_PLANS: dict = {}
+
+
+def serving_recipe(scenario: str):
+    """The :class:`~skyrl_numerics.trainer.recipes.Recipe` a serving scenario's engine computes."""
+    import dataclasses
+
+    from skyrl_numerics.trainer.recipes import RECIPES, Recipe
+
+    kw = dict(SERVING_RECIPES[scenario])
+    name = scenario.split()[0]
+    base = kw.pop("base", None)
+    return dataclasses.replace(RECIPES[base], name=name, **kw) if base else Recipe(name, **kw)
+
+
+def serving_plan(scenario: str, model_dir) -> str:
+    """The :class:`~skyrl_numerics.trainer.invariant.numerics.NumericsPlan` (JSON) of a serving
+    scenario on the checkpoint at ``model_dir``, as ``recipes.resolve`` builds it: the groups the
+    model lacks dropped; what cannot apply is an ``InputError`` naming the field (a skip reason).
+    Cached per scenario and config."""
+    import hashlib
+
+    cfg = (Path(model_dir) / "config.json").read_bytes()
+    key = (scenario, str(Path(model_dir).resolve()), hashlib.sha256(cfg).hexdigest())
+    if key not in _PLANS:
+        from skyrl_numerics.trainer.recipes import resolve
+
+        _PLANS[key] = resolve(serving_recipe(scenario), model_dir)[0].to_json()
+    return _PLANS[key]
+
+
+def plan_qat_rules(model, plan_json: str) -> list:
+    """The published trainer's ``apply_qat`` rules for a plan
+    (``recipes.published_trainer_kwargs(plan)["qat"]``) fitted to ``model``: rules that match no
+    module dropped (its MLA ``kv_b_proj`` rule names none in a GQA model, and ``apply_qat``
+    refuses a rule that matches nothing), and MLA's ``kv_a_proj_with_mqa`` given the attention
+    rule where no rule covers it (``self_attn.*_proj`` does not match that name; the engine
+    serves it in the attention's formats, numerics.group_of)."""
+    import dataclasses
+    import fnmatch
+
+    from skyrl_numerics.trainer.recipes import published_trainer_kwargs
+
+    names = [n for n, _ in model.named_modules()]
+    rules = [r for r in published_trainer_kwargs(plan_json)["qat"] or ()
+             if any(fnmatch.fnmatchcase(n, r.pattern) for n in names)]
+    attn = next((r for r in rules if r.pattern == "model.layers.*.self_attn.*_proj"), None)
+    mqa = [n for n in names if n.endswith(".self_attn.kv_a_proj_with_mqa")]
+    if attn is not None and mqa and not any(fnmatch.fnmatchcase(mqa[0], r.pattern) for r in rules):
+        rules.insert(0, dataclasses.replace(attn, pattern="model.layers.*.self_attn.kv_a_proj_with_mqa"))
+    return rules
+
+
+class _PlanFor:
+    """``Scenario.engine`` value: the scenario's plan for the checkpoint the doctor runs."""
+
+    def __init__(self, scenario: str):
+        self.scenario = scenario
+
+    def __call__(self, model_dir: Path) -> str:
+        return serving_plan(self.scenario, model_dir)
+
+    def __repr__(self) -> str:
+        return f"serving_plan({self.scenario!r}, <model>)"
+
+
+def _formats(scenario: str) -> str:
+    r = serving_recipe(scenario)
+    return ", ".join(f"{g} {getattr(r, g)}" for g in ("experts", "attention", "shared", "dense")
+                     if getattr(r, g) != "none/none")
+
+
+for _sc, _what in (("W4A4 serving", "NVFP4 W4A4 routed experts, FP8 W8A8 attention / shared "
+                    "experts / dense MLPs (Mistral Large 4's formats, no LoRA, bf16 KV)"),
+                   ("W8A8 serving", "FP8 W8A8 on every linear: per-channel E4M3 weights, "
+                    "dynamic per-token E4M3 activations")):
+    SCENARIOS[_sc] = Scenario(
+        {**FULL, "topk_logprobs": TOPK, "logits_digest": True},
+        description=f"the batch-invariant engine serving {_what} ({_formats(_sc)}; WEIGHT/ACT, "
+        "groups the model lacks dropped): weights packed as codes + scales, activations "
+        "quantized per token", engine=dict(batch_invariant=True, capture_routes=True,
+                                           numerics=_PlanFor(_sc)))
+    _stock = f"{_sc}: stock trainer"
+    register_row(Row(_stock, _sc, _plain_trainer(None),
+                     note="HF bf16 trainer, nothing quantized: the whole gap (the serving formats' "
+                          "rounding + kernels and formulation)"))
+    _fq = f"{_sc}: + fake-quant matched"
+    register_row(Row(_fq, _sc, _plain_trainer(None, qat=("plan", _sc)),
+                     closes=("quantization", _stock),
+                     note="HF trainer with the plan's QAT rules (recipes.published_trainer_kwargs "
+                          "-> apply_qat, fitted to the model: plan_qat_rules): weights on the "
+                          "served grid, activations fake-quantized per token where apply_qat "
+                          "reaches them (fused experts: gate_up's input only); what it closes is "
+                          "the quantization cause"))
+    register_row(Row(f"{_sc}: batch-invariant", _sc, _invariant_trainer(plan_of=_sc),
+                     closes=("kernels + formulation", _fq),
+                     note="the invariant trainer with the same plan (from_checkpoint(numerics=)): "
+                          "the engine's codes, scales and per-token activations in one forward, "
+                          "every token bitwise equal. It closes what fake-quant leaves: the "
+                          "kernels' rounding and the forward's formulation, which per-token "
+                          "activation quantization amplifies (a 1-ulp difference at a rounding "
+                          "tie moves a value a whole FP8/FP4 step), and the activations apply_qat "
+                          "does not reach"))
 
 
 # ---- a real quantized engine: vLLM's INT4 kernels on a compressed-tensors checkpoint -----------

@@ -462,10 +462,11 @@ def plan_table(info, rows: list, engine_args: dict, *, n_prompts: int, seq_len: 
 
         on_gpu = torch.cuda.is_available()
     needs, kinds = {}, {}
+    from skyrl_numerics.doctor_engines import engine_kinds
+
     for r in rows:
         spec = SCENARIOS[r.scenario]
-        in_place = spec.serve is not None and spec.weights_only and not spec.engine
-        own = (spec.serve is not None and not in_place) or "kv_cache" in spec.engine
+        in_place, own = engine_kinds(spec)
         inv = bool(spec.engine.get("batch_invariant"))
         name = (r.scenario if own else "batch-invariant" if inv else
                 "stock" + (f" ({spec.engine.get('worker_extension_cls', '').rsplit('.', 1)[-1]})"

@@ -42,7 +42,8 @@ _TORCH_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 def trainer_key(row, dtype: str | None = None) -> tuple:
     """The ``DoctorContext._models`` key of the trainer copy ``row`` loads (``compute.trainer``:
-    ``("hf", dtype, qat)`` or ``("invariant", kv_cache)``; rows without it load the HF model);
+    ``("hf", dtype, qat)`` or ``("invariant", kv_cache[, plan scenario])``; rows without it load
+    the HF model);
     ``dtype``: the trainer dtype of rows that keep the stored one (``DoctorContext.dtype``)."""
     t = getattr(row.compute, "trainer", None) or ("hf", None, None)
     if t[0] == "invariant":
@@ -51,9 +52,11 @@ def trainer_key(row, dtype: str | None = None) -> tuple:
 
 
 def copy_name(key: tuple) -> str:
-    if key and key[0] == "invariant":
-        return "invariant" + (f" (KV {key[1]})" if key[1] else "")
-    qat = key[1] if isinstance(key[1], (str, type(None))) else "spec"
+    if key and key[0] == "invariant":   # ("invariant", kv_cache[, serving scenario of its plan])
+        return ("invariant" + (f" (KV {key[1]})" if key[1] else "")
+                + (f" + plan of {key[2]}" if len(key) > 2 else ""))
+    qat = (key[1] if isinstance(key[1], (str, type(None))) else
+           f"plan of {key[1][1]}" if isinstance(key[1], tuple) and key[1][:1] == ("plan",) else "spec")
     return f"HF {key[0] or 'stored dtype'}" + (f" + QAT {qat}" if key[1] is not None else "")
 
 
