@@ -53,6 +53,9 @@ def cmd_train(args) -> int:
                             samples_per_prompt=samples, max_tokens=args.max_tokens,
                             seed=args.seed, off_policy=1 if args.async_ else 0,
                             measure_grad=not args.no_grad, turns=args.multi_turn)
+    if recipe is not None and args.backend == "megatron" and "published" in names and recipe.lora_rank:
+        raise InputError(f"recipe {recipe.name!r} trains LoRA adapters; the megatron trainer has no "
+                         "LoRA: run the published config with --backend fsdp", field="backend")
     if recipe is not None and args.kv_cache:
         raise InputError("--recipe sets the engine's cache format itself (--recipe-set "
                          "kv_cache=...); not with --kv-cache", field="recipe")

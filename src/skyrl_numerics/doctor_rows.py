@@ -330,25 +330,11 @@ def serving_plan(scenario: str, model_dir) -> str:
 
 
 def plan_qat_rules(model, plan_json: str) -> list:
-    """The published trainer's ``apply_qat`` rules for a plan
-    (``recipes.published_trainer_kwargs(plan)["qat"]``) fitted to ``model``: rules that match no
-    module dropped (its MLA ``kv_b_proj`` rule names none in a GQA model, and ``apply_qat``
-    refuses a rule that matches nothing), and MLA's ``kv_a_proj_with_mqa`` given the attention
-    rule where no rule covers it (``self_attn.*_proj`` does not match that name; the engine
-    serves it in the attention's formats, numerics.group_of)."""
-    import dataclasses
-    import fnmatch
-
+    """The published trainer's ``apply_qat`` rules for a plan, fitted to ``model``
+    (:func:`skyrl_numerics.trainer.recipes.published_trainer_kwargs`)."""
     from skyrl_numerics.trainer.recipes import published_trainer_kwargs
 
-    names = [n for n, _ in model.named_modules()]
-    rules = [r for r in published_trainer_kwargs(plan_json)["qat"] or ()
-             if any(fnmatch.fnmatchcase(n, r.pattern) for n in names)]
-    attn = next((r for r in rules if r.pattern == "model.layers.*.self_attn.*_proj"), None)
-    mqa = [n for n in names if n.endswith(".self_attn.kv_a_proj_with_mqa")]
-    if attn is not None and mqa and not any(fnmatch.fnmatchcase(mqa[0], r.pattern) for r in rules):
-        rules.insert(0, dataclasses.replace(attn, pattern="model.layers.*.self_attn.kv_a_proj_with_mqa"))
-    return rules
+    return published_trainer_kwargs(plan_json, model)["qat"] or []
 
 
 class _PlanFor:

@@ -79,8 +79,26 @@ def test_published_trainer_rules_follow_the_plan(deepseek_v3_dir):
     from skyrl_numerics.models import load_hf_model
     from skyrl_numerics.quant import apply_qat
 
-    done = apply_qat(load_hf_model(deepseek_v3_dir, dtype="float32"), kw["qat"])   # every rule hits
+    hf = load_hf_model(deepseek_v3_dir, dtype="float32")
+    done = apply_qat(hf, published_trainer_kwargs(plan.to_json(), hf)["qat"])   # every rule hits
     assert any(k.endswith("mlp.experts") for k in done)
+    # MLA's kv_a_proj_with_mqa is served in the attention's formats: the trainer quantizes it too
+    assert done["model.layers.0.self_attn.kv_a_proj_with_mqa"] == ["weight:fp8_channel", "input:fp8_token"]
+
+
+def test_published_rules_fit_a_gqa_model(qwen_moe_dir):
+    """The MLA-only rules are left out on a GQA model (apply_qat refuses a rule matching nothing):
+    the published trainer of ml4 / beam builds on Qwen3-MoE."""
+    from skyrl_numerics.models import load_hf_model
+    from skyrl_numerics.quant import apply_qat
+
+    for name, sets in (("ml4", ["kv_cache=auto"]), ("beam", [])):
+        plan, _, _ = resolve(get_recipe(name, sets), qwen_moe_dir)
+        hf = load_hf_model(qwen_moe_dir, dtype="float32")
+        rules = published_trainer_kwargs(plan.to_json(), hf)["qat"]
+        assert not any("kv_b_proj" in r.pattern or "mqa" in r.pattern for r in rules)
+        done = apply_qat(hf, rules)
+        assert "model.layers.0.self_attn.q_proj" in done and "model.layers.1.mlp.experts" in done
 
 
 @pytest.mark.parametrize("argv, field", [
@@ -89,6 +107,7 @@ def test_published_trainer_rules_follow_the_plan(deepseek_v3_dir):
     (["--recipe", "k2", "--configs", "aligned"], "configs"),
     (["--recipe-set", "lora_rank=4"], "recipe-set"),
     (["--recipe", "k2", "--kv-cache", "fp8"], "recipe"),
+    (["--recipe", "k2", "--backend", "megatron"], "backend"),
 ])
 def test_cli_refuses_with_one_line_before_any_engine(argv, field, tmp_path, capsys):
     out = tmp_path / "o"

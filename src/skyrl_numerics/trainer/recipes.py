@@ -270,7 +270,7 @@ def loop_configs(recipe: Recipe, model_dir, names) -> list:
 
 # ---- the published trainer: fake-quant rules and LoRA on the HF model ------------------------
 _HF_PATTERNS = {
-    "attention": ["model.layers.*.self_attn.*_proj"],
+    "attention": ["model.layers.*.self_attn.*_proj", "model.layers.*.self_attn.kv_a_proj_with_mqa"],
     "shared": [f"model.layers.*.mlp.shared_experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")],
     "dense": [f"model.layers.*.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")],
     "experts": ["model.layers.*.mlp.experts"],
@@ -295,12 +295,16 @@ def _act_rule(f) -> tuple:
     return f.act, {}
 
 
-def published_trainer_kwargs(plan_json: str) -> dict:
+def published_trainer_kwargs(plan_json: str, model=None) -> dict:
     """``TrainerConfig`` fields (``qat`` rules, LoRA) of the published trainer for a plan:
     the HF model fake-quantizes the planned weights (STE) and their inputs
     (``quant.apply_qat``: for a fused experts module only the tokens entering ``gate_up_proj``;
     MLA's ``kv_b_proj`` weight only), and carries LoRA on the planned linears it has as
-    ``nn.Linear`` (routed experts are fused 3-D parameters in transformers 5: no adapters there)."""
+    ``nn.Linear`` (routed experts are fused 3-D parameters in transformers 5: no adapters there).
+    ``model``: the HF model the rules are for — rules naming modules it does not have (MLA's
+    ``kv_b_proj`` in a GQA model) are left out (``apply_qat`` refuses a rule matching nothing)."""
+    import fnmatch
+
     from skyrl_numerics.quant import QATRule
     from skyrl_numerics.trainer.invariant.numerics import WEIGHT_FORMATS, NumericsPlan
 
@@ -312,6 +316,9 @@ def published_trainer_kwargs(plan_json: str) -> dict:
         if g == "attention" and recipe:
             rules.append(QATRule("model.layers.*.self_attn.kv_b_proj", recipe, dict(opts)))
         rules += [QATRule(p, recipe, dict(opts), act, dict(act_opts)) for p in _HF_PATTERNS[g]]
+    if model is not None:
+        names = [n for n, _ in model.named_modules()]
+        rules = [r for r in rules if any(fnmatch.fnmatchcase(n, r.pattern) for n in names)]
     targets = [p for t in plan.lora_targets for p in _HF_LORA.get(t, ())]
     return {"qat": rules or None, "lora_rank": plan.lora_rank if targets else 0,
             "lora_alpha": plan.lora_alpha, "lora_targets": targets or ("*.o_proj",)}

@@ -209,10 +209,12 @@ class TrainerWorker:
             fn = functools.partial(getattr(corr, config.correction), **config.correction_kwargs)
         extra = {}
         self.recipe = config.numerics is not None
+        hf = None
         if self.recipe:          # a recipe's published trainer: fake-quant rules + LoRA
             from skyrl_numerics.trainer.recipes import published_trainer_kwargs
 
-            extra = published_trainer_kwargs(config.numerics)
+            hf = load_hf_model(model_dir, dtype="float32")
+            extra = published_trainer_kwargs(config.numerics, hf)
             self.initial_adapters = _initial_adapters(model_dir, config.numerics)
         tcfg = TrainerConfig(lr=config.lr, route_replay=config.route_replay, use_support=config.use_support,
                              correction=fn, micro_batch_size=16, weight_decay=0.0,
@@ -222,7 +224,8 @@ class TrainerWorker:
 
             self.trainer = MegatronTrainer(model_dir, tcfg, tp=tp, ep=ep)
         else:
-            self.trainer = FSDPTrainer(load_hf_model(model_dir, dtype="float32"), tcfg)
+            self.trainer = FSDPTrainer(hf if hf is not None else load_hf_model(model_dir, dtype="float32"),
+                                       tcfg)
         self.trainer.keep_grads = True
         # an FSDP2 rank of a data-parallel group: weights gathered to rank 0, which alone publishes
         self.fsdp_ranks = 1 if self.megatron else self.trainer.world_size
