@@ -12,7 +12,8 @@ def cmd_train(args) -> int:
 
     from skyrl_numerics.models import build_tiny_model
     from skyrl_numerics.report import check_out_dir, plain, write_json
-    from skyrl_numerics.trainer.loop import (CONFIGS, LoopSettings, run_loop, write_loop_plot)
+    from skyrl_numerics.trainer.loop import CONFIGS, LoopSettings, run_loop
+    from skyrl_numerics.trainer.loop_report import write_loop_plot
 
     names = [c.strip() for c in (args.configs or ("published,bitwise" if args.recipe else
                                                  "plain,aligned,bitwise")).split(",") if c.strip()]
