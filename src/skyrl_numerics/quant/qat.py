@@ -10,9 +10,19 @@ Matched modules get:
   are fake-quantized one expert matrix ``[out, in]`` at a time, and ``gate_up_proj`` is split into
   its gate and up halves first, because checkpoints store (and per-tensor / global scales cover)
   ``gate_proj`` and ``up_proj`` separately.
-* activations (optional ``act_recipe``): a forward pre-hook fake-quantizing the module's first
-  input with the STE (for ``nn.Linear`` that is the GEMM input; for an experts module it is the
-  tokens entering ``gate_up_proj``).
+* activations (optional ``act_recipe``): the input of every GEMM the module runs is
+  fake-quantized with the STE, as a W4A4 / W8A8 serving engine quantizes it. For ``nn.Linear``
+  that is the module's input (a forward pre-hook). A fused experts module runs two GEMMs per
+  expert: for transformers' standard layout (``@use_experts_implementation`` with concatenated
+  ``[gate; up]``, not transposed, no bias, gated) the module gets :func:`_experts_forward`, the
+  eager per-expert loop with both inputs quantized::
+
+      x_q = Q(x);  h = apply_gate(x_q @ W_gu[e].T);  y_e = Q(h) @ W_down[e].T
+      out[t] += w[t, slot] * y_e[t]          (experts in ascending id, as transformers' loop)
+
+  (with ``Q`` the identity it is bitwise transformers' eager forward: tested). Any other experts
+  layout gets the pre-hook only (the tokens entering ``gate_up_proj``), and says so in what
+  :func:`apply_qat` returns (``input:R (gate_up only)``).
 
 ``remove_qat(model)`` removes both, keeping the full-precision weights (or, with
 ``bake=True``, the fake-quantized ones).
@@ -20,7 +30,9 @@ Matched modules get:
 from __future__ import annotations
 
 import fnmatch
+import types
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
@@ -118,9 +130,13 @@ def apply_qat(model: nn.Module, rules) -> dict[str, list[str]]:
                 fq = FakeQuantWeight(rule.recipe, rule.opts, rule.clip, split)
                 parametrize.register_parametrization(mod, pname, fq)
                 wrapped.append(f"{pname}:{rule.recipe}")
-        if rule.act_recipe is not None:
-            mod._qat_act_hook = mod.register_forward_pre_hook(_act_hook(rule))
+        if rule.act_recipe is not None and standard_experts(mod):
+            mod.forward = types.MethodType(partial(_experts_forward, quant=_act_quant(rule)), mod)
             wrapped.append(f"input:{rule.act_recipe}")
+        elif rule.act_recipe is not None:
+            mod._qat_act_hook = mod.register_forward_pre_hook(_act_hook(rule))
+            wrapped.append(f"input:{rule.act_recipe}"
+                           + ("" if isinstance(mod, nn.Linear) else " (gate_up only)"))
         done[name] = wrapped
     for i, h in enumerate(hits):
         if h == 0:
@@ -129,17 +145,65 @@ def apply_qat(model: nn.Module, rules) -> dict[str, list[str]]:
     return done
 
 
+def _act_quant(rule: QATRule):
+    return partial(ste_fake_quant, recipe=rule.act_recipe, clip=rule.clip, **rule.act_opts)
+
+
 def _act_hook(rule: QATRule):
+    quant = _act_quant(rule)
+
     def hook(module, args):
         if not args or not torch.is_tensor(args[0]) or not args[0].is_floating_point():
             return None
-        return (ste_fake_quant(args[0], rule.act_recipe, clip=rule.clip, **rule.act_opts), *args[1:])
+        return (quant(args[0]), *args[1:])
     return hook
+
+
+def standard_experts(mod: nn.Module) -> bool:
+    """transformers' standard fused experts layout: ``gate_up_proj [E, 2I, H]`` (gate rows first),
+    ``down_proj [E, H, I]``, no bias, the class's ``_apply_gate`` as the gating (the flags
+    ``@use_experts_implementation`` sets: concatenated, not transposed, gated)."""
+    def raw(name):      # the stored parameter (a parametrized one is not read through its QAT)
+        if parametrize.is_parametrized(mod, name):
+            return mod.parametrizations[name].original
+        return mod._parameters.get(name)
+
+    gu, dn = raw("gate_up_proj"), raw("down_proj")
+    if gu is None or dn is None or gu.dim() != 3 or dn.dim() != 3:
+        return False
+    E, I2, H = gu.shape
+    return (tuple(dn.shape) == (E, H, I2 // 2) and I2 % 2 == 0 and callable(getattr(mod, "_apply_gate", None))
+            and getattr(mod, "is_concatenated", False) is True and getattr(mod, "is_transposed", True) is False
+            and getattr(mod, "has_bias", True) is False and getattr(mod, "has_gate", False) is True
+            and isinstance(getattr(mod, "num_experts", None), int))
+
+
+def _experts_forward(self, hidden_states, top_k_index, top_k_weights, *, quant):
+    """transformers' eager experts loop with both GEMM inputs passed through ``quant`` (module
+    docstring). The weights are read once per call (a parametrized weight is fake-quantized
+    once, not once per expert)."""
+    w_gu, w_down = self.gate_up_proj, self.down_proj
+    x = quant(hidden_states)
+    out = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+    for e in hit[:, 0].tolist():
+        if e == self.num_experts:        # padding id (expert parallel: not a local expert)
+            continue
+        pos, tok = torch.where(mask[e])
+        h = self._apply_gate(nn.functional.linear(x[tok], w_gu[e]))
+        y = nn.functional.linear(quant(h), w_down[e]) * top_k_weights[tok, pos, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+    return out
 
 
 def remove_qat(model: nn.Module, bake: bool = False) -> None:
     """Undo :func:`apply_qat`. ``bake=True`` keeps the fake-quantized weights as the parameters."""
     for mod in model.modules():
+        if isinstance(mod.__dict__.get("forward"), types.MethodType) \
+                and getattr(mod.forward.__func__, "func", None) is _experts_forward:
+            del mod.forward
         if hasattr(mod, "_qat_act_hook"):
             mod._qat_act_hook.remove()
             del mod._qat_act_hook

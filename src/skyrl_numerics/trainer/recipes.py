@@ -298,8 +298,9 @@ def _act_rule(f) -> tuple:
 def published_trainer_kwargs(plan_json: str, model=None) -> dict:
     """``TrainerConfig`` fields (``qat`` rules, LoRA) of the published trainer for a plan:
     the HF model fake-quantizes the planned weights (STE) and their inputs
-    (``quant.apply_qat``: for a fused experts module only the tokens entering ``gate_up_proj``;
-    MLA's ``kv_b_proj`` weight only), and carries LoRA on the planned linears it has as
+    (``quant.apply_qat``: for a fused experts module both GEMM inputs of every expert, the
+    tokens and the ``down_proj`` input, as the engine quantizes them; MLA's ``kv_b_proj`` weight
+    only), and carries LoRA on the planned linears it has as
     ``nn.Linear`` (routed experts are fused 3-D parameters in transformers 5: no adapters there).
     ``model``: the HF model the rules are for — rules naming modules it does not have (MLA's
     ``kv_b_proj`` in a GQA model) are left out (``apply_qat`` refuses a rule matching nothing)."""
