@@ -120,7 +120,8 @@ def test_matched_rules_quantize_the_experts_down_proj_input_as_the_engine_does(q
     experts' ``down_proj`` input too. Leaving it out (the token hook only) is a systematic
     mismatch — at least 1.5x the gap here (measured 2.4e-02 vs 1.1e-02)."""
     from skyrl_numerics.models import load_hf_model
-    from skyrl_numerics.quant import apply_qat, qat
+    from skyrl_numerics import hf_experts
+    from skyrl_numerics.quant import apply_qat
     from skyrl_numerics.rollout import Rollout
     from skyrl_numerics.trainer.invariant import from_checkpoint
     from skyrl_numerics.trainer.invariant.base import invariant_trainer_logprobs
@@ -141,7 +142,7 @@ def test_matched_rules_quantize_the_experts_down_proj_input_as_the_engine_does(q
 
     both, done = gap()
     assert done["model.layers.0.mlp.experts"][-1] == "input:nvfp4"
-    monkeypatch.setattr(qat, "standard_experts", lambda m: False)
+    monkeypatch.setattr(hf_experts, "standard_experts", lambda m: False)
     tokens_only, done = gap()
     assert done["model.layers.0.mlp.experts"][-1] == "input:nvfp4 (gate_up only)"
     assert both * 1.5 < tokens_only, (both, tokens_only)

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from skyrl_numerics.quant import QATRule, apply_qat, remove_qat, ste_fake_quant
-from skyrl_numerics.quant.qat import _experts_forward, standard_experts
+from skyrl_numerics.hf_experts import experts_forward, standard_experts
 
 H, I, E = 32, 16, 6
 
@@ -55,7 +55,7 @@ def test_identity_quant_is_transformers_eager_loop_bitwise(kind, T, k, seed, bf1
     assert standard_experts(m)
     x, idx, w = _batch(T, k, seed, dtype, pad)       # pad: id E is the padding expert (skipped)
     with torch.no_grad():
-        assert torch.equal(_experts_forward(m, x, idx, w, quant=lambda t: t), m(x, idx, w))
+        assert torch.equal(experts_forward(m, x, idx, w), m(x, idx, w))
 
 
 def _reference(m, x, idx, w, recipe, opts):

@@ -14,8 +14,9 @@ Matched modules get:
   fake-quantized with the STE, as a W4A4 / W8A8 serving engine quantizes it. For ``nn.Linear``
   that is the module's input (a forward pre-hook). A fused experts module runs two GEMMs per
   expert: for transformers' standard layout (``@use_experts_implementation`` with concatenated
-  ``[gate; up]``, not transposed, no bias, gated) the module gets :func:`_experts_forward`, the
-  eager per-expert loop with both inputs quantized::
+  ``[gate; up]``, not transposed, no bias, gated) the module runs
+  :func:`skyrl_numerics.hf_experts.experts_forward`, the eager per-expert loop with both inputs
+  quantized::
 
       x_q = Q(x);  h = apply_gate(x_q @ W_gu[e].T);  y_e = Q(h) @ W_down[e].T
       out[t] += w[t, slot] * y_e[t]          (experts in ascending id, as transformers' loop)
@@ -30,7 +31,6 @@ Matched modules get:
 from __future__ import annotations
 
 import fnmatch
-import types
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from skyrl_numerics import hf_experts
 from skyrl_numerics.errors import InputError
 
 from .api import RECIPES, recipe_options
@@ -130,8 +131,8 @@ def apply_qat(model: nn.Module, rules) -> dict[str, list[str]]:
                 fq = FakeQuantWeight(rule.recipe, rule.opts, rule.clip, split)
                 parametrize.register_parametrization(mod, pname, fq)
                 wrapped.append(f"{pname}:{rule.recipe}")
-        if rule.act_recipe is not None and standard_experts(mod):
-            mod.forward = types.MethodType(partial(_experts_forward, quant=_act_quant(rule)), mod)
+        if rule.act_recipe is not None and hf_experts.standard_experts(mod):
+            hf_experts.install(mod, act_quant=_act_quant(rule))
             wrapped.append(f"input:{rule.act_recipe}")
         elif rule.act_recipe is not None:
             mod._qat_act_hook = mod.register_forward_pre_hook(_act_hook(rule))
@@ -159,51 +160,11 @@ def _act_hook(rule: QATRule):
     return hook
 
 
-def standard_experts(mod: nn.Module) -> bool:
-    """transformers' standard fused experts layout: ``gate_up_proj [E, 2I, H]`` (gate rows first),
-    ``down_proj [E, H, I]``, no bias, the class's ``_apply_gate`` as the gating (the flags
-    ``@use_experts_implementation`` sets: concatenated, not transposed, gated)."""
-    def raw(name):      # the stored parameter (a parametrized one is not read through its QAT)
-        if parametrize.is_parametrized(mod, name):
-            return mod.parametrizations[name].original
-        return mod._parameters.get(name)
-
-    gu, dn = raw("gate_up_proj"), raw("down_proj")
-    if gu is None or dn is None or gu.dim() != 3 or dn.dim() != 3:
-        return False
-    E, I2, H = gu.shape
-    return (tuple(dn.shape) == (E, H, I2 // 2) and I2 % 2 == 0 and callable(getattr(mod, "_apply_gate", None))
-            and getattr(mod, "is_concatenated", False) is True and getattr(mod, "is_transposed", True) is False
-            and getattr(mod, "has_bias", True) is False and getattr(mod, "has_gate", False) is True
-            and isinstance(getattr(mod, "num_experts", None), int))
-
-
-def _experts_forward(self, hidden_states, top_k_index, top_k_weights, *, quant):
-    """transformers' eager experts loop with both GEMM inputs passed through ``quant`` (module
-    docstring). The weights are read once per call (a parametrized weight is fake-quantized
-    once, not once per expert)."""
-    w_gu, w_down = self.gate_up_proj, self.down_proj
-    x = quant(hidden_states)
-    out = torch.zeros_like(hidden_states)
-    with torch.no_grad():
-        mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
-        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-    for e in hit[:, 0].tolist():
-        if e == self.num_experts:        # padding id (expert parallel: not a local expert)
-            continue
-        pos, tok = torch.where(mask[e])
-        h = self._apply_gate(nn.functional.linear(x[tok], w_gu[e]))
-        y = nn.functional.linear(quant(h), w_down[e]) * top_k_weights[tok, pos, None]
-        out.index_add_(0, tok, y.to(out.dtype))
-    return out
-
-
 def remove_qat(model: nn.Module, bake: bool = False) -> None:
     """Undo :func:`apply_qat`. ``bake=True`` keeps the fake-quantized weights as the parameters."""
     for mod in model.modules():
-        if isinstance(mod.__dict__.get("forward"), types.MethodType) \
-                and getattr(mod.forward.__func__, "func", None) is _experts_forward:
-            del mod.forward
+        if "_act_quant" in mod.__dict__:
+            hf_experts.uninstall(mod, act_quant=True)
         if hasattr(mod, "_qat_act_hook"):
             mod._qat_act_hook.remove()
             del mod._qat_act_hook

@@ -276,6 +276,7 @@ _HF_PATTERNS = {
     "experts": ["model.layers.*.mlp.experts"],
 }
 _HF_LORA = {
+    "experts": ["model.layers.*.mlp.experts"],
     "attention": [f"*.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj",
                                                 "q_b_proj", "kv_a_proj_with_mqa")],
     "shared": [f"*.mlp.shared_experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")],
@@ -300,8 +301,8 @@ def published_trainer_kwargs(plan_json: str, model=None) -> dict:
     the HF model fake-quantizes the planned weights (STE) and their inputs
     (``quant.apply_qat``: for a fused experts module both GEMM inputs of every expert, the
     tokens and the ``down_proj`` input, as the engine quantizes them; MLA's ``kv_b_proj`` weight
-    only), and carries LoRA on the planned linears it has as
-    ``nn.Linear`` (routed experts are fused 3-D parameters in transformers 5: no adapters there).
+    only), and carries LoRA on the planned linears and, per expert, on the routed experts
+    (``fsdp.lora``: the engine's adapter layout).
     ``model``: the HF model the rules are for — rules naming modules it does not have (MLA's
     ``kv_b_proj`` in a GQA model) are left out (``apply_qat`` refuses a rule matching nothing)."""
     import fnmatch
@@ -327,9 +328,17 @@ def published_trainer_kwargs(plan_json: str, model=None) -> dict:
 
 def plain_names(state: dict) -> dict:
     """A parametrized (QAT) / LoRA model's state under plain names: ``X.parametrizations.P.original``
-    -> ``X.P`` (the full-precision weight), ``X.lora_A`` -> ``X.lora_A.weight``."""
-    out = {}
+    -> ``X.P`` (the full-precision weight), ``X.lora_A`` -> ``X.lora_A.weight``, a fused experts
+    module's ``X.lora.{p}_A [E, r, in]`` -> ``X.{e}.{p}_proj.lora_A.weight`` (the engine's names)."""
+    from skyrl_numerics.hf_experts import served_adapters
+
+    out, experts = {}, {}
     for k, v in state.items():
+        if ".lora." in k:              # per-expert adapters of a fused experts module
+            head, _, leaf = k.rpartition(".lora.")
+            if leaf != "scaling":
+                experts.setdefault(head, {})[leaf] = v
+            continue
         if ".parametrizations." in k and k.endswith(".original"):
             head, _, rest = k.partition(".parametrizations.")
             k = f"{head}.{rest[: -len('.original')]}"
@@ -338,4 +347,6 @@ def plain_names(state: dict) -> dict:
         elif k.endswith(".lora_scaling"):
             continue
         out[k.replace(".base.", ".")] = v
+    for head, lora in experts.items():
+        out.update(served_adapters(head, lora))
     return out

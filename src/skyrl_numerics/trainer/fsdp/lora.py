@@ -8,8 +8,14 @@ so a state dict alone is enough to merge: ``W' = W + s · B A`` (:func:`merge_lo
 a weight sync to an inference engine sends).
 
 Parameter names: ``<name>.base.weight`` / ``.base.bias`` (frozen) and ``<name>.lora_A`` /
-``<name>.lora_B``. MoE experts stored as fused 3-D parameters (Qwen3-MoE in transformers 5) are
-not ``nn.Linear`` and are not adapted.
+``<name>.lora_B``.
+
+MoE experts stored as fused 3-D parameters (transformers 5's standard layout,
+:func:`skyrl_numerics.hf_experts.standard_experts`) that a target glob names get one adapter per
+expert and projection, as vLLM's MoE LoRA holds them: ``<name>.lora.{gate,up,down}_A [E, r, in]``
+/ ``_B [E, out, r]`` (:class:`~skyrl_numerics.hf_experts.ExpertsLoRA`; a token's update touches
+only the experts it was routed to). Merged per expert into ``gate_up_proj`` / ``down_proj``.
+Another experts layout named by a target is refused (its adapters could not be served).
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from skyrl_numerics import hf_experts
 from skyrl_numerics.errors import InputError
 
 __all__ = ["LoRALinear", "apply_lora", "merge_lora_state_dict", "DEFAULT_TARGETS"]
@@ -54,9 +61,17 @@ def apply_lora(model: nn.Module, *, rank: int = 8, alpha: float = 16.0,
     """
     if rank < 1:
         raise InputError(f"LoRA rank must be >= 1, got {rank}", field="lora_rank")
-    names = [n for n, m in model.named_modules()
-             if isinstance(m, nn.Linear) and any(fnmatch.fnmatchcase(n, g) for g in targets)]
-    if not names:
+    hit = [(n, m) for n, m in model.named_modules() if any(fnmatch.fnmatchcase(n, g) for g in targets)]
+    names = [n for n, m in hit if isinstance(m, nn.Linear)]
+    experts = [n for n, m in hit if not isinstance(m, nn.Linear)
+               and (hf_experts.stored(m, "gate_up_proj") is not None
+                    or any(p.dim() == 3 for p in m.parameters(recurse=False)))]
+    for n in experts:
+        if not hf_experts.standard_experts(model.get_submodule(n)):
+            raise InputError(f"LoRA target {n!r}: {type(model.get_submodule(n)).__name__} is not "
+                             "transformers' standard fused experts layout (gate_up_proj [E, 2I, H], "
+                             "no bias); its per-expert adapters are not supported", field="lora_targets")
+    if not names and not experts:
         linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:6]
         raise InputError(f"no nn.Linear matches {list(targets)} (e.g. {linear})", field="lora_targets")
     model.requires_grad_(False)
@@ -68,24 +83,42 @@ def apply_lora(model: nn.Module, *, rank: int = 8, alpha: float = 16.0,
             parent_name, _, child = n.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, LoRALinear(getattr(parent, child), rank, alpha))
-    return names
+        for n in experts:
+            mod = model.get_submodule(n)
+            ref = hf_experts.stored(mod, "gate_up_proj")
+            hf_experts.install(mod, lora=hf_experts.ExpertsLoRA(*hf_experts.experts_dims(mod), rank, alpha,
+                                                                 dtype=ref.dtype, device=ref.device))
+    return names + experts
 
 
 def merge_lora_state_dict(state_dict: dict) -> dict:
-    """Fold adapters into plain weights: ``<n>.weight = base.weight + s · B @ A`` (float32 math, base dtype).
+    """Fold adapters into plain weights: ``<n>.weight = base.weight + s · B @ A`` (float32 math or
+    wider, base dtype).
 
-    Keys without adapters pass through, so the result has the base model's names.
+    Keys without adapters pass through, so the result has the base model's names. Per-expert
+    adapters (``<experts>.lora.*``) are merged into ``<experts>.gate_up_proj`` / ``down_proj``.
     """
     out = {}
     for k, v in state_dict.items():
         if k.endswith(".lora_A") or k.endswith(".lora_B") or k.endswith(".lora_scaling"):
             continue
+        if ".lora." in k:
+            continue
+        prefix, _, leaf = k.rpartition(".")
+        if leaf in ("gate_up_proj", "down_proj") and f"{prefix}.lora.scaling" in state_dict:
+            lo = {p: state_dict[f"{prefix}.lora.{p}"] for p in
+                  (f"{q}_{ab}" for q in hf_experts.PARTS for ab in "AB")}
+            gu, dn = hf_experts.merge(state_dict[f"{prefix}.gate_up_proj"], state_dict[f"{prefix}.down_proj"],
+                                      lo, float(state_dict[f"{prefix}.lora.scaling"]))
+            out[k] = gu if leaf == "gate_up_proj" else dn
+            continue
         if ".base." in k:
             prefix, _, leaf = k.rpartition(".base.")
             if leaf == "weight" and f"{prefix}.lora_A" in state_dict:
-                a, b = state_dict[f"{prefix}.lora_A"].float(), state_dict[f"{prefix}.lora_B"].float()
+                acc = torch.promote_types(v.dtype, torch.float32)
+                a, b = state_dict[f"{prefix}.lora_A"].to(acc), state_dict[f"{prefix}.lora_B"].to(acc)
                 s = float(state_dict[f"{prefix}.lora_scaling"])
-                v = (v.float() + s * (b @ a)).to(v.dtype)
+                v = (v.to(acc) + s * (b @ a)).to(v.dtype)
             out[f"{prefix}.{leaf}"] = v
         else:
             out[k] = v
