@@ -261,8 +261,8 @@ class TrainerWorker:
             from skyrl_numerics.trainer.recipes import plain_names
 
             sd = plain_names(dict(self.trainer.model.state_dict()))
-            if self.trainer.lora_modules:   # every adapter the engine serves: the ones this
-                # trainer has no layer for (routed experts) at the plan's starting values
+            if self.trainer.lora_modules:   # every adapter the engine serves: any this trainer
+                # has no layer for (a non-standard experts layout is refused) at the plan's start
                 sd = {**self.initial_adapters, **{k: v for k, v in sd.items() if ".lora_" in k}}
             else:
                 sd = _revert_names(self.trainer.model, sd)
