@@ -375,8 +375,8 @@ for _sc, _what in (("W4A4 serving", "NVFP4 W4A4 routed experts, FP8 W8A8 attenti
                      closes=("quantization", _stock),
                      note="HF trainer with the plan's QAT rules (recipes.published_trainer_kwargs "
                           "-> apply_qat, fitted to the model: plan_qat_rules): weights on the "
-                          "served grid, activations fake-quantized per token where apply_qat "
-                          "reaches them (fused experts: gate_up's input only); what it closes is "
+                          "served grid, activations fake-quantized per token as the engine "
+                          "quantizes them (fused experts: both GEMM inputs); what it closes is "
                           "the quantization cause"))
     register_row(Row(f"{_sc}: batch-invariant", _sc, _invariant_trainer(plan_of=_sc),
                      closes=("kernels + formulation", _fq),
@@ -385,8 +385,7 @@ for _sc, _what in (("W4A4 serving", "NVFP4 W4A4 routed experts, FP8 W8A8 attenti
                           "every token bitwise equal. It closes what fake-quant leaves: the "
                           "kernels' rounding and the forward's formulation, which per-token "
                           "activation quantization amplifies (a 1-ulp difference at a rounding "
-                          "tie moves a value a whole FP8/FP4 step), and the activations apply_qat "
-                          "does not reach"))
+                          "tie moves a value a whole FP8/FP4 step)"))
 
 
 # ---- a real quantized engine: vLLM's INT4 kernels on a compressed-tensors checkpoint -----------
