@@ -73,9 +73,15 @@ class ExpertsLoRA(nn.Module):
             setattr(self, f"{part}_B", nn.Parameter(torch.zeros(E, out, rank, dtype=dtype, device=device)))
         self.register_buffer("scaling", torch.tensor(alpha / rank, dtype=torch.float32))
 
-    def add(self, y: torch.Tensor, x: torch.Tensor, e: int, parts) -> torch.Tensor:
+    def per_expert(self) -> dict:
+        """``{name: (tensor of expert 0, 1, ...)}``: ``unbind`` views, so the backward writes each
+        parameter's gradient once (``t[e]`` per expert would allocate a whole ``[E, ...]``
+        gradient per expert)."""
+        return {f"{p}_{ab}": getattr(self, f"{p}_{ab}").unbind(0) for p in PARTS for ab in "AB"}
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, e: int, parts, views: dict) -> torch.Tensor:
         """``y`` (the base rows of ``parts``, side by side) + the adapters' rows, in float32."""
-        lo = [(x @ getattr(self, f"{p}_A")[e].T) @ getattr(self, f"{p}_B")[e].T for p in parts]
+        lo = [(x @ views[f"{p}_A"][e].T) @ views[f"{p}_B"][e].T for p in parts]
         lo = lo[0] if len(lo) == 1 else torch.cat(lo, dim=-1)
         acc = torch.promote_types(y.dtype, torch.float32)      # bf16 -> float32; float64 stays
         return (y.to(acc) + float(self.scaling) * lo.to(acc)).to(y.dtype)
@@ -85,7 +91,11 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """The module doc's loop (bound to a standard experts module by :func:`install`)."""
     quant = self.__dict__.get("_act_quant") or (lambda t: t)
     lora = self._modules.get("lora")
-    w_gu, w_down = self.gate_up_proj, self.down_proj      # read once (a QAT weight: quantized once)
+    # read once (a QAT weight: quantized once) and split per expert by unbind: its backward
+    # stacks the experts' gradients once (indexing per expert would allocate a whole [E, ...]
+    # gradient per expert: 30x transformers' grouped_mm at Qwen3-30B-A3B dims)
+    w_gu, w_down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+    views = lora.per_expert() if lora is not None else None
     x = quant(hidden_states)
     out = torch.zeros_like(hidden_states)
     with torch.no_grad():
@@ -97,11 +107,11 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         pos, tok = torch.where(mask[e])
         gu = nn.functional.linear(x[tok], w_gu[e])
         if lora is not None:
-            gu = lora.add(gu, hidden_states[tok], e, ("gate", "up"))
+            gu = lora.add(gu, hidden_states[tok], e, ("gate", "up"), views)
         h = self._apply_gate(gu)
         y = nn.functional.linear(quant(h), w_down[e])
         if lora is not None:
-            y = lora.add(y, h, e, ("down",))
+            y = lora.add(y, h, e, ("down",), views)
         out.index_add_(0, tok, (y * top_k_weights[tok, pos, None]).to(out.dtype))
     return out
 

@@ -95,8 +95,8 @@ class FakeQuantWeight(nn.Module):
         return torch.cat(out, dim=0) if len(out) > 1 else out[0]
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
-        if w.dim() == 3:
-            return torch.stack([self._one(w[e]) for e in range(w.shape[0])])
+        if w.dim() == 3:      # unbind: the backward writes the [E, ...] gradient once, not per expert
+            return torch.stack([self._one(we) for we in w.unbind(0)])
         return self._one(w)
 
 
