@@ -10,7 +10,8 @@ run in the same process — transformers' default experts implementation (``grou
   with nothing installed);
 - ``W4A4 act only``: the loop with NVFP4 on both GEMM inputs (``apply_qat`` act rule);
 - ``W4A4``: NVFP4 weights (fake-quant, STE, read once per call) + NVFP4 activations;
-- ``W4A4 + LoRA r32``: the same + per-expert adapters on gate / up / down (base frozen).
+- ``W4A4 + LoRA r32``: the same + per-expert adapters on gate / up / down (base frozen, so its
+  weights are fake-quantized once: ``quant.qat.bake_frozen``, as the FSDP trainer does).
 
 Peak memory is not measured here: the loop keeps one expert's rows at a time, the fake-quantized
 weights are one extra copy of the module's weights per call (as every QAT parametrization).
@@ -62,8 +63,11 @@ def _variant(name: str, E=E, H=H, I=I):
                    act_recipe="nvfp4", act_opts=act)
     wrap = nn.ModuleDict({"experts": m})
     apply_qat(wrap, [rule])
-    if name.endswith("LoRA r32"):
+    if name.endswith("LoRA r32"):      # as the FSDP trainer does: LoRA, then the frozen base baked
+        from skyrl_numerics.quant.qat import bake_frozen
+
         apply_lora(wrap, rank=32, alpha=64.0, targets=("experts",))
+        bake_frozen(wrap)
     return m
 
 

@@ -124,3 +124,32 @@ def test_lora_and_activation_quant_together_and_removed_in_any_order():
     assert "forward" in exp.__dict__           # the adapters still need the loop
     hf_experts.uninstall(exp, lora=True)
     assert "forward" not in exp.__dict__
+
+
+def test_a_frozen_qat_base_is_quantized_once_bitwise():
+    """Under LoRA the QAT base is frozen: ``bake_frozen`` replaces its parametrizations by their
+    value (quantized once) — logits bitwise those of the parametrized model, adapters still
+    trained, the activation quantizers kept."""
+    from torch.nn.utils import parametrize
+
+    from skyrl_numerics.quant import QATRule, apply_qat
+    from skyrl_numerics.quant.qat import bake_frozen
+
+    rules = [QATRule("model.layers.*.mlp.experts", "nvfp4", {"convention": "vllm"},
+                     act_recipe="fp8_token"),
+             QATRule("model.layers.*.self_attn.q_proj", "fp8_tensor", {}, act_recipe="fp8_token")]
+    a, b = tiny_qwen3_moe(), tiny_qwen3_moe()
+    for m in (a, b):
+        apply_qat(m, rules)
+        apply_lora(m, rank=2, targets=TARGETS)
+        _randomize_adapters(m, 4)
+    done = bake_frozen(b)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in done and \
+        "model.layers.1.self_attn.q_proj.base.weight" in done
+    assert not any(parametrize.is_parametrized(m) for m in b.modules())
+    assert "_act_quant" in b.model.layers[0].mlp.experts.__dict__
+    ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, b(ids).logits)
+    assert {n for n, p in b.named_parameters() if p.requires_grad} == \
+        {n for n, p in a.named_parameters() if p.requires_grad}

@@ -160,6 +160,26 @@ def _act_hook(rule: QATRule):
     return hook
 
 
+def bake_frozen(model: nn.Module) -> list[str]:
+    """Quantize once the QAT weights nobody trains (a LoRA base: ``original`` frozen): the
+    parametrization is replaced by its value ``fake_quant(w)`` as a frozen parameter, so the
+    forward stops re-quantizing it on every call (bitwise the same value; at Qwen3-30B-A3B expert
+    dims the per-call NVFP4 fake-quant is most of the step, ``benchmarks/bench_hf_experts.py``).
+    Returns the baked ``module.param`` names; activation quantizers stay."""
+    done = []
+    for name, mod in model.named_modules():
+        if not parametrize.is_parametrized(mod):
+            continue
+        for pname in list(mod.parametrizations.keys()):
+            if mod.parametrizations[pname].original.requires_grad:
+                continue
+            with torch.no_grad():
+                parametrize.remove_parametrizations(mod, pname, leave_parametrized=True)
+            getattr(mod, pname).requires_grad_(False)
+            done.append(f"{name}.{pname}")
+    return done
+
+
 def remove_qat(model: nn.Module, bake: bool = False) -> None:
     """Undo :func:`apply_qat`. ``bake=True`` keeps the fake-quantized weights as the parameters."""
     for mod in model.modules():

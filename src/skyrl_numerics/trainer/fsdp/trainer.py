@@ -153,6 +153,10 @@ class FSDPTrainer:
             from .lora import apply_lora
 
             self.lora_modules = apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_targets)
+            if cfg.qat:      # the frozen base's QAT weights: quantized once, not on every forward
+                from skyrl_numerics.quant.qat import bake_frozen
+
+                bake_frozen(model)
         self.policy = PolicyModel(model)
         self.keep_grads = False
         self.last_grads: dict = {}
