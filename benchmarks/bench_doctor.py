@@ -18,7 +18,7 @@ def run_once() -> dict:
     import tempfile
 
     from skyrl_numerics.doctor import run_doctor
-    from skyrl_numerics.trainer.engine import generator
+    from skyrl_numerics.engine import generator
 
     starts = []
     real_init = generator.VLLMGenerator.__init__

@@ -28,7 +28,7 @@ import pytest
 def _engine(model_dir):
     from vllm import LLM
 
-    from skyrl_numerics.trainer.sync.vllm import engine_kwargs
+    from skyrl_numerics.engine.weight_update import engine_kwargs
 
     return LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", seed=0,
                max_model_len=1024, gpu_memory_utilization=0.1, enforce_eager=True,
@@ -62,11 +62,8 @@ def measure(repeat: int = 5) -> dict:
 
     from skyrl_numerics.models import build_tiny_model, load_hf_model
     from skyrl_numerics.trainer.logprobs import trainer_logprobs
-    from skyrl_numerics.trainer.sync.vllm import (
-        checkpoint_state_dict,
-        engine_weight_digest,
-        update_vllm_weights,
-    )
+    from skyrl_numerics.engine.weight_update import (checkpoint_state_dict, engine_weight_digest,
+                                                     update_vllm_weights)
 
     model_dir = build_tiny_model("qwen3_moe")
     t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""The published trainer's fused-experts forward (``hf_experts.py``): what quantizing both expert
+"""The published trainer's fused-experts forward (``quant/hf_experts.py``): what quantizing both expert
 GEMM inputs and per-expert LoRA cost against transformers' own experts forward.
 
 One Qwen3-MoE-30B-A3B experts module (64 experts of width 768, hidden 2048, top-8: the layer of

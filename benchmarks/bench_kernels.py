@@ -87,7 +87,7 @@ def test_rms_norm(benchmark, M, N):
 def test_qk_norm_rope_fused(benchmark):
     """Qwen3's per-head norms + RoPE + cache row, fused kernel vs the unfused invariant ops
     (same bits), 16 decode tokens, 4 query + 2 KV heads of 64."""
-    from skyrl_numerics.trainer.invariant import blocks
+    from skyrl_numerics.invariant import blocks
 
     T, Hq, Hk, D = 16, 4, 2, 64
     q, k = torch.randn(T, Hq, D).bfloat16(), torch.randn(T, Hk, D).bfloat16()

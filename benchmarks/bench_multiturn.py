@@ -28,10 +28,10 @@ from _timing import best
 
 
 def engine_routes(turns: int = 10, trajectories: int = 4, max_tokens: int = 8, prompt_len: int = 136):
-    from skyrl_numerics.doctor import make_prompts
+    from skyrl_numerics.rollout.prompts import make_prompts
     from skyrl_numerics.models import build_tiny_model
     from skyrl_numerics.trainer import get_generator
-    from skyrl_numerics.trainer.engine.multiturn import KeyValueEnv
+    from skyrl_numerics.engine.multiturn import KeyValueEnv
 
     gen = get_generator(build_tiny_model("qwen3_moe"), batch_invariant=True, capture_routes=True)
     prompts = make_prompts(trajectories, prompt_len, gen.vocab_size, seed=7)
@@ -119,7 +119,7 @@ def main() -> None:
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    from skyrl_numerics.trainer.engine.quiet import EngineLog
+    from skyrl_numerics.engine.quiet import EngineLog
 
     res = {"gap": gap_turn_cost(a.tokens, a.turns)}
     with EngineLog() as elog:       # vLLM's output to OUT/vllm.log

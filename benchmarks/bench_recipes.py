@@ -2,7 +2,7 @@
 
 Every number is a ratio against a baseline measured in the same process:
 
-1. **Packed weights** (``trainer/invariant/numerics.py``): the invariant model with the ``ml4``
+1. **Packed weights** (``invariant/numerics.py``): the invariant model with the ``ml4``
    plan (NVFP4 W4A4 routed experts, FP8 W8A8 attention — codes + scales kept packed, decoded per
    call, activations quantized per token) and with the ``k2`` plan (INT4 W4A16 experts), against
    the same model in bf16: bytes held by the model (parameters + packed codes/scales) and the
@@ -48,8 +48,8 @@ def forward_cost(model_dir, family: str, seqs: int = 4, length: int = 64, reps: 
     import torch
     from transformers import AutoConfig
 
-    from skyrl_numerics.trainer.invariant import family_class
-    from skyrl_numerics.trainer.invariant.base import iter_checkpoint_tensors
+    from skyrl_numerics.invariant import family_class
+    from skyrl_numerics.invariant.base import iter_checkpoint_tensors
 
     cfg = AutoConfig.from_pretrained(str(model_dir))
     g = torch.Generator().manual_seed(0)
@@ -73,7 +73,7 @@ def forward_cost(model_dir, family: str, seqs: int = 4, length: int = 64, reps: 
 
 def adapter_bytes(family: str, cfg_overrides: dict) -> dict:
     from skyrl_numerics.models import tiny_config
-    from skyrl_numerics.trainer.invariant.numerics import NumericsPlan, plan_adapter_shapes
+    from skyrl_numerics.invariant.numerics import NumericsPlan, plan_adapter_shapes
 
     cfg = tiny_config(family, **cfg_overrides)
     import math
@@ -81,7 +81,7 @@ def adapter_bytes(family: str, cfg_overrides: dict) -> dict:
 
     import torch
 
-    from skyrl_numerics.trainer.invariant import family_class
+    from skyrl_numerics.invariant import family_class
 
     cls = family_class(cfg["architectures"][0])
     with torch.device("meta"):
@@ -106,7 +106,7 @@ def test_packed_w4a4_forward_tiny(benchmark):
     import torch
 
     from skyrl_numerics.models import build_tiny_model
-    from skyrl_numerics.trainer.invariant import from_checkpoint
+    from skyrl_numerics.invariant import from_checkpoint
 
     d = build_tiny_model("qwen3_moe")
     plan = _plans("qwen3_moe", d)["ml4 (W4A4 experts, W8A8 attn)"]

@@ -39,7 +39,7 @@ def _step(state: dict, frac: float, seed: int) -> dict:
 
 
 def _prompts(n=16, length=32, seed=0):
-    from skyrl_numerics.doctor import make_prompts
+    from skyrl_numerics.rollout.prompts import make_prompts
 
     return make_prompts(n, length, 512, seed)
 
@@ -49,12 +49,12 @@ def run(repeat: int = 3, frac: float = 0.02) -> dict:
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from skyrl_numerics.models import build_tiny_model
-    from skyrl_numerics.trainer.engine.generator import VLLMGenerator
-    from skyrl_numerics.trainer.engine.remote import RemoteGenerator
-    from skyrl_numerics.trainer.engine.server import VLLMServer
-    from skyrl_numerics.trainer.sync.vllm import update_vllm_weights
-    from skyrl_numerics.trainer.sync.vllm_backend import SkyrlDeltaTrainerInitInfo, http_client
-    from skyrl_numerics.trainer.sync.weight_sync import DeltaPublisher, DeltaReceiver
+    from skyrl_numerics.engine.generator import VLLMGenerator
+    from skyrl_numerics.engine.remote import RemoteGenerator
+    from skyrl_numerics.engine.server import VLLMServer
+    from skyrl_numerics.engine.weight_update import update_vllm_weights
+    from skyrl_numerics.engine.transfer_backend import SkyrlDeltaTrainerInitInfo, http_client
+    from skyrl_numerics.sync.weight_sync import DeltaPublisher, DeltaReceiver
 
     d = str(build_tiny_model("qwen3_moe"))
     base = load_file(os.path.join(d, "model.safetensors"))

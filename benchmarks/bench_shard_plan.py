@@ -1,4 +1,4 @@
-"""Sharded weight transfer (``trainer/sync/shard_plan.py``, ``sharded.py``): bytes each engine rank
+"""Sharded weight transfer (``sync/shard_plan.py``, ``sharded.py``): bytes each engine rank
 receives with the plan vs a full gather, plan-build time, and — from the same planner on the real
 layouts of a 1T-parameter MoE — the bytes per link and the time at stated link bandwidths.
 
@@ -38,8 +38,8 @@ import time
 import pytest
 import torch
 
-from skyrl_numerics.trainer.sync import shard_layouts as sl
-from skyrl_numerics.trainer.sync import shard_plan as sp
+from skyrl_numerics.sync import shard_layouts as sl
+from skyrl_numerics.sync import shard_plan as sp
 from _timing import best
 
 MODELS = {

@@ -14,7 +14,7 @@ import tempfile
 
 import torch
 
-from skyrl_numerics.trainer.sync.weight_sync import DeltaPublisher
+from skyrl_numerics.sync.weight_sync import DeltaPublisher
 
 FORMATS = ("native", "deepseek_fp8", "ct_fp8_block", "ct_int4", "ct_nvfp4")
 

@@ -34,11 +34,12 @@ if variant == "hf":
     m = load_hf_model(d)
     run = lambda: trainer_logprobs(m, ro, batch_size=4)
 else:
-    from skyrl_numerics.trainer.invariant import base, from_checkpoint
+    from skyrl_numerics.invariant import base, from_checkpoint
+    from skyrl_numerics.trainer.logprobs import invariant_trainer_logprobs
     if variant == "whole":
         base.LOGIT_CHUNK_BYTES = 1 << 62
     m = from_checkpoint(d)
-    run = lambda: base.invariant_trainer_logprobs(m, ro, batch_size=4)
+    run = lambda: invariant_trainer_logprobs(m, ro, batch_size=4)
 t0 = time.perf_counter(); out = run(); dt = time.perf_counter() - t0
 hwm = [int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")][0] / 2**20
 print(json.dumps({"s": dt, "peak_rss_gib": hwm, "lp": out.logprobs.view(np.uint32).tolist()}))

@@ -59,11 +59,11 @@ def main() -> None:
 
     import numpy as np
 
-    from skyrl_numerics.doctor import make_prompts
+    from skyrl_numerics.rollout.prompts import make_prompts
     from skyrl_numerics.models import build_tiny_model, load_hf_model
     from skyrl_numerics.trainer import VLLMGenerator, trainer_logprobs
-    from skyrl_numerics.trainer.invariant import from_checkpoint
-    from skyrl_numerics.trainer.invariant.base import invariant_trainer_logprobs
+    from skyrl_numerics.invariant import from_checkpoint
+    from skyrl_numerics.trainer.logprobs import invariant_trainer_logprobs
 
     if args.real_dims:
         from real_dims import CONFIGS     # (benchmarks/real_dims.py, beside this script)
@@ -122,7 +122,7 @@ def main() -> None:
 def _install_timer(worker, tokens: int) -> int:
     """(In the worker.) Record (start, duration, tokens) of each model forward (the instance
     patch ``"model.forward"`` of ``vllm_patches.py``; kept for the engine's life)."""
-    from skyrl_numerics.trainer.engine.vllm_patches import patch_instance
+    from skyrl_numerics.engine.vllm_patches import patch_instance
 
     model = worker.model_runner.model
     forward = model.forward

@@ -33,9 +33,9 @@ import time
 import numpy as np
 import torch
 
-from skyrl_numerics.trainer.sync.weight_sync import DeltaPublisher, DeltaReceiver
-from skyrl_numerics.trainer.sync.codec import Zstd, tensor_bytes
-from skyrl_numerics.trainer.sync.store import SyncStore
+from skyrl_numerics.sync.weight_sync import DeltaPublisher, DeltaReceiver
+from skyrl_numerics.sync.codec import Zstd, tensor_bytes
+from skyrl_numerics.sync.store import SyncStore
 
 
 def _best(fn, repeat=3):

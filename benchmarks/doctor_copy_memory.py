@@ -1,5 +1,5 @@
 """What each of the doctor's trainer copies really takes, against what the memory plan counts
-(:func:`skyrl_numerics.trainer_memory.trainer_copy_bytes`): one fresh process per copy loads it
+(:func:`skyrl_numerics.doctor.trainer_memory.trainer_copy_bytes`): one fresh process per copy loads it
 as the doctor does (``DoctorContext``) and scores one synthetic rollout of ``--prompts`` ×
 (``--prompt-len`` + ``--max-tokens``) tokens with the row's own trainer; the process's RSS is
 sampled every 20 ms (psutil) before, during and after.
@@ -35,9 +35,9 @@ def child(model_dir: str, row_name: str, n: int, plen: int, new: int) -> dict:
     import numpy as np
     import psutil
 
-    from skyrl_numerics import trainer_memory as tm
+    from skyrl_numerics.doctor import trainer_memory as tm
     from skyrl_numerics.doctor import ROWS as TABLE, DoctorContext
-    from skyrl_numerics.model_check import inspect_checkpoint
+    from skyrl_numerics.doctor.model_check import inspect_checkpoint
     from skyrl_numerics.rollout import Rollout
 
     info = inspect_checkpoint(model_dir)
@@ -64,7 +64,7 @@ def child(model_dir: str, row_name: str, n: int, plen: int, new: int) -> dict:
     th.start()
     t0 = time.time()
     if key[0] == "invariant":
-        from skyrl_numerics.trainer.invariant import from_checkpoint
+        from skyrl_numerics.invariant import from_checkpoint
 
         ctx._models[key] = from_checkpoint(ctx.model_dir, kv_cache=key[1])
     else:

@@ -32,7 +32,7 @@ def main() -> None:
     import torch
 
     from real_dims import build
-    from skyrl_numerics.trainer.invariant import base, from_checkpoint
+    from skyrl_numerics.invariant import base, from_checkpoint
 
     model = from_checkpoint(build(args.family))
     fam = __import__(type(model).__module__, fromlist=["x"])

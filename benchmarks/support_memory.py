@@ -7,7 +7,7 @@ bit-packed mask (V/8 B) per token.
 
     python benchmarks/support_memory.py [--tokens 32] [--prompts 4]
 
-vLLM's output goes to a temporary log (trainer/engine/quiet.py).
+vLLM's output goes to a temporary log (engine/quiet.py).
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ def main() -> None:
     os.environ.setdefault("SKYRL_NUMERICS_CACHE_DIR",
                           os.path.join(os.path.dirname(__file__), "..", ".cache"))
     from skyrl_numerics.models import build_tiny_model
-    from skyrl_numerics.trainer.engine.generator import VLLMGenerator
-    from skyrl_numerics.trainer.engine.quiet import EngineLog
+    from skyrl_numerics.engine.generator import VLLMGenerator
+    from skyrl_numerics.engine.quiet import EngineLog
 
     rows = []
     settings = [("top_p 0.95", dict(top_p=0.95, top_k=0)), ("top_p 0.5", dict(top_p=0.5, top_k=0)),

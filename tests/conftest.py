@@ -6,8 +6,18 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Hypothesis: under CI (CI=true) every run draws the same examples (derandomized, no example
+# database), so a submission cannot fail on a draw nobody saw; locally each run explores new
+# examples and remembers failures. HYPOTHESIS_PROFILE=ci|dev picks one by hand. A test's own
+# @settings(max_examples=...) keeps its count under either profile.
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True)
+settings.register_profile("dev", deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE")
+                      or ("ci" if os.environ.get("CI", "").lower() in ("1", "true", "yes") else "dev"))
 # Keep built checkpoints, kernels and probes inside the repo's ignored .cache/ unless the user
 # chose a place (SKYRL_NUMERICS_CACHE is the old name of the variable).
 if not os.environ.get("SKYRL_NUMERICS_CACHE"):
@@ -86,6 +96,27 @@ def vllm_deepseek_invariant(deepseek_v3_dir):
     gen = get_generator(deepseek_v3_dir, batch_invariant=True, capture_routes=True)
     yield gen
     gen.close()
+
+
+@pytest.fixture
+def fake_engines(monkeypatch):
+    """``install(make)``: the doctor's engines become ``make(model_dir, **kw)`` stand-ins —
+    ``VLLMGenerator`` is ``make``, ``get_generator`` caches one per argument set as the real one
+    does."""
+    from skyrl_numerics.engine import generator
+
+    def install(make):
+        cache = {}
+
+        def get(model_dir, **kw):
+            key = tuple(sorted(kw.items()))
+            if key not in cache:
+                cache[key] = make(model_dir, **kw)
+            return cache[key]
+
+        monkeypatch.setattr(generator, "get_generator", get)
+        monkeypatch.setattr(generator, "VLLMGenerator", make)
+    return install
 
 
 @pytest.fixture(autouse=True)

@@ -130,7 +130,7 @@ def ct_compressor(out: Path, fmt: str) -> Path:
 
 
 def planned(name: str) -> bool:
-    from skyrl_numerics.trainer.invariant.numerics import group_of
+    from skyrl_numerics.invariant.numerics import group_of
 
     return group_of(name) is not None
 

@@ -8,7 +8,7 @@ report → ``"engine_host"``) and checks kernels before an engine starts:
   capability (``torch.backends.cpu.get_cpu_capability()``), the ISA caps set in the environment
   (``ATEN_CPU_CAPABILITY``, ``MKL_ENABLE_INSTRUCTIONS``, ``ONEDNN_MAX_CPU_ISA``), torch/vLLM versions
   and the vLLM kernel library this process has loaded, if any. Cheap; the engine worker answers
-  it too (``skyrl_host_info``, trainer/engine/vllm_ext.py).
+  it too (``skyrl_host_info``, engine/vllm_ext.py).
 - :func:`vllm_capabilities` — which vLLM CPU kernel build this host loads, decided by vLLM's own
   ``CpuPlatform.import_kernels`` (on x86: ``_C`` with AVX-512 + AVX512_BF16, ``_C_AVX512`` with
   AVX-512 alone, else ``_C_AVX2``), the ops that build registers under ``torch.ops._C`` and, per
@@ -121,7 +121,7 @@ def isa_name(flags: dict) -> str:
     return base + ("+BF16" if flags.get("avx512_bf16") else "") + ("+AMX" if flags.get("amx_tile") else "")
 
 
-def _vllm_version() -> str | None:
+def vllm_version() -> str | None:
     mod = sys.modules.get("vllm")
     if getattr(mod, "__version__", None):
         return str(mod.__version__)
@@ -155,7 +155,7 @@ def host_info() -> dict:
             "isa": isa_name(flags), "isa_flags": flags,
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "isa_caps": {k: os.environ[k] for k in ISA_CAPS if k in os.environ},
-            "torch": str(torch.__version__), "vllm": _vllm_version(),   # (TorchVersion: not msgpack)
+            "torch": str(torch.__version__), "vllm": vllm_version(),   # (TorchVersion: not msgpack)
             "vllm_build_loaded": loaded_vllm_build(), "pid": os.getpid()}
 
 
@@ -205,7 +205,7 @@ def _probe(build: str | None, vdir: Path) -> dict:
 
     libs = sorted(vdir.glob("_C*.so"))
     key = {"build": build, "libs": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in libs],
-           "torch": str(torch.__version__), "vllm": _vllm_version(), "flags": isa_flags(),
+           "torch": str(torch.__version__), "vllm": vllm_version(), "flags": isa_flags(),
            "python": sys.version}
     cache = _cache_path(key)
     try:
@@ -263,7 +263,7 @@ def vllm_capabilities() -> dict:
     import torch
 
     flags = isa_flags()
-    out = {"build": None, "decided_by": "vLLM CpuPlatform.import_kernels", "vllm": _vllm_version(),
+    out = {"build": None, "decided_by": "vLLM CpuPlatform.import_kernels", "vllm": vllm_version(),
            "host_isa": isa_name(flags)}
     vdir = _vllm_dir()
     if torch.cuda.is_available():

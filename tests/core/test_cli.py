@@ -201,7 +201,7 @@ def test_gap_out_that_cannot_take_the_report_exits_2_before_any_work(tmp_path, c
 def test_gap_report_files_are_written_together_or_not_at_all(tmp_path, monkeypatch):
     """The PNG failing after report.json was rendered leaves neither (nor a temp file), and
     the error is the project's, naming --out."""
-    from skyrl_numerics import report
+    from skyrl_numerics.doctor import report
     from skyrl_numerics.errors import InputError
 
     def broken_plot(path, rows, title):

@@ -326,10 +326,10 @@ def test_fast_pass_small_chunks_split_sequences(chunk):
     cu = np.sort(np.concatenate([_cu(20_000, rng, max_len=5000), [7000, 7000, 19_990]]))
     tok = gap.normalize(a, b, None, cu)
     for threads in (1, 3):
-        st_ = fast._fast_stats(tok, gap.DEFAULT_TAUS, gap.LOGPROB_TOL, chunk=chunk, threads=threads)
+        st_ = fast.fast_stats(tok, gap.DEFAULT_TAUS, gap.LOGPROB_TOL, chunk=chunk, threads=threads)
         _close(gap._finish(st_, tok, gap.DEFAULT_TAUS), measure_reference(a, b, cu_seqlens=cu))
     one = gap.normalize(a, b, None, None)                     # a single 20K-token sequence
-    st_ = fast._fast_stats(one, gap.DEFAULT_TAUS, gap.LOGPROB_TOL, chunk=chunk)
+    st_ = fast.fast_stats(one, gap.DEFAULT_TAUS, gap.LOGPROB_TOL, chunk=chunk)
     _close(gap._finish(st_, one, gap.DEFAULT_TAUS), measure_reference(a, b))
 
 
@@ -339,7 +339,7 @@ def test_fast_pass_huge_ratio_falls_back():
     cu = _cu(20_000, rng)
     b2 = b.astype(np.float64)
     b2[17] = -400.0                  # r = e^400: the fast pass hands over to the reference
-    assert fast._fast_stats(gap.normalize(a.astype(np.float64), b2, None, cu), gap.DEFAULT_TAUS, 1e-6) is None
+    assert fast.fast_stats(gap.normalize(a.astype(np.float64), b2, None, cu), gap.DEFAULT_TAUS, 1e-6) is None
     rep = measure(a.astype(np.float64), b2, cu_seqlens=cu, _path="fast")
     assert rep.ratio_max > 1e170 and rep.chi2 == math.inf and 0 < rep.ess < 1e-3
     assert rep.to_dict()["summary"]["chi2"] is None
@@ -367,15 +367,15 @@ def test_fast_pass_threads_agree():
     a, b = _synthetic(80_000, 1e-3, rng)
     cu = _cu(80_000, rng)
     tok = gap.normalize(a, b, None, cu)
-    one = fast._fast_stats(tok, gap.DEFAULT_TAUS, 1e-6, chunk=4096, threads=1)
-    three = fast._fast_stats(tok, gap.DEFAULT_TAUS, 1e-6, chunk=4096, threads=3)
+    one = fast.fast_stats(tok, gap.DEFAULT_TAUS, 1e-6, chunk=4096, threads=1)
+    three = fast.fast_stats(tok, gap.DEFAULT_TAUS, 1e-6, chunk=4096, threads=3)
     ref = measure_reference(a, b, cu_seqlens=cu)
     _close(gap._finish(one, tok, gap.DEFAULT_TAUS), ref)
     _close(gap._finish(three, tok, gap.DEFAULT_TAUS), ref)
     # runs of chunks are the unit of work and are combined in run order: same bits for any threads
     _same_stats(one, three)
     for kernel in ("numpy", "numba") if _has_numba() else ("numpy",):
-        two = fast._fast_stats(tok, gap.DEFAULT_TAUS, 1e-6, chunk=4096, threads=2, kernel=kernel)
+        two = fast.fast_stats(tok, gap.DEFAULT_TAUS, 1e-6, chunk=4096, threads=2, kernel=kernel)
         _same_stats(one, two)
 
 
@@ -399,7 +399,7 @@ def test_fast_pass_any_chunking_matches_reference(batch, seed, chunk, threads):
     b = np.minimum(b + rng.normal(0, 1e-3, b.size) * (rng.random(b.size) < 0.7), 0)
     cu = np.concatenate([[0], np.cumsum(lens)])
     tok = gap.normalize(a, b, None, cu)
-    st_ = fast._fast_stats(tok, gap.DEFAULT_TAUS, gap.LOGPROB_TOL, chunk=chunk, threads=threads)
+    st_ = fast.fast_stats(tok, gap.DEFAULT_TAUS, gap.LOGPROB_TOL, chunk=chunk, threads=threads)
     if st_ is None:   # small inputs: the sample is the whole batch, so only the std guard may refuse
         u = np.expm1(a - b)
         assert np.var(u) <= 1.01e-3 * np.mean(u * u)
@@ -408,7 +408,7 @@ def test_fast_pass_any_chunking_matches_reference(batch, seed, chunk, threads):
     _close(gap._finish(st_, tok, gap.DEFAULT_TAUS), ref)
     (pa, m), (pb, _) = _padded(a, lens), _padded(b, lens)
     ptok = gap.normalize(pa, pb, m)                          # padded + mask, same tokens
-    pst = fast._fast_stats(ptok, gap.DEFAULT_TAUS, gap.LOGPROB_TOL, chunk=chunk, threads=threads)
+    pst = fast.fast_stats(ptok, gap.DEFAULT_TAUS, gap.LOGPROB_TOL, chunk=chunk, threads=threads)
     _close(gap._finish(pst, ptok, gap.DEFAULT_TAUS), ref)
 
 
@@ -571,8 +571,8 @@ def _has_numba() -> bool:
 
 def _both_kernels(tok, **kw):
     pytest.importorskip("numba")
-    x = fast._fast_stats(tok, gap.DEFAULT_TAUS, gap.LOGPROB_TOL, kernel="numpy", **kw)
-    y = fast._fast_stats(tok, gap.DEFAULT_TAUS, gap.LOGPROB_TOL, kernel="numba", **kw)
+    x = fast.fast_stats(tok, gap.DEFAULT_TAUS, gap.LOGPROB_TOL, kernel="numpy", **kw)
+    y = fast.fast_stats(tok, gap.DEFAULT_TAUS, gap.LOGPROB_TOL, kernel="numba", **kw)
     assert (x is None) == (y is None)
     if x is not None:
         _same_stats(x, y)
@@ -617,7 +617,7 @@ def test_numba_kernel_flags_bad_values_like_numpy():
         tok = gap.normalize(a, b2, None, cu)
         for kernel in ("numpy", "numba"):
             with pytest.raises(InputError) as e:
-                fast._fast_stats(tok, gap.DEFAULT_TAUS, gap.LOGPROB_TOL, kernel=kernel)
+                fast.fast_stats(tok, gap.DEFAULT_TAUS, gap.LOGPROB_TOL, kernel=kernel)
             assert (e.value.field, e.value.index) == ("rollout_logprobs", 40_123 - cu[e.value.row])
     # float32(1e-6) is above 1e-6: numpy compares in the input dtype, so does the kernel
     a2 = a.copy()

@@ -134,12 +134,12 @@ def test_large_turns_take_the_fast_pass(kernel, monkeypatch):
     cu = np.arange(B + 1) * L
     from skyrl_numerics import gap
     calls = []
-    real = gap._fast_stats
+    real = gap.fast_stats
 
     def spy(tok, *args, **kw):
         calls.append(tok.n)
         return real(tok, *args, **kw)
-    monkeypatch.setattr(gap, "_fast_stats", spy)
+    monkeypatch.setattr(gap, "fast_stats", spy)
     rep = measure(a, b, m, cu_seqlens=cu, turns=t, _kernel=kernel)
     assert 4000 * B > FAST_MIN_TOKENS and calls == [int(m.sum()), 4000 * B]   # whole, then turn 0
     check_rows(rep, numpy_turn_rows(a, b, m, t, cu), 1e-9)

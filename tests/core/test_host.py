@@ -136,7 +136,7 @@ class FakeEngine:
     def __init__(self, model_dir, **kw):
         import numpy as np
 
-        from skyrl_numerics.trainer.engine.generator import EngineInfo
+        from skyrl_numerics.engine.generator import EngineInfo
 
         FakeEngine.started.append(str(model_dir))
         self.vocab_size, self.info, self.llm = 512, EngineInfo("fake", "0"), object()
@@ -164,7 +164,7 @@ def test_doctor_skips_int4_rows_without_the_kernel_and_exits_0(no_caps, fake_eng
     from skyrl_numerics import doctor
     from skyrl_numerics.cli import main
 
-    from skyrl_numerics.model_check import inspect_checkpoint
+    from skyrl_numerics.doctor.model_check import inspect_checkpoint
 
     ctx = doctor.DoctorContext(model_dir=qwen_moe_dir, family="qwen3_moe",
                                info=inspect_checkpoint(qwen_moe_dir, count_params=False))

@@ -15,7 +15,7 @@ def test_mixtral_checkpoint_shape_and_routers():
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["architectures"] == ["MixtralForCausalLM"] and cfg["dtype"] == "bfloat16"
     assert cfg["hidden_size"] // cfg["num_attention_heads"] == 64  # vLLM CPU attention
-    from skyrl_numerics.model_check import inspect_checkpoint
+    from skyrl_numerics.doctor.model_check import inspect_checkpoint
 
     info = inspect_checkpoint(d, count_params=False)
     assert info.is_moe and info.num_experts == 8

@@ -1,6 +1,6 @@
 """Bitwise-identical logprobs between the real vLLM CPU engine and the trainer, every token.
 
-Both run ``trainer/invariant/qwen3_moe.py``: vLLM as an out-of-tree model over its paged KV cache
+Both run ``invariant/qwen3_moe.py``: vLLM as an out-of-tree model over its paged KV cache
 (continuous batching, prefill + token-by-token decode, prefix caching on), the trainer as packed
 full-sequence forwards. Nothing is mocked.
 """
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from skyrl_numerics.doctor import make_prompts
-from skyrl_numerics.trainer.invariant.qwen3_moe import (InvariantQwen3Moe,
-                                                        invariant_trainer_logprobs)
+from skyrl_numerics.rollout.prompts import make_prompts
+from skyrl_numerics.trainer.logprobs import invariant_trainer_logprobs
+from skyrl_numerics.invariant.qwen3_moe import InvariantQwen3Moe
 
 pytestmark = pytest.mark.vllm
 
@@ -56,7 +56,7 @@ def test_the_whole_top_k_distribution_is_bitwise(vllm_qwen_invariant, trainer_mo
     """Not only the sampled token: the engine's top-40 processed logprobs at every position equal
     the invariant trainer's log-softmax at the same ids, bit for bit, and are its top-40 (with
     top-k 16, entries 17.. are -inf on both sides)."""
-    from skyrl_numerics.trainer.invariant.base import invariant_topk
+    from skyrl_numerics.invariant.base import invariant_topk
 
     gen = vllm_qwen_invariant
     ro = gen.generate(make_prompts(5, 10, gen.vocab_size, seed=31), max_tokens=12, seed=2,

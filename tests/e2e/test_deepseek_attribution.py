@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from skyrl_numerics.doctor import make_prompts
+from skyrl_numerics.rollout.prompts import make_prompts
 from skyrl_numerics.gap import measure
 from skyrl_numerics.models import load_hf_model
 from skyrl_numerics.trainer.logprobs import trainer_logprobs
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def engine(deepseek_v3_dir):
     from skyrl_numerics.trainer import VLLMGenerator
-    from skyrl_numerics.trainer.mla_attribution import EXTENSION
+    from skyrl_numerics.doctor.mla_attribution import EXTENSION
 
     gen = VLLMGenerator(deepseek_v3_dir, capture_routes=True, worker_extension_cls=EXTENSION)
     yield gen
@@ -26,7 +26,7 @@ def engine(deepseek_v3_dir):
 
 @pytest.fixture(scope="module")
 def rollout_and_steps(engine):
-    from skyrl_numerics.trainer.mla_attribution import recorded_steps
+    from skyrl_numerics.doctor.mla_attribution import recorded_steps
 
     engine.generate([[2, 3]], max_tokens=2)  # warm-up: its steps must be dropped
     ro = engine.generate(make_prompts(6, 16, engine.vocab_size, seed=2), max_tokens=32, seed=2)
@@ -52,7 +52,7 @@ def test_recorded_steps_cover_every_fed_token(rollout_and_steps):
 
 
 def test_cpu_rope_emulation_explains_most_of_the_gap(rollout_and_steps, deepseek_v3_dir):
-    from skyrl_numerics.trainer.mla_attribution import vllm_style_hook
+    from skyrl_numerics.doctor.mla_attribution import vllm_style_hook
 
     ro, steps = rollout_and_steps
     hf = load_hf_model(deepseek_v3_dir)

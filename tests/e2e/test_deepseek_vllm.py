@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from skyrl_numerics.doctor import make_prompts
+from skyrl_numerics.rollout.prompts import make_prompts
 from skyrl_numerics.gap import measure
 from skyrl_numerics.models import load_hf_model
 from skyrl_numerics.trainer.logprobs import trainer_logprobs

@@ -65,7 +65,9 @@ def test_doctor_serves_fake_quant_weights_in_place_like_a_fresh_engine(tmp_path,
     """The fake-quant scenarios load their weights into the shared engine in place (no engine
     start) and load the original ones back: the rollout is a fresh engine's on the served
     checkpoint bit for bit, and the shared engine afterwards samples what it sampled before."""
-    from skyrl_numerics.doctor import SCENARIOS, _ServedInPlace, make_prompts
+    from skyrl_numerics.doctor import SCENARIOS
+    from skyrl_numerics.doctor.engines import ServedInPlace
+    from skyrl_numerics.rollout.prompts import make_prompts
     from skyrl_numerics.trainer import VLLMGenerator
 
     spec = SCENARIOS["nvfp4 experts"]
@@ -74,8 +76,8 @@ def test_doctor_serves_fake_quant_weights_in_place_like_a_fresh_engine(tmp_path,
     served = spec.serve(model_dir)
     prompts = make_prompts(4, 12, vllm_qwen.vocab_size, seed=3)
     before = vllm_qwen.generate(prompts, max_tokens=16, seed=5)
-    with _ServedInPlace(vllm_qwen, model_dir, served) as eng:
-        assert eng is vllm_qwen and any(".mlp.experts." in n for n in _ServedInPlace(
+    with ServedInPlace(vllm_qwen, model_dir, served) as eng:
+        assert eng is vllm_qwen and any(".mlp.experts." in n for n in ServedInPlace(
             vllm_qwen, model_dir, served).changed)
         in_place = eng.generate(prompts, max_tokens=16, seed=5)
     after = vllm_qwen.generate(prompts, max_tokens=16, seed=5)
@@ -148,8 +150,8 @@ def test_doctor_passes_the_derived_kv_cache_size_to_the_engine(tmp_path, qwen_mo
 
     import psutil
 
-    from skyrl_numerics import engine_memory as em
-    from skyrl_numerics.trainer.engine import generator
+    from skyrl_numerics.doctor import engine_memory as em
+    from skyrl_numerics.engine import generator
 
     vm = collections.namedtuple("svmem", "total available percent used free")
     monkeypatch.setattr(psutil, "virtual_memory", lambda: vm(4 << 30, int(3.5 * (1 << 30)),

@@ -41,7 +41,7 @@ def _word_tokenizer(path, vocab_size: int):
 @pytest.fixture
 def closes_engines():
     """Close the engines a test's doctor run left in the generator cache."""
-    from skyrl_numerics.trainer.engine import generator
+    from skyrl_numerics.engine import generator
 
     before = set(generator._CACHE)
     yield

@@ -30,7 +30,7 @@ def _doctor(out, family_args, scenarios, prompts=4, max_tokens=24):
 
 # one engine start each (the doctor starts the scenario's own invariant engine and closes it once
 # sampled): W4A4 on the tiny Qwen3-MoE, W8A8 on the tiny DeepSeek-V3 (MLA absorbed on both sides,
-# shared experts, dense first layers); tests/core/test_doctor_serving_plans.py checks both plans
+# shared experts, dense first layers); tests/doctor/test_doctor_serving_plans.py checks both plans
 # on both families without an engine
 CASES = [("qwen3_moe", "W4A4 serving", {"attention", "experts"}),
          ("deepseek_v3", "W8A8 serving", {"attention", "experts", "shared", "dense"})]

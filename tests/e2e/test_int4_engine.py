@@ -29,7 +29,7 @@ needs_w4a16 = pytest.mark.skipif(_NO_W4A16 is not None, reason=str(_NO_W4A16))
 
 @pytest.fixture(scope="module")
 def int4_dir(qwen_moe_dir, tmp_path_factory):
-    from skyrl_numerics.trainer.engine.serving_checkpoint import write_int4_checkpoint
+    from skyrl_numerics.engine.serving_checkpoint import write_int4_checkpoint
 
     return write_int4_checkpoint(qwen_moe_dir, out_dir=tmp_path_factory.mktemp("int4") / "ckpt")
 
@@ -64,7 +64,7 @@ def test_matched_trainer_holds_the_checkpoint_grid(qwen_moe_dir, int4_dir):
 
     from skyrl_numerics.quant import dequantize, fake_quant
     from skyrl_numerics.quant.checkpoint import load_qtensors
-    from skyrl_numerics.trainer.engine.serving_checkpoint import int4_qat_spec, qat_rules
+    from skyrl_numerics.engine.serving_checkpoint import int4_qat_spec, qat_rules
 
     rules = qat_rules(int4_qat_spec())
     assert [(r.pattern, r.recipe) for r in rules] == [("*.self_attn.*_proj", "int4_g32")]
@@ -104,7 +104,7 @@ PROMPTS = [[(7 * i + j) % 500 + 2 for j in range(8)] for i in range(4)]
 @needs_w4a16
 def test_engine_runs_int4_kernel(int4_engine):
     from skyrl_numerics.host import assumed_build, vllm_capabilities
-    from skyrl_numerics.trainer.sync.vllm import engine_linear_kernels
+    from skyrl_numerics.engine.weight_update import engine_linear_kernels
 
     if assumed_build() is None:   # the worker loaded the build the detector names (vLLM's choice)
         assert int4_engine.engine_host["vllm_build_loaded"] == vllm_capabilities()["build"]
@@ -121,7 +121,7 @@ def test_engine_runs_int4_kernel(int4_engine):
 def test_fake_quant_matched_trainer_closes_the_int4_gap(qwen_moe_dir, int4_engine):
     from skyrl_numerics.models import load_hf_model
     from skyrl_numerics.quant import apply_qat
-    from skyrl_numerics.trainer.engine.serving_checkpoint import int4_qat_spec, qat_rules
+    from skyrl_numerics.engine.serving_checkpoint import int4_qat_spec, qat_rules
     from skyrl_numerics.trainer.logprobs import trainer_logprobs
 
     r = int4_engine.generate(PROMPTS, max_tokens=16)
@@ -145,9 +145,9 @@ def test_in_place_int4_update_matches_fresh_engine(qwen_moe_dir, int4_engine, tm
     from safetensors.torch import load_file, save_file
 
     from skyrl_numerics.trainer import VLLMGenerator
-    from skyrl_numerics.trainer.engine.serving_checkpoint import write_int4_checkpoint
-    from skyrl_numerics.trainer.sync.vllm import engine_weight_digest, update_vllm_weights
-    from skyrl_numerics.trainer.sync.weight_sync import DeltaPublisher, DeltaReceiver
+    from skyrl_numerics.engine.serving_checkpoint import write_int4_checkpoint
+    from skyrl_numerics.engine.weight_update import engine_weight_digest, update_vllm_weights
+    from skyrl_numerics.sync.weight_sync import DeltaPublisher, DeltaReceiver
 
     s0 = load_file(str(qwen_moe_dir / "model.safetensors"))
     g = torch.Generator().manual_seed(3)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from skyrl_numerics.doctor import make_prompts
-from skyrl_numerics.trainer.invariant import from_checkpoint
-from skyrl_numerics.trainer.invariant.base import invariant_trainer_logprobs
+from skyrl_numerics.rollout.prompts import make_prompts
+from skyrl_numerics.invariant import from_checkpoint
+from skyrl_numerics.trainer.logprobs import invariant_trainer_logprobs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

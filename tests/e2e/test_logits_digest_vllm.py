@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from skyrl_numerics.doctor import make_prompts
-from skyrl_numerics.trainer.invariant.base import invariant_logits_digest
-from skyrl_numerics.trainer.invariant.qwen3_moe import InvariantQwen3Moe
+from skyrl_numerics.rollout.prompts import make_prompts
+from skyrl_numerics.invariant.base import invariant_logits_digest
+from skyrl_numerics.invariant.qwen3_moe import InvariantQwen3Moe
 
 pytestmark = pytest.mark.vllm
 
@@ -123,7 +123,7 @@ def test_a_stock_engine_records_digests_and_the_check_reports_a_fraction(vllm_qw
 
 def test_deepseek_mla_engine_full_rows_bitwise(vllm_deepseek_invariant, deepseek_v3_dir):
     """The invariant DeepSeek-V3 (absorbed MLA over its own latent cache): every row bitwise."""
-    from skyrl_numerics.trainer.invariant import from_checkpoint
+    from skyrl_numerics.invariant import from_checkpoint
 
     gen = vllm_deepseek_invariant
     ro = gen.generate(make_prompts(3, 9, gen.vocab_size, seed=47), max_tokens=8, seed=4,

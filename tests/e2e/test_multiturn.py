@@ -15,10 +15,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from skyrl_numerics.doctor import make_prompts
+from skyrl_numerics.rollout.prompts import make_prompts
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.gap import measure
-from skyrl_numerics.trainer.engine.multiturn import EnvStep, KeyValueEnv
+from skyrl_numerics.engine.multiturn import EnvStep, KeyValueEnv
 
 pytestmark = pytest.mark.vllm
 
@@ -80,8 +80,8 @@ def test_route_deltas_equal_full_resend(vllm_qwen_invariant, inv_traj):
 
 
 def test_invariant_trainer_bitwise_every_turn(qwen_moe_dir, inv_traj):
-    from skyrl_numerics.trainer.invariant import from_checkpoint
-    from skyrl_numerics.trainer.invariant.base import invariant_trainer_logprobs
+    from skyrl_numerics.invariant import from_checkpoint
+    from skyrl_numerics.trainer.logprobs import invariant_trainer_logprobs
 
     ro = inv_traj
     model = from_checkpoint(qwen_moe_dir)
@@ -97,12 +97,12 @@ def test_invariant_trainer_bitwise_every_turn(qwen_moe_dir, inv_traj):
     assert out.routes == ro.routes
     # beyond the sampled token: the engine's top-8 (processed: within the top-16 support) of
     # every model token equals the trainer's, bit for bit and as a set
-    from skyrl_numerics.trainer.invariant.base import invariant_topk
+    from skyrl_numerics.invariant.base import invariant_topk
 
     d = invariant_topk(model, ro, use_support=True)
     assert d["positions"] == int(ro.loss_mask.sum()) and d["frac_bitwise"] == 1.0, d
     # and the whole distribution: every model token's full logits row, by digest
-    from skyrl_numerics.trainer.invariant.base import invariant_logits_digest
+    from skyrl_numerics.invariant.base import invariant_logits_digest
 
     g = invariant_logits_digest(model, ro)
     assert g["positions"] == int(ro.loss_mask.sum()) and g["frac_bitwise"] == 1.0, g

@@ -18,7 +18,7 @@ def _close_recipe_engines():
     """Each recipe's engine is cached process-wide (the loop and the direct test share one);
     close them when the module is done so they do not hold RAM for the rest of the session."""
     yield
-    from skyrl_numerics.trainer.engine import generator
+    from skyrl_numerics.engine import generator
 
     for key, gen in list(generator._CACHE.items()):
         if gen.llm is not None and getattr(gen, "numerics", None) is not None:
@@ -36,7 +36,7 @@ def _run(tmp_path, *extra, steps=2):
 def _adapter_bytes(model_dir, plan_json) -> int:
     import math
 
-    from skyrl_numerics.trainer.invariant.numerics import NumericsPlan, plan_adapter_shapes
+    from skyrl_numerics.invariant.numerics import NumericsPlan, plan_adapter_shapes
 
     cfg = json.loads((model_dir / "config.json").read_text())
     shapes = plan_adapter_shapes(NumericsPlan.from_json(plan_json), cfg)
@@ -108,13 +108,13 @@ def test_adapter_sync_refuses_a_wrong_adapter_and_keeps_the_old_ones(user_dir):
     """The engine serving a LoRA plan: a new adapter version applies in memory and the trainer's
     logprobs still match bit for bit; an adapter of another rank / an unknown target is refused
     with one line before anything is sent, and the engine keeps its adapters."""
-    from skyrl_numerics.doctor import make_prompts
+    from skyrl_numerics.rollout.prompts import make_prompts
     from skyrl_numerics.errors import InputError
     from skyrl_numerics.trainer import get_generator
-    from skyrl_numerics.trainer.invariant import from_checkpoint
-    from skyrl_numerics.trainer.invariant.base import invariant_trainer_logprobs
+    from skyrl_numerics.invariant import from_checkpoint
+    from skyrl_numerics.trainer.logprobs import invariant_trainer_logprobs
     from skyrl_numerics.trainer.recipes import get_recipe, resolve
-    from skyrl_numerics.trainer.sync.vllm import update_vllm_weights
+    from skyrl_numerics.engine.weight_update import update_vllm_weights
 
     plan, kv, _ = resolve(get_recipe("k2"), user_dir)
     gen = get_generator(user_dir, batch_invariant=True, capture_routes=True,
@@ -152,7 +152,7 @@ def test_k2_over_a_vllm_server(tmp_path, user_dir, monkeypatch):
     takes adapter-only snapshots from a LoRA server), Δ = 0 every step; a config whose plan the
     server does not serve is refused with one line."""
     from skyrl_numerics.errors import InputError
-    from skyrl_numerics.trainer.engine.server import VLLMServer
+    from skyrl_numerics.engine.server import VLLMServer
     from skyrl_numerics.trainer.recipes import get_recipe, resolve
 
     plan, kv, _ = resolve(get_recipe("k2"), user_dir)
@@ -176,7 +176,7 @@ def test_k2_on_a_vendor_quantized_checkpoint(tmp_path, qwen_moe_dir):
     """``--model DIR`` written by compressed-tensors' own compressor (INT4 W4A16 g32, attention and
     experts): the engine and the trainer serve the stored codes + scales (never a bf16 copy), the
     recipe's LoRA rides on that frozen base, adapters synced in memory: Δ = 0 every step."""
-    from skyrl_numerics.trainer.engine.serving_checkpoint import write_int4_checkpoint
+    from skyrl_numerics.engine.serving_checkpoint import write_int4_checkpoint
 
     q = write_int4_checkpoint(qwen_moe_dir, experts=True)
     res, _ = _run(tmp_path, "--model", str(q), "--recipe", "k2", "--configs", "bitwise")

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def served(qwen_moe_dir, tmp_path_factory):
     """``skyrl-numerics serve DIR --batch-invariant`` as a subprocess; yields its URL."""
-    from skyrl_numerics.trainer.engine.server import free_port
+    from skyrl_numerics.engine.server import free_port
 
     log = tmp_path_factory.mktemp("serve") / "vllm.log"
     port = free_port()
@@ -49,8 +49,8 @@ def _same(a, b):
 
 
 def test_remote_rollouts_equal_the_in_process_engine(served, vllm_qwen_invariant, qwen_moe_dir):
-    from skyrl_numerics.doctor import make_prompts
-    from skyrl_numerics.trainer.engine.remote import RemoteGenerator
+    from skyrl_numerics.rollout.prompts import make_prompts
+    from skyrl_numerics.engine.remote import RemoteGenerator
 
     url, _, _ = served
     remote = RemoteGenerator(url)
@@ -69,9 +69,9 @@ def test_remote_rollouts_equal_the_in_process_engine(served, vllm_qwen_invariant
 
 
 def test_the_invariant_trainer_reproduces_the_server_bit_for_bit(served, qwen_moe_dir):
-    from skyrl_numerics.doctor import make_prompts
-    from skyrl_numerics.trainer.engine.remote import RemoteGenerator
-    from skyrl_numerics.trainer.invariant.train import InvariantTrainer
+    from skyrl_numerics.rollout.prompts import make_prompts
+    from skyrl_numerics.engine.remote import RemoteGenerator
+    from skyrl_numerics.trainer.invariant_trainer import InvariantTrainer
 
     url, _, _ = served
     ro = RemoteGenerator(url).generate(make_prompts(4, 9, 512, 11), temperature=1.0,
@@ -82,7 +82,7 @@ def test_the_invariant_trainer_reproduces_the_server_bit_for_bit(served, qwen_mo
 
 
 def test_bad_requests_and_servers(served):
-    from skyrl_numerics.trainer.engine.remote import RemoteGenerator
+    from skyrl_numerics.engine.remote import RemoteGenerator
 
     url, _, _ = served
     remote = RemoteGenerator(url)

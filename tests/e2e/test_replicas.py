@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def replicas(qwen_moe_dir, tmp_path_factory):
-    from skyrl_numerics.trainer.engine.server import VLLMServer
+    from skyrl_numerics.engine.server import VLLMServer
 
     logs = tmp_path_factory.mktemp("replicas")
     servers = [VLLMServer(qwen_moe_dir, batch_invariant=True, log_path=logs / f"r{i}.log")
@@ -25,9 +25,9 @@ def replicas(qwen_moe_dir, tmp_path_factory):
 
 
 def test_two_replicas_return_one_servers_bits(replicas):
-    from skyrl_numerics.doctor import make_prompts
-    from skyrl_numerics.trainer.engine.remote import RemoteGenerator
-    from skyrl_numerics.trainer.engine.router import ReplicaRouter
+    from skyrl_numerics.rollout.prompts import make_prompts
+    from skyrl_numerics.engine.remote import RemoteGenerator
+    from skyrl_numerics.engine.router import ReplicaRouter
 
     prompts = make_prompts(6, 10, 512, 21)
     kw = dict(temperature=1.0, top_k=16, capture_support=True, max_tokens=8, n=2, seed=3)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from skyrl_numerics.doctor import make_prompts
+from skyrl_numerics.rollout.prompts import make_prompts
 from skyrl_numerics.gap import measure
 from skyrl_numerics.models import load_hf_model
 from skyrl_numerics.replay import record_routes, route_replay

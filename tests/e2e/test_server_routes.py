@@ -1,7 +1,7 @@
 """vLLM's own ``routed_experts`` and ``sampling_mask`` from a stock ``vllm serve`` on vLLM CPU.
 
 vLLM 0.32 fills these response fields only in its GPU Model Runner V2; our patches
-(``trainer/engine/vllm_patches.py`` + ``capture.AuxOutputs``) make the V1 CPU runner fill them
+(``engine/vllm_patches.py`` + ``capture.AuxOutputs``) make the V1 CPU runner fill them
 the same way. A real server runs as a subprocess (:class:`VLLMServer`) and is queried over HTTP
 with the ``openai`` client. Proof the fields are right:
 
@@ -60,7 +60,7 @@ def _post(srv, path: str, body: dict) -> dict:
 
 
 def _start(model_dir, extra):
-    from skyrl_numerics.trainer.engine.server import VLLMServer
+    from skyrl_numerics.engine.server import VLLMServer
 
     srv = VLLMServer(model_dir, extra_args=extra)
     try:
@@ -154,7 +154,7 @@ def test_uninstall_restores_every_patched_object():
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-    from skyrl_numerics.trainer.engine import vllm_patches
+    from skyrl_numerics.engine import vllm_patches
 
     depth = 0
     while vllm_patches.installed():   # an engine in this process may have installed them
@@ -192,7 +192,7 @@ def test_config_check_relaxed_only_on_cpu_and_only_the_v2_requirement(monkeypatc
 
     from vllm.config.vllm import VllmConfig
 
-    from skyrl_numerics.trainer.engine import vllm_patches
+    from skyrl_numerics.engine import vllm_patches
 
     def cfg(**model):
         model = dict(runner_type="generate", is_moe=True, return_sampling_mask=False) | model
@@ -372,8 +372,8 @@ def test_multiturn_route_deltas_over_http(server, inproc, qwen_moe_dir):
     """``generate_multiturn`` through the server client: each turn sends
     ``routed_experts_prompt_start`` = the trace's end, and the deltas assemble into the routes the
     in-process capture records for the same trajectory (same seeds, same scheduling)."""
-    from skyrl_numerics.trainer.engine.multiturn import KeyValueEnv
-    from skyrl_numerics.trainer.engine.remote import RemoteGenerator
+    from skyrl_numerics.engine.multiturn import KeyValueEnv
+    from skyrl_numerics.engine.remote import RemoteGenerator
 
     gen = RemoteGenerator(server.url, model_dir=str(qwen_moe_dir))
     try:

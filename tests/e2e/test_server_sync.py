@@ -35,7 +35,7 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    from skyrl_numerics.trainer.engine.server import VLLMServer
+    from skyrl_numerics.engine.server import VLLMServer
 
     log = tmp_path_factory.mktemp("serve") / "vllm.log"
     srv = VLLMServer(model_dir, api_key=API_KEY, sync_key=SYNC_KEY, log_path=log,
@@ -72,7 +72,7 @@ def fingerprint(srv, model_dir) -> list:
 def trainer_engine(srv, store, key=SYNC_KEY, **kw):
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from skyrl_numerics.trainer.sync.vllm_backend import SkyrlDeltaTrainerInitInfo, http_client
+    from skyrl_numerics.engine.transfer_backend import SkyrlDeltaTrainerInitInfo, http_client
 
     info = SkyrlDeltaTrainerInitInfo(store=str(store), rank=0, key=key, **kw)
     return WeightTransferTrainerFactory.trainer_init(info, client=http_client(srv.url, API_KEY))
@@ -98,7 +98,7 @@ def scaled(state, name_part, factor):
 def test_control_routes_need_the_api_key(server):
     """Every route of the live app except the probes refuses a request without the key or with
     a wrong one (vLLM's own middleware guards only /v1, /v2, /inference, /cohere)."""
-    from skyrl_numerics.trainer.engine.vllm_patches import OPEN_ROUTES
+    from skyrl_numerics.engine.vllm_patches import OPEN_ROUTES
 
     spec = requests.get(server.url + "/openapi.json", headers=server.headers(), timeout=10).json()
     assert requests.get(server.url + "/openapi.json", timeout=10).status_code == 401
@@ -154,7 +154,8 @@ def _refused(eng, server, model_dir, before, match, *, version=None, update_info
 
 def test_refused_updates_leave_the_served_weights_unchanged(server, model_dir, checkpoint,
                                                            tmp_path):
-    from skyrl_numerics.trainer.sync.weight_sync import DeltaPublisher, manifest_path
+    from skyrl_numerics.sync.manifest import manifest_path
+    from skyrl_numerics.sync.weight_sync import DeltaPublisher
 
     store = tmp_path / "store"
     eng = trainer_engine(server, store)
@@ -254,7 +255,7 @@ def test_a_client_that_disconnects_mid_request_leaves_the_server_serving(server,
 
 # ---- servers that cannot take an update -------------------------------------------------------
 def test_a_server_without_dev_mode_or_with_an_unknown_backend(model_dir, tmp_path):
-    from skyrl_numerics.trainer.engine.server import VLLMServer
+    from skyrl_numerics.engine.server import VLLMServer
 
     srv = VLLMServer(model_dir, log_path=tmp_path / "nodev.log", env={"VLLM_SERVER_DEV_MODE": "0"})
     with srv:
@@ -272,7 +273,7 @@ def test_a_server_killed_mid_update_never_serves_a_mix(server, model_dir, checkp
     it was started from, bit for bit (nothing of the update persisted anywhere it reads).
     In flight for sure: one payload of the new version is a FIFO nobody writes, so the server's
     read of it blocks until the kill. Kills the module's server: later tests start their own."""
-    from skyrl_numerics.trainer.engine.server import VLLMServer
+    from skyrl_numerics.engine.server import VLLMServer
 
     srv = server
     eng = trainer_engine(srv, tmp_path / "store")
@@ -310,7 +311,7 @@ def test_a_caller_killed_by_sigkill_leaves_no_server_behind(model_dir, tmp_path)
     script = tmp_path / "caller.py"
     script.write_text(
         "import sys, time\n"
-        "from skyrl_numerics.trainer.engine.server import VLLMServer\n"
+        "from skyrl_numerics.engine.server import VLLMServer\n"
         f"srv = VLLMServer({model_dir!r}, log_path={str(tmp_path / 'v.log')!r}).start()\n"
         "print(srv.proc.pid, flush=True)\n"
         "time.sleep(600)\n")
@@ -341,9 +342,9 @@ def test_a_serving_format_update_reaches_an_int4_server(model_dir, tmp_path):
 
     from skyrl_numerics.host import missing_kernel_reason
     from skyrl_numerics.trainer import VLLMGenerator
-    from skyrl_numerics.trainer.engine.remote import RemoteGenerator
-    from skyrl_numerics.trainer.engine.server import VLLMServer
-    from skyrl_numerics.trainer.engine.serving_checkpoint import write_int4_checkpoint
+    from skyrl_numerics.engine.remote import RemoteGenerator
+    from skyrl_numerics.engine.server import VLLMServer
+    from skyrl_numerics.engine.serving_checkpoint import write_int4_checkpoint
 
     why = missing_kernel_reason("w4a16")
     if why:

@@ -1,7 +1,7 @@
-"""Sharded delta transfer into a real vLLM CPU engine at tensor parallel 2 (trainer/sync/sharded.py).
+"""Sharded delta transfer into a real vLLM CPU engine at tensor parallel 2 (sync/sharded.py).
 
 The trainer side is megatron-core's TP2 x EP2 layout over 4 ranks (``shard_layouts.megatron_layout``,
-bitwise what ``megatron/mapping.py`` builds: tests/trainer/test_shard_plan.py); each vLLM worker
+bitwise what ``megatron/mapping.py`` builds: tests/sync/test_shard_plan.py); each vLLM worker
 reads only the links of its own rank and loads them through vLLM's own loaders. Checked: the layout
 of the live engine is ``vllm_layout``'s, the weights after a sharded sync are bitwise those after a
 full in-place sync, and a refusal on one rank leaves both ranks' weights untouched."""
@@ -27,7 +27,7 @@ def _digest(t: torch.Tensor) -> str:
 @pytest.fixture(scope="module")
 def engine(qwen_moe_dir):
     pytest.importorskip("vllm")
-    from skyrl_numerics.trainer.engine.generator import VLLMGenerator
+    from skyrl_numerics.engine.generator import VLLMGenerator
 
     # vLLM CPU binds each TP worker's threads to a NUMA node; one node here: one core per worker
     old = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
@@ -65,8 +65,8 @@ def test_live_engine_layout_is_vllm_layout(engine, model):
     loaded, by host: the MoE stacks (reordered for the CPU MoE kernel) and linear weights vLLM's
     CPU GEMM dispatch packs and then drops (an empty parameter: oneDNN / sgl-kernel hosts drop
     qkv/o and, on some ISAs, the router gate)."""
-    from skyrl_numerics.trainer.sync import shard_layouts as sl
-    from skyrl_numerics.trainer.sync import shard_plan as sp
+    from skyrl_numerics.sync import shard_layouts as sl
+    from skyrl_numerics.sync import shard_plan as sp
 
     cfg, hf = model
     want = sp.materialize(sl.vllm_layout(cfg, tp=2), hf)
@@ -95,7 +95,7 @@ def _sample(engine) -> tuple:
 
 
 def _publish(pub, src, hf, version):
-    from skyrl_numerics.trainer.sync import shard_plan as sp
+    from skyrl_numerics.sync import shard_plan as sp
 
     shards = sp.materialize(src, hf)
     for r in pub.ranks():
@@ -104,15 +104,16 @@ def _publish(pub, src, hf, version):
 
 
 def test_sharded_sync_equals_full_sync_and_refusals_switch_no_rank(engine, model, tmp_path):
-    from skyrl_numerics.trainer.sync import shard_layouts as sl
-    from skyrl_numerics.trainer.sync import shard_plan as sp
-    from skyrl_numerics.trainer.sync import sharded as sh
-    from skyrl_numerics.trainer.sync.vllm import update_vllm_weights
+    from skyrl_numerics.sync import shard_layouts as sl
+    from skyrl_numerics.sync import shard_plan as sp
+    from skyrl_numerics.engine import sharded_worker as sh
+    from skyrl_numerics.sync import sharded as sh_sync
+    from skyrl_numerics.engine.weight_update import update_vllm_weights
 
     cfg, hf0 = model
     src, dst = sl.megatron_layout(cfg, tp=2, ep=2, world=4), sl.vllm_layout(cfg, tp=2)
     plan = sp.plan(src, dst)
-    pub = sh.ShardedPublisher(tmp_path, plan)
+    pub = sh_sync.ShardedPublisher(tmp_path, plan)
     g = torch.Generator().manual_seed(7)
     hf1 = {k: (v.float() + 0.01 * torch.randn(v.shape, generator=g)).to(v.dtype) for k, v in hf0.items()}
 
@@ -142,7 +143,7 @@ def test_sharded_sync_equals_full_sync_and_refusals_switch_no_rank(engine, model
     # a corrupt payload on a link into rank 1: rank 1 refuses, rank 0 prepared but does not switch
     hf3 = {k: -v for k, v in hf2.items()}
     _publish(pub, src, hf3, 2)
-    s = next(iter(sh.ShardedReceiver(tmp_path, pub.spec, 1).blocks))
+    s = next(iter(sh_sync.ShardedReceiver(tmp_path, pub.spec, 1).blocks))
     link = tmp_path / "links" / f"s{s}-d1"
     payload = sorted(p for p in link.rglob("*") if p.is_file() and "manifests" not in p.parts
                      and "000000000002" in str(p))[0]

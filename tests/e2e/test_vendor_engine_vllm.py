@@ -1,5 +1,5 @@
 """The real vLLM CPU engine serving vendor-quantized checkpoints through the invariant model
-(trainer/invariant/vendor_plan.py): vLLM's own quantization switched off, the stored codes + scales
+(invariant/vendor_plan.py): vLLM's own quantization switched off, the stored codes + scales
 loaded by the invariant model, and the trainer's ``from_checkpoint`` of the same directory giving
 every sampled token's logprob, every route and every full logits row bit for bit.
 
@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import vendor_ckpts as V     # tests/vendor_ckpts.py (tests/ is on the path: its conftest)
 
-from skyrl_numerics.doctor import make_prompts
-from skyrl_numerics.trainer.invariant import from_checkpoint
-from skyrl_numerics.trainer.invariant.base import invariant_logits_digest, invariant_trainer_logprobs
+from skyrl_numerics.rollout.prompts import make_prompts
+from skyrl_numerics.invariant import from_checkpoint
+from skyrl_numerics.invariant.base import invariant_logits_digest
+from skyrl_numerics.trainer.logprobs import invariant_trainer_logprobs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
 
@@ -22,7 +23,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.filterwarnings("ig
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory, qwen_moe_dir):
     from skyrl_numerics.models import build_tiny_model
-    from skyrl_numerics.trainer.engine.serving_checkpoint import write_int4_checkpoint
+    from skyrl_numerics.engine.serving_checkpoint import write_int4_checkpoint
 
     root = tmp_path_factory.mktemp("vendor_e2e")
     ds = build_tiny_model("deepseek_v3", q_lora_rank=128, moe_intermediate_size=128)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from skyrl_numerics.kernels import batch_invariant_mode, cpu, cpu_reduce
 
@@ -167,10 +167,28 @@ def _sdpa(q, k, v, mask, w):
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def _assert_close_to_float64(got, want, stock, rows, dtype, name, D):
+    """The mode's error against float64 is of the size of the stock op's own: at most twice the
+    stock error, plus four ulps of ``dtype`` at the tensor's magnitude (the result's rounding),
+    plus four float32 ulps of a ``D``-term dot product of O(1) values (the accumulation: the
+    inputs are standard normal, and where a gradient cancels to 0 — dQ of a one-key row — only
+    that is left). bf16: a dK/dV element sums up to 40 query rows of bf16-rounded products, so
+    neither error is a fixed number."""
+    got, stock = got.double()[rows], stock.double()[rows]
+    want = want[rows]
+    eps32 = torch.finfo(torch.float32).eps
+    floor = 4 * torch.finfo(dtype).eps * float(want.abs().max()) + 4 * eps32 * D ** 0.5
+    err, stock_err = float((got - want).abs().max()), float((stock - want).abs().max())
+    assert err <= 2 * stock_err + floor, (
+        f"{name}: max |mode - float64| {err:.3g} > 2 x stock's {stock_err:.3g} + {floor:.3g}")
+
+
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 2**16), lens=st.lists(st.integers(1, 40), min_size=2, max_size=4),
        gqa=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        float_mask=st.booleans())
+@example(seed=0, lens=[1, 1, 33, 1], gqa=True, dtype=torch.bfloat16, float_mask=False)  # dv 0.029
+@example(seed=707, lens=[1, 1], gqa=False, dtype=torch.float32, float_mask=False)   # dq = 0 exactly
 def test_sdpa_rows_of_a_padded_batch_equal_the_sequence_alone(seed, lens, gqa, dtype, float_mask):
     B, H, D = len(lens), 4, 64
     Hkv = 2 if gqa else 4
@@ -187,12 +205,12 @@ def test_sdpa_rows_of_a_padded_batch_equal_the_sequence_alone(seed, lens, gqa, d
             o1, q1, k1, v1 = _sdpa(q[sl], k[sl], v[sl], mask[sl][..., :n], w[sl])
             assert torch.equal(out[sl], o1), f"sequence {i} forward"
             assert torch.equal(dq[sl], q1) and torch.equal(dk[sl], k1) and torch.equal(dv[sl], v1), i
-    # the same function as a float64 reference
+    # the same function as a float64 reference, and the stock op's own error against it
     ref = _sdpa(q.double(), k.double(), v.double(), keep, w)
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
-    for got, want, name in zip((out, dq, dk, dv), ref, ("out", "dq", "dk", "dv")):
+    stock = _sdpa(q, k, v, mask, w)
+    for got, want, st_, name in zip((out, dq, dk, dv), ref, stock, ("out", "dq", "dk", "dv")):
         rows = real.bool().expand_as(got) if name in ("out", "dq") else torch.ones_like(got, dtype=torch.bool)
-        torch.testing.assert_close(got.double()[rows], want[rows], **tol, msg=name)
+        _assert_close_to_float64(got, want, st_, rows, dtype, name, D)
 
 
 def test_sdpa_causal_flag_and_dropout_refused():

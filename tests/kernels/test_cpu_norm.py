@@ -104,7 +104,7 @@ def test_fused_qk_norm_rope_equals_the_unfused_ops(T, Hq, Hk, D, style, eps, sca
     """Qwen3's per-head norms + RoPE + cache row in one kernel: the bits of ``rms_norm_heads``,
     ``Rope`` and ``cat`` (what the training forward, with grad, runs) — from the C kernel and,
     without the library (``spec``), from its torch specification."""
-    from skyrl_numerics.trainer.invariant import blocks
+    from skyrl_numerics.invariant import blocks
 
     if spec:
         mp = pytest.MonkeyPatch()

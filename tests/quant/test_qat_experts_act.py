@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from skyrl_numerics.quant import QATRule, apply_qat, remove_qat, ste_fake_quant
-from skyrl_numerics.hf_experts import experts_forward, standard_experts
+from skyrl_numerics.quant.hf_experts import experts_forward, standard_experts
 
 H, I, E = 32, 16, 6
 

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from qmodels import tiny_qwen3_moe
-from skyrl_numerics import hf_experts
+from skyrl_numerics.quant import hf_experts
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.trainer.fsdp.lora import apply_lora, merge_lora_state_dict
 
@@ -89,7 +89,7 @@ def test_served_names_and_shapes_are_the_engines(deepseek_v3_dir):
     """The published trainer's adapters under plain names == the invariant engine's adapter set
     for the same plan (tiny DeepSeek-V3: MLA attention, a dense layer, shared + routed experts)."""
     from skyrl_numerics.models import load_hf_model
-    from skyrl_numerics.trainer.invariant.numerics import NumericsPlan, plan_adapter_shapes
+    from skyrl_numerics.invariant.numerics import NumericsPlan, plan_adapter_shapes
     from skyrl_numerics.trainer.recipes import plain_names, published_trainer_kwargs
 
     plan = NumericsPlan(formats={}, lora_rank=4, lora_alpha=8.0,

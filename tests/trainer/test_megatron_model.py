@@ -60,7 +60,7 @@ def hf(qwen_moe_dir):
 
 @pytest.fixture(scope="module")
 def hf_sd(hf):
-    from skyrl_numerics.trainer.sync.vllm import checkpoint_state_dict
+    from skyrl_numerics.engine.weight_update import checkpoint_state_dict
 
     return {k: v.detach().clone() for k, v in checkpoint_state_dict(hf).items()}
 
@@ -308,7 +308,7 @@ def test_deepseek_v3_mapping_round_trip_and_logits_match_hf(group, deepseek_v3_d
     from skyrl_numerics.trainer.megatron import compat
     from skyrl_numerics.trainer.megatron.mapping import hf_to_megatron, megatron_to_hf, shard_for_rank
     from skyrl_numerics.trainer.megatron.model import build_gpt_model, init_parallel, load_weights
-    from skyrl_numerics.trainer.sync.vllm import checkpoint_state_dict
+    from skyrl_numerics.engine.weight_update import checkpoint_state_dict
 
     hf = load_hf_model(deepseek_v3_dir, dtype="float32")
     sd = {k: v.detach().clone() for k, v in checkpoint_state_dict(hf).items()}

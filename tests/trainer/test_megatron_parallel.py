@@ -81,7 +81,7 @@ def _worker(rank, world, model_dir, out, ds_dir):
     t.keep_grads = True
     res["layout"] = (t.tp_rank, t.ep_rank)
     res["lp0"] = t.logprobs(r)
-    from skyrl_numerics.trainer.sync.weight_sync import DeltaPublisher
+    from skyrl_numerics.sync.weight_sync import DeltaPublisher
 
     bf16 = lambda sd: {k: v.to(torch.bfloat16).contiguous() for k, v in sd.items()}  # noqa: E731  as served
     before = bf16(t.full_state_dict())  # collective: gathered from the TP/EP shards on every rank
@@ -194,7 +194,7 @@ def single(qwen_moe_dir, two_ranks):
     from skyrl_numerics.models import load_hf_model
     from skyrl_numerics.trainer.fsdp.trainer import FSDPTrainer, TrainerConfig
     from skyrl_numerics.trainer.megatron.trainer import MegatronTrainer
-    from skyrl_numerics.trainer.sync.vllm import checkpoint_state_dict
+    from skyrl_numerics.engine.weight_update import checkpoint_state_dict
 
     r, rew = make_rollout()
     rr, _ = make_rollout(with_routes=True, with_support=True)
@@ -223,7 +223,7 @@ def single_ds(deepseek_v3_dir, two_ranks):
     from skyrl_numerics.models import load_hf_model
     from skyrl_numerics.trainer.fsdp.trainer import FSDPTrainer, TrainerConfig
     from skyrl_numerics.trainer.megatron.trainer import MegatronTrainer
-    from skyrl_numerics.trainer.sync.vllm import checkpoint_state_dict
+    from skyrl_numerics.engine.weight_update import checkpoint_state_dict
 
     r, rew = make_rollout()
     out = {}
@@ -352,7 +352,7 @@ def test_batch_invariant_mode_under_megatron_tp2_ep2(two_ranks):
 def test_delta_sync_from_sharded_params(two_ranks):
     """Rank 0 published the weights gathered from the TP2 x EP2 shards (bf16, HF checkpoint names) before and
     after the step: a full snapshot, then an XOR delta; a receiver ends with exactly the gathered weights."""
-    from skyrl_numerics.trainer.sync.weight_sync import DeltaReceiver
+    from skyrl_numerics.sync.weight_sync import DeltaReceiver
 
     got = two_ranks[0]
     is_full, payload, raw, changed = got["delta"]

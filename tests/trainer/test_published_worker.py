@@ -10,8 +10,7 @@ import numpy as np
 import torch
 
 from skyrl_numerics.rollout import Rollout
-from skyrl_numerics.trainer.invariant.numerics import (NumericsPlan, check_adapters,
-                                                       plan_adapter_shapes)
+from skyrl_numerics.invariant.numerics import NumericsPlan, check_adapters, plan_adapter_shapes
 from skyrl_numerics.trainer.recipes import RECIPES, loop_configs
 from skyrl_numerics.trainer.workers import TrainerWorker
 

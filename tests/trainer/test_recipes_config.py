@@ -121,7 +121,7 @@ def test_a_vendor_quantized_base_keeps_its_own_formats(qwen_moe_dir):
     """``--model DIR`` a vendor quantized (compressed-tensors INT4, written by compressed-tensors'
     own compressor): the bitwise plan serves the stored codes with the recipe's LoRA; a full
     fine-tune and the published (HF) trainer are refused naming the field."""
-    from skyrl_numerics.trainer.engine.serving_checkpoint import write_int4_checkpoint
+    from skyrl_numerics.engine.serving_checkpoint import write_int4_checkpoint
 
     q = write_int4_checkpoint(qwen_moe_dir, experts=True)
     plan, kv, notes = resolve(get_recipe("ml4", ["kv_cache=auto"]), q)

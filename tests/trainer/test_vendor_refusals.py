@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 import vendor_ckpts as V
 from skyrl_numerics.errors import InputError
-from skyrl_numerics.trainer.invariant import family_class, from_checkpoint
-from skyrl_numerics.trainer.invariant.base import iter_checkpoint_tensors
+from skyrl_numerics.invariant import family_class, from_checkpoint
+from skyrl_numerics.invariant.base import iter_checkpoint_tensors
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 _N = itertools.count()
@@ -74,7 +74,7 @@ CASES = [("ct", p, v) for p, v in CT] + [("modelopt", p, v) for p, v in MO] + \
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory, qwen_moe_dir):
     from skyrl_numerics.models import build_tiny_model
-    from skyrl_numerics.trainer.engine.serving_checkpoint import write_int4_checkpoint
+    from skyrl_numerics.engine.serving_checkpoint import write_int4_checkpoint
 
     root = tmp_path_factory.mktemp("vendor_bad")
     ds = build_tiny_model("deepseek_v3", q_lora_rank=128, moe_intermediate_size=128)
@@ -120,7 +120,7 @@ def _engine_refuses(d) -> None:
     """The engine refuses the same checkpoint: before it starts, or in its loader (the same code)."""
     from transformers import AutoConfig
 
-    from skyrl_numerics.trainer.engine.vllm_invariant_model import engine_overrides
+    from skyrl_numerics.engine.vllm_invariant_model import engine_overrides
 
     hf = json.loads((d / "config.json").read_text())
     try:

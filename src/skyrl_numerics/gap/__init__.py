@@ -57,7 +57,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from skyrl_numerics.gap.fast import _fast_stats, _threads
+from skyrl_numerics.gap.fast import fast_stats, scan_threads
 from skyrl_numerics.gap.layout import Tokens, find_bad_value, normalize, position_count
 from skyrl_numerics.gap.turns import turn_groups, turn_stream
 from skyrl_numerics.errors import InputError
@@ -362,7 +362,7 @@ def _stats(tok: Tokens, taus, tol: float, threads, path: str, kernel: str) -> di
     declines) the reference."""
     st = None
     if path == "fast" or (path == "auto" and tok.n > FAST_MIN_TOKENS):
-        st = _fast_stats(tok, taus, tol, threads=_threads(tok.n, threads), kernel=kernel)
+        st = fast_stats(tok, taus, tol, threads=scan_threads(tok.n, threads), kernel=kernel)
     if st is None:
         st = _reference_stats(tok, taus, tol)
     return st

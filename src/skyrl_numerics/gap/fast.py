@@ -310,13 +310,13 @@ def _pick_kernel(tok: Tokens, kernel: str):
     return nb
 
 
-def _threads(n_tokens: int, threads: int | None) -> int:
+def scan_threads(n_tokens: int, threads: int | None) -> int:
     if threads is not None:
         return max(1, int(threads))
     return max(1, min(os.cpu_count() or 1, 8, n_tokens // (4 * _CHUNK)))
 
 
-def _fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK, threads: int | None = 1,
+def fast_stats(tok: Tokens, taus, tol: float, chunk: int = _CHUNK, threads: int | None = 1,
                 kernel: str = "auto"):
     """Same dict as :func:`_reference_stats` in one chunked pass; ``None`` if a percentile
     bracket missed or a ratio overflows (the caller then runs the reference).

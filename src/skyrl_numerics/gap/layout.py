@@ -48,11 +48,11 @@ def to_numpy(x, field: str, row: int | None = None, kinds: str = "fiu") -> tuple
     return arr, name
 
 
-def _is_ragged(x) -> bool:
+def is_ragged(x) -> bool:
     return isinstance(x, (list, tuple)) and len(x) > 0 and not np.isscalar(x[0])
 
 
-def _mask_array(m, shape, row=None) -> np.ndarray:
+def mask_array(m, shape, row=None) -> np.ndarray:
     arr, _ = to_numpy(m, "mask", row, kinds="fiub")
     if arr.shape != tuple(shape):
         raise InputError(f"shape {tuple(arr.shape)}, expected {tuple(shape)} (same as trainer_logprobs)",
@@ -189,7 +189,7 @@ def _check_cu(cu, n: int) -> np.ndarray:
 
 def normalize(trainer, rollout, mask=None, cu_seqlens=None) -> Tokens:
     """Check shapes/layout of the inputs and build a :class:`Tokens` (values unchecked)."""
-    ra, rb = _is_ragged(trainer), _is_ragged(rollout)
+    ra, rb = is_ragged(trainer), is_ragged(rollout)
     if ra != rb:
         raise InputError("layout mismatch: one input is a list of sequences, the other an array",
                          field=FIELDS[1])
@@ -212,7 +212,7 @@ def normalize(trainer, rollout, mask=None, cu_seqlens=None) -> Tokens:
         bsz, t = a.shape
         if mask is None:
             return Tokens(a.reshape(-1), b.reshape(-1), np.full(bsz, t), dtypes=dtypes)
-        m = _mask_array(mask, a.shape)
+        m = mask_array(mask, a.shape)
         lengths = _row_counts(m)
         if lengths.sum() == 0:
             raise InputError("empty input: mask selects no tokens", field="mask")
@@ -228,7 +228,7 @@ def normalize(trainer, rollout, mask=None, cu_seqlens=None) -> Tokens:
     cu = _check_cu(cu_seqlens, a.size) if cu_seqlens is not None else np.array([0, a.size], np.int64)
     if mask is None:
         return Tokens(a, b, np.diff(cu), dtypes=dtypes)
-    m = _mask_array(mask, a.shape)
+    m = mask_array(mask, a.shape)
     keep = np.flatnonzero(m)
     if keep.size == 0:
         raise InputError("empty input: mask selects no tokens", field="mask")
@@ -262,7 +262,7 @@ def _normalize_ragged(trainer, rollout, mask, cu_seqlens) -> Tokens:
             raise InputError(f"length {ya.size if ya.ndim == 1 else tuple(ya.shape)}, expected {xa.size} "
                              "(as trainer_logprobs)", row=i, field=FIELDS[1])
         if mask is not None:
-            m = _mask_array(mask[i], xa.shape, row=i)
+            m = mask_array(mask[i], xa.shape, row=i)
             keeps.append(np.flatnonzero(m))
             xa, ya = xa[m], ya[m]
         aa.append(xa)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from skyrl_numerics.errors import InputError
-from skyrl_numerics.gap.layout import Tokens, _is_ragged, _mask_array, to_numpy
+from skyrl_numerics.gap.layout import Tokens, is_ragged, mask_array, to_numpy
 
 
 def _ints(x, row=None) -> np.ndarray:
@@ -28,7 +28,7 @@ def _ints(x, row=None) -> np.ndarray:
 
 def turn_stream(turns, trainer, mask, tok: Tokens) -> np.ndarray:
     """The turn index of every measured token, in :class:`Tokens` order (int64 [tok.n])."""
-    if _is_ragged(trainer):
+    if is_ragged(trainer):
         if not isinstance(turns, (list, tuple)) or len(turns) != len(trainer):
             raise InputError(f"expected a list of {len(trainer)} 1-D turn-index arrays for ragged input",
                              field="turns")
@@ -39,7 +39,7 @@ def turn_stream(turns, trainer, mask, tok: Tokens) -> np.ndarray:
             if t.shape != (n,):
                 raise InputError(f"shape {tuple(t.shape)}, expected ({n},) (as trainer_logprobs)", row=i,
                                  field="turns")
-            parts.append(t[_mask_array(mask[i], (n,), row=i)] if mask is not None else t)
+            parts.append(t[mask_array(mask[i], (n,), row=i)] if mask is not None else t)
         tt = np.concatenate(parts).astype(np.int64, copy=False)
     else:
         t = _ints(turns)
@@ -47,7 +47,7 @@ def turn_stream(turns, trainer, mask, tok: Tokens) -> np.ndarray:
         if tuple(t.shape) != want:
             raise InputError(f"shape {tuple(t.shape)}, expected {want} (same as trainer_logprobs)", field="turns")
         if mask is not None:
-            t = t[_mask_array(mask, want)]
+            t = t[mask_array(mask, want)]
         tt = t.reshape(-1).astype(np.int64, copy=False)
     if tt.size and tt.min() < 0:
         k = int(np.argmax(tt < 0))

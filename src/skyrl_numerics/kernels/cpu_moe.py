@@ -1,6 +1,6 @@
 """The data movement around a grouped MoE layer's GEMMs on CPU: one C kernel each
 (``csrc/moe_rows.c``) and its torch specification, the same bits. The invariant forward
-(:func:`skyrl_numerics.trainer.invariant.blocks.routed_experts`) sorts the (token, slot) pairs
+(:func:`skyrl_numerics.invariant.blocks.routed_experts`) sorts the (token, slot) pairs
 ``p = t·k + s`` by expert, pads each expert's rows to whole GEMM row blocks, and calls:
 
 - :func:`gather_rows`: ``out[c, dest[p]] = float32(x[src[p]])`` for each copy ``c``, every other

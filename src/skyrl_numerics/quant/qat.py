@@ -15,7 +15,7 @@ Matched modules get:
   that is the module's input (a forward pre-hook). A fused experts module runs two GEMMs per
   expert: for transformers' standard layout (``@use_experts_implementation`` with concatenated
   ``[gate; up]``, not transposed, no bias, gated) the module runs
-  :func:`skyrl_numerics.hf_experts.experts_forward`, the eager per-expert loop with both inputs
+  :func:`skyrl_numerics.quant.hf_experts.experts_forward`, the eager per-expert loop with both inputs
   quantized::
 
       x_q = Q(x);  h = apply_gate(x_q @ W_gu[e].T);  y_e = Q(h) @ W_down[e].T
@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from skyrl_numerics import hf_experts
+from skyrl_numerics.quant import hf_experts
 from skyrl_numerics.errors import InputError
 
 from .api import RECIPES, recipe_options
@@ -58,7 +58,7 @@ class QATRule:
     clip: bool = False
 
 
-def _as_rule(r, i: int) -> QATRule:
+def as_rule(r, i: int) -> QATRule:
     if isinstance(r, QATRule):
         rule = r
     elif isinstance(r, dict):
@@ -110,7 +110,7 @@ def apply_qat(model: nn.Module, rules) -> dict[str, list[str]]:
     The first matching rule wins for each module. A rule that matches no ``nn.Linear`` or
     expert module raises :class:`InputError` (a typo should not silently train unquantized).
     """
-    rules = [_as_rule(r, i) for i, r in enumerate(rules)]
+    rules = [as_rule(r, i) for i, r in enumerate(rules)]
     done: dict[str, list[str]] = {}
     hits = [0] * len(rules)
     for name, mod in list(model.named_modules()):
@@ -135,7 +135,7 @@ def apply_qat(model: nn.Module, rules) -> dict[str, list[str]]:
             hf_experts.install(mod, act_quant=_act_quant(rule))
             wrapped.append(f"input:{rule.act_recipe}")
         elif rule.act_recipe is not None:
-            mod._qat_act_hook = mod.register_forward_pre_hook(_act_hook(rule))
+            mod._qat_act_hook = mod.register_forward_pre_hook(act_hook(rule))
             wrapped.append(f"input:{rule.act_recipe}"
                            + ("" if isinstance(mod, nn.Linear) else " (gate_up only)"))
         done[name] = wrapped
@@ -150,7 +150,7 @@ def _act_quant(rule: QATRule):
     return partial(ste_fake_quant, recipe=rule.act_recipe, clip=rule.clip, **rule.act_opts)
 
 
-def _act_hook(rule: QATRule):
+def act_hook(rule: QATRule):
     quant = _act_quant(rule)
 
     def hook(module, args):

@@ -111,7 +111,7 @@ def _e4m3(v: torch.Tensor) -> torch.Tensor:
     return C.decode(C.encode(v, C.E4M3), C.E4M3)
 
 
-def _global_amax(x: torch.Tensor, global_amax) -> torch.Tensor:
+def resolve_global_amax(x: torch.Tensor, global_amax) -> torch.Tensor:
     if global_amax is None:
         return x.detach().abs().amax().to(F32) if x.numel() else _t(0.0)
     A = torch.as_tensor(global_amax, dtype=F32).reshape(())
@@ -120,7 +120,7 @@ def _global_amax(x: torch.Tensor, global_amax) -> torch.Tensor:
     return A
 
 
-def _te_encode_global(A: torch.Tensor) -> torch.Tensor:
+def te_encode_global(A: torch.Tensor) -> torch.Tensor:
     S = torch.clamp(2688.0 / A, max=FLT_MAX)
     return torch.where((A == 0) | (S == 0), _t(1.0), S)
 
@@ -132,7 +132,7 @@ def _global(x: torch.Tensor, convention: str, global_amax, global_scale) -> torc
         if not bool(torch.isfinite(glob) & (glob >= 0)):
             raise InputError(f"global_scale must be finite and >= 0, got {float(glob)}", field="global_scale")
         return glob
-    A = _global_amax(x, global_amax)
+    A = resolve_global_amax(x, global_amax)
     if convention == "te":
         return A
     if convention == "compressed_tensors":
@@ -147,7 +147,7 @@ def _block_scale(conv: str, a: torch.Tensor, glob: torch.Tensor, stats_dtype=Non
         G = 1.0 / glob
         return _e4m3((G * (a * RCP_6)).clamp(max=448.0))
     if conv == "te":
-        S = _te_encode_global(glob)
+        S = te_encode_global(glob)
         return _e4m3(torch.clamp((a / 6.0) * S, max=FLT_MAX).clamp(max=448.0))
     if conv in ("modelopt", "modelopt<0.45"):
         s_hp = a / (6.0 * glob)
@@ -166,7 +166,7 @@ def _elements(conv: str, xb: torch.Tensor, s: torch.Tensor, glob: torch.Tensor) 
         G = 1.0 / glob
         y = xb * torch.where(s == 0, 0.0, 1.0 / (s * (1.0 / G)))
     elif conv == "te":
-        S = _te_encode_global(glob)
+        S = te_encode_global(glob)
         y = xb * torch.clamp(1.0 / (s * (1.0 / S)), max=FLT_MAX)
     elif conv in ("modelopt", "modelopt<0.45"):
         y = xb / (s * glob)
@@ -275,7 +275,7 @@ def _element_values_(conv: str, xb: torch.Tensor, s: torch.Tensor, glob: torch.T
         G = 1.0 / glob
         t, div = torch.where(s == 0, 0.0, 1.0 / (s * (1.0 / G))), False
     elif conv == "te":
-        S = _te_encode_global(glob)
+        S = te_encode_global(glob)
         t, div = torch.clamp(1.0 / (s * (1.0 / S)), max=FLT_MAX), False
     elif conv in ("modelopt", "modelopt<0.45"):
         t, div = s * glob, True

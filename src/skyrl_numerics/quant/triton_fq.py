@@ -203,8 +203,8 @@ OPTIONS = {"fp8_block": ("block", "eps", "ue8m0"), "mxfp8": ("elem", "scale_mode
 
 def _nvfp4_globals(x: torch.Tensor, convention: str, global_amax) -> torch.Tensor | None:
     """[P0, P1, P2] float32 per convention, computed like the reference (None: all-zero output)."""
-    from .recipes_nvfp4 import _global_amax, _te_encode_global
-    A = _global_amax(x, global_amax)
+    from .recipes_nvfp4 import resolve_global_amax, te_encode_global
+    A = resolve_global_amax(x, global_amax)
     if convention == "compressed_tensors":
         G = 2688.0 / torch.clamp(A, min=torch.finfo(torch.float32).tiny)
         G = torch.where(torch.isfinite(G), G, torch.tensor(1.0))
@@ -212,7 +212,7 @@ def _nvfp4_globals(x: torch.Tensor, convention: str, global_amax) -> torch.Tenso
     if float(A) == 0.0:
         return None
     if convention == "te":
-        S = _te_encode_global(A)
+        S = te_encode_global(A)
         vals = [S, 1.0 / S, A]
     else:
         g = A / 2688.0

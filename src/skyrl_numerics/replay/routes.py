@@ -64,7 +64,7 @@ def exact_ints(x, field: str) -> np.ndarray:
     return a.astype(np.int64)
 
 
-def _exact_int(v, field: str) -> int:
+def exact_int(v, field: str) -> int:
     """One integer (not a bool, not a float)."""
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
         raise InputError(f"expected an integer, got {v!r}", field=field)
@@ -82,7 +82,7 @@ ARRAYS_VERSION = 1          # to_arrays(): version of the {"values", "cu_seqlens
 _MAX_ELEMS = 1 << 40        # refuse absurd header sizes before allocating or slicing
 
 
-def _xxh3(*parts) -> int:
+def xxh3_digest(*parts) -> int:
     """xxh3-64 of the concatenated byte-like parts (numpy arrays without a copy)."""
     import xxhash
 
@@ -97,12 +97,12 @@ def _xxh3(*parts) -> int:
 def _buffer_digest(arr: np.ndarray) -> int:
     head = bytearray(arr[:HEADER_BYTES].tobytes())
     head[_DIGEST_AT:_DIGEST_AT + 8] = bytes(8)
-    return _xxh3(bytes(head), arr[HEADER_BYTES:])
+    return xxh3_digest(bytes(head), arr[HEADER_BYTES:])
 
 
 def _arrays_digest(values: np.ndarray, cu: np.ndarray, num_experts: int) -> int:
     meta = f"PackedRoutes|{ARRAYS_VERSION}|{num_experts}|{values.dtype.str}|{values.shape}|{cu.dtype.str}|{cu.shape}"
-    return _xxh3(meta.encode(), cu, values)
+    return xxh3_digest(meta.encode(), cu, values)
 
 
 def check_arrays_digest(d, version: int, digest: Callable[[], int] | None) -> None:
@@ -113,7 +113,7 @@ def check_arrays_digest(d, version: int, digest: Callable[[], int] | None) -> No
         raise InputError("'version' and 'digest' come together", field="version" if "version" not in d else "digest")
     if "version" not in d:
         return
-    v = _int_scalar(d["version"], "version", 0, 1 << 62)
+    v = int_scalar(d["version"], "version", 0, 1 << 62)
     if v != version:
         raise InputError(f"unsupported version {v}, expected {version}", field="version")
     dg = np.asarray(d["digest"])
@@ -123,7 +123,7 @@ def check_arrays_digest(d, version: int, digest: Callable[[], int] | None) -> No
         raise InputError("digest does not match the arrays (corrupt or edited)", field="digest")
 
 
-def _int_scalar(x, field: str, lo: int, hi: int) -> int:
+def int_scalar(x, field: str, lo: int, hi: int) -> int:
     a = np.asarray(x)
     if a.dtype.kind not in "iu" or a.size != 1:
         raise InputError(f"expected one integer, got {a.dtype} of shape {a.shape}", field=field)
@@ -174,7 +174,7 @@ class PackedRoutes:
     __slots__ = ("values", "cu_seqlens", "num_experts", "_buffer")
 
     def __init__(self, values: np.ndarray, cu_seqlens: np.ndarray, num_experts: int, *, validate: bool = True):
-        num_experts = _int_scalar(num_experts, "num_experts", 1, (1 << 32) - 1)
+        num_experts = int_scalar(num_experts, "num_experts", 1, (1 << 32) - 1)
         dt = id_dtype(num_experts)
         values = np.asarray(values)
         if values.ndim != 3:
@@ -224,8 +224,8 @@ class PackedRoutes:
     def empty(cls, seq_lens: Sequence[int] | np.ndarray, num_layers: int, k: int, num_experts: int) -> "PackedRoutes":
         """Allocate the final contiguous buffer for ``seq_lens`` rows; fill ``seq(b)`` in place, then ``validate()``."""
         seq_lens = exact_ints(seq_lens, "seq_lens").reshape(-1)
-        num_layers, k = _exact_int(num_layers, "num_layers"), _exact_int(k, "k")
-        num_experts = _exact_int(num_experts, "num_experts")
+        num_layers, k = exact_int(num_layers, "num_layers"), exact_int(k, "k")
+        num_experts = exact_int(num_experts, "num_experts")
         if seq_lens.size and seq_lens.min() < 0:
             raise InputError(f"negative sequence length {int(seq_lens.min())}", field="seq_lens",
                              index=int(np.argmin(seq_lens)))
@@ -353,7 +353,7 @@ class PackedRoutes:
 
     def seq(self, b: int) -> np.ndarray:
         """View (no copy) of sequence ``b``'s routes, shape ``[n_b, L, k]``."""
-        b = _exact_int(b, "seq")
+        b = exact_int(b, "seq")
         if not -self.num_seqs <= b < self.num_seqs:
             raise InputError(f"sequence {b} out of range for {self.num_seqs} sequences", field="seq", index=b)
         b %= self.num_seqs
@@ -409,7 +409,7 @@ class PackedRoutes:
         for key in ("values", "cu_seqlens", "num_experts"):
             if key not in d:
                 raise InputError(f"missing array '{key}'", field=key)
-        E = _int_scalar(d["num_experts"], "num_experts", 1, (1 << 32) - 1)
+        E = int_scalar(d["num_experts"], "num_experts", 1, (1 << 32) - 1)
         values, cu = np.asarray(d["values"]), np.asarray(d["cu_seqlens"])
         if values.dtype != id_dtype(E):
             raise InputError(f"dtype {values.dtype}, expected {id_dtype(E)} for {E} experts", field="values")

@@ -23,7 +23,7 @@ logprob is identically 0 and carries no gradient, so support replay needs ``top_
 
 Top-p alone (no size bound; thousands of ids over a 150k vocabulary) is captured inside the engine
 instead: a worker-side hook on vLLM's top-k/top-p sampler records, per sampled token, the ids whose
-processed logprob is finite (``trainer/engine/capture.py``, ``_SupportStore``), and the generator builds
+processed logprob is finite (``engine/capture.py``, ``SupportStore``), and the generator builds
 the CSR arrays directly. Memory: 4 B per kept id + 8 B per token (offsets), against ``V`` bytes per token
 for a dense bool mask (``V / 8`` bit-packed): :meth:`dense_mask_nbytes`.
 """
@@ -36,7 +36,7 @@ import numpy as np
 
 from skyrl_numerics.errors import InputError
 
-from .routes import _exact_int, exact_ints
+from .routes import exact_int, exact_ints
 
 
 class PackedSupport:
@@ -68,9 +68,9 @@ class PackedSupport:
                 raise InputError("offset exceeds int64", field="offsets", index=int(np.argmax(self.offsets > 2 ** 63 - 1)))
             self.offsets = self.offsets.astype(np.int64)
         if vocab_size is not None:
-            from .routes import _int_scalar
+            from .routes import int_scalar
 
-            vocab_size = _int_scalar(vocab_size, "vocab_size", 1, 2 ** 31)
+            vocab_size = int_scalar(vocab_size, "vocab_size", 1, 2 ** 31)
         self.vocab_size = vocab_size
         if validate:
             self.validate()
@@ -101,7 +101,7 @@ class PackedSupport:
     def full(cls, num_tokens: int, vocab_size: int) -> "PackedSupport":
         """Every token's support is the whole vocabulary (no truncation)."""
         for name, v in (("num_tokens", num_tokens), ("vocab_size", vocab_size)):
-            if _exact_int(v, name) < 0:
+            if exact_int(v, name) < 0:
                 raise InputError(f"{name} must be >= 0, got {v!r}", field=name)
         ids = np.tile(np.arange(vocab_size, dtype=np.int32), num_tokens)
         return cls(ids, np.arange(num_tokens + 1, dtype=np.int64) * vocab_size, vocab_size, validate=False)
@@ -190,7 +190,7 @@ class PackedSupport:
 
     def row(self, i: int) -> np.ndarray:
         """View (no copy) of token ``i``'s support ids."""
-        i = _exact_int(i, "support")
+        i = exact_int(i, "support")
         if not 0 <= i < self.num_tokens:
             raise InputError(f"row {i} out of range for {self.num_tokens} tokens", field="support", index=i)
         return self.token_ids[self.offsets[i]:self.offsets[i + 1]]
@@ -267,7 +267,7 @@ class PackedSupport:
     def from_arrays(cls, d: Mapping[str, np.ndarray]) -> "PackedSupport":
         """Inverse of :meth:`to_arrays`: exact dtypes (int32 ids, int64 offsets), no unknown keys;
         ``version`` and ``digest`` checked when present (both or neither)."""
-        from .routes import _int_scalar, check_arrays_digest
+        from .routes import int_scalar, check_arrays_digest
 
         for key in d:
             if key not in ("token_ids", "offsets", "vocab_size", "version", "digest"):
@@ -280,7 +280,7 @@ class PackedSupport:
             raise InputError(f"expected 1-D int32, got {ids.dtype} of shape {ids.shape}", field="token_ids")
         if off.dtype != np.int64 or off.ndim != 1:
             raise InputError(f"expected 1-D int64, got {off.dtype} of shape {off.shape}", field="offsets")
-        V = None if d.get("vocab_size") is None else _int_scalar(d["vocab_size"], "vocab_size", 1, 2 ** 31)
+        V = None if d.get("vocab_size") is None else int_scalar(d["vocab_size"], "vocab_size", 1, 2 ** 31)
         check_arrays_digest(d, ARRAYS_VERSION, lambda: _arrays_digest(ids, off, V))
         return cls(ids, off, V)
 
@@ -289,7 +289,7 @@ ARRAYS_VERSION = 1
 
 
 def _arrays_digest(ids: np.ndarray, off: np.ndarray, vocab_size) -> int:
-    from .routes import _xxh3
+    from .routes import xxh3_digest
 
     meta = f"PackedSupport|{ARRAYS_VERSION}|{vocab_size}|{ids.dtype.str}|{ids.shape}|{off.dtype.str}|{off.shape}"
-    return _xxh3(meta.encode(), off, ids)
+    return xxh3_digest(meta.encode(), off, ids)

@@ -44,7 +44,7 @@ def support_logprobs_reference(hidden: torch.Tensor, lm_head_weight: torch.Tenso
     acc = _acc_dtype(hidden)
     logits = hidden.to(acc) @ lm_head_weight.to(acc).T
     if support is not None:
-        mask = _dense_mask(support, logits.shape[1], logits.device)
+        mask = dense_mask(support, logits.shape[1], logits.device)
         logits = logits.masked_fill(~mask, float("-inf"))
     logp = torch.log_softmax(logits, dim=-1)
     lp = logp.gather(1, targets.long()[:, None])[:, 0]
@@ -53,7 +53,7 @@ def support_logprobs_reference(hidden: torch.Tensor, lm_head_weight: torch.Tenso
     return lp, ent
 
 
-def _dense_mask(support: PackedSupport, vocab: int, device) -> torch.Tensor:
+def dense_mask(support: PackedSupport, vocab: int, device) -> torch.Tensor:
     mask = torch.zeros(support.num_tokens, vocab, dtype=torch.bool, device=device)
     rows = torch.from_numpy(support.row_ids()).to(device)
     cols = torch.from_numpy(support.token_ids.astype(np.int64)).to(device)

@@ -26,7 +26,7 @@ import numpy as np
 
 from skyrl_numerics.errors import InputError
 
-from .routes import PackedRoutes, _exact_int, exact_ints, id_dtype
+from .routes import PackedRoutes, exact_int, exact_ints, id_dtype
 
 _NPY_MAGIC = b"\x93NUMPY"
 _MAX_NPY_HEADER = 1 << 16
@@ -141,7 +141,7 @@ def decode_vllm_routes(encoded, num_experts: int, *, moe_layers: Sequence[int] |
     """One choice's ``routed_experts`` as ``[n, L, k]`` of :func:`id_dtype` (``L = len(moe_layers)``), checked
     like :meth:`PackedRoutes.from_vllm`; ``rows``: expected row count. For ``routed_experts_prompt_start
     = s > 0`` deltas: ``RouteTrace.add(decode_vllm_routes(...), start=s)``."""
-    E = _exact_int(num_experts, "num_experts")
+    E = exact_int(num_experts, "num_experts")
     dt = id_dtype(E)
     a, layers = _checked(encoded, E, None, rows, moe_layers, None)
     return (a if layers is None else a[:, layers]).astype(dt)
@@ -167,7 +167,7 @@ def routes_from_vllm(encoded, num_experts, *, prompt_lens=None, response_lens=No
     B = len(encoded)
     if not B:
         raise InputError("no choices given", field="routed_experts")
-    E = _exact_int(num_experts, "num_experts")
+    E = exact_int(num_experts, "num_experts")
     id_dtype(E)
     starts = _per_choice(prompt_start, B, "prompt_start")
     if (prompt_lens is None) != (response_lens is None):
@@ -203,13 +203,13 @@ def routes_to_vllm(r: PackedRoutes, b: int, num_hidden_layers: int | None, moe_l
     """Implementation of :meth:`PackedRoutes.to_vllm`."""
     s = r.seq(b)
     if moe_layers is None:
-        if num_hidden_layers is not None and _exact_int(num_hidden_layers, "num_hidden_layers") != r.num_layers:
+        if num_hidden_layers is not None and exact_int(num_hidden_layers, "num_hidden_layers") != r.num_layers:
             raise InputError(f"{num_hidden_layers} hidden layers but {r.num_layers} route layers: pass moe_layers",
                              field="num_hidden_layers")
         return encode_vllm_routes(s)
     if num_hidden_layers is None:
         raise InputError("moe_layers needs num_hidden_layers", field="num_hidden_layers")
-    layers = _layer_index(moe_layers, _exact_int(num_hidden_layers, "num_hidden_layers"))
+    layers = _layer_index(moe_layers, exact_int(num_hidden_layers, "num_hidden_layers"))
     if layers.size != r.num_layers:
         raise InputError(f"{layers.size} moe_layers for {r.num_layers} route layers", field="moe_layers")
     full = np.zeros((s.shape[0], int(num_hidden_layers), r.k), dtype=s.dtype)
@@ -227,7 +227,7 @@ def support_from_vllm(masks, vocab_size: int, *, response_lens=None, token_ids=N
                          field="sampling_mask")
     masks = list(masks)
     B = len(masks)
-    V = _exact_int(vocab_size, "vocab_size")
+    V = exact_int(vocab_size, "vocab_size")
     if not 1 <= V <= 2 ** 31:
         raise InputError(f"vocab_size {V} outside [1, 2**31]", field="vocab_size")
     lens = None if response_lens is None else _per_choice(response_lens, B, "response_lens")

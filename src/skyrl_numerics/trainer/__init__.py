@@ -1,15 +1,19 @@
-"""skyrl_numerics.trainer: the vLLM generator, trainer-side logprobs, the FSDP2 trainer, delta
-weight sync into a running engine, the batch-invariant shared model, and the thin RL loop.
+"""skyrl_numerics.trainer: trainer-side logprobs, the FSDP2 (``fsdp/``) and megatron-core
+(``megatron/``) trainers, the shared PPO step (``ppo_step.py``) and losses, the trainer over the
+invariant forward (``invariant_trainer.py``), the thin RL loop (``loop.py``, ``workers.py``) and
+the seed recipes (``recipes.py``).
 
-Names load lazily so ``import skyrl_numerics.trainer`` does not import vLLM.
+The names below are the public entry points, some of them from the packages the trainer drives
+(``VLLMGenerator`` is :mod:`skyrl_numerics.engine`'s, ``DeltaPublisher`` :mod:`skyrl_numerics.sync`'s);
+they load lazily, so ``import skyrl_numerics.trainer`` does not import vLLM.
 """
 from __future__ import annotations
 
 import importlib
 
 _EXPORTS = {
-    "VLLMGenerator": "skyrl_numerics.trainer.engine.generator",
-    "get_generator": "skyrl_numerics.trainer.engine.generator",
+    "VLLMGenerator": "skyrl_numerics.engine.generator",
+    "get_generator": "skyrl_numerics.engine.generator",
     "trainer_logprobs": "skyrl_numerics.trainer.logprobs",
     "TrainerLogprobs": "skyrl_numerics.trainer.logprobs",
     "FSDPTrainer": "skyrl_numerics.trainer.fsdp.trainer",
@@ -26,16 +30,16 @@ _EXPORTS = {
     "apply_lora": "skyrl_numerics.trainer.fsdp.lora",
     "spawn": "skyrl_numerics.trainer.dist",
     "init_distributed": "skyrl_numerics.trainer.dist",
-    "DeltaPublisher": "skyrl_numerics.trainer.sync.weight_sync",
-    "DeltaReceiver": "skyrl_numerics.trainer.sync.weight_sync",
-    "Manifest": "skyrl_numerics.trainer.sync.weight_sync",
-    "update_vllm_weights": "skyrl_numerics.trainer.sync.vllm",
-    "checkpoint_state_dict": "skyrl_numerics.trainer.sync.vllm",
-    "engine_weight_digest": "skyrl_numerics.trainer.sync.vllm",
-    "InvariantQwen3Moe": "skyrl_numerics.trainer.invariant.qwen3_moe",
-    "InvariantDeepseekV3": "skyrl_numerics.trainer.invariant.deepseek_v3",
-    "InvariantTrainer": "skyrl_numerics.trainer.invariant.train",
-    "invariant_trainer_logprobs": "skyrl_numerics.trainer.invariant.base",
+    "DeltaPublisher": "skyrl_numerics.sync.weight_sync",
+    "DeltaReceiver": "skyrl_numerics.sync.weight_sync",
+    "Manifest": "skyrl_numerics.sync.manifest",
+    "update_vllm_weights": "skyrl_numerics.engine.weight_update",
+    "checkpoint_state_dict": "skyrl_numerics.engine.weight_update",
+    "engine_weight_digest": "skyrl_numerics.engine.weight_update",
+    "InvariantQwen3Moe": "skyrl_numerics.invariant.qwen3_moe",
+    "InvariantDeepseekV3": "skyrl_numerics.invariant.deepseek_v3",
+    "InvariantTrainer": "skyrl_numerics.trainer.invariant_trainer",
+    "invariant_trainer_logprobs": "skyrl_numerics.trainer.logprobs",
     "run_loop": "skyrl_numerics.trainer.loop",
 }
 

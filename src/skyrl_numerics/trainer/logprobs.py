@@ -16,7 +16,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+import torch
 
+from skyrl_numerics.invariant.base import InvariantCausalLM, entropy_of, response_logps, support_mask
+from skyrl_numerics.replay import PackedRoutes
 from skyrl_numerics.rollout import Rollout
 
 
@@ -55,7 +58,7 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, targets, *, temperature: 
     return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
 
 
-def _decoder_and_head(model):
+def decoder_and_head(model):
     """The model body (returns hidden states) and the lm-head weight of an HF causal LM."""
     body = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     if body is None:
@@ -116,7 +119,7 @@ def trainer_logprobs(model, rollout: Rollout, *, batch_size: int = 8, token_chun
 
         raise InputError("use_routes=True but the rollout has no routes (generate with "
                          "capture_routes=True)", field="routes")
-    body, weight = _decoder_and_head(model)
+    body, weight = decoder_and_head(model)
     device = weight.device
     out_lp = np.empty(rollout.num_response_tokens, dtype=np.float32)
     out_ent = np.empty(rollout.num_response_tokens, dtype=np.float32)
@@ -165,3 +168,46 @@ def trainer_logprobs(model, rollout: Rollout, *, batch_size: int = 8, token_chun
             out_lp[a:b_] = lp.cpu().numpy()
             out_ent[a:b_] = ent.cpu().numpy()
     return TrainerLogprobs(logprobs=out_lp, entropy=out_ent)
+
+
+def invariant_trainer_logprobs(model: InvariantCausalLM, rollout, *, batch_size: int = 4,
+                               temperature: float | None = None, return_routes: bool = False,
+                               use_support: bool = False):
+    """Response-token logprobs with the invariant forward (packed batches, no padding), fp32
+    log-softmax of the model-dtype logits at the rollout's temperature — vLLM's processed
+    logprobs, computed the same way.
+
+    ``use_support=True`` renormalizes over the support the engine sampled from (the rollout's
+    ``support``): logits outside it are set to ``-inf`` before the same log-softmax, as vLLM's
+    sampler masks them before computing processed logprobs.
+
+    ``return_routes=True`` also returns the experts the invariant routers chose, as a
+    :class:`~skyrl_numerics.replay.PackedRoutes` in the engine's convention (positions
+    ``0 .. len(prompt) + len(response) - 2`` of each row), in ``.routes``."""
+    if temperature is None:
+        temperature = float(rollout.sampling.get("temperature", 1.0) or 1.0)
+    lp_out = np.empty(rollout.num_response_tokens, dtype=np.float32)
+    ent_out = np.empty(rollout.num_response_tokens, dtype=np.float32)
+    route_rows: list[np.ndarray] = [None] * len(rollout)   # type: ignore[list-item]
+    info = model.route_info() if return_routes else None
+    mask = support_mask(model, rollout) if use_support else None
+    captured: dict[int, torch.Tensor] = {}
+    if return_routes:
+        model.route_hook = lambda layer, ids: captured.__setitem__(layer, ids.clone())
+    try:
+        with torch.no_grad():
+            for i, logp, tok, off, n_pos, lo in response_logps(
+                    model, rollout, batch_size, temperature, mask, before_batch=captured.clear):
+                a = int(rollout.response_cu[i]) + lo
+                lp_out[a:a + tok.shape[0]] = tok.numpy()
+                ent_out[a:a + tok.shape[0]] = entropy_of(logp).numpy()
+                if return_routes and lo == 0:
+                    route_rows[i] = torch.stack(
+                        [captured[m][off:off + n_pos - 1] for m in range(info["layers"])],
+                        dim=1).numpy()
+    finally:
+        model.route_hook = None
+    routes = None
+    if return_routes:
+        routes = PackedRoutes.from_sequences(route_rows, info["num_experts"])
+    return TrainerLogprobs(logprobs=lp_out, entropy=ent_out, routes=routes)

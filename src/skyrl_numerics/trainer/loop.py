@@ -17,13 +17,13 @@ and packed routes come back as views of the shared buffer, not copies).
 Configurations (``plain``, ``aligned``, ``bitwise``) run one after the other from the same
 initial weights (the engine is reset by a full-snapshot sync), so their reward and gap curves
 compare directly. ``bitwise`` is true on-policy RL: the invariant engine samples, the invariant
-trainer (:class:`~skyrl_numerics.trainer.invariant.train.InvariantTrainer`) recomputes the same
+trainer (:class:`~skyrl_numerics.trainer.invariant_trainer.InvariantTrainer`) recomputes the same
 logprobs bit for bit, updates, and syncs the new bf16 weights back.
 
 With ``measure_grad`` every step also reports ``grad_cos_onpolicy`` / ``grad_relerr_onpolicy``:
 the cosine and relative error of the configuration's gradient (before clipping) against the exact
 on-policy gradient of the same batch at the same weights
-(:func:`~skyrl_numerics.trainer.invariant.train.onpolicy_gradient`) — the bias the remaining causes
+(:func:`~skyrl_numerics.trainer.invariant_trainer.onpolicy_gradient`) — the bias the remaining causes
 put into the update, measured directly (``bitwise``: 1 and 0 by construction).
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ import numpy as np
 
 from skyrl_numerics.rollout import Rollout
 from skyrl_numerics.trainer.loop_report import step_metrics
-from skyrl_numerics.trainer.workers import GeneratorWorker, TrainerWorker  # noqa: F401  (re-exported)
+from skyrl_numerics.trainer.workers import GeneratorWorker, TrainerWorker
 
 
 # ---- the task ------------------------------------------------------------------------------
@@ -151,12 +151,12 @@ class OnPolicyReference:
     weights loaded per call)."""
 
     def __init__(self, model_dir: str, kv_cache=None, numerics=None):
-        from skyrl_numerics.trainer.invariant import from_checkpoint
+        from skyrl_numerics.invariant import from_checkpoint
 
         self.model = from_checkpoint(model_dir, kv_cache=kv_cache, numerics=numerics)
 
     def gradient(self, served: dict, rollout: Rollout, rewards, use_support: bool) -> dict:
-        from skyrl_numerics.trainer.invariant.train import onpolicy_gradient
+        from skyrl_numerics.trainer.invariant_trainer import onpolicy_gradient
 
         self.model.load_named((k, v) for k, v in served.items() if k in self.model._names)
         return onpolicy_gradient(self.model, rollout, rewards, use_support=use_support)
@@ -193,10 +193,10 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
     ``backend``: the trainer of the non-bitwise configurations, ``"fsdp"`` (HF model) or ``"megatron"``
     (megatron-core GPTModel, :class:`~skyrl_numerics.trainer.megatron.trainer.MegatronTrainer`).
     ``server``: the URL of a running ``vllm serve`` (``skyrl-numerics serve``), or a list of
-    URLs (replicas behind :class:`~skyrl_numerics.trainer.engine.router.ReplicaRouter`: sticky,
+    URLs (replicas behind :class:`~skyrl_numerics.engine.router.ReplicaRouter`: sticky,
     least-loaded; per-replica ``replica_gap_*`` / ``replica_tokens_per_s`` in each step), to generate with
     instead of an in-process engine; each step's weights reach it through vLLM's own HTTP client
-    and the ``skyrl_delta`` backend (:class:`~skyrl_numerics.trainer.engine.remote.RemoteGeneratorWorker`;
+    and the ``skyrl_delta`` backend (:class:`~skyrl_numerics.engine.remote.RemoteGeneratorWorker`;
     ``off_policy`` pauses it with ``mode=keep`` around each update). The ``bitwise`` config needs a
     ``--batch-invariant`` server, the others a stock one.
     ``tp`` / ``ep`` (megatron backend): the plain/aligned trainer runs on ``max(tp, ep)`` ranks as
@@ -207,12 +207,12 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
     ``ReplicaRouter`` (:class:`~skyrl_numerics.trainer.workers.ReplicaGeneratorWorker`), every
     version applied to each; per-replica ``replica_gap_*`` / ``replica_tokens_per_s`` per step.
     ``settings.turns > 1``: multi-turn trajectories through ``env`` (an environment factory,
-    ``trainer/engine/multiturn.py``; default the toy ``KeyValueEnv``), routes as turn deltas,
+    ``engine/multiturn.py``; default the toy ``KeyValueEnv``), routes as turn deltas,
     the task's default the environment's reward; per step ``gap_per_turn_max_abs`` /
     ``gap_per_turn_mean_abs`` (by turn index) and ``route_bytes_delta`` / ``route_bytes_full``."""
     from rich.progress import Progress
 
-    from skyrl_numerics.doctor import make_prompts
+    from skyrl_numerics.rollout.prompts import make_prompts
     from skyrl_numerics.gap import measure
 
     s = settings or LoopSettings()
@@ -227,7 +227,7 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
         raise InputError("multi-turn with in-process replicas: not wired (each turn must reach "
                          "the replica holding the history's KV)", field="replicas")
     if multi_turn and env is None:
-        from skyrl_numerics.trainer.engine.multiturn import KeyValueEnv
+        from skyrl_numerics.engine.multiturn import KeyValueEnv
 
         env = KeyValueEnv
     task = task or (EnvRewardTask() if multi_turn else TargetSetTask())
@@ -302,7 +302,7 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
         return gens[key]
     def remote_for(cfg):
         from skyrl_numerics.errors import InputError
-        from skyrl_numerics.trainer.engine.remote import RemoteGeneratorWorker
+        from skyrl_numerics.engine.remote import RemoteGeneratorWorker
 
         if "server" not in gens:
             gens["server"] = RemoteGeneratorWorker(server, api_key=api_key, model_dir=str(model_dir),
@@ -313,7 +313,7 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
             raise InputError(f"config {cfg.name!r} needs {need}; {server} is "
                              f"{'batch-invariant' if gen.gen.batch_invariant else 'stock'}",
                              field="configs")
-        from skyrl_numerics.trainer.invariant.numerics import NumericsPlan
+        from skyrl_numerics.invariant.numerics import NumericsPlan
 
         if NumericsPlan.from_json(cfg.numerics) != NumericsPlan.from_json(gen.gen.numerics):
             what = f"recipe {cfg.recipe!r}'s serving numerics" if cfg.recipe else "no recipe"
@@ -399,7 +399,7 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
                     t_train = time.perf_counter() - t_train
                     t_sync = time.perf_counter()
                     if ref_grad is not None:
-                        from skyrl_numerics.trainer.invariant.train import compare_gradients
+                        from skyrl_numerics.trainer.invariant_trainer import compare_gradients
 
                         m = {**m, **compare_gradients(get(call(trn, "last_grads")), ref_grad)}
                     pub = get(call(trn, "publish"))

@@ -6,7 +6,7 @@ two loop configurations (:func:`loop_configs`):
 
 - ``bitwise``: the invariant engine serving the recipe's numerics (quantized weights packed,
   activations quantized per token, LoRA adapters, the cache format) and the invariant trainer
-  computing the same numbers (:mod:`skyrl_numerics.trainer.invariant.numerics`); with LoRA only
+  computing the same numbers (:mod:`skyrl_numerics.invariant.numerics`); with LoRA only
   the adapters are trained and synced. True on-policy: Δ = 0.
 - ``published``: the recipe as its authors run it — a stock trainer (HF model, FSDP) simulating
   the serving formats with fake-quant (weights and activations, ``quant.apply_qat``) and LoRA on
@@ -113,7 +113,7 @@ class Recipe:
         self.plan_for_groups(("attention", "dense", "shared", "experts"))   # plan fields
 
     def plan_for_groups(self, groups):
-        from skyrl_numerics.trainer.invariant.numerics import NumericsPlan
+        from skyrl_numerics.invariant.numerics import NumericsPlan
 
         fm = {g: f for g, f in self.formats().items() if g in groups}
         targets = tuple(t for t in self.lora_targets if t in groups) if self.lora_rank else ()
@@ -142,7 +142,7 @@ def _coerce(k: str, v: str, old):
 
 def parse_format(spec: str, group: str) -> dict:
     """``"WEIGHT/ACT[@X]"`` -> LinearFormat kwargs (checked); errors name the group."""
-    from skyrl_numerics.trainer.invariant.numerics import LinearFormat
+    from skyrl_numerics.invariant.numerics import LinearFormat
 
     if not isinstance(spec, str) or spec.count("/") != 1:
         raise InputError(f"{group}={spec!r}: expected WEIGHT/ACT, e.g. nvfp4/nvfp4 or int4_g32/none",
@@ -186,10 +186,10 @@ def resolve(recipe: Recipe, model_dir) -> tuple:
     """``(NumericsPlan, kv_cache format, notes)`` of ``recipe`` on the checkpoint at
     ``model_dir``; groups the model does not have are dropped (noted), and what cannot apply is
     refused naming the recipe field — all before any engine starts."""
-    from skyrl_numerics.trainer.invariant import FAMILIES
-    from skyrl_numerics.trainer.invariant.numerics import check_plan_for_config, group_of
+    from skyrl_numerics.invariant import FAMILIES
+    from skyrl_numerics.invariant.numerics import check_plan_for_config, group_of
 
-    from skyrl_numerics.trainer.invariant.vendor_plan import vendor_quant_config
+    from skyrl_numerics.invariant.vendor_plan import vendor_quant_config
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     arch = (cfg.get("architectures") or ["?"])[0]
@@ -205,7 +205,7 @@ def resolve(recipe: Recipe, model_dir) -> tuple:
 
     import torch
 
-    from skyrl_numerics.trainer.invariant import family_class
+    from skyrl_numerics.invariant import family_class
 
     cls = family_class(arch)
     with torch.device("meta"):
@@ -228,8 +228,8 @@ def resolve(recipe: Recipe, model_dir) -> tuple:
     if quant is not None:
         from dataclasses import replace
 
-        from skyrl_numerics.trainer.invariant.kv_format import parse_kv_spec
-        from skyrl_numerics.trainer.invariant.vendor_plan import vendor_numerics
+        from skyrl_numerics.invariant.kv_format import parse_kv_spec
+        from skyrl_numerics.invariant.vendor_plan import vendor_numerics
 
         plan = vendor_numerics(cfg, quant, replace(plan, formats={}),
                                kv_cache=parse_kv_spec(None if kv == "auto" else kv))
@@ -308,7 +308,7 @@ def published_trainer_kwargs(plan_json: str, model=None) -> dict:
     import fnmatch
 
     from skyrl_numerics.quant import QATRule
-    from skyrl_numerics.trainer.invariant.numerics import WEIGHT_FORMATS, NumericsPlan
+    from skyrl_numerics.invariant.numerics import WEIGHT_FORMATS, NumericsPlan
 
     plan = NumericsPlan.from_json(plan_json)
     rules = []
@@ -330,7 +330,7 @@ def plain_names(state: dict) -> dict:
     """A parametrized (QAT) / LoRA model's state under plain names: ``X.parametrizations.P.original``
     -> ``X.P`` (the full-precision weight), ``X.lora_A`` -> ``X.lora_A.weight``, a fused experts
     module's ``X.lora.{p}_A [E, r, in]`` -> ``X.{e}.{p}_proj.lora_A.weight`` (the engine's names)."""
-    from skyrl_numerics.hf_experts import served_adapters
+    from skyrl_numerics.quant.hf_experts import served_adapters
 
     out, experts = {}, {}
     for k, v in state.items():

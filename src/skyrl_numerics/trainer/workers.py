@@ -18,7 +18,7 @@ class GeneratorWorker:
 
     def __init__(self, model_dir: str, batch_invariant: bool = False, kv_cache=None,
                  own_engine: bool = False, numerics: str | None = None):
-        from skyrl_numerics.trainer.engine.generator import VLLMGenerator, get_generator
+        from skyrl_numerics.engine.generator import VLLMGenerator, get_generator
 
         self.model_dir = model_dir
         kw = dict(batch_invariant=True, kv_cache=kv_cache) if batch_invariant else {}
@@ -36,7 +36,7 @@ class GeneratorWorker:
         """Put the checkpoint's own weights back into the (possibly shared, cached) engine."""
         from safetensors.torch import load_file
 
-        from skyrl_numerics.trainer.sync.vllm import update_vllm_weights
+        from skyrl_numerics.engine.weight_update import update_vllm_weights
 
         update_vllm_weights(self.gen, {**load_file(str(Path(self.model_dir) / "model.safetensors")),
                                        **self.initial_adapters})
@@ -49,8 +49,8 @@ class GeneratorWorker:
         """Follow a new publisher (a new configuration): load its full snapshot into the engine.
         ``sharded``: a multi-rank trainer's ``{root, spec, version}`` (``sync/sharded.py``): the
         engine's ranks read only their links."""
-        from skyrl_numerics.trainer.sync.weight_sync import DeltaReceiver
-        from skyrl_numerics.trainer.sync.vllm import update_vllm_weights
+        from skyrl_numerics.sync.weight_sync import DeltaReceiver
+        from skyrl_numerics.engine.weight_update import update_vllm_weights
 
         if sharded is not None:
             return self.sync(sharded)
@@ -62,10 +62,10 @@ class GeneratorWorker:
                 "engine_update_s": up.total_s}
 
     def sync(self, sharded: dict | None = None) -> dict:
-        from skyrl_numerics.trainer.sync.vllm import update_vllm_weights
+        from skyrl_numerics.engine.weight_update import update_vllm_weights
 
         if sharded is not None:
-            from skyrl_numerics.trainer.sync.sharded import sharded_update
+            from skyrl_numerics.engine.sharded_worker import sharded_update
 
             out = sharded_update(self.gen, sharded["root"], sharded["spec"], sharded["version"])
             return {"version": out["version"], "engine_update_s": out["prepare_s"] + out["commit_s"],
@@ -95,13 +95,13 @@ def _checkpoint_bf16_bytes(model_dir: str) -> int:
     headers."""
     import math
 
-    from skyrl_numerics.model_check import _read_header
-    from skyrl_numerics.trainer.invariant.base import _checkpoint_files
+    from skyrl_numerics.safetensors_header import read_header
+    from skyrl_numerics.invariant.base import checkpoint_files
 
     size = {"F32": 4, "F64": 2, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
             "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-    return sum(size.get(e["dtype"], 2) * math.prod(e["shape"]) for f in _checkpoint_files(model_dir)
-               for e in _read_header(f, str(model_dir)).values())
+    return sum(size.get(e["dtype"], 2) * math.prod(e["shape"]) for f in checkpoint_files(model_dir)
+               for e in read_header(f, str(model_dir)).values())
 
 
 def _initial_adapters(model_dir: str, numerics: str | None) -> dict:
@@ -112,8 +112,7 @@ def _initial_adapters(model_dir: str, numerics: str | None) -> dict:
 
     import torch
 
-    from skyrl_numerics.trainer.invariant.numerics import (NumericsPlan, init_adapter,
-                                                           plan_adapter_shapes)
+    from skyrl_numerics.invariant.numerics import NumericsPlan, init_adapter, plan_adapter_shapes
 
     plan = NumericsPlan.from_json(numerics)
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -122,13 +121,13 @@ def _initial_adapters(model_dir: str, numerics: str | None) -> dict:
 
 
 class ReplicaGeneratorWorker:
-    """``replicas`` engines behind :class:`~skyrl_numerics.trainer.engine.router.ReplicaRouter`
+    """``replicas`` engines behind :class:`~skyrl_numerics.engine.router.ReplicaRouter`
     (sticky sessions, least-loaded placement, each prompt keeps its seed), each with its own
     receiver: every version reaches every replica (the same methods as :class:`GeneratorWorker`;
     per-replica rows and tokens/s in the rollout's ``meta``)."""
 
     def __init__(self, model_dir: str, batch_invariant: bool = False, kv_cache=None, replicas: int = 2):
-        from skyrl_numerics.trainer.engine.router import ReplicaRouter
+        from skyrl_numerics.engine.router import ReplicaRouter
 
         self.workers = []
         try:
@@ -181,7 +180,7 @@ class TrainerWorker:
                  backend: str = "fsdp", tp: int = 1, ep: int = 1):
         import functools
 
-        from skyrl_numerics.trainer.sync.weight_sync import DeltaPublisher
+        from skyrl_numerics.sync.weight_sync import DeltaPublisher
 
         self.model_dir = model_dir
         self.sharded = None   # a rank of a multi-rank trainer (rank_group.py): its ShardedPublisher
@@ -189,7 +188,7 @@ class TrainerWorker:
         self.recipe = False
         self.megatron = backend == "megatron" and not config.bitwise
         if config.bitwise:
-            from skyrl_numerics.trainer.invariant.train import InvariantTrainer
+            from skyrl_numerics.trainer.invariant_trainer import InvariantTrainer
 
             self.trainer = InvariantTrainer(model_dir, lr=config.lr, kv_cache=config.kv_cache,
                                             use_support=config.use_support,
@@ -202,7 +201,7 @@ class TrainerWorker:
         from skyrl_numerics import correction as corr
         from skyrl_numerics.models import load_hf_model
         from skyrl_numerics.trainer.fsdp.trainer import FSDPTrainer, TrainerConfig
-        from skyrl_numerics.trainer.sync.weight_sync import DeltaPublisher
+        from skyrl_numerics.sync.weight_sync import DeltaPublisher
 
         fn = None
         if config.correction:
@@ -230,9 +229,9 @@ class TrainerWorker:
         # an FSDP2 rank of a data-parallel group: weights gathered to rank 0, which alone publishes
         self.fsdp_ranks = 1 if self.megatron else self.trainer.world_size
         if self.megatron and self.trainer.world_size > 1:
-            from skyrl_numerics.trainer.sync import shard_layouts as sl
-            from skyrl_numerics.trainer.sync import shard_plan as sp
-            from skyrl_numerics.trainer.sync.sharded import ShardedPublisher
+            from skyrl_numerics.sync import shard_layouts as sl
+            from skyrl_numerics.sync import shard_plan as sp
+            from skyrl_numerics.sync.sharded import ShardedPublisher
 
             c, w = self.trainer.hf_config, self.trainer.world_size
             plan = sp.plan(sl.megatron_layout(c, tp=tp, ep=ep, world=w), sl.vllm_layout(c, tp=1))
@@ -247,7 +246,7 @@ class TrainerWorker:
         """The weights as the engine serves them: checkpoint names, bf16."""
         import torch
 
-        from skyrl_numerics.trainer.sync.vllm import checkpoint_state_dict
+        from skyrl_numerics.engine.weight_update import checkpoint_state_dict
 
         if self.bitwise:
             return self.trainer.served_state()

@@ -134,7 +134,7 @@ def detect_scheme(quant_dir) -> Scheme:
                      field="quant_method")
 
 
-def _excluded(P: str, patterns: list[str]) -> str | None:
+def excluded_by(P: str, patterns: list[str]) -> str | None:
     """The modelopt ``exclude_modules`` entry that leaves ``P``'s module unquantized, as vLLM's
     ``ModelOptQuantConfigBase.is_layer_excluded`` decides: the name, a substring of the module
     name, or an ``fnmatch`` wildcard."""
@@ -156,7 +156,7 @@ def _spec_for(P: str, scheme: Scheme, t: Tensors) -> Spec:
                              f"({scheme.source})", field="targets", source=t.src(P) or t.src(P + "_packed"))
         return scheme.specs[gi]
     if (scheme.kind.startswith("modelopt") or scheme.kind == "gpt_oss_mxfp4") and scheme.ignore:
-        pat = _excluded(P, scheme.ignore) if scheme.kind.startswith("modelopt") else not_converted(P, scheme.ignore)
+        pat = excluded_by(P, scheme.ignore) if scheme.kind.startswith("modelopt") else not_converted(P, scheme.ignore)
         if pat is not None:
             raise InputError(f"{P}: stored quantized, but the pattern {pat!r} ({scheme.source}) "
                              f"says its module stays unquantized", source=t.src(P),

@@ -29,7 +29,7 @@ import torch
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.rollout import Rollout
 
-from ..logprobs import _decoder_and_head, token_logprobs_from_hidden
+from ..logprobs import decoder_and_head, token_logprobs_from_hidden
 
 __all__ = ["PolicyModel", "MicroBatch", "make_micro_batch", "policy_logprobs", "support_subset"]
 
@@ -139,7 +139,7 @@ class PolicyModel(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask, pos_b, pos_t, targets, *, support=None, routes=None,
                 route_index=None, temperature: float = 1.0, token_chunk: int = 1024, with_entropy: bool = True):
-        body, weight = _decoder_and_head(self.lm)
+        body, weight = decoder_and_head(self.lm)
         dev = weight.device
         input_ids, attention_mask = input_ids.to(dev), attention_mask.to(dev)
         pos_b, pos_t, targets = pos_b.to(dev), pos_t.to(dev), targets.to(dev)

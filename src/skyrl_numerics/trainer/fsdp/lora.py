@@ -11,9 +11,9 @@ Parameter names: ``<name>.base.weight`` / ``.base.bias`` (frozen) and ``<name>.l
 ``<name>.lora_B``.
 
 MoE experts stored as fused 3-D parameters (transformers 5's standard layout,
-:func:`skyrl_numerics.hf_experts.standard_experts`) that a target glob names get one adapter per
+:func:`skyrl_numerics.quant.hf_experts.standard_experts`) that a target glob names get one adapter per
 expert and projection, as vLLM's MoE LoRA holds them: ``<name>.lora.{gate,up,down}_A [E, r, in]``
-/ ``_B [E, out, r]`` (:class:`~skyrl_numerics.hf_experts.ExpertsLoRA`; a token's update touches
+/ ``_B [E, out, r]`` (:class:`~skyrl_numerics.quant.hf_experts.ExpertsLoRA`; a token's update touches
 only the experts it was routed to). Merged per expert into ``gate_up_proj`` / ``down_proj``.
 Another experts layout named by a target is refused (its adapters could not be served).
 """
@@ -27,7 +27,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from skyrl_numerics import hf_experts
+from skyrl_numerics.quant import hf_experts
 from skyrl_numerics.errors import InputError
 
 __all__ = ["LoRALinear", "apply_lora", "merge_lora_state_dict", "DEFAULT_TARGETS"]

@@ -89,7 +89,7 @@ class TrainerConfig:
             raise InputError(f"grad_clip must be > 0 or None, got {self.grad_clip}", field="grad_clip")
 
 
-def _correction_fn(spec):
+def correction_fn(spec):
     if spec is None or callable(spec):
         return spec
     from skyrl_numerics import correction
@@ -101,7 +101,7 @@ def _correction_fn(spec):
     return fn
 
 
-def _batch_invariant_context():
+def batch_invariant_context():
     try:
         from skyrl_numerics.kernels import batch_invariant_mode
     except ImportError:
@@ -116,7 +116,7 @@ def _apply_qat(model, qat):
     from skyrl_numerics.quant import apply_qat
 
     if isinstance(qat, str):
-        from ..engine.serving_checkpoint import qat_rules
+        from skyrl_numerics.engine.serving_checkpoint import qat_rules
 
         qat = qat_rules(qat)
     apply_qat(model, qat)
@@ -144,7 +144,7 @@ class FSDPTrainer:
         import torch.distributed as dist
 
         self.config = cfg = config or TrainerConfig()
-        self._correction = _correction_fn(cfg.correction)
+        self._correction = correction_fn(cfg.correction)
         self.rank, self.world_size = rank_and_world()
         if cfg.qat:
             model = _apply_qat(model, cfg.qat)
@@ -189,7 +189,7 @@ class FSDPTrainer:
         return self.policy.lm
 
     def _context(self):
-        return _batch_invariant_context() if self.config.batch_invariant else contextlib.nullcontext()
+        return batch_invariant_context() if self.config.batch_invariant else contextlib.nullcontext()
 
     def _temperature(self, rollout: Rollout) -> float:
         t = self.config.temperature

@@ -302,7 +302,7 @@ def _ds_to_hf(sd, cfg, fused):
 _EXPERT = re.compile(r"(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)")
 
 
-def _tp_dim(name: str) -> int | None:
+def tp_dim(name: str) -> int | None:
     if name.endswith(("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight")):
         return 0
     if name.endswith("self_attention.linear_proj.weight"):
@@ -329,7 +329,7 @@ def shard_for_rank(full: dict, config, *, tp_rank: int = 0, tp: int = 1, ep_rank
         if name.endswith("mlp.experts.weight2"):
             out[name] = t.reshape(E, f, H)[ep_rank * El:(ep_rank + 1) * El].reshape(El * f, H)
             continue
-        dim = _tp_dim(name)
+        dim = tp_dim(name)
         out[name] = t if dim is None or tp == 1 else t.chunk(tp, dim=dim)[tp_rank]
     return {k: v.contiguous() for k, v in out.items()}
 
@@ -360,7 +360,7 @@ def unshard(parts, config) -> dict:
         if name.endswith("mlp.experts.weight2"):
             out[name] = torch.cat([by_ep[r][name].reshape(El, f, H) for r in range(ep)]).reshape(-1, H)
             continue
-        dim = _tp_dim(name)
+        dim = tp_dim(name)
         out[name] = t if dim is None or tp == 1 else torch.cat([by_tp[j][name] for j in range(tp)], dim=dim)
     return out
 

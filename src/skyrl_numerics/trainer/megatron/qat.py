@@ -103,8 +103,8 @@ def _wrap_linear(name, mod, rule, split):
     return f"weight:{rule.recipe}" + (f"(tp={tp})" if tp > 1 else "")
 
 
-def _act_hook(mod, rule):
-    from skyrl_numerics.quant.qat import _act_hook as hook
+def act_hook(mod, rule):
+    from skyrl_numerics.quant.qat import act_hook as hook
 
     mod._qat_act_hook = mod.register_forward_pre_hook(hook(rule))
     return f"input:{rule.act_recipe}"
@@ -113,9 +113,9 @@ def _act_hook(mod, rule):
 def apply_megatron_qat(model: nn.Module, rules) -> dict[str, list[str]]:
     """Wrap the megatron-core modules that ``rules`` match; returns ``{module_name: [what was wrapped]}``."""
     from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
-    from skyrl_numerics.quant.qat import _as_rule
+    from skyrl_numerics.quant.qat import as_rule
 
-    rules = [_as_rule(r, i) for i, r in enumerate(rules)]
+    rules = [as_rule(r, i) for i, r in enumerate(rules)]
     hits = [0] * len(rules)
     done: dict[str, list[str]] = {}
     covered: set[int] = set()
@@ -135,7 +135,7 @@ def apply_megatron_qat(model: nn.Module, rules) -> dict[str, list[str]]:
                     what = [_wrap_linear(f"{name}.local_experts.{e}.{lname}", lin, rule, split)] \
                         if rule.recipe is not None else []
                     if rule.act_recipe is not None:
-                        what.append(_act_hook(lin, rule))
+                        what.append(act_hook(lin, rule))
                     done[f"{name}.local_experts.{e}.{lname}"] = what
             continue
         if isinstance(mod, GroupedMLP):
@@ -159,7 +159,7 @@ def apply_megatron_qat(model: nn.Module, rules) -> dict[str, list[str]]:
             hits[i] += 1
             what = [_wrap_linear(name, mod, rule, 1)] if rule.recipe is not None else []
             if rule.act_recipe is not None:
-                what.append(_act_hook(mod, rule))
+                what.append(act_hook(mod, rule))
             done[name] = what
     for i, h in enumerate(hits):
         if h == 0:

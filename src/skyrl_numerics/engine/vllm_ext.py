@@ -1,0 +1,265 @@
+"""The one worker-side extension of the vLLM engine (:class:`SkyrlWorkerExtension`), composed here
+from small mixins by concern — in-place weights (:class:`WeightsMixin`), which kernels run the
+layers, parameter digests and the host report (:class:`KernelsMixin`), the capture of the experts
+each MoE router chose (R3, :class:`RoutesMixin`), of the support the sampler kept
+(:class:`SupportsMixin`) and of a digest of every sampled position's logits row
+(:class:`DigestsMixin`) — plus the two diagnostic engines of the DeepSeek-V3 attribution, the same
+mixins with the attribution schedule recorder (``mla_attribution/worker.py``):
+:class:`MLAScheduleExtension` and :class:`MLARopeFixExtension`. (Every patch of vLLM's own
+classes and objects: ``vllm_patches.py``.)
+
+The capture itself (where each route row goes, prefix-cache hits, vLLM's own fields on CPU):
+``capture.py``. A class here is passed as ``worker_extension_cls`` so vLLM mixes its methods into
+the worker (``self`` is the worker); the generator calls them with
+``llm.collective_rpc("skyrl_...")``.
+"""
+from __future__ import annotations
+
+from .capture import DigestStore, moe_runners, RouteStore, SupportStore
+from .mla_worker import AttributionScheduleMixin, MLARopeFixMixin
+from .sharded_worker import ShardedSyncWorker
+from .vllm_patches import wrap_sampler, wrap_sampler_logits
+
+__all__ = ["SkyrlWorkerExtension", "MLAScheduleExtension", "MLARopeFixExtension", "WeightsMixin",
+           "KernelsMixin", "RoutesMixin", "SupportsMixin", "DigestsMixin"]
+
+
+def _request_amx_permission() -> bool:
+    """Ask Linux for AMX tile state in this (worker) process.
+
+    vLLM CPU's attention picks its AMX kernel whenever the CPU has AMX (``_get_attn_isa``) but never
+    requests the tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``); a spawned worker that has not
+    run an AMX oneDNN kernel yet then dies with SIGILL on its first attention call (seen on the
+    Sapphire-Rapids-class hosts here: "Fatal Python error: Illegal instruction" in
+    ``cpu_attention_with_kv_cache``). vLLM imports this module while it builds the worker, before
+    the model runs, so requesting it here covers every engine that uses this extension. A no-op
+    (False) without AMX or on GPU."""
+    try:
+        import torch
+
+        return bool(torch.cpu._is_amx_tile_supported() and torch._C._cpu._init_amx())
+    except Exception:  # pragma: no cover - older torch / non-x86
+        return False
+
+
+_request_amx_permission()
+
+
+class WeightsMixin:
+    """In-place weight loading (caller side: ``sync/vllm.py::update_vllm_weights``)."""
+
+    def skyrl_load_weights(self, path: str) -> dict:
+        """Reload the weights in ``path`` (safetensors, checkpoint names) into the live model."""
+        import time
+
+        from safetensors import safe_open
+
+        from skyrl_numerics.engine.weight_update import load_into_model
+
+        t0 = time.perf_counter()
+
+        def weights():
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+        n = load_into_model(self.vllm_config, self.model_runner.get_model(), weights(),
+                            reload=self.reload_weights)  # the worker's: also resets LoRA/mm state
+        return {"loaded": n, "seconds": time.perf_counter() - t0}
+
+
+class KernelsMixin:
+    """What runs the layers (``skyrl_linear_kernels``), parameter digests (for tests) and this
+    worker's host report."""
+
+    def skyrl_linear_kernels(self) -> dict[str, str]:
+        """Per quantized layer, what runs it: ``"<scheme> / <kernel>"`` (e.g.
+        ``"CompressedTensorsWNA16 / CPUWNA16LinearKernel"``), or the quant method's class for
+        layers without a scheme (MoE methods, unquantized layers are left out)."""
+        out = {}
+        for name, mod in self.model_runner.get_model().named_modules():
+            scheme = getattr(mod, "scheme", None)
+            if scheme is not None:
+                kernel = getattr(scheme, "kernel", None)
+                out[name] = type(scheme).__name__ + (f" / {type(kernel).__name__}" if kernel is not None else "")
+                continue
+            qm = getattr(mod, "quant_method", None)
+            if qm is not None and not type(qm).__name__.startswith("Unquantized"):
+                out[name] = type(qm).__name__
+        return out
+
+    def skyrl_weight_digest(self) -> dict[str, str]:
+        """blake2b of every parameter's bytes as vLLM holds them (kernel layout; for tests)."""
+        import hashlib
+
+        import torch
+
+        out = {}
+        for name, p in self.model_runner.get_model().named_parameters():
+            t = p.detach().contiguous().cpu()
+            out[name] = hashlib.blake2b(t.view(-1).view(torch.uint8).numpy().tobytes(),
+                                        digest_size=16).hexdigest()
+        return out
+
+    def skyrl_host_info(self) -> dict:
+        """This worker's :func:`skyrl_numerics.host.host_info`: its CPU, ISA flags, torch CPU
+        capability and the vLLM kernel library it loaded (the generator asks once at start)."""
+        import json
+
+        from skyrl_numerics.host import host_info
+
+        # plain JSON types only: vLLM's msgpack reply cannot carry e.g. a TorchVersion, and a
+        # reply it cannot encode is never answered (the caller would wait forever)
+        return json.loads(json.dumps(host_info()))
+
+
+class RoutesMixin:
+    """Route capture (R3): the experts each MoE router chose, per request and position
+    (:class:`~.capture.RouteStore`), and the state of vLLM's own ``routed_experts`` /
+    ``sampling_mask`` outputs on CPU (:class:`~.capture.AuxOutputs`)."""
+
+    def skyrl_route_capture_start(self) -> dict:
+        if self.model_runner.vllm_config.aux_output_config.enable_return_routed_experts:
+            raise RuntimeError("route capture: this engine returns routed experts itself "
+                               "(enable_return_routed_experts; CompletionOutput.routed_experts)"
+                               " and its routers already report to it")
+        model = self.model_runner.get_model()
+        core = getattr(model, "core", None)
+        if core is not None and hasattr(core, "route_info"):
+            # the batch-invariant model: its own routers report through route_hook, the same
+            # ids the trainer's invariant forward computes
+            info = core.route_info()
+            store = RouteStore(self.model_runner, info["layers"], info["k"], info["num_experts"])
+            core.route_hook = store.capture
+            self._skyrl_routes, self._skyrl_route_unhook = store, lambda: setattr(core, "route_hook", None)
+            return {"layers": store.L, "k": store.k, "num_experts": store.num_experts,
+                    "layer_ids": list(range(store.L)), "invariant": True}
+
+        mods = moe_runners(model)
+        store = RouteStore(self.model_runner, len(mods), mods[0].router.top_k,
+                            mods[0].router.global_num_experts)
+        for i, m in enumerate(mods):
+            m.router.set_capture_fn(lambda ids, _i=i: store.capture(_i, ids))
+
+        def unhook():
+            for m in mods:
+                m.router.set_capture_fn(None)
+        self._skyrl_routes, self._skyrl_route_unhook = store, unhook
+        return {"layers": store.L, "k": store.k, "num_experts": store.num_experts,
+                "layer_ids": [int(m.layer_id) for m in mods]}
+
+    def skyrl_aux_output_state(self) -> dict:
+        """What :class:`AuxOutputs` holds now (requests with an emit cursor, with routes, with
+        support rows); ``{}`` when this engine returns neither output."""
+        aux = self.model_runner.__dict__.get("_skyrl_aux")
+        if aux is None:
+            return {}
+        return {"cursors": len(aux.cursors), "generation": aux.generation,
+                "routes": None if aux.routes is None else len(aux.routes.per_req),
+                "masks": None if aux.masks is None else len(aux.masks.rows)}
+
+    def skyrl_route_capture_fetch(self, external_ids: list[str], lengths: list[int],
+                                  clear: bool = True, starts: list[int] | None = None) -> list:
+        store = self._skyrl_routes
+        out = store.fetch(external_ids, lengths, starts)
+        if clear:
+            store.clear()
+        return out
+
+    def skyrl_route_capture_stop(self) -> None:
+        if getattr(self, "_skyrl_routes", None) is None:
+            return
+        self._skyrl_route_unhook()
+        self._skyrl_routes = None
+
+
+class SupportsMixin:
+    """Support capture (top-p / top-k: the set the sampler kept,
+    :class:`~.capture.SupportStore`)."""
+
+    def skyrl_support_capture_start(self) -> bool:
+        """Wrap the runner's top-k/top-p sampler so every sampled token's support is recorded
+        (:class:`SupportStore`). Idempotent; returns True once installed."""
+        if getattr(self, "_skyrl_support", None) is not None:
+            return True
+        store = SupportStore(self.model_runner)
+        self._skyrl_support_unhook = wrap_sampler(self.model_runner, store)
+        self._skyrl_support = store
+        return True
+
+    def skyrl_support_capture_fetch(self, external_ids: list[str], starts: list[int],
+                                    lengths: list[int], clear: bool = True) -> list:
+        store = self._skyrl_support
+        out = store.fetch(external_ids, starts, lengths)
+        if clear:
+            store.clear()
+        return out
+
+    def skyrl_support_capture_stop(self) -> None:
+        if getattr(self, "_skyrl_support", None) is None:
+            return
+        self._skyrl_support_unhook()
+        self._skyrl_support = None
+
+
+class DigestsMixin:
+    """Logits digests (a digest of the full logits row of every sampled position,
+    :class:`~.capture.DigestStore`; the row and the digest: :mod:`skyrl_numerics.gap.digest`)."""
+
+    def skyrl_logits_digest_start(self, algo: str) -> str:
+        """Wrap the runner's sampler so every row it receives is hashed with ``algo``.
+        Idempotent for the same algorithm (another one replaces the store); returns ``algo``."""
+        store = getattr(self, "_skyrl_digest", None)
+        if store is not None and store.algo == algo:
+            return algo
+        self.skyrl_logits_digest_stop()
+        store = DigestStore(self.model_runner, algo)
+        self._skyrl_digest_unhook = wrap_sampler_logits(self.model_runner, store)
+        self._skyrl_digest = store
+        return algo
+
+    def skyrl_logits_digest_fetch(self, external_ids: list[str], starts: list[int],
+                                  lengths: list[int], clear: bool = True) -> list:
+        store = self._skyrl_digest
+        out = store.fetch(external_ids, starts, lengths)
+        if clear:
+            store.clear()
+        return out
+
+    def skyrl_logits_digest_keep_rows(self, on: bool) -> None:
+        """Also keep the float32 rows (for the one-position replay; off again after it)."""
+        self._skyrl_digest.keep_rows = bool(on)
+        if not on:
+            self._skyrl_digest.kept.clear()
+
+    def skyrl_logits_digest_row(self, external_id: str, pos: int):
+        return self._skyrl_digest.fetch_row(external_id, pos)
+
+    def skyrl_logits_digest_stop(self) -> None:
+        if getattr(self, "_skyrl_digest", None) is None:
+            return
+        self._skyrl_digest_unhook()
+        self._skyrl_digest = None
+
+
+# ---- the extensions: the mixins composed ------------------------------------------------------
+
+class SkyrlWorkerExtension(WeightsMixin, ShardedSyncWorker, KernelsMixin, RoutesMixin, SupportsMixin,
+                           DigestsMixin):
+    """The one worker extension (``WORKER_EXTENSION`` of ``generator.py`` / ``server.py`` /
+    ``sync/vllm.py``): in-place weight loading (``skyrl_load_weights``, the load path of
+    ``sync/vllm.py``; ``skyrl_shard_*``, the sharded transfer of ``sync/sharded.py``), which kernels
+    run the layers, parameter digests, the host report, route capture, support capture and
+    logits digests."""
+
+
+class MLAScheduleExtension(AttributionScheduleMixin, SkyrlWorkerExtension):
+    """:class:`SkyrlWorkerExtension` plus a recorder of each forward's batch layout, started with
+    route capture (``mla_attribution.EXTENSION``; see
+    :class:`~skyrl_numerics.engine.mla_worker.AttributionScheduleMixin`)."""
+
+
+class MLARopeFixExtension(MLARopeFixMixin, AttributionScheduleMixin, SkyrlWorkerExtension):
+    """:class:`MLAScheduleExtension`'s recorder plus the engine's MLA rotary calls fixed at route
+    capture start (``mla_attribution.ROPE_FIX_EXTENSION``; see
+    :class:`~skyrl_numerics.engine.mla_worker.MLARopeFixMixin`)."""

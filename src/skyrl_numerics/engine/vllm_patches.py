@@ -1,0 +1,417 @@
+"""The one place that patches vLLM (0.32) — every patch listed, reversible, tested.
+
+Two kinds. **Class and module patches** (the first list below) are installed by our
+``vllm.general_plugins`` entry point (:func:`install` in ``vllm_plugin.register``) in every vLLM
+process; :func:`uninstall` puts every original object back (reference-counted; an inherited
+attribute is inherited again; tested in ``tests/e2e/test_server_routes.py``). **Instance
+patches** (:data:`INSTANCE_PATCHES`, the second list) replace an attribute of *one* object of a
+running engine (its sampler, its MLA layers, its model) on request; each goes through
+:func:`patch_instance`, which refuses an unlisted one and returns the function that puts the
+original back (tested in ``tests/engine/test_vllm_instance_patches.py``, on real vLLM classes).
+Nothing else in the project assigns to an attribute of a vLLM object.
+
+Not patches (public hooks, nothing of vLLM's is replaced; listed so nobody looks for them here):
+the route capture's ``BaseRouter.set_capture_fn`` (vLLM's own capture hook, ``capture.py``), the
+``route_hook`` attribute of our own batch-invariant model (``invariant/base.py``), and the MLA
+schedule recorder's ``register_forward_pre_hook`` on the engine's token embedding
+(``mla_attribution/worker.py``).
+
+Class and module patches (:func:`install`)
+------------------------------------------
+
+``vllm.entrypoints.serve.middleware.authenticate.GUARDED_PREFIX``
+    vLLM's ``--api-key`` middleware checks only paths under ``/v1``, ``/v2``, ``/inference`` and
+    ``/cohere``: with ``VLLM_SERVER_DEV_MODE=1`` anyone who reaches the port can call
+    ``/init_weight_transfer_engine``, ``/update_weights``, ``/collective_rpc``, ``/pause``, ...
+    and replace or break the served model (seen here: an unauthenticated ``/start_weight_update``
+    of the nccl backend left the weights on the meta device). While installed, every control
+    route (:data:`CONTROL_ROUTES`) needs the key too; ``/health``, ``/ping``, ``/version``,
+    ``/metrics`` and ``/load`` stay open for probes. Without ``--api-key`` nothing is checked,
+    as before (``skyrl-numerics serve`` refuses a non-loopback address without one).
+``vllm.v1.engine.async_llm.AsyncLLM.finish_weight_update``
+    vLLM does not reset the prefix cache after a weight update, so a later request sharing a
+    prefix would attend to KV computed with the old weights. The wrapper runs the original and
+    then ``reset_prefix_cache()``; when requests are still running (``/pause?mode=keep``) it
+    resets with ``reset_running_requests=True``: those requests are recomputed from their tokens
+    on the new weights, so no token sampled after an update attends to old-weight KV.
+``vllm.config.vllm.VllmConfig._verify_aux_output_compatibility``
+    vLLM fills ``routed_experts`` (``--enable-return-routed-experts``) only in Model Runner V2,
+    which needs Triton on GPU, and refuses the flag otherwise ("AuxOutput Connector requires
+    Model Runner V2"). On the CPU platform, when the flag is set and V2 is not in use, the
+    wrapper runs vLLM's check as if V2 were selected: every other requirement (a generate
+    runner, an MoE model, prefix caching, no PP / context parallelism / PD connectors) is still
+    enforced. Elsewhere, and without the flag, vLLM's check runs unchanged.
+``vllm.config.vllm.VllmConfig._verify_sampling_replay_config``
+    The same for ``--return-sampling-mask`` ("sampling distribution replay requires Model
+    Runner V2"); vLLM's other checks (``processed_logprobs``, no custom logits processors, no
+    adaptive speculative verification) still run, and the request-level ones (``temperature
+    > 0``, ``top_k > 0``) are vLLM's own, unchanged.
+``vllm.v1.worker.cpu_model_runner.CPUModelRunner.execute_model`` and ``.sample_tokens``
+    (CPU platform only; set on the subclass, the inherited V1 methods are untouched.) When
+    either output above is on, the wrappers do on the V1 runner what the V2 runner does:
+    ``execute_model`` hands the step's ``scheduler_output`` (its
+    ``aux_output_connector_metadata``: emit starts, finished requests, generation) to the
+    runner's :class:`~skyrl_numerics.engine.capture.AuxOutputs` before the forward;
+    the ``ModelRunnerOutput`` of the step then gets ``aux_output_connector_output =
+    {req_id: AuxRequestOutput(emit_start, rows)}`` for every request that sampled a token and
+    ``sampling_masks`` (CSR supports), from the route capture on vLLM's router hook and the
+    support capture on its sampler (``capture.py`` documents how rows are computed). vLLM's
+    scheduler, output processor and API serialization (``routed_experts`` base64 ``.npy`` in
+    ``/v1/completions``, ``/v1/chat/completions``, ``/inference/v1/generate``; ``sampling_mask``
+    in ``/inference/v1/generate``) do the rest, unchanged. With neither output on, the wrappers
+    only call the originals. (vLLM CPU turns async scheduling off; an ``AsyncModelRunnerOutput``
+    would be passed through without the outputs.)
+
+Instance patches (:func:`patch_instance`, keys of :data:`INSTANCE_PATCHES`)
+---------------------------------------------------------------------------
+
+``"sampler.forward"``: ``TopKTopPSampler.forward`` of one runner's sampler (:func:`wrap_sampler`)
+    vLLM picks the sampling function per platform and stores it as an *instance* attribute
+    (``self.forward = self.forward_cpu``); the support capture (``skyrl_support_capture_start``,
+    and ``AuxOutputs`` for ``--return-sampling-mask``) wraps it so every sampled row's support
+    (the ids with a finite processed logit) is recorded. The wrapper calls the original and
+    returns its result unchanged. Undone by ``skyrl_support_capture_stop`` / ``AuxOutputs.close``.
+``"sampler.digest.forward"``: ``Sampler.forward`` of one runner's sampler (:func:`wrap_sampler_logits`)
+    The logits digest (``skyrl_logits_digest_start``, ``capture.DigestStore``) must see the rows
+    ``model.compute_logits`` produced, as the sampler receives them, before it converts and
+    processes them (with float32 logits its processors may work in place). vLLM's runner calls
+    ``self.sampler(logits=..., sampling_metadata=...)``, i.e. the instance's ``forward``: the
+    wrapper hashes each row and calls the original with the same arguments, returning its result
+    unchanged. Undone by ``skyrl_logits_digest_stop``.
+``"mla.rotary_emb"``: ``MultiHeadLatentAttentionWrapper.rotary_emb`` of every MLA layer of one
+model (:func:`rowwise_mla_rope`)
+    vLLM 0.32 CPU's rotary kernel, called on MLA's 3-D q/k *views*, rotates query head ``r %
+    heads`` of token ``r // heads`` by the position of token ``r`` (docs/mla.md); the
+    replacement (:class:`_RowwiseRope`) calls vLLM's own rotary layer on 2-D contiguous copies,
+    so every head and key is rotated by its own position. Installed by ``MLARopeFixExtension``
+    when route capture starts (a diagnostic engine of the doctor; kept for the engine's life).
+``"model.forward"``: ``forward`` of the runner's model (``benchmarks/bench_vllm_invariant.py``)
+    the benchmark's per-forward timer (``--forward-times``): the wrapper calls the original
+    forward and records its start, duration and token count. Kept for the engine's life.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import weakref
+
+import torch
+
+__all__ = ["install", "uninstall", "installed", "patched", "CONTROL_ROUTES", "OPEN_ROUTES",
+           "INSTANCE_PATCHES", "patch_instance", "instance_patches", "wrap_sampler",
+           "wrap_sampler_logits",
+           "rowwise_mla_rope"]
+
+OPEN_ROUTES = ("/health", "/ping", "/version", "/metrics", "/load")
+CONTROL_ROUTES = (
+    "/abort_requests", "/collective_rpc", "/fault_tolerance", "/finish_weight_update",
+    "/get_world_size", "/init_weight_transfer_engine", "/is_paused", "/is_scaling_elastic_ep",
+    "/is_sleeping", "/kv_event_sources", "/pause", "/release_kv_cache_memory", "/reset_",
+    "/resume", "/scale_elastic_ep", "/server_info", "/shutdown_weight_transfer_engine", "/sleep",
+    "/start_", "/stop_profile", "/tokenize", "/detokenize", "/tokenizer_info", "/update_",
+    "/wake_up", "/weight_", "/classify", "/score", "/rerank", "/pooling", "/invocations",
+    "/generative_scoring", "/openapi.json", "/docs", "/redoc",
+)
+
+_lock = threading.RLock()
+_depth = 0
+# (owner, attribute, original, whether the owner held it itself rather than inheriting it)
+_saved: list[tuple[object, str, object, bool]] = []
+
+
+def _set(owner, name: str, value) -> None:
+    own = not isinstance(owner, type) or name in vars(owner)
+    _saved.append((owner, name, getattr(owner, name), own))
+    setattr(owner, name, value)
+
+
+def _guard_control_routes() -> None:
+    from vllm.entrypoints.serve.middleware import authenticate
+
+    _set(authenticate, "GUARDED_PREFIX", tuple(authenticate.GUARDED_PREFIX) + CONTROL_ROUTES)
+
+
+def _reset_prefix_cache_after_update() -> None:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    original = AsyncLLM.finish_weight_update
+
+    @functools.wraps(original)
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        await original(self, weight_version)
+        if not await self.reset_prefix_cache():
+            await self.reset_prefix_cache(reset_running_requests=True)
+
+    finish_weight_update.skyrl_original = original
+    _set(AsyncLLM, "finish_weight_update", finish_weight_update)
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+class _AsIfV2:
+    """A view of a ``VllmConfig`` that reports Model Runner V2 as selected (every other
+    attribute, read or written, is the config's own)."""
+
+    use_v2_model_runner = True
+
+    def __init__(self, config):
+        object.__setattr__(self, "_config", config)
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._config, name, value)
+
+
+def _relax_v2_checks_on_cpu() -> None:
+    from vllm.config.vllm import VllmConfig
+
+    def relax(name: str, wanted) -> None:
+        original = getattr(VllmConfig, name)
+
+        @functools.wraps(original)
+        def check(self) -> None:
+            if wanted(self) and not self.use_v2_model_runner and _on_cpu():
+                return original(_AsIfV2(self))   # our CPU runner patches provide the outputs
+            return original(self)
+
+        check.skyrl_original = original
+        _set(VllmConfig, name, check)
+
+    relax("_verify_aux_output_compatibility", lambda c: c.aux_output_config.enabled)
+    relax("_verify_sampling_replay_config",
+          lambda c: c.model_config is not None and c.model_config.return_sampling_mask)
+
+
+def _aux_outputs_wanted(runner) -> bool:
+    vc = runner.vllm_config
+    return bool(vc.aux_output_config.enable_return_routed_experts
+                or getattr(vc.model_config, "return_sampling_mask", False))
+
+
+def _cpu_runner_aux_outputs() -> None:
+    if not _on_cpu():
+        return
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    original_execute = CPUModelRunner.execute_model
+    original_sample = CPUModelRunner.sample_tokens
+
+    def aux_of(runner):
+        if not _aux_outputs_wanted(runner):
+            return None
+        from .capture import AuxOutputs
+
+        return AuxOutputs.of(runner)
+
+    @functools.wraps(original_execute)
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        aux = aux_of(self)
+        if aux is None:
+            return original_execute(self, scheduler_output, intermediate_tensors)
+        aux.begin_step(scheduler_output)
+        out = original_execute(self, scheduler_output, intermediate_tensors)
+        if isinstance(out, ModelRunnerOutput):   # a step that returns without sampling
+            aux.fill(out)
+        return out
+
+    @functools.wraps(original_sample)
+    def sample_tokens(self, grammar_output):
+        out = original_sample(self, grammar_output)
+        aux = aux_of(self)
+        if aux is not None and isinstance(out, ModelRunnerOutput):
+            aux.fill(out)
+        return out
+
+    execute_model.skyrl_original = original_execute
+    sample_tokens.skyrl_original = original_sample
+    _set(CPUModelRunner, "execute_model", execute_model)
+    _set(CPUModelRunner, "sample_tokens", sample_tokens)
+
+
+_PATCHES = (_guard_control_routes, _reset_prefix_cache_after_update, _relax_v2_checks_on_cpu,
+            _cpu_runner_aux_outputs)
+
+
+def install() -> None:
+    """Apply every patch (reference-counted: nested installs need as many uninstalls)."""
+    global _depth
+    with _lock:
+        if _depth == 0:
+            try:
+                for patch in _PATCHES:
+                    patch()
+            except BaseException:
+                _restore()
+                raise
+        _depth += 1
+
+
+def _restore() -> None:
+    while _saved:
+        owner, name, original, own = _saved.pop()
+        if own:
+            setattr(owner, name, original)
+        else:   # it was inherited: drop the override, the base class's attribute shows again
+            delattr(owner, name)
+
+
+def uninstall() -> None:
+    """Undo one :func:`install`; the last one puts every original object back."""
+    global _depth
+    with _lock:
+        if _depth == 0:
+            return
+        _depth -= 1
+        if _depth == 0:
+            _restore()
+
+
+def installed() -> bool:
+    return _depth > 0
+
+
+@contextlib.contextmanager
+def patched():
+    """``with patched(): ...`` — the patches for the duration of the block."""
+    install()
+    try:
+        yield
+    finally:
+        uninstall()
+
+
+# ---- instance patches ---------------------------------------------------------------------------
+
+# key -> (the vLLM class whose instances it applies to, by name, the attribute); reasons above
+INSTANCE_PATCHES = {
+    "sampler.forward": ("TopKTopPSampler", "forward"),
+    "sampler.digest.forward": ("Sampler", "forward"),
+    "mla.rotary_emb": ("MultiHeadLatentAttentionWrapper", "rotary_emb"),
+    "model.forward": (None, "forward"),    # any model class the runner holds
+}
+
+# (weak reference to the object, attribute, key) of every instance patch in place, in the order
+# applied (weak: a patch kept for an engine's life does not keep its model alive)
+_instance_saved: list[tuple[weakref.ref, str, str]] = []
+
+
+def _held_by(obj, name: str) -> bool:
+    """Whether ``obj`` holds ``name`` itself (its ``__dict__``, or a submodule / parameter /
+    buffer of an ``nn.Module``) rather than getting it from its class."""
+    d = vars(obj)
+    if name in d:
+        return True
+    return any(isinstance(d.get(store), dict) and name in d[store]
+               for store in ("_modules", "_parameters", "_buffers"))
+
+
+def patch_instance(obj, name: str, value, *, what: str):
+    """Set ``obj.<name> = value`` for the listed instance patch ``what`` (a key of
+    :data:`INSTANCE_PATCHES`, whose class and attribute must match) and return ``undo()``, which
+    puts the original back: the object's own attribute is set again, one it got from its class is
+    removed so the class's shows again. ``undo`` is idempotent."""
+    if what not in INSTANCE_PATCHES:
+        raise KeyError(f"{what!r} is not a listed vLLM instance patch ({sorted(INSTANCE_PATCHES)});"
+                       " list it (with its reason) in vllm_patches.py first")
+    cls_name, attr = INSTANCE_PATCHES[what]
+    if name != attr or (cls_name is not None
+                        and cls_name not in (c.__name__ for c in type(obj).__mro__)):
+        raise TypeError(f"instance patch {what!r} applies to {cls_name or 'any'}.{attr}, "
+                        f"not {type(obj).__name__}.{name}")
+    own = _held_by(obj, name)
+    original = getattr(obj, name)
+    setattr(obj, name, value)
+    entry = (weakref.ref(obj), name, what)
+    with _lock:
+        _instance_saved.append(entry)
+    done = []
+
+    def undo() -> None:
+        if done:
+            return
+        done.append(True)
+        if own:
+            setattr(obj, name, original)
+        else:   # it came from the class: drop the instance's, the class's shows again
+            delattr(obj, name)
+        with _lock:
+            _instance_saved[:] = [e for e in _instance_saved if e is not entry]
+    return undo
+
+
+def instance_patches() -> list[tuple[str, str]]:
+    """The instance patches in place in this process: ``(key, type name of the object)``."""
+    with _lock:
+        return [(what, type(ref()).__name__) for ref, _, what in _instance_saved
+                if ref() is not None]
+
+
+def wrap_sampler(runner, store):
+    """Wrap the runner's top-k/top-p sampler so every sampled row's support reaches ``store``;
+    returns the function that puts the original back."""
+    tts = runner.sampler.topk_topp_sampler
+    orig = tts.forward
+
+    def forward(logits, generators, k, p):
+        # processed_logprobs / processed_logits return the truncated distribution itself;
+        # otherwise keep a copy of the logits (the sampler may mask them in place)
+        keep = None if tts.logprobs_mode.startswith("processed") else logits.clone()
+        sampled, processed = orig(logits, generators, k, p)
+        store.capture(keep, k, p, processed)
+        return sampled, processed
+
+    return patch_instance(tts, "forward", forward, what="sampler.forward")
+
+
+def wrap_sampler_logits(runner, store):
+    """Wrap the runner's sampler so every logits row it receives reaches ``store.capture`` first
+    (before the sampler touches it); returns the function that puts the original back."""
+    sampler = runner.sampler
+    orig = sampler.forward
+
+    def forward(*args, **kwargs):
+        store.capture(kwargs["logits"] if "logits" in kwargs else args[0])
+        return orig(*args, **kwargs)
+
+    return patch_instance(sampler, "forward", forward, what="sampler.digest.forward")
+
+
+class _RowwiseRope(torch.nn.Module):
+    """Calls vLLM's rotary op on 2-D ``[tokens, heads * rope]`` copies of MLA's 3-D q/k views,
+    the layout its CPU kernel handles, and returns them in the views' shapes."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, positions, query, key=None):
+        T = positions.numel()
+        q2 = query.reshape(T, -1).contiguous()
+        k2 = None if key is None else key.reshape(T, -1).contiguous()
+        q2, k2 = self.inner(positions, q2, k2)
+        return q2.view(query.shape), (None if key is None else k2.view(key.shape))
+
+
+def rowwise_mla_rope(model):
+    """Route every MLA layer's rotary call of ``model`` through 2-D contiguous copies
+    (:class:`_RowwiseRope`), so vLLM CPU rotates every query head and key by its own position.
+    Returns ``(layers patched, undo)``; layers already patched are left alone."""
+    undos = []
+    for m in model.modules():
+        rot = getattr(m, "rotary_emb", None)
+        if type(m).__name__ == "MultiHeadLatentAttentionWrapper" and rot is not None \
+                and not isinstance(rot, _RowwiseRope):
+            undos.append(patch_instance(m, "rotary_emb", _RowwiseRope(rot), what="mla.rotary_emb"))
+
+    def undo() -> None:
+        for u in reversed(undos):
+            u()
+    return len(undos), undo

@@ -1,0 +1,539 @@
+"""What every invariant family shares: weights under HF names, the KV-cache row contract, the
+trainer-side sequence forwards and the trainer logprobs.
+
+A family module subclasses :class:`InvariantCausalLM` and defines ``__init__`` (its parameters),
+``forward_tokens(ids, positions, attend)``, ``attn_core`` and ``kv`` (a
+:class:`~skyrl_numerics.invariant.kv_format.KVFormat`). Attention is split so that both
+callers run the same numbers:
+
+    the family computes per token:  q [T, H, Dq]  and its cache row  r [T, W]  (model dtype)
+    attend(layer, q, r)   trainer: rows of the token's own sequence, each sent through the cache
+                                   format (``kv.roundtrip``)
+                          vLLM:    rows written into the paged cache as bytes (``kv.encode``),
+                                   each request's rows read back through its block table
+                                   (``kv.decode``)
+    both then call  attn_core(layer, q [n, Sq, H, Dq], rows [n, L, W], kv_lens) -> [n, Sq, H, Do]
+
+``attn_core`` is built on :func:`skyrl_numerics.kernels.attention`, whose result for a query does
+not depend on Sq (prefill vs decode) nor on padding to other requests' lengths (``kv_lens``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from skyrl_numerics.errors import InputError
+
+# attend(layer, q [T, H, Dq], rows [T, W]) -> out [T, H, Do]
+Attend = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def load_checkpoint_tensors(model_dir) -> dict[str, torch.Tensor]:
+    """All tensors of an HF checkpoint directory (one ``model.safetensors`` or shards)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise InputError(f"{model_dir}: no *.safetensors files", field="model_dir")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+_ST_TORCH = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+             "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+             "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+             "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def checkpoint_files(model_dir) -> list:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise InputError(f"{model_dir}: no *.safetensors files", field="model_dir")
+    return files
+
+
+def checkpoint_tensor_names(model_dir) -> list[str]:
+    """The tensor names of an HF checkpoint directory (its safetensors headers, checked)."""
+    from skyrl_numerics.safetensors_header import read_header
+
+    return [n for f in checkpoint_files(model_dir) for n in read_header(f, str(model_dir))]
+
+
+def iter_checkpoint_tensors(model_dir, names=None):
+    """``(name, tensor)`` of an HF checkpoint directory one tensor at a time (``names``: only
+    those), each read into memory of its own with plain file reads: a loader copying each into
+    its weights holds one checkpoint tensor beside them, and no mapping of the file (a mapped
+    file's pages count in the process's RSS until it is closed)."""
+    import struct
+
+    from skyrl_numerics.safetensors_header import read_header
+
+    for f in checkpoint_files(model_dir):
+        entries = read_header(f, str(model_dir))
+        with open(f, "rb") as fh:
+            start = 8 + struct.unpack("<Q", fh.read(8))[0]
+            for name, e in entries.items():
+                if names is not None and name not in names:
+                    continue
+                if e["dtype"] not in _ST_TORCH:
+                    raise InputError(f"tensor {name!r}: dtype {e['dtype']} is not one of "
+                                     f"{sorted(_ST_TORCH)}", source=str(f), field=name)
+                lo, hi = e["data_offsets"]
+                dtype = _ST_TORCH[e["dtype"]]
+                if hi == lo:
+                    yield name, torch.empty(e["shape"], dtype=dtype)
+                    continue
+                buf = bytearray(hi - lo)
+                fh.seek(start + lo)
+                if fh.readinto(buf) != hi - lo:
+                    raise InputError(f"tensor {name!r}: the file ends inside its data",
+                                     source=str(f), field=name)
+                yield name, torch.frombuffer(buf, dtype=dtype).reshape(e["shape"])
+
+
+class InvariantCausalLM(nn.Module):
+    """Parameters under HF names (``add``/``w``), loading, and the trainer-side forwards."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+        self.params = nn.ParameterDict()
+        self._names: dict[str, str] = {}
+        self._expert_lists: dict[str, list] = {}
+        self.route_hook: Callable[[int, torch.Tensor], None] | None = None
+        # quantized serving numerics + LoRA (numerics.py): None = the model dtype throughout
+        self.numerics = None
+        self._proj: dict = {}              # HF weight name -> numerics.Projection
+        self._packed: dict = {}            # HF weight name -> QTensor (frozen, served packed)
+        self._packed_shapes: dict = {}
+        self._adapters: list[str] = []     # LoRA tensor names, in creation order
+
+    # ---- weights --------------------------------------------------------------------------
+    def add(self, name: str, *shape: int, dtype: torch.dtype | None = None) -> None:
+        key = name.replace(".", "__")
+        self.params[key] = nn.Parameter(torch.empty(*shape, dtype=dtype or self.dtype),
+                                        requires_grad=False)
+        self._names[name] = key
+
+    def add_decoder_weights(self) -> None:
+        """The weights :meth:`forward_tokens` itself uses: embeddings, final norm, lm-head and
+        each layer's two RMSNorms (``self.dims``: vocab, hidden, layers)."""
+        d = self.dims
+        self.add("model.embed_tokens.weight", d.vocab, d.hidden)
+        self.add("model.norm.weight", d.hidden)
+        self.add("lm_head.weight", d.vocab, d.hidden)
+        for i in range(d.layers):
+            self.add(f"model.layers.{i}.input_layernorm.weight", d.hidden)
+            self.add(f"model.layers.{i}.post_attention_layernorm.weight", d.hidden)
+
+    def w(self, name: str) -> torch.Tensor:
+        """The weight under an HF name (a packed one decoded: see :meth:`served_weight`)."""
+        if name in self._packed:
+            return self.served_weight(name)
+        return self.params[self._names[name]]
+
+    def proj(self, name: str):
+        """What :func:`.blocks.linear` multiplies by for weight ``name``: the weight itself, or
+        its :class:`.numerics.Projection` (quantized formats, LoRA) when the plan covers it."""
+        p = self._proj.get(name)
+        return p if p is not None else self.params[self._names[name]]
+
+    def served_weight(self, name: str) -> torch.Tensor:
+        """Weight ``name`` as the plan serves it: a packed weight decoded, a planned bf16 weight
+        fake-quantized (straight-through under grad), any other weight as it is."""
+        from . import numerics as N
+
+        if name in self._packed:
+            q = self._packed[name]
+            if q is None:
+                raise InputError(f"packed weight {name!r} was never loaded", field=name)
+            return N.decode_weight(q, self.dtype)
+        w = self.params[self._names[name]]
+        f = self.numerics.format_of(N.group_of(name)) if self.numerics is not None else None
+        if f is None or not f.weight:
+            return w
+        return N._ste(lambda t: N.decode_weight(N.quantize_weight(t, f.weight), t.dtype), w)
+
+    def adapter_names(self) -> list[str]:
+        return list(self._adapters)
+
+    def expert_weights(self, prefix: str, num_experts: int) -> list:
+        """``[(w_gate, w_up, w_down)]`` of experts ``0 .. E-1`` named ``{prefix}{e}.gate_proj.weight``
+        etc.: the parameters themselves, looked up once per layer (a decode step would otherwise
+        spend ~3E dict lookups per layer). Loading copies into these tensors in place; a
+        parameter replaced by another object (e.g. wrapped by FSDP) is noticed and looked up again."""
+        if f"{prefix}0.gate_proj.weight" in self._proj:   # planned experts: their projections
+            return [tuple(self.proj(f"{prefix}{e}.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj"))
+                    for e in range(num_experts)]
+        hit = self._expert_lists.get(prefix)
+        if (hit is None or len(hit) != num_experts
+                or hit[0][0] is not self.w(f"{prefix}0.gate_proj.weight")
+                or hit[-1][2] is not self.w(f"{prefix}{num_experts - 1}.down_proj.weight")):
+            hit = [tuple(self.w(f"{prefix}{e}.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj"))
+                   for e in range(num_experts)]
+            self._expert_lists[prefix] = hit
+        return hit
+
+    def hf_names(self) -> list[str]:
+        return list(self._names)
+
+    def load_named(self, named) -> set[str]:
+        """Copy ``(hf_name, tensor)`` pairs in; unknown names and other shapes are an error
+        naming the tensor. A packed weight is quantized as it arrives. LoRA adapters are all
+        checked first and applied together at the end: an update that fails anywhere leaves
+        the adapters as they were."""
+        from . import numerics as N
+
+        loaded = set()
+        adapters = []
+        vendor = getattr(self, "_vendor", None)     # a vendor-quantized checkpoint (vendor_plan.py)
+        if vendor is not None:
+            named = vendor.take(self, named)        # its weights' stored parts go to the packed storage
+        with torch.no_grad():
+            for name, t in named:
+                if name not in self._names:
+                    what = ("an adapter this model's plan does not have (target, name)"
+                            if N.is_adapter(name) else "unexpected weight")
+                    raise InputError(f"{what} {name!r} for {type(self).__name__}", field=name)
+                want = self._packed_shapes.get(name) or tuple(self.params[self._names[name]].shape)
+                if tuple(t.shape) != tuple(want):
+                    raise InputError(f"tensor {name!r}: shape {tuple(t.shape)}, expected {tuple(want)}"
+                                     + (" (the adapter rank differs)" if N.is_adapter(name) else ""),
+                                     field=name)
+                if name in self._adapters:
+                    if not torch.isfinite(t).all():
+                        raise InputError(f"adapter {name!r} holds non-finite values", field=name)
+                    adapters.append((name, t))
+                elif name in self._packed:
+                    f = self.numerics.format_of(N.group_of(name))
+                    self._packed[name] = N.quantize_weight(t.to(self.dtype), f.weight)
+                else:
+                    dst = self.params[self._names[name]]
+                    dst.copy_(t.to(dst.dtype))
+                loaded.add(name)
+            for name, t in adapters:
+                dst = self.params[self._names[name]]
+                dst.copy_(t.to(dst.dtype))
+        if vendor is not None:
+            vendor.finish(self)
+        return loaded
+
+    @classmethod
+    def config_parts(cls, cfg, dtype: torch.dtype = torch.bfloat16, kv_cache=None) -> dict:
+        raise NotImplementedError
+
+    @classmethod
+    def from_config(cls, cfg, dtype: torch.dtype = torch.bfloat16, kv_cache=None, numerics=None,
+                    pack: bool | None = None):
+        """An empty model (weights to be loaded) for an HF config; ``numerics`` a
+        :class:`.numerics.NumericsPlan` (or its JSON), ``pack`` whether planned quantized weights
+        are kept packed (default: under LoRA, where the base is frozen; an engine always)."""
+        model = cls(**cls.config_parts(cfg, dtype=dtype, kv_cache=kv_cache))
+        from .numerics import NumericsPlan, attach
+
+        plan = NumericsPlan.from_json(numerics)
+        if plan is not None:
+            attach(model, plan, pack=pack)
+        if getattr(cfg, "skyrl_vendor", None):      # served from a vendor's stored codes + scales
+            from .vendor_plan import install
+
+            install(model, cfg.skyrl_vendor)
+        return model
+
+    @classmethod
+    def from_checkpoint(cls, model_dir, *, kv_cache=None, dtype: torch.dtype = torch.bfloat16,
+                        numerics=None):
+        """Build from an HF checkpoint directory; ``kv_cache`` as in
+        :func:`~skyrl_numerics.invariant.kv_format.parse_kv_spec` (the engine's),
+        ``numerics`` as in :meth:`from_config`."""
+        from transformers import AutoConfig
+
+        from .vendor_plan import from_vendor_checkpoint, vendor_quant_config
+
+        quant = vendor_quant_config(model_dir)      # a vendor-quantized checkpoint: its own plan
+        if quant is not None:
+            return from_vendor_checkpoint(cls, model_dir, quant, kv_cache=kv_cache, dtype=dtype,
+                                          numerics=numerics)
+        cfg = AutoConfig.from_pretrained(str(model_dir))
+        model = cls.from_config(cfg, dtype=dtype, kv_cache=kv_cache, numerics=numerics)
+        tensors = checkpoint_tensor_names(model_dir)   # read one at a time below
+        missing = set(model.hf_names()) - set(tensors) - set(model.adapter_names())
+        if missing:
+            raise InputError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}",
+                             source=str(model_dir), field=sorted(missing)[0])
+        extra = sorted(k for k in tensors if k not in model._names and not model.ignored_weight(k))
+        if extra:
+            raise InputError(f"checkpoint has {len(extra)} weights the invariant "
+                             f"{type(model).__name__} does not use (it would not reproduce "
+                             f"them), e.g. {extra[:3]}", source=str(model_dir), field=extra[0])
+        model.load_named(iter_checkpoint_tensors(model_dir, names=model._names))
+        return model.eval()
+
+    def ignored_weight(self, name: str) -> bool:
+        """Checkpoint tensors the engine does not run either (e.g. MTP draft layers)."""
+        return False
+
+    # ---- to be provided by the family -----------------------------------------------------
+    kv = None   # KVFormat
+
+    def attention(self, layer: int, x: torch.Tensor, positions: torch.Tensor,
+                  attend: Attend) -> torch.Tensor:
+        raise NotImplementedError
+
+    def ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       attend: Attend) -> torch.Tensor:
+        """Final-norm hidden states ``[T, hidden]`` of a flat token stream: pre-norm decoder
+        layers ``h += attention(rms_norm(h)); h += ffn(rms_norm(h))`` (HF layer norm names)."""
+        from .blocks import rms_norm
+
+        eps = self.dims.eps
+        self._cos_sin = None          # RoPE's cos/sin of these positions: once per forward
+        h = self.embed(input_ids)
+        for i in range(self.dims.layers):
+            p = f"model.layers.{i}."
+            h = h + self.attention(i, rms_norm(h, self.w(p + "input_layernorm.weight"), eps),
+                                   positions, attend)
+            h = h + self.ffn(i, rms_norm(h, self.w(p + "post_attention_layernorm.weight"), eps))
+        return rms_norm(h, self.w("model.norm.weight"), eps)
+
+    def attn_core(self, layer: int, q: torch.Tensor, rows: torch.Tensor,
+                  kv_lens: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def attn_core_paged(self, layer: int, q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
+                        kv_lens: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`attn_core` over ``pool[slots]`` (``pool [S, width]``: a paged cache's rows in
+        the model dtype, ``slots [n, L]`` each request's slots in order), reading the rows in
+        place where the family knows how (its ``_paged_kv``) — bit for bit the gathered rows'
+        result (tested)."""
+        views = self._paged_kv(pool)
+        if views is None:
+            n, L = slots.shape
+            return self.attn_core(layer, q, pool.index_select(0, slots.reshape(-1)).view(n, L, -1),
+                                  kv_lens)
+        from skyrl_numerics.kernels.cpu_attention import paged_attention
+
+        k_pool, v_pool = views
+        lens = kv_lens if kv_lens is not None else torch.full((slots.shape[0],), slots.shape[1])
+        return paged_attention(q.transpose(1, 2), k_pool, v_pool, slots, lens,
+                               self.scale).transpose(1, 2)
+
+    def _paged_kv(self, pool: torch.Tensor):
+        """``(k_pool [S, Hkv, D], v_pool [S, Hkv, Dv])`` views of the cache rows for the paged
+        kernel (what :meth:`attn_core` makes of a row: keys, values), or None (gather, then
+        :meth:`attn_core`)."""
+        return None
+
+    def rope_cos_sin(self, positions: torch.Tensor):
+        """``self.rope.cos_sin(positions)``, computed once per :meth:`forward_tokens` (every
+        layer rotates at the same positions)."""
+        hit = getattr(self, "_cos_sin", None)
+        if hit is None or hit[0] is not positions:
+            hit = self._cos_sin = (positions, self.rope.cos_sin(positions))
+        return hit[1]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.w("model.embed_tokens.weight")[input_ids]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm-head in the model dtype, as vLLM computes logits."""
+        from .blocks import linear
+
+        return linear(hidden, self.w("lm_head.weight"))
+
+    def route_info(self) -> dict:
+        """``{"layers", "k", "num_experts"}`` of the MoE layers (for route capture)."""
+        raise NotImplementedError
+
+    def _route(self, moe_layer: int, ids: torch.Tensor) -> None:
+        if self.route_hook is not None:
+            self.route_hook(moe_layer, ids)
+
+    def attention_op(self, q, k, v, scale: float, kv_lens=None) -> torch.Tensor:
+        """The invariant attention kernel; with grad enabled (training) its forward bits are kept
+        and the backward comes from the reference formula (:mod:`.train`)."""
+        if torch.is_grad_enabled() and kv_lens is None and (q.requires_grad or k.requires_grad
+                                                             or v.requires_grad):
+            from skyrl_numerics.invariant.autograd import TrainableAttention
+
+            return TrainableAttention.apply(q, k, v, scale)
+        if q.device.type == "cpu":
+            from skyrl_numerics.kernels import cpu   # what kernels.attention runs on CPU
+
+            return cpu.attention(q, k, v, True, scale, kv_lens=kv_lens)
+        from skyrl_numerics.kernels import attention
+
+        return attention(q, k, v, causal=True, scale=scale, kv_lens=kv_lens)
+
+    # ---- trainer side ---------------------------------------------------------------------
+    def cache_roundtrip(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """Rows as the engine reads them back from its cache; straight-through under grad."""
+        if rows.requires_grad and self.kv.format != "auto":
+            from skyrl_numerics.invariant.autograd import StraightThrough
+
+            return StraightThrough.apply(rows, self.kv.roundtrip(layer, rows.detach()))
+        return self.kv.roundtrip(layer, rows)
+
+    def _own_sequence_attend(self, layer: int, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        rows = self.cache_roundtrip(layer, rows)
+        return self.attn_core(layer, q[None], rows[None], None)[0]
+
+    def sequence_hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states of one whole sequence (prefill over itself)."""
+        return self.forward_tokens(ids, torch.arange(ids.shape[0]), self._own_sequence_attend)
+
+    def packed_hidden(self, seqs: list[torch.Tensor]) -> torch.Tensor:
+        """Several whole sequences back to back in one forward (attention stays within each
+        sequence). Row for row equal to :meth:`sequence_hidden`."""
+        lens = [len(s) for s in seqs]
+        bounds = np.concatenate([[0], np.cumsum(lens)]).tolist()
+        positions = torch.cat([torch.arange(n) for n in lens])
+
+        def attend(layer, q, rows):
+            return torch.cat([self._own_sequence_attend(layer, q[a:b], rows[a:b])
+                              for a, b in zip(bounds[:-1], bounds[1:])])
+        return self.forward_tokens(torch.cat(seqs), positions, attend)
+
+
+def packed_batches(rollout, batch_size: int):
+    """``(rows, seqs)`` per trainer batch: row indices and their prompt+response id tensors."""
+    for start in range(0, len(rollout), batch_size):
+        rows = list(range(start, min(start + batch_size, len(rollout))))
+        yield rows, [torch.from_numpy(np.concatenate([rollout.prompt(i), rollout.response(i)])
+                                      .astype(np.int64)) for i in rows]
+
+
+LOGIT_CHUNK_BYTES = 64 << 20   # float32 logits (and as much log-softmax) held at once per chunk
+
+
+def logit_row_chunk(vocab: int) -> int:
+    """Response rows per chunk of :func:`response_logps`: ``LOGIT_CHUNK_BYTES`` of float32
+    logits, at least one row (152k vocab: 110 rows, 64 MiB of logits, as much of logp)."""
+    return max(1, LOGIT_CHUNK_BYTES // (4 * max(1, vocab)))
+
+
+def response_logps(model: InvariantCausalLM, rollout, batch_size: int, temperature: float,
+                   mask: torch.Tensor | None = None, before_batch=None):
+    """The one packed logprob loop (the engine-side and trainer-side logprobs both read it):
+    per chunk of a sequence's response rows ``(i, logp [c, V], token_logprobs [c], offset,
+    length, lo)`` — ``logp`` the :func:`response_logp` rows ``lo .. lo + c - 1`` of sequence
+    ``i``'s response, ``token_logprobs`` the sampled tokens' entries, ``offset`` the sequence's
+    first position in the packed batch. A chunk is :func:`logit_row_chunk` rows (the last one
+    of a sequence shorter), so memory stays bounded at any vocabulary and response length; a
+    row's logits and log-softmax depend only on the row, so chunking changes no bit (tested).
+    ``before_batch()`` runs before each packed forward (e.g. to clear a route capture).
+    Autograd follows the caller's mode."""
+    step = logit_row_chunk(int(model.w("lm_head.weight").shape[0]))
+    for rows, seqs in packed_batches(rollout, batch_size):
+        if before_batch is not None:
+            before_batch()
+        h = model.packed_hidden(seqs)
+        off = 0
+        for i, s in zip(rows, seqs):
+            p, r = int(rollout.prompt_lens[i]), int(rollout.response_lens[i])
+            a = int(rollout.response_cu[i])
+            tg = torch.from_numpy(rollout.response(i).astype(np.int64))
+            for lo in range(0, max(r, 1), step):       # (one empty chunk for r = 0)
+                hi = min(r, lo + step)
+                logp = response_logp(model, h[off + p - 1 + lo: off + p - 1 + hi], temperature,
+                                     None if mask is None else mask[a + lo:a + hi])
+                yield i, logp, logp.gather(-1, tg[lo:hi, None]).squeeze(-1), off, len(s), lo
+            off += len(s)
+
+
+def support_mask(model: InvariantCausalLM, rollout) -> torch.Tensor:
+    """Dense ``[Σ response_len, vocab]`` bool mask of the rollout's sampled supports."""
+    if rollout.support is None:
+        raise InputError("use_support=True but the rollout has no support (sample with "
+                         "capture_support=True)", field="support")
+    from skyrl_numerics.replay.support_lp import dense_mask
+
+    return dense_mask(rollout.support, int(model.w("lm_head.weight").shape[0]), "cpu")
+
+
+def response_logp(model: InvariantCausalLM, hidden: torch.Tensor, temperature: float,
+                  mask_rows: torch.Tensor | None) -> torch.Tensor:
+    """fp32 log-softmax of the model-dtype logits at ``temperature``, ``-inf`` outside the
+    support rows — vLLM's processed logprobs (its sampler masks before the log-softmax)."""
+    z = model.logits(hidden).float()
+    if temperature != 1.0:
+        z = z / temperature
+    if mask_rows is not None:
+        z = z.masked_fill(~mask_rows, float("-inf"))
+    return torch.log_softmax(z, dim=-1)
+
+
+def entropy_of(logp: torch.Tensor) -> torch.Tensor:
+    p = logp.exp()
+    return -(p * torch.where(p > 0, logp, 0.0)).sum(-1)
+
+
+def invariant_topk(model: InvariantCausalLM, rollout, *, batch_size: int = 4,
+                   use_support: bool = False) -> dict:
+    """The engine's top-K logprobs (``rollout.topk``) against this forward's log-softmax rows at
+    the same ids, position by position (:class:`skyrl_numerics.gap.topk.TopkCheck`): the whole
+    distribution, not only the sampled token. ``use_support``: rows masked to the rollout's
+    support first, as the engine's processed logprobs are."""
+    from skyrl_numerics.gap.topk import TopkCheck
+
+    if rollout.topk is None:
+        raise InputError("the rollout has no top-K logprobs (generate with topk_logprobs=K)",
+                         field="topk")
+    temperature = float(rollout.sampling.get("temperature", 1.0) or 1.0)
+    mask = support_mask(model, rollout) if use_support else None
+    check = TopkCheck(rollout.topk, mask=rollout.loss_mask)   # multi-turn: model tokens only
+    with torch.no_grad():
+        for i, logp, _, _, _, lo in response_logps(model, rollout, batch_size, temperature, mask):
+            check.add(int(rollout.response_cu[i]) + lo, logp)
+    return check.summary()
+
+
+def invariant_logits_digest(model: InvariantCausalLM, rollout, *, batch_size: int = 4,
+                            engine=None) -> dict:
+    """The engine's full-vocabulary logits digests (``rollout.logits_digest``) against this
+    forward's raw float32 logits rows (``model.logits(h).float()``, before the temperature),
+    position by position (:class:`skyrl_numerics.gap.digest.DigestCheck`): ``frac_bitwise`` of
+    the response positions whose whole row is bit for bit the engine's, and ``first_mismatch``
+    ``{"position", "token_id", ...}``. The token id needs the engine's row, which a digest does
+    not carry: with ``engine`` (the ``VLLMGenerator`` that sampled the rollout) that one row is
+    recomputed by the engine (:meth:`~skyrl_numerics.engine.generator.VLLMGenerator.
+    logits_row`, accepted only if its digest is the recorded one) and the smallest differing id
+    is named; otherwise ``token_id`` is None and ``token_id_unknown`` says why."""
+    from skyrl_numerics.gap.digest import DigestCheck
+
+    if rollout.logits_digest is None:
+        raise InputError("the rollout has no logits digests (generate with logits_digest=True)",
+                         field="logits_digest")
+    if len(rollout.logits_digest) != rollout.num_response_tokens:
+        raise InputError(f"{len(rollout.logits_digest)} digests for "
+                         f"{rollout.num_response_tokens} response tokens", field="logits_digest")
+    check = DigestCheck(rollout.logits_digest, mask=rollout.loss_mask)   # multi-turn: model tokens
+    step = logit_row_chunk(int(model.w("lm_head.weight").shape[0]))
+    with torch.no_grad():
+        for rows, seqs in packed_batches(rollout, batch_size):
+            h = model.packed_hidden(seqs)
+            off = 0
+            for i, s in zip(rows, seqs):
+                p, r = int(rollout.prompt_lens[i]), int(rollout.response_lens[i])
+                for lo in range(0, r, step):
+                    hi = min(r, lo + step)
+                    z = model.logits(h[off + p - 1 + lo: off + p - 1 + hi]).float()
+                    check.add(int(rollout.response_cu[i]) + lo, z)
+                off += len(s)
+    out = check.summary()
+    if check.first_mismatch is not None and engine is not None:
+        try:
+            check.name_token(engine.logits_row(rollout, check.first_mismatch["position"]))
+        except Exception as e:   # the figure stands; only the id stays unknown
+            check.first_mismatch["token_id_unknown"] = f"{type(e).__name__}: {e}"
+        out["first_mismatch"] = check.first_mismatch
+    return out
