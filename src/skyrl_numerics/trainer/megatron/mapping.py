@@ -1,11 +1,13 @@
-"""HF Qwen3-MoE <-> megatron-core GPTModel weight mapping (full tensors), and TP/EP sharding of them.
+"""HF Qwen3-MoE / DeepSeek-V3 <-> megatron-core GPTModel weight mapping (full tensors), and TP/EP sharding.
 
 megatron-bridge does this for real models but needs CUDA Transformer Engine and transformers < 5 (a GPU
 extra); this module is the small CPU mapping the issue allows, for the layout of
 :func:`~.model.build_gpt_model`. Every conversion is a pure re-layout (views, cat, split, transpose,
-reshape): no arithmetic, so ``hf -> megatron -> hf`` is bitwise the identity (tested).
+reshape, row permutation): no arithmetic, so ``hf -> megatron -> hf`` is bitwise the identity (tested).
 
-Per layer ``l`` (``ng`` KV groups, ``nh`` heads, ``d`` head dim, ``E`` experts, ``f`` expert FFN width):
+One table per family (:data:`FAMILIES`: a list of rules per layer) is read by both directions: each rule
+maps a group of HF tensors to a group of megatron-core tensors and back. Per layer ``l`` of Qwen3-MoE
+(``ng`` KV groups, ``nh`` heads, ``d`` head dim, ``E`` experts, ``f`` expert FFN width):
 
 ====================================================  ==========================================================
 megatron-core                                          HF (checkpoint names; ``fused`` = transformers>=5 memory)
@@ -27,6 +29,12 @@ grouped: ``...mlp.experts.weight2`` [E*f, H]           memory of ``stack_e(fc2_e
 ``output_layer.weight``                                ``lm_head.weight``
 ====================================================  ==========================================================
 
+DeepSeek-V3 (MLA) swaps the attention rows for ``linear_q_down_proj`` / ``q_layernorm`` / ``linear_q_up_proj``
+/ ``linear_kv_down_proj`` / ``kv_layernorm`` / ``linear_kv_up_proj`` (``q_a_proj`` … ``kv_b_proj``, rope rows
+permuted for ``rope_interleave=False``), adds ``mlp.router.expert_bias`` (``e_score_correction_bias``) and
+``mlp.shared_experts.linear_fc1/2``, and has dense ``mlp.linear_fc1/2`` layers before
+``first_k_dense_replace``; its experts use the same two layouts (:class:`_Experts`, one unstack / stack).
+
 Sharding (:func:`shard_for_rank`): vocabulary rows of the embedding and lm-head, and ``linear_qkv`` rows
 (whole KV groups), split in ``tp`` contiguous blocks; ``linear_proj`` columns likewise; experts by EP rank
 (global expert ``ep_rank * E/ep + i`` is local ``i``); norms and router replicated.
@@ -37,153 +45,32 @@ from __future__ import annotations
 import re
 
 import torch
+import torch.distributed as dist
 
 from skyrl_numerics.errors import InputError
 
 from .model import hf_config_dict
 
-__all__ = ["hf_to_megatron", "megatron_to_hf", "shard_for_rank", "gather_full", "unshard"]
-
-_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-
-
-def _dims(cfg):
-    nh, ng = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = cfg.get("head_dim") or cfg["hidden_size"] // nh
-    return nh, ng, d, cfg["num_experts"], cfg["moe_intermediate_size"], cfg["hidden_size"], cfg["num_hidden_layers"]
-
-
-def _take(sd: dict, key: str, shape=None):
-    if key not in sd:
-        raise InputError(f"missing weight {key!r}", field=key)
-    t = sd[key]
-    if shape is not None and tuple(t.shape) != tuple(shape):
-        raise InputError(f"{key}: shape {tuple(t.shape)}, expected {tuple(shape)}", field=key)
-    return t
-
-
-def hf_to_megatron(hf_sd: dict, config, *, grouped_experts: bool = False) -> dict:
-    """Full megatron-core state dict (tp = ep = 1 names) from an HF Qwen3-MoE state dict.
-
-    ``hf_sd``: checkpoint names (``experts.<e>.gate_proj.weight`` …) or transformers>=5 in-memory fused
-    experts (``experts.gate_up_proj`` / ``experts.down_proj``). Unknown or missing keys raise InputError.
-    """
-    cfg = hf_config_dict(config)
-    if cfg.get("model_type") == "deepseek_v3":
-        return _ds_to_megatron(hf_sd, cfg, grouped_experts)
-    nh, ng, d, E, f, H, L = _dims(cfg)
-    used = set()
-    sd = dict(hf_sd)
-
-    def take(k, shape=None):
-        used.add(k)
-        return _take(sd, k, shape)
-
-    out = {"embedding.word_embeddings.weight": take("model.embed_tokens.weight", (cfg["vocab_size"], H))}
-    for l in range(L):
-        p, m = f"model.layers.{l}.", f"decoder.layers.{l}."
-        out[m + "input_layernorm.weight"] = take(p + "input_layernorm.weight", (H,))
-        q = take(p + "self_attn.q_proj.weight", (nh * d, H)).reshape(ng, nh // ng * d, H)
-        k = take(p + "self_attn.k_proj.weight", (ng * d, H)).reshape(ng, d, H)
-        v = take(p + "self_attn.v_proj.weight", (ng * d, H)).reshape(ng, d, H)
-        out[m + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, H)
-        out[m + "self_attention.linear_proj.weight"] = take(p + "self_attn.o_proj.weight", (H, nh * d))
-        out[m + "self_attention.q_layernorm.weight"] = take(p + "self_attn.q_norm.weight", (d,))
-        out[m + "self_attention.k_layernorm.weight"] = take(p + "self_attn.k_norm.weight", (d,))
-        out[m + "pre_mlp_layernorm.weight"] = take(p + "post_attention_layernorm.weight", (H,))
-        out[m + "mlp.router.weight"] = take(p + "mlp.gate.weight", (E, H))
-        if p + "mlp.experts.gate_up_proj" in sd:
-            gu = take(p + "mlp.experts.gate_up_proj", (E, 2 * f, H))
-            dn = take(p + "mlp.experts.down_proj", (E, H, f))
-            fc1 = [gu[e] for e in range(E)]
-            fc2 = [dn[e] for e in range(E)]
-        else:
-            fc1 = [torch.cat([take(f"{p}mlp.experts.{e}.gate_proj.weight", (f, H)),
-                              take(f"{p}mlp.experts.{e}.up_proj.weight", (f, H))]) for e in range(E)]
-            fc2 = [take(f"{p}mlp.experts.{e}.down_proj.weight", (H, f)) for e in range(E)]
-        if grouped_experts:
-            out[m + "mlp.experts.weight1"] = torch.stack([w.t() for w in fc1]).contiguous().reshape(H, E * 2 * f)
-            out[m + "mlp.experts.weight2"] = torch.stack([w.t() for w in fc2]).contiguous().reshape(E * f, H)
-        else:
-            for e in range(E):
-                out[f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight"] = fc1[e]
-                out[f"{m}mlp.experts.local_experts.{e}.linear_fc2.weight"] = fc2[e]
-    out["decoder.final_layernorm.weight"] = take("model.norm.weight", (H,))
-    out["output_layer.weight"] = take("lm_head.weight", (cfg["vocab_size"], H))
-    extra = sorted(k for k in sd if k not in used and not k.endswith("rotary_emb.inv_freq"))
-    if extra:
-        raise InputError(f"{len(extra)} HF weights have no megatron-core counterpart, e.g. {extra[0]!r}",
-                         field=extra[0])
-    return out
-
-
-def megatron_to_hf(mc_sd: dict, config, *, fused: bool = False) -> dict:
-    """HF Qwen3-MoE state dict (checkpoint names; ``fused``: transformers>=5 in-memory experts) from a full
-    megatron-core state dict (sequential or grouped experts)."""
-    cfg = hf_config_dict(config)
-    sd = {k: v for k, v in mc_sd.items() if not k.endswith("_extra_state")}
-    if cfg.get("model_type") == "deepseek_v3":
-        return {k: v.contiguous() for k, v in _ds_to_hf(sd, cfg, fused).items()}
-    nh, ng, d, E, f, H, L = _dims(cfg)
-    out = {"model.embed_tokens.weight": _take(sd, "embedding.word_embeddings.weight")}
-    for l in range(L):
-        p, m = f"model.layers.{l}.", f"decoder.layers.{l}."
-        out[p + "input_layernorm.weight"] = _take(sd, m + "input_layernorm.weight")
-        qkv = _take(sd, m + "self_attention.linear_qkv.weight", ((nh + 2 * ng) * d, H)).reshape(ng, -1, H)
-        q, k, v = qkv.split([nh // ng * d, d, d], dim=1)
-        out[p + "self_attn.q_proj.weight"] = q.reshape(nh * d, H)
-        out[p + "self_attn.k_proj.weight"] = k.reshape(ng * d, H)
-        out[p + "self_attn.v_proj.weight"] = v.reshape(ng * d, H)
-        out[p + "self_attn.o_proj.weight"] = _take(sd, m + "self_attention.linear_proj.weight")
-        out[p + "self_attn.q_norm.weight"] = _take(sd, m + "self_attention.q_layernorm.weight")
-        out[p + "self_attn.k_norm.weight"] = _take(sd, m + "self_attention.k_layernorm.weight")
-        out[p + "post_attention_layernorm.weight"] = _take(sd, m + "pre_mlp_layernorm.weight")
-        out[p + "mlp.gate.weight"] = _take(sd, m + "mlp.router.weight")
-        if m + "mlp.experts.weight1" in sd:
-            w1 = _take(sd, m + "mlp.experts.weight1", (H, E * 2 * f)).reshape(E, H, 2 * f)
-            w2 = _take(sd, m + "mlp.experts.weight2", (E * f, H)).reshape(E, f, H)
-            fc1 = [w1[e].t() for e in range(E)]
-            fc2 = [w2[e].t() for e in range(E)]
-        else:
-            fc1 = [_take(sd, f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight", (2 * f, H)) for e in range(E)]
-            fc2 = [_take(sd, f"{m}mlp.experts.local_experts.{e}.linear_fc2.weight", (H, f)) for e in range(E)]
-        if fused:
-            out[p + "mlp.experts.gate_up_proj"] = torch.stack(fc1)
-            out[p + "mlp.experts.down_proj"] = torch.stack(fc2)
-        else:
-            for e in range(E):
-                g, u = fc1[e].split([f, f])
-                out[f"{p}mlp.experts.{e}.gate_proj.weight"] = g.contiguous()
-                out[f"{p}mlp.experts.{e}.up_proj.weight"] = u.contiguous()
-                out[f"{p}mlp.experts.{e}.down_proj.weight"] = fc2[e].contiguous()
-    out["model.norm.weight"] = _take(sd, "decoder.final_layernorm.weight")
-    out["lm_head.weight"] = _take(sd, "output_layer.weight")
-    return {k: v.contiguous() for k, v in out.items()}
-
-
-# ---- DeepSeek-V3 (MLA) ------------------------------------------------------------------------
-def _rope_perm(r: int) -> torch.Tensor:
-    """HF's interleaved rope channels (x0, y0, x1, y1, ...) -> de-interleaved (x0, x1, ..., y0, y1, ...)."""
-    return torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)])
-
-
-def _experts_in(take, p, E, f, H, fused_key):
-    if fused_key in take.sd:
-        gu = take(p + "mlp.experts.gate_up_proj", (E, 2 * f, H))
-        dn = take(p + "mlp.experts.down_proj", (E, H, f))
-        return [gu[e] for e in range(E)], [dn[e] for e in range(E)]
-    fc1 = [torch.cat([take(f"{p}mlp.experts.{e}.gate_proj.weight", (f, H)),
-                      take(f"{p}mlp.experts.{e}.up_proj.weight", (f, H))]) for e in range(E)]
-    return fc1, [take(f"{p}mlp.experts.{e}.down_proj.weight", (H, f)) for e in range(E)]
+__all__ = ["hf_to_megatron", "megatron_to_hf", "shard_for_rank", "gather_full", "unshard", "FAMILIES"]
 
 
 class _Taker:
+    """``take(name, shape)``: a tensor of ``sd`` (InputError if missing or mis-shaped); remembers what it took."""
+
     def __init__(self, sd):
         self.sd, self.used = dict(sd), set()
 
+    def __contains__(self, k):
+        return k in self.sd
+
     def __call__(self, k, shape=None):
         self.used.add(k)
-        return _take(self.sd, k, shape)
+        if k not in self.sd:
+            raise InputError(f"missing weight {k!r}", field=k)
+        t = self.sd[k]
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise InputError(f"{k}: shape {tuple(t.shape)}, expected {tuple(shape)}", field=k)
+        return t
 
     def check_all_used(self):
         extra = sorted(k for k in self.sd if k not in self.used and not k.endswith("rotary_emb.inv_freq"))
@@ -192,110 +79,203 @@ class _Taker:
                              field=extra[0])
 
 
-def _ds_dims(cfg):
-    return (cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"],
-            cfg.get("q_lora_rank"), cfg["kv_lora_rank"], cfg["hidden_size"], cfg["num_hidden_layers"],
-            int(cfg.get("first_k_dense_replace", 0) or 0), cfg["num_experts"], cfg["moe_intermediate_size"],
-            (cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"], cfg["intermediate_size"])
+# ---- rules: one group of HF tensors <-> one group of megatron-core tensors, both directions ---------------
+class _Same:
+    """One tensor, the same layout on both sides."""
+
+    def __init__(self, mc: str, hf: str, shape: tuple):
+        self.mc, self.hf, self.shape = mc, hf, shape
+
+    def to_mc(self, take, m, p, grouped):
+        return {m + self.mc: take(p + self.hf, self.shape)}
+
+    def to_hf(self, take, m, p, fused):
+        return {p + self.hf: take(m + self.mc, self.shape)}
 
 
-def _ds_to_megatron(hf_sd, cfg, grouped_experts):
-    nh, dn, dr, dv, ql, kl, H, L, kd, E, f, fs, fd = _ds_dims(cfg)
+class _Interleave:
+    """megatron rows per group ``g`` = ``[hf_0 rows of g; hf_1 rows of g; ...]`` (``groups`` = 1: a plain
+    ``cat``, e.g. SwiGLU ``linear_fc1 = [gate; up]``; ``linear_qkv``: ``[q; k; v]`` per KV group)."""
+
+    def __init__(self, mc: str, hfs: tuple, rows: tuple, cols: int, groups: int = 1):
+        self.mc, self.hfs, self.rows, self.cols, self.groups = mc, hfs, rows, cols, groups
+
+    def to_mc(self, take, m, p, grouped):
+        g, c = self.groups, self.cols
+        parts = [take(p + h, (g * r, c)).reshape(g, r, c) for h, r in zip(self.hfs, self.rows)]
+        return {m + self.mc: torch.cat(parts, dim=1).reshape(-1, c)}
+
+    def to_hf(self, take, m, p, fused):
+        g, c = self.groups, self.cols
+        t = take(m + self.mc, (g * sum(self.rows), c)).reshape(g, -1, c)
+        return {p + h: x.reshape(g * r, c) for h, r, x in zip(self.hfs, self.rows, t.split(self.rows, dim=1))}
+
+
+def _rope_perm(r: int) -> torch.Tensor:
+    """HF's interleaved rope channels (x0, y0, x1, y1, ...) -> de-interleaved (x0, x1, ..., y0, y1, ...)."""
+    return torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)])
+
+
+class _RopeRows:
+    """Per head ``[nope rows; rope rows]``, the rope rows permuted by ``perm`` into megatron (MLA)."""
+
+    def __init__(self, mc: str, hf: str, heads: int, nope: int, rope: int, cols: int, perm: torch.Tensor):
+        self.mc, self.hf, self.heads, self.nope, self.cols = mc, hf, heads, nope, cols
+        self.shape, self.perm, self.inv = (heads * (nope + rope), cols), perm, torch.argsort(perm)
+
+    def _permute(self, t, perm):
+        t = t.reshape(self.heads, -1, self.cols)
+        return torch.cat([t[:, :self.nope], t[:, self.nope:][:, perm]], 1).reshape(-1, self.cols)
+
+    def to_mc(self, take, m, p, grouped):
+        return {m + self.mc: self._permute(take(p + self.hf, self.shape), self.perm)}
+
+    def to_hf(self, take, m, p, fused):
+        return {p + self.hf: self._permute(take(m + self.mc, self.shape), self.inv)}
+
+
+def grouped_shapes(E: int, f: int, H: int) -> tuple[tuple, tuple]:
+    """``GroupedMLP`` ``weight1`` / ``weight2`` memory as 3-D: ``[E, H, 2f]`` (``fc1_e^T`` stacked) and
+    ``[E, f, H]`` (``fc2_e^T`` stacked)."""
+    return (E, H, 2 * f), (E, f, H)
+
+
+class _Experts:
+    """``E`` SwiGLU experts: HF per-expert ``experts.<e>.{gate,up,down}_proj.weight`` or fused
+    ``experts.gate_up_proj [E, 2f, H]`` / ``experts.down_proj [E, H, f]``; megatron sequential
+    ``experts.local_experts.<e>.linear_fc{1,2}.weight`` or grouped ``experts.weight1`` / ``weight2``. Every
+    form is read into (unstacked to) per-expert ``fc1_e = [gate_e; up_e]`` ``[2f, H]``, ``fc2_e`` ``[H, f]``
+    lists and written (stacked) from them."""
+
+    def __init__(self, E: int, f: int, H: int, hf: str = "mlp.experts.", mc: str = "mlp.experts."):
+        self.E, self.f, self.H, self.hf, self.mc = E, f, H, hf, mc
+
+    def _from_hf(self, take, p):
+        E, f, H, x = self.E, self.f, self.H, p + self.hf
+        if x + "gate_up_proj" in take:
+            gu, dn = take(x + "gate_up_proj", (E, 2 * f, H)), take(x + "down_proj", (E, H, f))
+            return list(gu.unbind(0)), list(dn.unbind(0))
+        fc1 = [torch.cat([take(f"{x}{e}.gate_proj.weight", (f, H)), take(f"{x}{e}.up_proj.weight", (f, H))])
+               for e in range(E)]
+        return fc1, [take(f"{x}{e}.down_proj.weight", (H, f)) for e in range(E)]
+
+    def _from_mc(self, take, m):
+        E, f, H, x = self.E, self.f, self.H, m + self.mc
+        if x + "weight1" in take:
+            s1, s2 = grouped_shapes(E, f, H)
+            w1, w2 = take(x + "weight1", (H, E * 2 * f)).reshape(s1), take(x + "weight2", (E * f, H)).reshape(s2)
+            return [w.t() for w in w1.unbind(0)], [w.t() for w in w2.unbind(0)]
+        fc1 = [take(f"{x}local_experts.{e}.linear_fc1.weight", (2 * f, H)) for e in range(E)]
+        return fc1, [take(f"{x}local_experts.{e}.linear_fc2.weight", (H, f)) for e in range(E)]
+
+    def to_mc(self, take, m, p, grouped):
+        fc1, fc2, x = *self._from_hf(take, p), m + self.mc
+        if grouped:
+            return {x + "weight1": torch.stack([w.t() for w in fc1]).contiguous().reshape(self.H, -1),
+                    x + "weight2": torch.stack([w.t() for w in fc2]).contiguous().reshape(-1, self.H)}
+        out = {}
+        for e, (w1, w2) in enumerate(zip(fc1, fc2)):
+            out[f"{x}local_experts.{e}.linear_fc1.weight"], out[f"{x}local_experts.{e}.linear_fc2.weight"] = w1, w2
+        return out
+
+    def to_hf(self, take, m, p, fused):
+        fc1, fc2, x = *self._from_mc(take, m), p + self.hf
+        if fused:
+            return {x + "gate_up_proj": torch.stack(fc1), x + "down_proj": torch.stack(fc2)}
+        out = {}
+        for e, (w1, w2) in enumerate(zip(fc1, fc2)):
+            out[f"{x}{e}.gate_proj.weight"], out[f"{x}{e}.up_proj.weight"] = w1.split([self.f, self.f])
+            out[f"{x}{e}.down_proj.weight"] = w2
+        return out
+
+
+# ---- the tables ------------------------------------------------------------------------------------
+def _swiglu(mc: str, hf: str, f: int, H: int) -> list:
+    """A dense SwiGLU MLP: ``<mc>linear_fc1 = [<hf>gate_proj; <hf>up_proj]``, ``<mc>linear_fc2 = <hf>down_proj``."""
+    return [_Interleave(mc + "linear_fc1.weight", (hf + "gate_proj.weight", hf + "up_proj.weight"), (f, f), H),
+            _Same(mc + "linear_fc2.weight", hf + "down_proj.weight", (H, f))]
+
+
+def _qwen3_moe_layer(cfg: dict, l: int) -> list:
+    nh, ng, H = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
+    d, E, f = cfg.get("head_dim") or H // nh, cfg["num_experts"], cfg["moe_intermediate_size"]
+    qkv = tuple(f"self_attn.{x}_proj.weight" for x in "qkv")
+    return [_Same("input_layernorm.weight", "input_layernorm.weight", (H,)),
+            _Interleave("self_attention.linear_qkv.weight", qkv, (nh // ng * d, d, d), H, groups=ng),
+            _Same("self_attention.linear_proj.weight", "self_attn.o_proj.weight", (H, nh * d)),
+            _Same("self_attention.q_layernorm.weight", "self_attn.q_norm.weight", (d,)),
+            _Same("self_attention.k_layernorm.weight", "self_attn.k_norm.weight", (d,)),
+            _Same("pre_mlp_layernorm.weight", "post_attention_layernorm.weight", (H,)),
+            _Same("mlp.router.weight", "mlp.gate.weight", (E, H)),
+            _Experts(E, f, H)]
+
+
+def _deepseek_v3_layer(cfg: dict, l: int) -> list:
+    nh, dn, dr, dv = (cfg[k] for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    ql, kl, H = cfg.get("q_lora_rank"), cfg["kv_lora_rank"], cfg["hidden_size"]
     if ql is None:
         raise InputError("DeepSeek-V3 without q_lora_rank is not mapped", field="q_lora_rank")
     # megatron's MLA always de-interleaves the rope channels (DeepSeek's convention, = HF rope_interleave=True);
     # for rope_interleave=False the rows are pre-permuted so that its de-interleave restores HF's order
     perm = torch.arange(dr) if cfg.get("rope_interleave", True) else torch.argsort(_rope_perm(dr))
-    take = _Taker(hf_sd)
-    out = {"embedding.word_embeddings.weight": take("model.embed_tokens.weight", (cfg["vocab_size"], H))}
-    for l in range(L):
-        p, m = f"model.layers.{l}.", f"decoder.layers.{l}."
-        a, ma = p + "self_attn.", m + "self_attention."
-        out[m + "input_layernorm.weight"] = take(p + "input_layernorm.weight", (H,))
-        out[ma + "linear_q_down_proj.weight"] = take(a + "q_a_proj.weight", (ql, H))
-        out[ma + "q_layernorm.weight"] = take(a + "q_a_layernorm.weight", (ql,))
-        qb = take(a + "q_b_proj.weight", (nh * (dn + dr), ql)).reshape(nh, dn + dr, ql)
-        out[ma + "linear_q_up_proj.weight"] = torch.cat([qb[:, :dn], qb[:, dn:][:, perm]], 1).reshape(-1, ql)
-        kva = take(a + "kv_a_proj_with_mqa.weight", (kl + dr, H))
-        out[ma + "linear_kv_down_proj.weight"] = torch.cat([kva[:kl], kva[kl:][perm]])
-        out[ma + "kv_layernorm.weight"] = take(a + "kv_a_layernorm.weight", (kl,))
-        out[ma + "linear_kv_up_proj.weight"] = take(a + "kv_b_proj.weight", (nh * (dn + dv), kl))
-        out[ma + "linear_proj.weight"] = take(a + "o_proj.weight", (H, nh * dv))
-        out[m + "pre_mlp_layernorm.weight"] = take(p + "post_attention_layernorm.weight", (H,))
-        if l < kd:  # dense layer
-            out[m + "mlp.linear_fc1.weight"] = torch.cat([take(p + "mlp.gate_proj.weight", (fd, H)),
-                                                          take(p + "mlp.up_proj.weight", (fd, H))])
-            out[m + "mlp.linear_fc2.weight"] = take(p + "mlp.down_proj.weight", (H, fd))
-            continue
-        out[m + "mlp.router.weight"] = take(p + "mlp.gate.weight", (E, H))
-        out[m + "mlp.router.expert_bias"] = take(p + "mlp.gate.e_score_correction_bias", (E,))
-        fc1, fc2 = _experts_in(take, p, E, f, H, p + "mlp.experts.gate_up_proj")
-        if grouped_experts:
-            out[m + "mlp.experts.weight1"] = torch.stack([w.t() for w in fc1]).contiguous().reshape(H, E * 2 * f)
-            out[m + "mlp.experts.weight2"] = torch.stack([w.t() for w in fc2]).contiguous().reshape(E * f, H)
-        else:
-            for e in range(E):
-                out[f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight"] = fc1[e]
-                out[f"{m}mlp.experts.local_experts.{e}.linear_fc2.weight"] = fc2[e]
-        if fs:
-            out[m + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
-                [take(p + "mlp.shared_experts.gate_proj.weight", (fs, H)),
-                 take(p + "mlp.shared_experts.up_proj.weight", (fs, H))])
-            out[m + "mlp.shared_experts.linear_fc2.weight"] = take(p + "mlp.shared_experts.down_proj.weight", (H, fs))
-    out["decoder.final_layernorm.weight"] = take("model.norm.weight", (H,))
-    out["output_layer.weight"] = take("lm_head.weight", (cfg["vocab_size"], H))
+    a = "self_attn."
+    rules = [_Same("input_layernorm.weight", "input_layernorm.weight", (H,)),
+             _Same("self_attention.linear_q_down_proj.weight", a + "q_a_proj.weight", (ql, H)),
+             _Same("self_attention.q_layernorm.weight", a + "q_a_layernorm.weight", (ql,)),
+             _RopeRows("self_attention.linear_q_up_proj.weight", a + "q_b_proj.weight", nh, dn, dr, ql, perm),
+             _RopeRows("self_attention.linear_kv_down_proj.weight", a + "kv_a_proj_with_mqa.weight",
+                       1, kl, dr, H, perm),
+             _Same("self_attention.kv_layernorm.weight", a + "kv_a_layernorm.weight", (kl,)),
+             _Same("self_attention.linear_kv_up_proj.weight", a + "kv_b_proj.weight", (nh * (dn + dv), kl)),
+             _Same("self_attention.linear_proj.weight", a + "o_proj.weight", (H, nh * dv)),
+             _Same("pre_mlp_layernorm.weight", "post_attention_layernorm.weight", (H,))]
+    if l < int(cfg.get("first_k_dense_replace", 0) or 0):  # dense layer
+        return rules + _swiglu("mlp.", "mlp.", cfg["intermediate_size"], H)
+    E, f = cfg["num_experts"], cfg["moe_intermediate_size"]
+    fs = (cfg.get("n_shared_experts") or 0) * f
+    rules += [_Same("mlp.router.weight", "mlp.gate.weight", (E, H)),
+              _Same("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias", (E,)),
+              _Experts(E, f, H)]
+    return rules + (_swiglu("mlp.shared_experts.", "mlp.shared_experts.", fs, H) if fs else [])
+
+
+#: model_type -> the rules of layer ``l`` (``(cfg, l) -> [rule]``); both directions read them
+FAMILIES = {"qwen3_moe": _qwen3_moe_layer, "deepseek_v3": _deepseek_v3_layer}
+
+
+def _table(cfg: dict) -> list:
+    """``[(megatron prefix, HF prefix, rules)]`` of the whole model, in state-dict order."""
+    V, H, layer = cfg["vocab_size"], cfg["hidden_size"], FAMILIES.get(cfg.get("model_type"), _qwen3_moe_layer)
+    out = [("", "", [_Same("embedding.word_embeddings.weight", "model.embed_tokens.weight", (V, H))])]
+    out += [(f"decoder.layers.{l}.", f"model.layers.{l}.", layer(cfg, l)) for l in range(cfg["num_hidden_layers"])]
+    return out + [("", "", [_Same("decoder.final_layernorm.weight", "model.norm.weight", (H,)),
+                            _Same("output_layer.weight", "lm_head.weight", (V, H))])]
+
+
+def hf_to_megatron(hf_sd: dict, config, *, grouped_experts: bool = False) -> dict:
+    """Full megatron-core state dict (tp = ep = 1 names) from an HF Qwen3-MoE or DeepSeek-V3 state dict.
+
+    ``hf_sd``: checkpoint names (``experts.<e>.gate_proj.weight`` …) or transformers>=5 in-memory fused
+    experts (``experts.gate_up_proj`` / ``experts.down_proj``). Unknown, missing or mis-shaped weights raise
+    InputError naming the tensor. ``grouped_experts``: the legacy ``GroupedMLP`` ``weight1`` / ``weight2``.
+    """
+    table, take, out = _table(hf_config_dict(config)), _Taker(hf_sd), {}
+    for m, p, rules in table:
+        for rule in rules:
+            out.update(rule.to_mc(take, m, p, grouped_experts))
     take.check_all_used()
     return out
 
 
-def _ds_to_hf(sd, cfg, fused):
-    nh, dn, dr, dv, ql, kl, H, L, kd, E, f, fs, fd = _ds_dims(cfg)
-    inv = torch.arange(dr) if cfg.get("rope_interleave", True) else _rope_perm(dr)
-    out = {"model.embed_tokens.weight": _take(sd, "embedding.word_embeddings.weight")}
-    for l in range(L):
-        p, m = f"model.layers.{l}.", f"decoder.layers.{l}."
-        a, ma = p + "self_attn.", m + "self_attention."
-        out[p + "input_layernorm.weight"] = _take(sd, m + "input_layernorm.weight")
-        out[a + "q_a_proj.weight"] = _take(sd, ma + "linear_q_down_proj.weight")
-        out[a + "q_a_layernorm.weight"] = _take(sd, ma + "q_layernorm.weight")
-        qb = _take(sd, ma + "linear_q_up_proj.weight", (nh * (dn + dr), ql)).reshape(nh, dn + dr, ql)
-        out[a + "q_b_proj.weight"] = torch.cat([qb[:, :dn], qb[:, dn:][:, inv]], 1).reshape(-1, ql)
-        kva = _take(sd, ma + "linear_kv_down_proj.weight", (kl + dr, H))
-        out[a + "kv_a_proj_with_mqa.weight"] = torch.cat([kva[:kl], kva[kl:][inv]])
-        out[a + "kv_a_layernorm.weight"] = _take(sd, ma + "kv_layernorm.weight")
-        out[a + "kv_b_proj.weight"] = _take(sd, ma + "linear_kv_up_proj.weight")
-        out[a + "o_proj.weight"] = _take(sd, ma + "linear_proj.weight")
-        out[p + "post_attention_layernorm.weight"] = _take(sd, m + "pre_mlp_layernorm.weight")
-        if l < kd:
-            g, u = _take(sd, m + "mlp.linear_fc1.weight", (2 * fd, H)).split([fd, fd])
-            out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = g, u
-            out[p + "mlp.down_proj.weight"] = _take(sd, m + "mlp.linear_fc2.weight")
-            continue
-        out[p + "mlp.gate.weight"] = _take(sd, m + "mlp.router.weight")
-        out[p + "mlp.gate.e_score_correction_bias"] = _take(sd, m + "mlp.router.expert_bias")
-        if m + "mlp.experts.weight1" in sd:
-            w1 = _take(sd, m + "mlp.experts.weight1", (H, E * 2 * f)).reshape(E, H, 2 * f)
-            w2 = _take(sd, m + "mlp.experts.weight2", (E * f, H)).reshape(E, f, H)
-            fc1, fc2 = [w1[e].t() for e in range(E)], [w2[e].t() for e in range(E)]
-        else:
-            fc1 = [_take(sd, f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight", (2 * f, H)) for e in range(E)]
-            fc2 = [_take(sd, f"{m}mlp.experts.local_experts.{e}.linear_fc2.weight", (H, f)) for e in range(E)]
-        if fused:
-            out[p + "mlp.experts.gate_up_proj"] = torch.stack(fc1)
-            out[p + "mlp.experts.down_proj"] = torch.stack(fc2)
-        else:
-            for e in range(E):
-                g, u = fc1[e].split([f, f])
-                out[f"{p}mlp.experts.{e}.gate_proj.weight"] = g
-                out[f"{p}mlp.experts.{e}.up_proj.weight"] = u
-                out[f"{p}mlp.experts.{e}.down_proj.weight"] = fc2[e]
-        if fs:
-            g, u = _take(sd, m + "mlp.shared_experts.linear_fc1.weight", (2 * fs, H)).split([fs, fs])
-            out[p + "mlp.shared_experts.gate_proj.weight"], out[p + "mlp.shared_experts.up_proj.weight"] = g, u
-            out[p + "mlp.shared_experts.down_proj.weight"] = _take(sd, m + "mlp.shared_experts.linear_fc2.weight")
-    out["model.norm.weight"] = _take(sd, "decoder.final_layernorm.weight")
-    out["lm_head.weight"] = _take(sd, "output_layer.weight")
-    return out
+def megatron_to_hf(mc_sd: dict, config, *, fused: bool = False) -> dict:
+    """HF state dict (checkpoint names; ``fused``: transformers>=5 in-memory experts) from a full
+    megatron-core state dict (sequential or grouped experts), every tensor contiguous."""
+    table, out = _table(hf_config_dict(config)), {}
+    take = _Taker({k: v for k, v in mc_sd.items() if not k.endswith("_extra_state")})
+    for m, p, rules in table:
+        for rule in rules:
+            out.update(rule.to_hf(take, m, p, fused))
+    return {k: v.contiguous() for k, v in out.items()}
 
 
 # ---- sharding -------------------------------------------------------------------------------
@@ -313,7 +293,8 @@ def tp_dim(name: str) -> int | None:
 def shard_for_rank(full: dict, config, *, tp_rank: int = 0, tp: int = 1, ep_rank: int = 0, ep: int = 1) -> dict:
     """This rank's megatron-core state dict from the full one (see the module doc)."""
     cfg = hf_config_dict(config)
-    E, f, H = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["hidden_size"]
+    E, H = cfg["num_experts"], cfg["hidden_size"]
+    s1, s2 = grouped_shapes(E, cfg["moe_intermediate_size"], H)
     El = E // ep
     out = {}
     for name, t in full.items():
@@ -324,10 +305,10 @@ def shard_for_rank(full: dict, config, *, tp_rank: int = 0, tp: int = 1, ep_rank
                 out[f"{m.group(1)}{e - ep_rank * El}{m.group(3)}"] = t
             continue
         if name.endswith("mlp.experts.weight1"):
-            out[name] = t.reshape(E, H, 2 * f)[ep_rank * El:(ep_rank + 1) * El].reshape(H, El * 2 * f)
+            out[name] = t.reshape(s1)[ep_rank * El:(ep_rank + 1) * El].reshape(H, -1)
             continue
         if name.endswith("mlp.experts.weight2"):
-            out[name] = t.reshape(E, f, H)[ep_rank * El:(ep_rank + 1) * El].reshape(El * f, H)
+            out[name] = t.reshape(s2)[ep_rank * El:(ep_rank + 1) * El].reshape(-1, H)
             continue
         dim = tp_dim(name)
         out[name] = t if dim is None or tp == 1 else t.chunk(tp, dim=dim)[tp_rank]
@@ -338,7 +319,7 @@ def unshard(parts, config) -> dict:
     """Full state dict from ``parts``: ``(ep_rank, tp_rank, state_dict)`` triples (:func:`shard_for_rank`
     outputs) covering every TP rank and every EP rank (not necessarily every pair)."""
     cfg = hf_config_dict(config)
-    E, f, H = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["hidden_size"]
+    E, H = cfg["num_experts"], cfg["hidden_size"]
     by_ep, by_tp = {}, {}
     for er, tr, sd in parts:
         by_ep.setdefault(int(er), sd)
@@ -347,6 +328,7 @@ def unshard(parts, config) -> dict:
     if sorted(by_ep) != list(range(ep)) or sorted(by_tp) != list(range(tp)):
         raise InputError(f"shards cover EP ranks {sorted(by_ep)} and TP ranks {sorted(by_tp)}", field="shards")
     El = E // ep
+    s1, s2 = grouped_shapes(El, cfg["moe_intermediate_size"], H)
     out = {}
     for name, t in by_ep[0].items():
         m = _EXPERT.match(name)
@@ -355,10 +337,10 @@ def unshard(parts, config) -> dict:
                 out[f"{m.group(1)}{r * El + int(m.group(2))}{m.group(3)}"] = by_ep[r][name]
             continue
         if name.endswith("mlp.experts.weight1"):
-            out[name] = torch.cat([by_ep[r][name].reshape(El, H, 2 * f) for r in range(ep)]).reshape(H, -1)
+            out[name] = torch.cat([by_ep[r][name].reshape(s1) for r in range(ep)]).reshape(H, -1)
             continue
         if name.endswith("mlp.experts.weight2"):
-            out[name] = torch.cat([by_ep[r][name].reshape(El, f, H) for r in range(ep)]).reshape(-1, H)
+            out[name] = torch.cat([by_ep[r][name].reshape(s2) for r in range(ep)]).reshape(-1, H)
             continue
         dim = tp_dim(name)
         out[name] = t if dim is None or tp == 1 else torch.cat([by_tp[j][name] for j in range(tp)], dim=dim)
@@ -367,8 +349,7 @@ def unshard(parts, config) -> dict:
 
 def gather_full(local: dict, config) -> dict:
     """Collective: every rank passes its shard; every rank gets the full megatron-core state dict (CPU)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # megatron-core is imported lazily (package doc)
 
     local = {k: v.detach().cpu() for k, v in local.items() if not k.endswith("_extra_state")}
     if ps.get_tensor_model_parallel_world_size() == 1 and ps.get_expert_model_parallel_world_size() == 1:
