@@ -18,7 +18,7 @@ from skyrl_numerics.rollout import Rollout
 FULL = dict(temperature=1.0, top_p=1.0, top_k=0)
 TOPK = 20   # the bitwise rows also compare the engine's top-K distribution per position
 # ... and every position's full logits row by digest (gap/digest.py): scenario key
-# "logits_digest", a VLLMGenerator.generate argument (RemoteGenerator has none: doctor_remote drops it)
+# "logits_digest", a VLLMGenerator.generate argument (RemoteGenerator has none: doctor.remote drops it)
 
 
 @dataclass

@@ -4,7 +4,7 @@ layers, parameter digests and the host report (:class:`KernelsMixin`), the captu
 each MoE router chose (R3, :class:`RoutesMixin`), of the support the sampler kept
 (:class:`SupportsMixin`) and of a digest of every sampled position's logits row
 (:class:`DigestsMixin`) — plus the two diagnostic engines of the DeepSeek-V3 attribution, the same
-mixins with the attribution schedule recorder (``mla_attribution/worker.py``):
+mixins with the attribution schedule recorder (``mla_worker.py``):
 :class:`MLAScheduleExtension` and :class:`MLARopeFixExtension`. (Every patch of vLLM's own
 classes and objects: ``vllm_patches.py``.)
 

@@ -14,7 +14,7 @@ Not patches (public hooks, nothing of vLLM's is replaced; listed so nobody looks
 the route capture's ``BaseRouter.set_capture_fn`` (vLLM's own capture hook, ``capture.py``), the
 ``route_hook`` attribute of our own batch-invariant model (``invariant/base.py``), and the MLA
 schedule recorder's ``register_forward_pre_hook`` on the engine's token embedding
-(``mla_attribution/worker.py``).
+(``mla_worker.py``).
 
 Class and module patches (:func:`install`)
 ------------------------------------------

@@ -1,6 +1,6 @@
 /* Per-head RMSNorm then rotary embedding, fused (Qwen3's q_norm / k_norm + RoPE) for CPU.
  * The same operations, in the same order, as the unfused torch path
- * (skyrl_numerics.trainer.invariant.blocks.rms_norm_heads, then blocks.Rope):
+ * (skyrl_numerics.invariant.blocks.rms_norm_heads, then blocks.Rope):
  *
  *   per head row x (D values) with its weight w (q_norm for query heads, k_norm for key heads):
  *     ss = dot8(x, x);  rstd = 1 / sqrt(ss / D + eps);  y_d = bf16((x_d * rstd) * w_d)
