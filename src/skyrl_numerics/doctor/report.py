@@ -178,25 +178,36 @@ def _plot_text(text) -> str:
     return str(text).encode("utf-8", "backslashreplace").decode("utf-8").replace("$", r"\$")
 
 
-def write_plot(path: Path, rows: list[ReportRow], title: str) -> None:
-    """Top: mean and max |Δ| per configuration (the ablation at a glance; bitwise-equal rows are
-    marked). Bottom left: histogram of non-zero |Δ| (log x). Bottom right: mean |Δ| by position."""
+def plot_figure(rows: list[ReportRow], title: str):
+    """The figure :func:`write_plot` saves (open; close it with ``plt.close``). Top: mean and
+    max |Δ| per configuration (the ablation at a glance; bitwise-equal rows are marked). Bottom
+    left: histogram of non-zero |Δ| (log x). Bottom right: mean |Δ| by position. The two bottom
+    panels share one legend below them (a row's colour and line style; ``tab20`` colours repeat
+    after 20 rows, dashed). Constrained layout in two subfigures: the title, the panels' titles,
+    the bar labels and the legend do not overlap, whatever the row count (the figure grows with
+    it)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    colors = plt.get_cmap("tab20")(np.linspace(0, 1, 20))[: max(len(rows), 1)]
-    fig = plt.figure(figsize=(13, 4 + 0.32 * len(rows) + 4))
-    grid = fig.add_gridspec(2, 2, height_ratios=[0.6 + 0.32 * len(rows), 4])
-    ax0 = fig.add_subplot(grid[0, :])
-    ax1, ax2 = fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])
+    n = len(rows)
+    palette = plt.get_cmap("tab20").colors
+    colors = [palette[i % len(palette)] for i in range(n)]
+    styles = ["-" if i < len(palette) else "--" for i in range(n)]
+    top_h = 1.2 + 0.32 * n                    # the bars, one per row
+    legend_h = 0.5 + 0.17 * ((n + 1) // 2)    # two columns of legend entries
+    fig = plt.figure(figsize=(13, 0.5 + top_h + 4 + legend_h), layout="constrained")
+    top, bottom = fig.subfigures(2, 1, height_ratios=[top_h, 4 + legend_h])
+    ax0 = top.subplots()
+    ax1, ax2 = bottom.subplots(1, 2)
 
     nz_all = np.concatenate([r.abs_delta[r.abs_delta > 0] for r in rows] + [np.zeros(0)])
     lo = max(nz_all.min() if len(nz_all) else 1e-8, 1e-9)
     hi = max(nz_all.max() if len(nz_all) else 1.0, lo * 10)
 
-    y = np.arange(len(rows))[::-1]
+    y = np.arange(n)[::-1]
     means = [r.report.summary()["mean_abs"] for r in rows]
     maxes = [r.report.summary()["max_abs"] for r in rows]
     floor = lo / 2  # where a zero gap is drawn on the log axis
@@ -207,35 +218,50 @@ def write_plot(path: Path, rows: list[ReportRow], title: str) -> None:
             ax0.text(floor * 1.3, yi, "bitwise equal: every token", va="center", fontsize=8,
                      fontweight="bold")
     ax0.set_yticks(y, [_plot_text(r.name) for r in rows], fontsize=8)
+    ax0.set_ylim(-0.6, n - 0.4)
     ax0.set_xscale("log")
     ax0.set_xlim(floor, hi * 2)
     ax0.set_xlabel("|Δ logprob| (bar: mean; pale bar: max)")
     ax0.set_title("trainer − engine gap per configuration")
 
     bins = np.logspace(np.log10(lo), np.log10(hi), 50)
-    for r, c in zip(rows, colors):
+    handles = []
+    for r, c, ls in zip(rows, colors, styles):
         nz = r.abs_delta[r.abs_delta > 0]
         zero = 1 - len(nz) / max(len(r.abs_delta), 1)
         if len(nz):
-            ax1.hist(nz, bins=bins, histtype="step", linewidth=1.4, color=c,
-                     label=f"{_plot_text(r.name)} ({zero:.0%} exactly 0)")
+            ax1.hist(nz, bins=bins, histtype="step", linewidth=1.4, color=c, linestyle=ls)
         curve = r.report.to_dict().get("per_position", {})
         mean = np.asarray(curve.get("mean_abs", []), dtype=float)
         if len(mean):
-            ax2.plot(np.arange(len(mean)), mean, label=_plot_text(r.name), linewidth=1.1, color=c)
+            ax2.plot(np.arange(len(mean)), mean, linewidth=1.1, color=c, linestyle=ls)
+        if len(nz) or len(mean):
+            handles.append(Line2D([], [], color=c, linestyle=ls, linewidth=1.4,
+                                  label=f"{_plot_text(r.name)} ({zero:.0%} exactly 0)"))
     ax1.set_xscale("log")
     ax1.set_xlabel("|Δ logprob| per token (trainer − engine)")
     ax1.set_ylabel("tokens")
     ax1.set_title("distribution of |Δ| (non-zero tokens)")
-    ax1.legend(fontsize=6)
     ax2.set_xlabel("response position")
     ax2.set_ylabel("mean |Δ|")
     ax2.set_title("mean |Δ| by position")
     ax2.set_yscale("symlog", linthresh=1e-6)
+    if handles:
+        bottom.legend(handles=handles, loc="outside lower center", ncols=2, fontsize=7,
+                      frameon=False)
     fig.suptitle(_plot_text(title))
-    fig.tight_layout()
+    return fig
+
+
+def write_plot(path: Path, rows: list[ReportRow], title: str) -> None:
+    """:func:`plot_figure` as a PNG at ``path`` (written atomically)."""
+    import matplotlib.pyplot as plt
+
+    fig = plot_figure(rows, title)
 
     def w(tmp):
         fig.savefig(tmp, dpi=110, format="png")
-    _atomic_write(path, w)
-    plt.close(fig)
+    try:
+        _atomic_write(path, w)
+    finally:
+        plt.close(fig)

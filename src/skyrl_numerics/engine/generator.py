@@ -12,6 +12,8 @@ returns a cached instance for the same arguments.
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -37,6 +39,56 @@ def _on_gpu() -> bool:
 class EngineInfo:
     name: str
     version: str
+
+
+# vLLM starts its engine core with multiprocessing spawn (always on CPU): the child runs the user's
+# script again as ``__mp_main__``, and an unguarded script starts a second engine there.
+SPAWN_REIMPORT_MESSAGE = (
+    "VLLMGenerator started while a spawned process re-imports your script: put the code that "
+    'starts engines under `if __name__ == "__main__":` (vLLM starts its engine core with '
+    "multiprocessing spawn)")
+
+
+def _spawn_marker(pid: int) -> str:
+    """The file a spawned child leaves for its parent (``pid``) after refusing to start."""
+    return os.path.join(tempfile.gettempdir(), f"skyrl_numerics-spawn-reimport-{pid}")
+
+
+def _take_spawn_marker() -> bool:
+    """Whether a spawned child of this process left the marker (removed here)."""
+    try:
+        os.unlink(_spawn_marker(os.getpid()))
+        return True
+    except OSError:
+        return False
+
+
+def _refuse_spawn_reimport() -> None:
+    """Raise :class:`InputError` (one line) when called while a spawned child re-runs the
+    ``__main__`` script (a ``<module>`` frame of ``__mp_main__`` on the stack). The child prints
+    that line alone (no traceback) and leaves a marker, so its parent reports the same line
+    instead of vLLM's "Engine core initialization failed"."""
+    f = sys._getframe(1)
+    while f is not None and not (f.f_code.co_name == "<module>"
+                                 and f.f_globals.get("__name__") == "__mp_main__"):
+        f = f.f_back
+    if f is None:
+        return
+    err = InputError(SPAWN_REIMPORT_MESSAGE)
+    try:
+        open(_spawn_marker(os.getppid()), "w").close()
+    except OSError:
+        pass
+    previous = sys.excepthook
+
+    def one_line(tp, value, tb):
+        if value is err:
+            print(f"InputError: {err}", file=sys.stderr)
+        else:
+            previous(tp, value, tb)
+
+    sys.excepthook = one_line
+    raise err
 
 
 def max_logprobs_of(gen) -> int:
@@ -111,6 +163,7 @@ class VLLMGenerator:
                  enforce_eager: bool = True, max_logprobs: int = 64, capture_routes: bool = False,
                  batch_invariant: bool = False, kv_cache=None, numerics=None,
                  **engine_kwargs: Any):
+        _refuse_spawn_reimport()
         from vllm import LLM
 
         import vllm
@@ -153,10 +206,17 @@ class VLLMGenerator:
 
         install_vllm_log_filters()
         t0 = time.perf_counter()
-        self.llm = LLM(model=self.model_dir, skip_tokenizer_init=True, dtype=dtype, seed=seed,
-                       max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                       logprobs_mode="processed_logprobs", enforce_eager=enforce_eager,
-                       max_logprobs=max_logprobs, **engine_kwargs)
+        _take_spawn_marker()   # a stale one
+        try:
+            self.llm = LLM(model=self.model_dir, skip_tokenizer_init=True, dtype=dtype, seed=seed,
+                           max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                           logprobs_mode="processed_logprobs", enforce_eager=enforce_eager,
+                           max_logprobs=max_logprobs, **engine_kwargs)
+        except RuntimeError:
+            if not _take_spawn_marker():
+                raise
+            # the engine core refused to start a second engine: the same line here
+            raise InputError(SPAWN_REIMPORT_MESSAGE) from None
         self.startup_s = time.perf_counter() - t0
         device = "gpu" if _on_gpu() else "cpu"
         self.info = EngineInfo(name=f"vllm ({device})", version=vllm.__version__)
