@@ -230,11 +230,12 @@ class Refcount:
 
     @contextlib.contextmanager
     def held(self):
+        """Held for the block (released under it by someone else: ``PatchError`` at the exit)."""
         self.acquire()
         try:
             yield
         finally:
-            self.release()
+            self.release(strict=True)
 
 
 class PatchSet:

@@ -206,6 +206,10 @@ def test_refcount_nests_and_strict_release_refuses():
     assert rc.release() is False
     with pytest.raises(PatchError, match="thing released more times than it was enabled"):
         rc.release(strict=True)
+    with pytest.raises(PatchError, match="thing released more times"):
+        with rc.held():
+            rc.release()                              # someone else let go under the block
+    assert events == ["on", "off", "on", "off"]
 
 
 def test_refcount_threads_turn_on_once_and_off_once():
