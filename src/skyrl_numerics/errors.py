@@ -2,7 +2,8 @@
 
 Every check in the library that rejects user data raises :class:`InputError` with the place
 (``row``, ``field``, ``index``; ``turn`` for a multi-turn trajectory's token) and what was expected
-vs what was found.
+vs what was found. Two more, not about input: :class:`NotEnoughMemory` (a step that would not fit)
+and :class:`PatchError` (a refused monkeypatch, ``patching.py``).
 """
 from __future__ import annotations
 
@@ -45,3 +46,13 @@ class NotEnoughMemory(RuntimeError):
         self.what, self.needs, self.free = what, needs, free
         super().__init__(f"memory: {what} needs {needs / (1 << 30):.1f} GiB, "
                          f"{free / (1 << 30):.1f} GiB free now")
+
+
+class PatchError(RuntimeError):
+    """A patch of another library's object (``skyrl_numerics.patching``) was refused: the
+    attribute is not there, someone else holds it, or it was replaced behind the registry's back.
+    ``where`` names the owner and attribute (``"torch.cuda.current_device"``) when there is one."""
+
+    def __init__(self, message: str, *, where: str | None = None):
+        self.where = where
+        super().__init__(f"{where}: {message}" if where else message)

@@ -170,6 +170,7 @@ def test_uninstall_restores_every_patched_object():
         own = {(id(o), n): n in vars(o) for o, n in targets if isinstance(o, type)}
         vllm_patches.install()
         vllm_patches.install()            # reference-counted
+        assert len(vllm_patches.patches()) == len(targets)
         for o, n in targets:
             assert getattr(o, n) is not before[(id(o), n)], n
         vllm_patches.uninstall()
@@ -180,7 +181,7 @@ def test_uninstall_restores_every_patched_object():
             assert getattr(o, n) is before[(id(o), n)], n
             if isinstance(o, type):       # an inherited method is inherited again
                 assert (n in vars(o)) == own[(id(o), n)], n
-        assert not vllm_patches._saved
+        assert vllm_patches.patches() == []
     finally:
         for _ in range(depth):
             vllm_patches.install()

@@ -102,6 +102,9 @@ def test_compat_installs_and_restores_everything():
         with compat.cpu_compat():  # nested: reference-counted
             pass
         assert compat.installed()
+        listed = compat.patches()
+        assert listed[0] == "torch.cuda.current_device" and len(listed) == len(set(listed))
+        assert listed[-1].endswith("MoEAlltoAllTokenDispatcher.cuda_dtoh_stream")
         during = _patched_objects()
         changed = {k for k in before if during[k] is not before[k] and during[k] != before[k]}
         # everything listed is replaced (te_general_gemm: bound to None where megatron never bound it)
@@ -113,7 +116,7 @@ def test_compat_installs_and_restores_everything():
         torch.cuda.Stream().wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(torch.cuda.Stream()):
             torch.cuda.synchronize()
-    assert not compat.installed()
+    assert not compat.installed() and compat.patches() == []
     after = _patched_objects()
     for k, v in before.items():
         assert after[k] is v or after[k] == v, k

@@ -3,12 +3,15 @@
 Two kinds. **Class and module patches** (the first list below) are installed by our
 ``vllm.general_plugins`` entry point (:func:`install` in ``vllm_plugin.register``) in every vLLM
 process; :func:`uninstall` puts every original object back (reference-counted; an inherited
-attribute is inherited again; tested in ``tests/e2e/test_server_routes.py``). **Instance
-patches** (:data:`INSTANCE_PATCHES`, the second list) replace an attribute of *one* object of a
-running engine (its sampler, its MLA layers, its model) on request; each goes through
-:func:`patch_instance`, which refuses an unlisted one and returns the function that puts the
-original back (tested in ``tests/engine/test_vllm_instance_patches.py``, on real vLLM classes).
-Nothing else in the project assigns to an attribute of a vLLM object.
+attribute is inherited again; :func:`patches` lists them; tested in
+``tests/e2e/test_server_routes.py``). **Instance patches** (:data:`INSTANCE_PATCHES`, the second
+list) replace an attribute of *one* object of a running engine (its sampler, its MLA layers, its
+model) on request; each goes through :func:`patch_instance`, which refuses an unlisted one and
+returns the function that puts the original back (tested in
+``tests/engine/test_vllm_instance_patches.py``, on real vLLM classes). Both kinds are recorded,
+applied and undone by the project's patch registry (``skyrl_numerics.patching``), which also
+refuses a patch of an attribute that is not there, and an undo out of order or of a value
+replaced behind its back. Nothing else in the project assigns to an attribute of a vLLM object.
 
 Not patches (public hooks, nothing of vLLM's is replaced; listed so nobody looks for them here):
 the route capture's ``BaseRouter.set_capture_fn`` (vLLM's own capture hook, ``capture.py``), the
@@ -93,15 +96,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
-import weakref
 
 import torch
 
-__all__ = ["install", "uninstall", "installed", "patched", "CONTROL_ROUTES", "OPEN_ROUTES",
-           "INSTANCE_PATCHES", "patch_instance", "instance_patches", "wrap_sampler",
-           "wrap_sampler_logits",
-           "rowwise_mla_rope"]
+from ..patching import PatchSet, live, patch, restore
+
+__all__ = ["install", "uninstall", "installed", "patched", "patches", "CONTROL_ROUTES",
+           "OPEN_ROUTES", "INSTANCE_PATCHES", "patch_instance", "instance_patches", "wrap_sampler",
+           "wrap_sampler_logits", "rowwise_mla_rope"]
 
 OPEN_ROUTES = ("/health", "/ping", "/version", "/metrics", "/load")
 CONTROL_ROUTES = (
@@ -114,22 +116,10 @@ CONTROL_ROUTES = (
     "/generative_scoring", "/openapi.json", "/docs", "/redoc",
 )
 
-_lock = threading.RLock()
-_depth = 0
-# (owner, attribute, original, whether the owner held it itself rather than inheriting it)
-_saved: list[tuple[object, str, object, bool]] = []
-
-
-def _set(owner, name: str, value) -> None:
-    own = not isinstance(owner, type) or name in vars(owner)
-    _saved.append((owner, name, getattr(owner, name), own))
-    setattr(owner, name, value)
-
-
 def _guard_control_routes() -> None:
     from vllm.entrypoints.serve.middleware import authenticate
 
-    _set(authenticate, "GUARDED_PREFIX", tuple(authenticate.GUARDED_PREFIX) + CONTROL_ROUTES)
+    _SET.set(authenticate, "GUARDED_PREFIX", tuple(authenticate.GUARDED_PREFIX) + CONTROL_ROUTES)
 
 
 def _reset_prefix_cache_after_update() -> None:
@@ -144,7 +134,7 @@ def _reset_prefix_cache_after_update() -> None:
             await self.reset_prefix_cache(reset_running_requests=True)
 
     finish_weight_update.skyrl_original = original
-    _set(AsyncLLM, "finish_weight_update", finish_weight_update)
+    _SET.set(AsyncLLM, "finish_weight_update", finish_weight_update)
 
 
 def _on_cpu() -> bool:
@@ -182,7 +172,7 @@ def _relax_v2_checks_on_cpu() -> None:
             return original(self)
 
         check.skyrl_original = original
-        _set(VllmConfig, name, check)
+        _SET.set(VllmConfig, name, check)
 
     relax("_verify_aux_output_compatibility", lambda c: c.aux_output_config.enabled)
     relax("_verify_sampling_replay_config",
@@ -232,50 +222,41 @@ def _cpu_runner_aux_outputs() -> None:
 
     execute_model.skyrl_original = original_execute
     sample_tokens.skyrl_original = original_sample
-    _set(CPUModelRunner, "execute_model", execute_model)
-    _set(CPUModelRunner, "sample_tokens", sample_tokens)
+    _SET.set(CPUModelRunner, "execute_model", execute_model)
+    _SET.set(CPUModelRunner, "sample_tokens", sample_tokens)
 
 
 _PATCHES = (_guard_control_routes, _reset_prefix_cache_after_update, _relax_v2_checks_on_cpu,
             _cpu_runner_aux_outputs)
 
 
+def _apply() -> None:
+    for p in _PATCHES:
+        p()
+
+
+# the class and module patches, installed together (patching.PatchSet: reference-counted; an
+# attribute the owner held is set back, an inherited one is deleted so it is inherited again)
+_SET = PatchSet("vllm_patches", _apply)
+
+
 def install() -> None:
     """Apply every patch (reference-counted: nested installs need as many uninstalls)."""
-    global _depth
-    with _lock:
-        if _depth == 0:
-            try:
-                for patch in _PATCHES:
-                    patch()
-            except BaseException:
-                _restore()
-                raise
-        _depth += 1
-
-
-def _restore() -> None:
-    while _saved:
-        owner, name, original, own = _saved.pop()
-        if own:
-            setattr(owner, name, original)
-        else:   # it was inherited: drop the override, the base class's attribute shows again
-            delattr(owner, name)
+    _SET.install()
 
 
 def uninstall() -> None:
     """Undo one :func:`install`; the last one puts every original object back."""
-    global _depth
-    with _lock:
-        if _depth == 0:
-            return
-        _depth -= 1
-        if _depth == 0:
-            _restore()
+    _SET.uninstall()
 
 
 def installed() -> bool:
-    return _depth > 0
+    return _SET.installed()
+
+
+def patches() -> list[str]:
+    """``owner.attribute`` of every class and module patch in place, in the order applied."""
+    return [p.where for p in _SET.patches()]
 
 
 @contextlib.contextmanager
@@ -298,26 +279,16 @@ INSTANCE_PATCHES = {
     "model.forward": (None, "forward"),    # any model class the runner holds
 }
 
-# (weak reference to the object, attribute, key) of every instance patch in place, in the order
-# applied (weak: a patch kept for an engine's life does not keep its model alive)
-_instance_saved: list[tuple[weakref.ref, str, str]] = []
-
-
-def _held_by(obj, name: str) -> bool:
-    """Whether ``obj`` holds ``name`` itself (its ``__dict__``, or a submodule / parameter /
-    buffer of an ``nn.Module``) rather than getting it from its class."""
-    d = vars(obj)
-    if name in d:
-        return True
-    return any(isinstance(d.get(store), dict) and name in d[store]
-               for store in ("_modules", "_parameters", "_buffers"))
+_INSTANCE_BY = "vllm_patches.patch_instance"
 
 
 def patch_instance(obj, name: str, value, *, what: str):
     """Set ``obj.<name> = value`` for the listed instance patch ``what`` (a key of
     :data:`INSTANCE_PATCHES`, whose class and attribute must match) and return ``undo()``, which
-    puts the original back: the object's own attribute is set again, one it got from its class is
-    removed so the class's shows again. ``undo`` is idempotent."""
+    puts the original back: the object's own attribute (its ``__dict__``, or an ``nn.Module``'s
+    submodule / parameter / buffer) is set again, one it got from its class is removed so the
+    class's shows again (``patching.restore``). ``undo`` is idempotent; the registry holds ``obj``
+    weakly, so a patch kept for an engine's life does not keep its model alive."""
     if what not in INSTANCE_PATCHES:
         raise KeyError(f"{what!r} is not a listed vLLM instance patch ({sorted(INSTANCE_PATCHES)});"
                        " list it (with its reason) in vllm_patches.py first")
@@ -326,32 +297,16 @@ def patch_instance(obj, name: str, value, *, what: str):
                         and cls_name not in (c.__name__ for c in type(obj).__mro__)):
         raise TypeError(f"instance patch {what!r} applies to {cls_name or 'any'}.{attr}, "
                         f"not {type(obj).__name__}.{name}")
-    own = _held_by(obj, name)
-    original = getattr(obj, name)
-    setattr(obj, name, value)
-    entry = (weakref.ref(obj), name, what)
-    with _lock:
-        _instance_saved.append(entry)
-    done = []
+    p = patch(obj, name, value, by=_INSTANCE_BY, what=what)
 
     def undo() -> None:
-        if done:
-            return
-        done.append(True)
-        if own:
-            setattr(obj, name, original)
-        else:   # it came from the class: drop the instance's, the class's shows again
-            delattr(obj, name)
-        with _lock:
-            _instance_saved[:] = [e for e in _instance_saved if e is not entry]
+        restore(p)
     return undo
 
 
 def instance_patches() -> list[tuple[str, str]]:
     """The instance patches in place in this process: ``(key, type name of the object)``."""
-    with _lock:
-        return [(what, type(ref()).__name__) for ref, _, what in _instance_saved
-                if ref() is not None]
+    return [(p.what, type(o).__name__) for p in live(_INSTANCE_BY) if (o := p.owner) is not None]
 
 
 def wrap_sampler(runner, store):

@@ -32,23 +32,21 @@ gradients summed over tokens (embedding_dense_backward, the weight gradients) ag
 rounding across micro-batch sizes: they are sums in another association, not per-row results.
 
 The overrides are process-wide (the dispatcher has no per-thread table): the mode is on while
-at least one holder is inside; entering/leaving is reference counted under a lock, so nesting
-and concurrent use from threads are safe, and the stock kernels come back when the last holder
-leaves. ``enable_batch_invariant_cpu()`` / ``disable_batch_invariant_cpu()`` are the same thing
+at least one holder is inside; entering/leaving is reference counted under a lock
+(``patching.Refcount``), so nesting and concurrent use from threads are safe, and the stock
+kernels come back when the last holder leaves. ``enable_batch_invariant_cpu()`` / ``disable_batch_invariant_cpu()`` are the same thing
 without a ``with`` block, for installing in a worker process (e.g. a vLLM CPU worker) at start.
 """
 from __future__ import annotations
 
 import contextlib
-import threading
 import warnings
 
 import torch
 
+from ..patching import Refcount
 from . import cpu, cpu_sdpa
 
-_LOCK = threading.Lock()
-_DEPTH = 0
 _LIB: torch.library.Library | None = None
 
 
@@ -339,45 +337,41 @@ def registered_ops(device: str = "cpu") -> tuple[str, ...]:
     return tuple(sorted(_CPU_KERNELS if device == "cpu" else _cuda_kernels()))
 
 
-def _acquire() -> None:
-    global _DEPTH, _LIB
-    with _LOCK:
-        if _DEPTH == 0:
-            _LIB = _install()
-        _DEPTH += 1
+def _register() -> None:
+    global _LIB
+    _LIB = _install()
 
 
-def _release() -> None:
-    global _DEPTH, _LIB
-    with _LOCK:
-        if _DEPTH == 0:
-            raise RuntimeError("batch-invariant mode released more times than it was enabled")
-        _DEPTH -= 1
-        if _DEPTH == 0 and _LIB is not None:
-            _LIB._destroy()
-            _LIB = None
+def _unregister() -> None:
+    global _LIB
+    if _LIB is not None:
+        _LIB._destroy()
+        _LIB = None
+
+
+# on while at least one holder is inside (patching.Refcount: nested and threaded use)
+_MODE = Refcount("batch-invariant mode", on=_register, off=_unregister)
 
 
 def is_batch_invariant_mode_enabled() -> bool:
-    return _DEPTH > 0
+    return _MODE.active()
 
 
 @contextlib.contextmanager
 def batch_invariant_mode():
     """Within the block, the ops of :func:`registered_ops` (GEMMs, softmax and sums, the
     pointwise ops with a scalar tail, SDPA's backend choice) run batch-invariant kernels."""
-    _acquire()
-    try:
+    with _MODE.held():
         yield
-    finally:
-        _release()
 
 
 def enable_batch_invariant_cpu() -> None:
     """Turn the mode on for the whole process (e.g. at vLLM CPU worker start). Idempotent per
     call pair: each call must be matched by :func:`disable_batch_invariant_cpu` to turn it off."""
-    _acquire()
+    _MODE.acquire()
 
 
 def disable_batch_invariant_cpu() -> None:
-    _release()
+    """Undo one :func:`enable_batch_invariant_cpu`; one too many raises ``PatchError`` (a
+    ``RuntimeError``)."""
+    _MODE.release(strict=True)

@@ -4,7 +4,9 @@ when CUDA is absent (``torch.cuda.is_available()`` is False; with CUDA :func:`in
 megatron-core's GPT/MoE path assumes a CUDA device in a handful of calls. Each patch below replaces one of
 them with its CPU meaning, for as long as the compatibility is installed (:func:`cpu_compat` context
 manager, or :func:`install` / :func:`uninstall`, reference-counted). :func:`uninstall` puts every original
-object back (tested: ``tests/trainer/test_megatron_compat.py``). Nothing else in the project patches
+object back, through the project's patch registry (``skyrl_numerics.patching``: a name megatron-core never
+bound is deleted again; :func:`patches` lists what is in place; tested in
+``tests/trainer/test_megatron_model.py``). Nothing else in the project patches
 megatron-core. A model built under the compatibility must also *run* under it; it may be installed
 around each call (``MegatronTrainer`` and ``MegatronPolicy.hidden`` do: the patches are in place only while
 megatron-core code runs, never while, e.g., a vLLM engine runs in the same process).
@@ -65,16 +67,14 @@ torch 2.13: gloo runs megatron's ``all_gather_into_tensor``, ``reduce_scatter_te
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections import Counter
 
 import torch
 
-__all__ = ["cpu_compat", "install", "uninstall", "installed", "needed", "calls"]
+from ...patching import PatchSet
 
-_lock = threading.RLock()
-_depth = 0
-_saved: list[tuple[object, str, object, bool]] = []  # (owner, attribute, original, had_attribute)
+__all__ = ["cpu_compat", "install", "uninstall", "installed", "needed", "calls", "patches"]
+
 _calls: Counter = Counter()
 
 
@@ -222,7 +222,7 @@ def needed() -> bool:
 
 
 def installed() -> bool:
-    return _depth > 0
+    return _PATCHES.installed()
 
 
 def calls() -> dict[str, int]:
@@ -230,10 +230,9 @@ def calls() -> dict[str, int]:
     return dict(_calls)
 
 
-def _set(owner, name, value):
-    had = name in vars(owner) if isinstance(owner, type) else hasattr(owner, name)
-    _saved.append((owner, name, getattr(owner, name, None), had))
-    setattr(owner, name, value)
+def patches() -> list[str]:
+    """``owner.attribute`` of every patch in place, in the order applied (empty when not installed)."""
+    return [p.where for p in _PATCHES.patches()]
 
 
 def _apply():
@@ -243,44 +242,38 @@ def _apply():
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
 
+    _calls.clear()
+    patch = _PATCHES.set
     cuda = torch.cuda
-    _set(cuda, "current_device", _current_device)
-    _set(cuda, "Stream", _CpuStream)
-    _set(cuda, "Event", _CpuEvent)
-    _set(cuda, "current_stream", _current_stream)
-    _set(cuda, "stream", _stream)
-    _set(cuda, "synchronize", _synchronize)
-    _set(cuda, "get_rng_state", _get_rng_state)
-    _set(cuda, "manual_seed", _manual_seed)
-    _set(mc_random, "_get_cuda_rng_state", _mc_get_cuda_rng_state)
-    _set(mc_random, "_set_cuda_rng_state", _mc_set_cuda_rng_state)
-    _set(fused_softmax, "get_default_causal_mask", _causal_mask)
-    _set(fused_softmax, "get_sliding_window_causal_mask", _sliding_window_mask)
+    patch(cuda, "current_device", _current_device)
+    patch(cuda, "Stream", _CpuStream)
+    patch(cuda, "Event", _CpuEvent)
+    patch(cuda, "current_stream", _current_stream)
+    patch(cuda, "stream", _stream)
+    patch(cuda, "synchronize", _synchronize)
+    patch(cuda, "get_rng_state", _get_rng_state)
+    patch(cuda, "manual_seed", _manual_seed)
+    patch(mc_random, "_get_cuda_rng_state", _mc_get_cuda_rng_state)
+    patch(mc_random, "_set_cuda_rng_state", _mc_set_cuda_rng_state)
+    patch(fused_softmax, "get_default_causal_mask", _causal_mask)
+    patch(fused_softmax, "get_sliding_window_causal_mask", _sliding_window_mask)
     if getattr(moe_utils, "te_general_gemm", None) is None:
-        _set(moe_utils, "te_general_gemm", None)
+        patch(moe_utils, "te_general_gemm", None, create=True)
     import megatron.core.extensions.transformer_engine as te_ext
     import megatron.core.transformer.multi_latent_attention as mla
 
     if not getattr(te_ext, "HAVE_TE", False) and getattr(mla, "HAVE_TE", False):
-        _set(mla, "HAVE_TE", False)
+        patch(mla, "HAVE_TE", False)
     if gg.grouped_gemm is None:
-        _set(gg, "grouped_gemm", _GroupedGemmModule)
-        _set(gg, "ops", _GroupedGemmOps)
-    _set(token_dispatcher, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu)
+        patch(gg, "grouped_gemm", _GroupedGemmModule)
+        patch(gg, "ops", _GroupedGemmOps)
+    patch(token_dispatcher, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu)
     # a stand-in stream (not None): dispatchers built under an earlier install keep working in later ones
-    _set(token_dispatcher.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", _DEFAULT_STREAM)
+    patch(token_dispatcher.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", _DEFAULT_STREAM)
 
 
-def _restore():
-    while _saved:
-        owner, name, original, had = _saved.pop()
-        if had:
-            setattr(owner, name, original)
-        else:
-            try:
-                delattr(owner, name)
-            except AttributeError:
-                pass
+# megatron-core's CUDA assumptions, replaced for as long as the compatibility is installed
+_PATCHES = PatchSet("megatron compat", _apply)
 
 
 def install() -> bool:
@@ -289,30 +282,15 @@ def install() -> bool:
     A no-op returning False when CUDA is available. Every :func:`install` that returned True needs one
     :func:`uninstall`.
     """
-    global _depth
     if not needed():
         return False
-    with _lock:
-        if _depth == 0:
-            _calls.clear()
-            try:
-                _apply()
-            except BaseException:
-                _restore()
-                raise
-        _depth += 1
+    _PATCHES.install()
     return True
 
 
 def uninstall() -> None:
     """Undo one :func:`install`; the last one restores every original object."""
-    global _depth
-    with _lock:
-        if _depth == 0:
-            return
-        _depth -= 1
-        if _depth == 0:
-            _restore()
+    _PATCHES.uninstall()
 
 
 @contextlib.contextmanager
