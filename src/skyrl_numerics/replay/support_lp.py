@@ -1,6 +1,8 @@
 """Logprobs renormalized over the sampled support, computed in vocab chunks (no full-vocab logits).
 
-For response token ``i`` with hidden state ``h_i``, logits ``z_iv = h_i . W_v`` and support ``S_i``::
+For response token ``i`` with hidden state ``h_i``, logits ``z_iv = (h_i . W_v) / T`` (sampling temperature
+``T``, default 1: the logits divided before the softmax, as vLLM's processed logprobs are) and support
+``S_i``::
 
     logZ_i    = logsumexp_{v in S_i} z_iv
     logprob_i = z_{i,t_i} - logZ_i                    (t_i must lie in S_i)
@@ -29,6 +31,9 @@ Math in float32 (logits are upcast; float64 inputs stay float64); inputs may be 
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import numpy as np
 import torch
 
@@ -39,10 +44,12 @@ from .support import PackedSupport
 
 
 def support_logprobs_reference(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor,
-                               support: PackedSupport | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense spec: full ``[N, V]`` float32 (float64 for float64 inputs) logits, ``-inf`` outside the support, log_softmax."""
+                               support: PackedSupport | None,
+                               temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense spec: full ``[N, V]`` float32 (float64 for float64 inputs) logits ``/ temperature``,
+    ``-inf`` outside the support, log_softmax."""
     acc = _acc_dtype(hidden)
-    logits = hidden.to(acc) @ lm_head_weight.to(acc).T
+    logits = (hidden.to(acc) @ lm_head_weight.to(acc).T) / temperature
     if support is not None:
         mask = dense_mask(support, logits.shape[1], logits.device)
         logits = logits.masked_fill(~mask, float("-inf"))
@@ -82,10 +89,10 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _chunk_logits(hidden, weight, lo, hi, index, n):
-    """``(raw, masked)`` chunk logits: ``masked`` is ``-inf`` outside the support (``raw`` itself if no support).
-    Products with ``exp(masked - c)`` (0 outside) then use ``raw`` to stay finite without extra passes."""
-    z = hidden @ weight[lo:hi].to(hidden.dtype).T  # hidden already upcast: same products as the reference
+def _chunk_logits(hidden, weight, lo, hi, index, n, temperature=1.0):
+    """``(raw, masked)`` chunk logits ``/ temperature``: ``masked`` is ``-inf`` outside the support (``raw``
+    itself if no support). Products with ``exp(masked - c)`` (0 outside) then use ``raw`` to stay finite."""
+    z = (hidden @ weight[lo:hi].to(hidden.dtype).T) / temperature  # hidden upcast: the reference's products
     if index is None:
         return z, z
     return z, z.masked_fill(~index.mask(n, lo, hi), float("-inf"))
@@ -93,7 +100,7 @@ def _chunk_logits(hidden, weight, lo, hi, index, n):
 
 class _SupportLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, index, chunk):
+    def forward(ctx, hidden, weight, targets, index, chunk, temperature=1.0):
         n, V = hidden.shape[0], weight.shape[0]
         kw = dict(device=hidden.device, dtype=_acc_dtype(hidden))
         hf = hidden.to(kw["dtype"])
@@ -103,7 +110,7 @@ class _SupportLogprobs(torch.autograd.Function):
         zt = torch.zeros(n, **kw)
         for lo in range(0, V, chunk):
             hi = min(V, lo + chunk)
-            zr, z = _chunk_logits(hf, weight, lo, hi, index, n)
+            zr, z = _chunk_logits(hf, weight, lo, hi, index, n, temperature)
             mc = z.amax(dim=1)
             m_new = torch.maximum(m, mc)
             safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
@@ -120,7 +127,7 @@ class _SupportLogprobs(torch.autograd.Function):
         lp = zt - logz
         ent = logz - u / s
         ctx.save_for_backward(hidden, weight, targets, logz, ent)
-        ctx.index, ctx.chunk = index, chunk
+        ctx.index, ctx.chunk, ctx.temperature = index, chunk, temperature
         return lp, ent
 
     @staticmethod
@@ -137,33 +144,34 @@ class _SupportLogprobs(torch.autograd.Function):
         hf = hidden.to(acc)
         for lo in range(0, V, chunk):
             hi = min(V, lo + chunk)
-            zr, z = _chunk_logits(hf, weight, lo, hi, index, n)
+            zr, z = _chunk_logits(hf, weight, lo, hi, index, n, ctx.temperature)
             p = torch.exp(z - logz[:, None])  # 0 outside the support
             dz = -p * (g_lp[:, None] + g_ent[:, None] * (zr - logz[:, None] + ent[:, None]))  # finite * 0 outside
             inside = (targets >= lo) & (targets < hi)
             if inside.any():
                 r = inside.nonzero()[:, 0]
                 dz[r, targets[r] - lo] += g_lp[r]
+            dz = dz / ctx.temperature  # z = (h . W) / T
             if need_h:
                 dh += dz @ weight[lo:hi].to(acc)
             if need_w:
                 dw[lo:hi] = dz.T @ hf
         return (None if dh is None else dh.to(hidden.dtype), None if dw is None else dw.to(weight.dtype),
-                None, None, None)
+                None, None, None, None)
 
 
 class _SparseSupportLogprobs(torch.autograd.Function):
     """Support logits only: ``z_j = h[row_j] . W[id_j]`` for the nnz CSR entries (rows sorted)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, rows, ids, chunk):
+    def forward(ctx, hidden, weight, targets, rows, ids, chunk, temperature=1.0):
         acc = _acc_dtype(hidden)
         n, nnz = hidden.shape[0], ids.numel()
         hf = hidden.to(acc)
         z = torch.empty(nnz, dtype=acc, device=hidden.device)
         for lo in range(0, nnz, chunk):
             hi = min(nnz, lo + chunk)
-            z[lo:hi] = (hf[rows[lo:hi]] * weight[ids[lo:hi]].to(acc)).sum(-1)
+            z[lo:hi] = (hf[rows[lo:hi]] * weight[ids[lo:hi]].to(acc)).sum(-1) / temperature
         m = torch.full((n,), float("-inf"), dtype=acc, device=hidden.device).scatter_reduce(0, rows, z, "amax")
         e = torch.exp(z - m[rows])
         s = torch.zeros(n, dtype=acc, device=hidden.device).index_add_(0, rows, e)
@@ -173,7 +181,7 @@ class _SparseSupportLogprobs(torch.autograd.Function):
         zt = torch.zeros(n, dtype=acc, device=hidden.device).index_add_(0, rows[is_t], z[is_t])
         lp, ent = zt - logz, logz - u / s
         ctx.save_for_backward(hidden, weight, rows, ids, z, is_t, logz, ent)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.temperature = chunk, temperature
         return lp, ent
 
     @staticmethod
@@ -184,7 +192,7 @@ class _SparseSupportLogprobs(torch.autograd.Function):
         g_ent = torch.zeros(n, dtype=acc, device=z.device) if g_ent is None else g_ent.to(acc)
         logp = z - logz[rows]
         p = torch.exp(logp)
-        dz = -p * (g_lp[rows] + g_ent[rows] * (logp + ent[rows])) + g_lp[rows] * is_t
+        dz = (-p * (g_lp[rows] + g_ent[rows] * (logp + ent[rows])) + g_lp[rows] * is_t) / ctx.temperature
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dh = torch.zeros(hidden.shape, dtype=acc, device=z.device) if need_h else None
         dw = torch.zeros(weight.shape, dtype=acc, device=z.device) if need_w else None
@@ -197,19 +205,23 @@ class _SparseSupportLogprobs(torch.autograd.Function):
             if need_w:
                 dw.index_add_(0, i, d * hf[r])
         return (None if dh is None else dh.to(hidden.dtype), None if dw is None else dw.to(weight.dtype),
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def support_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor,
-                     support: PackedSupport | None, *, chunk: int = 8192,
-                     method: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                     support: PackedSupport | None, *, chunk: int = 8192, method: str = "auto",
+                     temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logprob, entropy)``, each float32 (float64 for float64 inputs) ``[N]``, renormalized over each token's support.
 
     hidden ``[N, H]`` (the final-norm output at the positions predicting ``targets``), lm_head_weight
     ``[V, H]``, targets ``[N]`` ids, support: a :class:`PackedSupport` with ``N`` rows, or ``None`` for the
     full vocabulary. Differentiable in ``hidden`` and ``lm_head_weight``. ``chunk``: vocab ids per dense
     chunk, or support entries per sparse chunk. ``method``: ``"auto"``, ``"dense"`` or ``"sparse"``.
+    ``temperature``: the sampling temperature ``T > 0``; the logits are divided by it before the
+    renormalized log-softmax (module doc), as vLLM's processed logprobs are.
     """
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 < temperature < math.inf:
+        raise InputError(f"temperature must be a finite number > 0, got {temperature!r}", field="temperature")
     if method not in ("auto", "dense", "sparse"):
         raise InputError(f"method must be 'auto', 'dense' or 'sparse', got {method!r}", field="method")
     if hidden.ndim != 2:
@@ -238,8 +250,9 @@ def support_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets
         if method == "sparse" or (method == "auto" and 64 * support.nnz < n * V):
             rows = torch.from_numpy(support.row_ids()).to(hidden.device)
             ids = torch.from_numpy(support.token_ids.astype(np.int64)).to(hidden.device)
-            return _SparseSupportLogprobs.apply(hidden, lm_head_weight, targets, rows, ids, int(chunk))
+            return _SparseSupportLogprobs.apply(hidden, lm_head_weight, targets, rows, ids, int(chunk),
+                                                float(temperature))
         index = _ChunkIndex(support, hidden.device)
     elif method == "sparse":
         raise InputError("method='sparse' needs a support (None means the full vocabulary)", field="method")
-    return _SupportLogprobs.apply(hidden, lm_head_weight, targets, index, int(chunk))
+    return _SupportLogprobs.apply(hidden, lm_head_weight, targets, index, int(chunk), float(temperature))
