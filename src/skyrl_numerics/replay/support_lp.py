@@ -49,7 +49,9 @@ def support_logprobs_reference(hidden: torch.Tensor, lm_head_weight: torch.Tenso
     """Dense spec: full ``[N, V]`` float32 (float64 for float64 inputs) logits ``/ temperature``,
     ``-inf`` outside the support, log_softmax."""
     acc = _acc_dtype(hidden)
-    logits = (hidden.to(acc) @ lm_head_weight.to(acc).T) / temperature
+    logits = hidden.to(acc) @ lm_head_weight.to(acc).T
+    if temperature != 1.0:
+        logits = logits / temperature
     if support is not None:
         mask = dense_mask(support, logits.shape[1], logits.device)
         logits = logits.masked_fill(~mask, float("-inf"))
@@ -92,7 +94,9 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
 def _chunk_logits(hidden, weight, lo, hi, index, n, temperature=1.0):
     """``(raw, masked)`` chunk logits ``/ temperature``: ``masked`` is ``-inf`` outside the support (``raw``
     itself if no support). Products with ``exp(masked - c)`` (0 outside) then use ``raw`` to stay finite."""
-    z = (hidden @ weight[lo:hi].to(hidden.dtype).T) / temperature  # hidden upcast: the reference's products
+    z = hidden @ weight[lo:hi].to(hidden.dtype).T  # hidden already upcast: the reference's products
+    if temperature != 1.0:
+        z = z / temperature
     if index is None:
         return z, z
     return z, z.masked_fill(~index.mask(n, lo, hi), float("-inf"))
@@ -151,7 +155,8 @@ class _SupportLogprobs(torch.autograd.Function):
             if inside.any():
                 r = inside.nonzero()[:, 0]
                 dz[r, targets[r] - lo] += g_lp[r]
-            dz = dz / ctx.temperature  # z = (h . W) / T
+            if ctx.temperature != 1.0:
+                dz = dz / ctx.temperature  # z = (h . W) / T
             if need_h:
                 dh += dz @ weight[lo:hi].to(acc)
             if need_w:
@@ -171,7 +176,9 @@ class _SparseSupportLogprobs(torch.autograd.Function):
         z = torch.empty(nnz, dtype=acc, device=hidden.device)
         for lo in range(0, nnz, chunk):
             hi = min(nnz, lo + chunk)
-            z[lo:hi] = (hf[rows[lo:hi]] * weight[ids[lo:hi]].to(acc)).sum(-1) / temperature
+            z[lo:hi] = (hf[rows[lo:hi]] * weight[ids[lo:hi]].to(acc)).sum(-1)
+        if temperature != 1.0:
+            z = z / temperature
         m = torch.full((n,), float("-inf"), dtype=acc, device=hidden.device).scatter_reduce(0, rows, z, "amax")
         e = torch.exp(z - m[rows])
         s = torch.zeros(n, dtype=acc, device=hidden.device).index_add_(0, rows, e)
@@ -192,7 +199,9 @@ class _SparseSupportLogprobs(torch.autograd.Function):
         g_ent = torch.zeros(n, dtype=acc, device=z.device) if g_ent is None else g_ent.to(acc)
         logp = z - logz[rows]
         p = torch.exp(logp)
-        dz = (-p * (g_lp[rows] + g_ent[rows] * (logp + ent[rows])) + g_lp[rows] * is_t) / ctx.temperature
+        dz = -p * (g_lp[rows] + g_ent[rows] * (logp + ent[rows])) + g_lp[rows] * is_t
+        if ctx.temperature != 1.0:
+            dz = dz / ctx.temperature  # z = (h . W) / T
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dh = torch.zeros(hidden.shape, dtype=acc, device=z.device) if need_h else None
         dw = torch.zeros(weight.shape, dtype=acc, device=z.device) if need_w else None
