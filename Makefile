@@ -24,6 +24,19 @@ $(STAMP): pyproject.toml Makefile
 	# folder, put on the path of the export's child process only.
 	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(VENV)/modelopt-export-deps \
 		"omegaconf==2.4.0" "pulp==3.3.2" "nvidia-ml-py==13.615.71" "scipy==1.17.1"
+	# test-only: the RL frameworks' own released code (tests/integrations/ checks our conventions
+	# bitwise against their functions), in folders beside the venv's site-packages, never in it:
+	# tests/integrations/conftest.py puts frameworks/skyrl on sys.path for those tests only and
+	# runs TRL in child processes with frameworks/trl on PYTHONPATH. --no-deps: only the packages
+	# their imports need beyond the venv, not the GPU stacks they declare. skyrl 0.4.0 declares
+	# Python >= 3.12 but imports on 3.11 (DESIGN.md); datasets 4.7.0 + pyarrow 21 work here.
+	rm -rf $(VENV)/frameworks
+	$(BIN)/python -m pip install -q --no-deps --ignore-requires-python --target $(VENV)/frameworks/skyrl \
+		"skyrl==0.4.0" "cloudpathlib==0.26.0" "omegaconf==2.4.0" "antlr4-python3-runtime==4.9.3" \
+		"orjson==3.13.0" "jaxtyping==0.3.11" "wadler_lindig==0.1.8"
+	$(BIN)/python -m pip install -q --no-deps --target $(VENV)/frameworks/trl \
+		"trl==1.16.0" "accelerate==1.16.0" "datasets==4.7.0" "pyarrow==21.0.0" "pandas==3.1.1" \
+		"multiprocess==0.70.18"
 	$(BIN)/python -c "import torch, vllm, transformers, triton; print('torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
 	# the fused CPU kernels (kernels/csrc, C): built now so a missing compiler shows here; later
 	# edits rebuild on first use (the torch specification runs where no compiler exists)

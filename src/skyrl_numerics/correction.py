@@ -29,8 +29,10 @@ and rejection mask kept apart so rejected tokens leave the denominator too); C d
 where truncation is a no-op on kept tokens. ``combine`` chains corrections (weights multiply,
 masks AND), e.g. token TIS + geometric mask + veto. ``order="skyrl"`` (default) runs the
 parts as SkyRL does: veto → token mask → TIS → sequence mask, each re-computed on the mask
-left by the previous step; ``order="verl"`` computes every part on the original mask (verl's
-rollout correction) and then multiplies / ANDs. Clipped weights are exactly C (``min(r, C)``
+left by the previous step; ``order="skyrl_exact"`` does the same in SkyRL 0.4.0's own arithmetic
+(float32 ratios ``exp(clamp(d, −20, 20))``, bounds compared on ratios), bitwise equal to its
+``compute_off_policy_correction``; ``order="verl"`` computes every part on the original mask
+(verl's rollout correction) and then multiplies / ANDs. Clipped weights are exactly C (``min(r, C)``
 in float64; a float32 output is never rounded above C).
 
 Metrics (floats): ``n_tokens`` / ``n_seqs`` (valid tokens, sequences with ≥ 1 valid token),
@@ -63,6 +65,7 @@ class Correction:
     metrics: dict
     _state: tuple = field(default=None, repr=False, compare=False)  # padded (batch, w, keep)
     _recipe: object = field(default=None, repr=False, compare=False)  # batch -> (w, keep, clipped, extra)
+    _params: dict = field(default=None, repr=False, compare=False)  # ratio-space lo / hi / cap (skyrl_exact)
 
     @property
     def loss_weights(self):
@@ -89,6 +92,7 @@ class _Batch:
         if a.numel() == 0:
             raise InputError("empty input: no tokens", field=FIELDS[0])
         b = b.to(a.device)
+        self.inputs = (a, b)
         self.cu = None
         if a.dim() == 1:
             n = a.numel()
@@ -186,6 +190,21 @@ class _Batch:
         b.d = torch.where(b.valid, self.d, torch.zeros((), dtype=self.d.dtype, device=self.d.device))
         return b
 
+    def padded_inputs(self):
+        """Trainer and rollout logprobs as padded ``[B, T]`` tensors in their own dtypes (integers
+        as float64), 0 where not valid (so a masked NaN cannot reach a sum)."""
+        import torch
+
+        out = []
+        for x in self.inputs:
+            x = x if x.is_floating_point() else x.double()
+            if self.cu is not None:
+                y = x.new_zeros(self.d.shape)
+                y[self.seg, self.pos] = x
+                x = y
+            out.append(torch.where(self.valid, x, torch.zeros((), dtype=x.dtype, device=x.device)))
+        return tuple(out)
+
     def out(self, x):
         """Padded [B, T] tensor -> the input's layout and kind."""
         if self.cu is not None:
@@ -223,7 +242,8 @@ def _capped(w, cap):
     return torch.clamp(w, max=cap)
 
 
-def _finish(name, batch: _Batch, w, keep, clipped, extra=None, *, cap=None, recipe=None) -> Correction:
+def _finish(name, batch: _Batch, w, keep, clipped, extra=None, *, cap=None, recipe=None,
+            params=None) -> Correction:
     """Build the Correction from padded weights, keep mask and clipped mask."""
     import torch
 
@@ -235,7 +255,8 @@ def _finish(name, batch: _Batch, w, keep, clipped, extra=None, *, cap=None, reci
     out_w = batch.out(w)
     if cap is not None:
         out_w = _below_cap(out_w, cap)
-    return Correction(name, out_w, batch.out(keep), metrics, _state=(batch, w, keep), _recipe=recipe)
+    return Correction(name, out_w, batch.out(keep), metrics, _state=(batch, w, keep), _recipe=recipe,
+                      _params=params)
 
 
 def _below_cap(x, cap):
@@ -279,6 +300,11 @@ def _bounds(lo, hi):
     return llo, lhi
 
 
+def _ratio_bounds(lo, hi) -> dict:
+    """The bounds as ratios, ``lo=None`` -> ``1/hi`` (checked by :func:`_bounds` first)."""
+    return {"lo": 1.0 / hi if lo is None else lo, "hi": hi}
+
+
 def _seq_sum(batch):
     return batch.d.sum(dim=1)      # padding is 0 in d
 
@@ -290,9 +316,9 @@ _STAGE = {"outlier_veto": 0, "token_mask": 1, "masked_is": 1, "token_tis": 2, "s
           "geometric_mask": 3, "product_mask": 3}
 
 
-def _run(name, b, compute, cap=None) -> Correction:
+def _run(name, b, compute, cap=None, params=None) -> Correction:
     w, keep, clipped, extra = compute(b)
-    return _finish(name, b, w, keep, clipped, extra, cap=cap, recipe=compute)
+    return _finish(name, b, w, keep, clipped, extra, cap=cap, recipe=compute, params=params)
 
 
 def _ones(b):
@@ -311,7 +337,7 @@ def token_tis(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None,
     def compute(b):
         r = torch.exp(b.d)
         return _capped(r, c), b.valid, r > c, {}
-    return _run("token_tis", b, compute, cap=c)
+    return _run("token_tis", b, compute, cap=c, params={"cap": c})
 
 
 def sequence_tis(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, cap: float = 5.0) -> Correction:
@@ -329,7 +355,7 @@ def sequence_tis(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=No
         w = _capped(ps, c)[:, None].expand_as(b.d)
         n_seq = max(int(has.sum()), 1)
         return w, b.valid, clipped_seq[:, None].expand_as(b.d), {"frac_seqs_clipped": int(clipped_seq.sum()) / n_seq}
-    return _run("sequence_tis", b, compute, cap=c)
+    return _run("sequence_tis", b, compute, cap=c, params={"cap": c})
 
 
 def geometric_mask(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, lo: float | None = None,
@@ -345,7 +371,7 @@ def geometric_mask(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=
         g = _seq_sum(b) / n.clamp(min=1)
         keep = ((g >= llo) & (g <= lhi))[:, None].expand_as(b.d)
         return _ones(b), keep, torch.zeros_like(b.valid), {}
-    return _run("geometric_mask", b, compute)
+    return _run("geometric_mask", b, compute, params=_ratio_bounds(lo, hi))
 
 
 def product_mask(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, lo: float | None = None,
@@ -360,7 +386,7 @@ def product_mask(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=No
         s = _seq_sum(b)
         keep = ((s >= llo) & (s <= lhi))[:, None].expand_as(b.d)
         return _ones(b), keep, torch.zeros_like(b.valid), {}
-    return _run("product_mask", b, compute)
+    return _run("product_mask", b, compute, params=_ratio_bounds(lo, hi))
 
 
 def outlier_veto(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, lo: float | None = 1e-4,
@@ -383,7 +409,7 @@ def outlier_veto(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=No
         keep = (~bad.any(dim=1))[:, None].expand_as(b.d)
         return _ones(b), keep, torch.zeros_like(b.valid), \
             {"frac_tokens_outlier": int(bad.sum()) / max(int(b.valid.sum()), 1)}
-    return _run("outlier_veto", b, compute)
+    return _run("outlier_veto", b, compute, params={"lo": lo, "hi": hi})
 
 
 def token_mask(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, lo: float | None = None,
@@ -397,7 +423,7 @@ def token_mask(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None
     def compute(b):
         keep = (b.d >= llo) & (b.d <= lhi)
         return _ones(b), keep, torch.zeros_like(b.valid), {}
-    return _run("token_mask", b, compute)
+    return _run("token_mask", b, compute, params=_ratio_bounds(lo, hi))
 
 
 def masked_is(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, lo: float | None = None,
@@ -419,10 +445,83 @@ def masked_is(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None,
         r = torch.exp(b.d)
         keep = (b.d >= llo) & (b.d <= lhi)
         return _capped(r, c), keep, (r > c) & keep, {}
-    return _run("masked_is", b, compute, cap=c)
+    return _run("masked_is", b, compute, cap=c, params={**_ratio_bounds(lo, hi), "cap": c})
 
 
-ORDERS = ("skyrl", "verl")
+ORDERS = ("skyrl", "verl", "skyrl_exact")
+
+# -- SkyRL 0.4.0's arithmetic (order="skyrl_exact"): skyrl/backends/skyrl_train/utils/
+# off_policy_correction_utils.py, operation by operation, in the input's dtype. Each part maps
+# (a, b, m, params) -> (weights or None, keep mask or None); m is the float32 loss mask so far.
+SKYRL_CLIP = 20.0
+
+
+def skyrl_ratio(delta, dtype):
+    """SkyRL ``safe_exp_delta``: ``exp(clamp(float32(delta), -20, 20))`` cast to ``dtype``."""
+    import torch
+
+    return torch.clamp(delta.to(torch.float32), -SKYRL_CLIP, SKYRL_CLIP).exp().to(dtype)
+
+
+def _sk_token_tis(a, b, m, p):
+    """``min(r_t, C)``, ``r_t = skyrl_ratio(a - b)``."""
+    import torch
+
+    return torch.clamp(skyrl_ratio(a - b, a.dtype), max=p["cap"]), None
+
+
+def _sk_sequence_tis(a, b, m, p):
+    """``min(skyrl_ratio(Σ_t (a - b) m), C)`` on every token of the sequence."""
+    import torch
+
+    s = ((a - b) * m).sum(dim=-1, keepdim=True)
+    return torch.clamp(skyrl_ratio(s, a.dtype), max=p["cap"]).expand_as(a), None
+
+
+def _sk_in_bounds(r, lo, hi):
+    """``lo <= r <= hi`` with a missing bound open (compared as SkyRL does, on ratios)."""
+    import torch
+
+    ok = torch.ones_like(r, dtype=torch.bool)
+    if hi is not None:
+        ok = ok & ~(r > hi)
+    if lo is not None:
+        ok = ok & ~(r < lo)
+    return ok
+
+
+def _sk_outlier_veto(a, b, m, p):
+    """Drop a sequence if a kept token's ratio lies outside ``[lo, hi]``."""
+    ok = _sk_in_bounds(skyrl_ratio(a - b, a.dtype), p["lo"], p["hi"]) | (m == 0)
+    return None, ok.all(dim=-1, keepdim=True).float()
+
+
+def _sk_token_mask(a, b, m, p):
+    """Keep a token iff ``lo <= r_t <= hi`` (masked tokens stay as they are)."""
+    return None, (_sk_in_bounds(skyrl_ratio(a - b, a.dtype), p["lo"], p["hi"]) | (m == 0)).float()
+
+
+def _sk_masked_is(a, b, m, p):
+    """SkyRL's token mask ``[lo, hi]`` and token TIS with cap C."""
+    return _sk_token_tis(a, b, m, p)[0], _sk_token_mask(a, b, m, p)[1]
+
+
+def _sk_geometric_mask(a, b, m, p):
+    """Keep a sequence iff ``lo <= skyrl_ratio(Σ (a - b) m / max(Σ m, 1)) <= hi``."""
+    n = m.sum(dim=-1, keepdim=True).clamp(min=1.0)
+    g = skyrl_ratio(((a - b) * m).sum(dim=-1, keepdim=True) / n, a.dtype)
+    return None, _sk_in_bounds(g, p["lo"], p["hi"]).float()
+
+
+def _sk_product_mask(a, b, m, p):
+    """Keep a sequence iff ``lo <= skyrl_ratio(Σ (a - b) m) <= hi``."""
+    g = skyrl_ratio(((a - b) * m).sum(dim=-1, keepdim=True), a.dtype)
+    return None, _sk_in_bounds(g, p["lo"], p["hi"]).float()
+
+
+_SKYRL_PARTS = {"token_tis": _sk_token_tis, "sequence_tis": _sk_sequence_tis, "outlier_veto": _sk_outlier_veto,
+                "token_mask": _sk_token_mask, "masked_is": _sk_masked_is, "geometric_mask": _sk_geometric_mask,
+                "product_mask": _sk_product_mask}
 
 
 def combine(*corrections: Correction, order: str = "skyrl") -> Correction:
@@ -435,12 +534,45 @@ def combine(*corrections: Correction, order: str = "skyrl") -> Correction:
     sequence's S_i, L_i (sequence TIS, geometric/product masks) sum over its tokens that are
     still kept. Weights are 0 on tokens an earlier step removed.
 
+    ``order="skyrl_exact"``: the same pipeline in SkyRL 0.4.0's own arithmetic
+    (``compute_off_policy_correction``), bitwise: ``d = a − b`` and the sums ``Σ d·m`` in the
+    input's dtype (m: the float32 loss mask so far), every ratio ``exp(clamp(float32(x), −20, 20))``
+    cast back to the input's dtype — so ``|log r|`` above 20 gives ``e^±20``, where the other
+    orders give the true ratio — bounds compared on ratios, ``min(r, C)`` in that dtype
+    (``fp32(C)`` may lie above C). ``masked_is`` is SkyRL's token mask plus token TIS.
+
     ``order="verl"``: verl's rollout correction. Every part is computed on the original mask
     (as passed), then weights multiply and masks AND.
 
-    Metrics: the combined ones (same definitions; ``frac_tokens_clipped`` is left out) plus each
-    part's metrics prefixed ``<name>/`` (under "skyrl", the re-computed part's).
+    Metrics: the combined ones (same definitions; ``frac_tokens_clipped`` is left out) plus, but
+    under "skyrl_exact", each part's metrics prefixed ``<name>/`` (under "skyrl", the re-computed
+    part's).
     """
+    import torch
+
+    batch = _check_combine(corrections, order)
+    if order == "verl":
+        parts = list(corrections)
+        _, w, keep = parts[0]._state
+        for c in parts[1:]:
+            w, keep = w * c._state[1], keep & c._state[2]
+    elif order == "skyrl":
+        w, keep, parts = _combine_skyrl(corrections, batch)
+    else:
+        w, keep, parts = _combine_skyrl_exact(corrections, batch)
+    metrics = _metrics(batch, w, keep, torch.zeros_like(keep))
+    del metrics["frac_tokens_clipped"]
+    metrics.update({f"{c.name}/{k}": v for c in parts for k, v in c.metrics.items()})
+    name = "+".join(c.name for c in (parts or sorted(corrections, key=_stage)))
+    return Correction(name, batch.out(w), batch.out(keep), metrics, _state=(batch, w, keep))
+
+
+def _stage(c: Correction) -> int:
+    return _STAGE.get(c.name, 2)
+
+
+def _check_combine(corrections, order) -> _Batch:
+    """The batch the corrections share; InputError naming the first that does not fit."""
     import torch
 
     if order not in ORDERS:
@@ -450,33 +582,45 @@ def combine(*corrections: Correction, order: str = "skyrl") -> Correction:
     for i, c in enumerate(corrections):
         if not isinstance(c, Correction) or c._state is None:
             raise InputError(f"expected a Correction, got {type(c).__name__}", field="corrections", index=i)
+        if order != "verl" and c._recipe is None:
+            raise InputError(f"{c.name} cannot be re-run on a new mask (order={order!r})",
+                             field="corrections", index=i)
     batch = corrections[0]._state[0]
     for i, c in enumerate(corrections[1:], 1):
         b2 = c._state[0]
         if b2.d.shape != batch.d.shape or not torch.equal(b2.valid, batch.valid) or not torch.equal(b2.d, batch.d):
             raise InputError("corrections were computed on different batches", field="corrections", index=i)
-    if order == "verl":
-        parts = list(corrections)
-        _, w, keep = parts[0]._state
-        for c in parts[1:]:
-            w, keep = w * c._state[1], keep & c._state[2]
-    else:
-        ranked = sorted(range(len(corrections)), key=lambda i: _STAGE.get(corrections[i].name, 2))
-        keep = batch.valid
-        w = torch.where(batch.valid, 1.0, 0.0).to(torch.float64)
-        parts = []
-        for i in ranked:
-            c = corrections[i]
-            if c._recipe is None:
-                raise InputError(f"{c.name} cannot be re-run on a new mask (order='skyrl')",
-                                 field="corrections", index=i)
-            sub = batch.restrict(keep)
-            part = _run(c.name, sub, c._recipe)
-            parts.append(part)
-            _, pw, pk = part._state
-            w, keep = w * pw, keep & pk
-    metrics = _metrics(batch, w, keep, torch.zeros_like(keep))
-    del metrics["frac_tokens_clipped"]
-    metrics.update({f"{c.name}/{k}": v for c in parts for k, v in c.metrics.items()})
-    name = "+".join(c.name for c in parts)
-    return Correction(name, batch.out(w), batch.out(keep), metrics, _state=(batch, w, keep))
+    return batch
+
+
+def _combine_skyrl(corrections, batch):
+    """Each part re-run on the mask the previous stages left (float64, log space)."""
+    import torch
+
+    keep = batch.valid
+    w = torch.where(batch.valid, 1.0, 0.0).to(torch.float64)
+    parts = []
+    for c in sorted(corrections, key=_stage):
+        part = _run(c.name, batch.restrict(keep), c._recipe)
+        parts.append(part)
+        _, pw, pk = part._state
+        w, keep = w * pw, keep & pk
+    return w, keep, parts
+
+
+def _combine_skyrl_exact(corrections, batch):
+    """SkyRL's ``compute_off_policy_correction`` on the padded inputs (``_SKYRL_PARTS``)."""
+    import torch
+
+    a, b = batch.padded_inputs()
+    m = batch.valid.to(torch.float32)
+    w = None
+    for c in sorted(corrections, key=_stage):
+        pw, pk = _SKYRL_PARTS[c.name](a, b, m, c._params)
+        if pk is not None:
+            m = m * pk
+        if pw is not None:
+            w = pw if w is None else w * pw
+    keep = m > 0
+    w = torch.ones_like(batch.d) if w is None else w.to(torch.float64)
+    return torch.where(keep, w, torch.zeros((), dtype=w.dtype, device=w.device)), keep, []

@@ -149,6 +149,43 @@ def test_combine_orders_differ_hand():
         assert _m(C.combine(*vt, order=order)) == KEEP_SEQ0
 
 
+def test_combine_skyrl_exact_hand():
+    """SkyRL's arithmetic: the hand pipeline of test_combine_orders_differ_hand gives the same
+    masks and, within float32, the same weights; the NaN in the padding is never read."""
+    parts = (C.sequence_tis(TRAIN, ROLL, MASK, cap=10.0), C.geometric_mask(TRAIN, ROLL, MASK, lo=0.6, hi=1.5),
+             C.token_mask(TRAIN, ROLL, MASK, hi=2.0))
+    ex = C.combine(*parts, order="skyrl_exact")
+    assert ex.name == "token_mask+sequence_tis+geometric_mask"
+    assert _m(ex) == [[0, 1, 1], [0, 1, 0]]
+    # SkyRL's ratios go through float32 even for float64 input (safe_exp_delta): 2 float32 ulp
+    np.testing.assert_allclose(_w(ex), [[0, 0.9, 0.9], [0, 1.2, 0]], rtol=2.0 ** -22)
+    assert ex.weights.dtype == torch.float64 and "sequence_tis/n_tokens" not in ex.metrics
+    f32 = C.combine(*(C.token_tis(TRAIN.float(), ROLL.float(), MASK, cap=1.1),), order="skyrl_exact")
+    assert f32.weights.dtype == torch.float32
+    assert f32.weights[0, 0] == torch.tensor(1.1, dtype=torch.float32)
+    assert float(f32.weights[0, 0]) > 1.1                        # fp32(C), as SkyRL's clamp gives
+
+
+def test_combine_skyrl_exact_clamps_log_ratios_at_20():
+    """A sequence with Σ d = -30 (3 tokens of -10): sequence TIS is e^-20 in SkyRL's arithmetic,
+    e^-30 in the others; a token ratio e^25 vetoed above 1e10 by the others but not by SkyRL (its
+    ratio stops at e^20 = 4.85e8). Flat input and numpy input give the same."""
+    trainer = torch.tensor([[-10.0, -10.0, -10.0], [25.0, 0.0, 0.0]])
+    roll = torch.zeros(2, 3)
+    seq = C.sequence_tis(trainer, roll, cap=5.0)
+    assert float(C.combine(seq, order="skyrl").weights[0, 0]) == pytest.approx(math.exp(-30), rel=1e-6)
+    ex = C.combine(seq, order="skyrl_exact")
+    assert ex.weights[0, 0] == torch.tensor(-20.0).exp()
+    veto = C.outlier_veto(trainer, roll, lo=None, hi=1e10)
+    assert _m(C.combine(veto, order="skyrl"))[1] == [0, 0, 0]
+    assert _m(C.combine(veto, order="skyrl_exact"))[1] == [1, 1, 1]
+    flat = C.combine(C.sequence_tis(trainer.reshape(-1), roll.reshape(-1), cu_seqlens=torch.tensor([0, 3, 6]),
+                                    cap=5.0), order="skyrl_exact")
+    assert torch.equal(flat.weights, ex.weights.reshape(-1))
+    npy = C.combine(C.sequence_tis(trainer.numpy(), roll.numpy(), cap=5.0), order="skyrl_exact")
+    assert npy.weights.dtype == np.float64 and np.array_equal(npy.weights, ex.weights.double().numpy())
+
+
 @pytest.mark.parametrize("cap", [3.0, 2.0, 1.1, 5.0, 7.0, 0.3])
 def test_clipped_weights_are_exactly_the_cap(cap):
     """exp(min(d, ln C)) is not C in float64 (C = 3 gives 3.0000000000000004): the weight must be C."""

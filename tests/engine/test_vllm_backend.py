@@ -49,3 +49,17 @@ def test_update_info_is_checked():
     for bad in ({"version": -1}, {"version": 1.0}, {"version": "2"}, {"tensors": []}):
         with pytest.raises(InputError):
             _typed(SkyrlDeltaUpdateInfo, bad, "update_info")
+
+
+def test_a_store_of_another_layout_is_named(tmp_path):
+    """The server-side receiver: a store holding SkyRL's layout is refused naming it (before, an
+    empty version list: "no version published")."""
+    from skyrl_numerics.engine.transfer_backend import SkyrlDeltaEngine
+    from skyrl_numerics.sync.weight_sync import DeltaReceiver
+
+    (tmp_path / "delta-00000001").mkdir()
+    (tmp_path / "delta-00000001" / "manifest.json").write_text("{}")
+    eng = SkyrlDeltaEngine.__new__(SkyrlDeltaEngine)   # no engine: only its version chain
+    eng.receiver, eng.store, eng._high_water = DeltaReceiver(tmp_path), str(tmp_path), {}
+    with pytest.raises(InputError, match="found a SkyRL checkpoint-delta store .* expected manifests/"):
+        eng._chain(None)

@@ -6,7 +6,8 @@ from torch.nn.utils import parametrize
 from skyrl_numerics.errors import InputError
 from qmodels import fake_quant_experts_, tiny_qwen3_moe
 
-from skyrl_numerics.quant import QATRule, apply_qat, fake_quant, remove_qat, ste_fake_quant
+from skyrl_numerics.quant import QATRule, apply_qat, fake_quant, quantize, remove_qat, ste_fake_quant
+from skyrl_numerics.quant.ste import representable_range
 
 
 def test_plain_ste_is_identity_gradient():
@@ -28,6 +29,15 @@ def test_clipped_ste_zeroes_saturated_elements():
     w.requires_grad_(True)
     ste_fake_quant(w, "int4_g32", clip=True).sum().backward()
     assert w.grad[0, :2].tolist() == [0.0, 1.0]
+    w = torch.zeros(1, 32)
+    w[0, 0], w[0, 1], w[0, 2] = 7.0, -7.0, 3.0                     # kimi: s = 1, hi = 7, lo = -7
+    w.requires_grad_(True)
+    ste_fake_quant(w, "int4_g32_kimi", clip=True).sum().backward()
+    assert w.grad[0, :3].tolist() == [1.0, 1.0, 1.0]
+    lo, hi = representable_range(quantize(w.detach(), "int4_g32_kimi"))
+    assert (float(lo[0, 0]), float(hi[0, 0])) == (-7.0, 7.0)
+    static = quantize(w.detach(), "int4_g32_kimi", scale=torch.tensor([[0.5]]))
+    assert static.codes[0, :3].tolist() == [7, -7, 6]             # static scales saturate at -7
 
 
 RULES = [

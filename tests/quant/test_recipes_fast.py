@@ -25,6 +25,8 @@ CONFIGS = [
     ("nvfp4", {"convention": "vllm", "tile": (16, 16)}), ("nvfp4", {"convention": "modelopt", "tile": (16, 16)}),
     ("nvfp4", {"convention": "vllm", "global_amax": 3.0}), ("nvfp4", {"convention": "torchao", "global_scale": 1e-3}),
     ("nvfp4", {"convention": "compressed_tensors", "stats_dtype": torch.bfloat16}),
+    ("int4_g32_kimi", {}), ("fp8_block", {"convention": "skyrl"}),
+    ("fp8_block", {"convention": "skyrl", "ue8m0": True, "block": (128, 128)}),
 ]
 IDS = [f"{r}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for r, o in CONFIGS]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
@@ -84,7 +86,7 @@ def test_fused_non_finite_inputs(case):
     g = torch.Generator().manual_seed(100 + case)
     x = _special((128, 256), g, torch.float32)
     x[3, 5], x[7, 100], x[64, 17] = float("inf"), -float("inf"), float("nan")
-    if recipe == "int4_g32":
+    if recipe.startswith("int4"):
         with pytest.raises(Exception):
             api._fake_quant_reference(x, recipe, **opts)
         with pytest.raises(Exception):
@@ -109,7 +111,7 @@ def test_fused_chunk_boundaries(case, chunk, monkeypatch):
 def test_shapes_the_fused_path_leaves_to_the_reference():
     x = torch.randn(3, 40).to(torch.bfloat16)                 # 40 is no multiple of 16 / 32 / 128
     for recipe, opts in CONFIGS:
-        if recipe in ("fp8_tensor", "fp8_token", "int4_g32") or opts.get("block") in ((-1, -1),):
+        if recipe in ("fp8_tensor", "fp8_token", "int4_g32", "int4_g32_kimi") or opts.get("block") in ((-1, -1),):
             continue
         if recipe in ("fp8_channel",) and "block" not in opts:
             continue

@@ -15,11 +15,12 @@ CONFIGS = [
     ("nvfp4", {"convention": "vllm"}), ("nvfp4", {"convention": "te"}),
     ("nvfp4", {"convention": "modelopt"}), ("nvfp4", {"convention": "torchao"}),
     ("nvfp4", {"convention": "te", "tile": (16, 16)}), ("nvfp4", {"convention": "compressed_tensors"}),
+    ("int4_g32_kimi", {}), ("fp8_block", {"convention": "skyrl", "ue8m0": True, "block": (16, 128)}),
 ]
 IDS = [f"{r}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for r, o in CONFIGS]
 
 #: recipes whose dynamic scale is a fixed point of fake_quant (bitwise idempotent without help)
-FIXED_POINT = {0, 1, 2, 4, 5, 6, 7, 8, 9}
+FIXED_POINT = {0, 1, 2, 4, 5, 6, 7, 8, 9, 17, 18}
 
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.replay import PackedSupport, support_logprobs, support_logprobs_reference
+from support_tol import float32_tolerance
 
 
 def _case(seed, n=7, H=16, V=50, max_k=12, dtype=torch.float64):
@@ -133,6 +134,40 @@ def test_bf16_inputs(method):
     rlp, _ = support_logprobs_reference(hidden, W, targets, sup)
     assert lp.dtype == torch.float32
     torch.testing.assert_close(lp, rlp, rtol=1e-3, atol=1e-3)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2 ** 31), st.floats(0.25, 4.0), st.sampled_from(["dense", "sparse", "auto"]),
+       st.booleans(), st.integers(1, 64))
+def test_temperature_matches_float64_reference(seed, T, method, full, chunk):
+    """Logits divided by T before the renormalized log-softmax: float32 against the float64 spec,
+    within the float32 error bound of tests/support_tol.py; T != 1 moves the result far beyond it."""
+    hidden, W, targets, sup = _case(seed, n=6, H=32, V=80, max_k=20, dtype=torch.float32)
+    if full or method == "sparse":
+        sup = PackedSupport.full(6, 80) if full else sup
+    lp, ent = support_logprobs(hidden, W, targets, sup, chunk=chunk, method=method, temperature=T)
+    rlp, rent = support_logprobs_reference(hidden.double(), W.double(), targets, sup, temperature=T)
+    tol = float32_tolerance(hidden, W, [sup.row(i) for i in range(6)], T)
+    assert ((lp.double() - rlp).abs() <= tol).all() and ((ent.double() - rent).abs() <= tol).all()
+    plain, _ = support_logprobs_reference(hidden.double(), W.double(), targets, sup)
+    if abs(T - 1) > 0.05:
+        assert ((plain - rlp).abs() > 10 * tol).any()
+
+
+@pytest.mark.parametrize("method", ["dense", "sparse"])
+def test_temperature_gradcheck_float64(method):
+    hidden, W, targets, sup = _case(5, n=3, H=4, V=11, max_k=5)
+    h, w = hidden.requires_grad_(), W.requires_grad_()
+    fn = lambda a, b: support_logprobs(a, b, targets, sup, chunk=4, method=method, temperature=0.6)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (h, w))
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf"), True, "2"])
+def test_temperature_must_be_a_positive_number(bad):
+    hidden, W, targets, sup = _case(1, n=4)
+    with pytest.raises(InputError) as e:
+        support_logprobs(hidden, W, targets, sup, temperature=bad)
+    assert e.value.field == "temperature"
 
 
 def test_errors():

@@ -344,10 +344,12 @@ class RemoteGeneratorWorker:
         """Pull the newest published version into the server."""
         from skyrl_numerics.sync.store import SyncStore
         from skyrl_numerics.engine.transfer_backend import call_server
-        from skyrl_numerics.sync.manifest import list_versions, read_manifest
+        from skyrl_numerics.sync.manifest import read_manifest, readable_versions
 
         store = SyncStore(self.store)
-        versions = list_versions(store)
+        versions = readable_versions(store)   # another layout: InputError naming it
+        if not versions:
+            raise InputError(f"no version published in {self.store}", field="store")
         version = versions[-1]
         t0 = time.perf_counter()
 

@@ -227,10 +227,10 @@ class SkyrlDeltaEngine(WeightTransferEngine[SkyrlDeltaInitInfo, SkyrlDeltaUpdate
     def _chain(self, target: int | None) -> list[int]:
         """Versions to apply, in order, to go from the held version to ``target``: back from
         ``target`` along ``base_version`` to the held version or to a full snapshot."""
-        from skyrl_numerics.sync.manifest import list_versions, manifest_path, read_manifest
+        from skyrl_numerics.sync.manifest import manifest_path, read_manifest, readable_versions
 
         r = self.receiver
-        versions = list_versions(r.store)
+        versions = readable_versions(r.store)   # another layout: InputError naming it
         if not versions:
             raise InputError(f"no version published in {self.store}", field="update_info.version")
         target = versions[-1] if target is None else target

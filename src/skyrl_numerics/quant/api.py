@@ -6,12 +6,16 @@ recipe         format and source convention (formulas in each ``quantize_*`` doc
 fp8_tensor     E4M3, one float32 scale; vLLM QuantFP8 (dynamic ``amax/448`` or static scale)
 fp8_channel    E4M3, one scale per row (output channel); compressed-tensors weights
 fp8_token      E4M3, one scale per row (token); vLLM dynamic per-token, ``scale_ub``
-fp8_block      E4M3, 1x128 / 128x128 blocks; DeepSeek-V3 / vLLM group quant, optional UE8M0
+fp8_block      E4M3, 1x128 / 128x128 blocks; DeepSeek-V3 / vLLM group quant, optional UE8M0;
+               ``convention`` vllm | skyrl (SkyRL's FP8 weight-sync cast: ``amax/448``)
 mxfp8          E4M3 or E5M2, 1x32 blocks, E8M0 scale; ``scale_mode`` floor (OCP) | rceil (TE)
 mxfp4          E2M1, 1x32 blocks, E8M0 scale
 nvfp4          E2M1, 1x16 (or 16x16) blocks, E4M3 scale, FP32 global; ``convention``
                vllm | te | modelopt | torchao | compressed_tensors | modelopt<0.45 | torchao<0.17
-int4_g32       INT4 symmetric groups of 32, scale in the weight dtype; compressed-tensors W4A16
+int4_g32       INT4 symmetric groups of 32, scale in the weight dtype, ``amax/7.5``, codes [-8, 7];
+               compressed-tensors W4A16 (llm-compressor RTN)
+int4_g32_kimi  the same with ``amax/7.0``, codes [-7, 7]; Kimi K2-Thinking / K2.6 (SkyRL
+               ``fake_int4_qat`` with ``scale_divisor=7.0``)
 =============  =============================================================================
 """
 from __future__ import annotations
@@ -37,6 +41,7 @@ _Q: dict[str, Callable[..., QTensor]] = {
     "mxfp4": recipes_mx.quantize_mxfp4,
     "nvfp4": recipes_nvfp4.quantize_nvfp4,
     "int4_g32": recipes_int4.quantize_int4,
+    "int4_g32_kimi": recipes_int4.quantize_int4_kimi,
 }
 _DQ: dict[str, Callable[[QTensor], torch.Tensor]] = {
     "fp8_tensor": recipes_fp8.dequantize_fp8,
@@ -47,6 +52,7 @@ _DQ: dict[str, Callable[[QTensor], torch.Tensor]] = {
     "mxfp4": recipes_mx.dequantize_mx,
     "nvfp4": recipes_nvfp4.dequantize_nvfp4,
     "int4_g32": recipes_int4.dequantize_int4,
+    "int4_g32_kimi": recipes_int4.dequantize_int4,
 }
 
 #: the recipe names ``quantize`` accepts
@@ -157,7 +163,7 @@ def check_qtensor(q: QTensor) -> None:
     for d in shape[:-1]:
         R *= d
     fp4 = r in ("mxfp4", "nvfp4")
-    want_codes = (torch.uint8,) if fp4 else (torch.int8,) if r == "int4_g32" else _FP8_CODES
+    want_codes = (torch.uint8,) if fp4 else (torch.int8,) if r in recipes_int4.INT4_GRIDS else _FP8_CODES
     if q.codes.dtype not in want_codes:
         raise bad(f"codes are {q.codes.dtype}, expected {' or '.join(map(str, want_codes))}", "codes")
     want_shape = shape[:-1] + (C // 2,) if fp4 else shape
@@ -208,6 +214,7 @@ _FAST: dict[str, Callable[..., torch.Tensor | None]] = {
     "mxfp8": recipes_mx.fake_quant_mx,
     "mxfp4": recipes_mx.fake_quant_mx,
     "int4_g32": recipes_int4.fake_quant_int4,
+    "int4_g32_kimi": recipes_int4.fake_quant_int4,
     "nvfp4": recipes_nvfp4.fake_quant_nvfp4,
 }
 

@@ -121,25 +121,52 @@ def ceil_pow2(s: torch.Tensor) -> torch.Tensor:
     return torch.where((s == 0) | ~torch.isfinite(s), s, p)
 
 
+#: ``quantize_fp8_block`` conventions (how the block scale is computed; the module doc's encode)
+FP8_BLOCK_CONVENTIONS = ("vllm", "skyrl")
+
+
+def fp8_block_scale(amax: torch.Tensor, eps: float, ue8m0: bool, convention: str) -> torch.Tensor:
+    """The float32 block scale of ``quantize_fp8_block`` from the block amax ``a``:
+
+    - ``vllm``: ``s = max(a, eps) * fp32(1/448)``; ``ue8m0``: the smallest power of two >= s,
+      exactly (:func:`ceil_pow2`).
+    - ``skyrl``: ``s = max(a, eps) / 448`` (true division); ``ue8m0``: ``2^ceil(log2 s)`` as torch
+      computes it in float32 (``log2`` may round ``s`` just above a power of two down to it).
+    """
+    a = amax.clamp(min=eps)
+    if convention == "skyrl":
+        s = a / FP8_MAX
+        return torch.pow(2.0, torch.ceil(torch.log2(s))) if ue8m0 else s
+    s = a * RCP_448
+    return ceil_pow2(s) if ue8m0 else s
+
+
 def quantize_fp8_block(x: torch.Tensor, block=(1, 128), eps: float = 1e-10, ue8m0: bool = False,
-                       scale=None) -> QTensor:
+                       scale=None, convention: str = "vllm") -> QTensor:
     """DeepSeek-V3 block FP8: 1x128 activation tiles, 128x128 weight blocks (pass ``block``).
 
-    vLLM ``per_token_group_quant_fp8`` (the Triton kernel): ``a = max(amax(|x_blk|), eps)`` with
-    ``eps = 1e-10``, ``s = a * fp32(1/448)``; with ``ue8m0=True`` (DeepGEMM on Blackwell)
-    ``s = 2^ceil(log2 s)`` — computed exactly here (vLLM's ``exp2(ceil(log2(s)))`` can miss by one
-    binade when ``s`` is within an fp32 ulp above a power of two). ``y = e4m3_rne(clamp(x / s))``,
-    ``x_hat = y * s``. Weight checkpoints store ``s`` as ``weight_scale_inv`` (one per block).
+    ``s`` per block from its amax (:func:`fp8_block_scale`), ``y = e4m3_rne(clamp(x / s))``,
+    ``x_hat = y * s``; blocks that do not divide the shape are zero-padded. Weight checkpoints
+    store ``s`` as ``weight_scale_inv`` (one per block). ``convention``:
+
+    - ``"vllm"``: vLLM ``per_token_group_quant_fp8`` (the Triton kernel), ``eps = 1e-10``;
+      ``ue8m0=True`` is DeepGEMM on Blackwell, computed exactly here (vLLM's
+      ``exp2(ceil(log2(s)))`` can miss by one binade when ``s`` is within an fp32 ulp above a
+      power of two).
+    - ``"skyrl"``: SkyRL 0.4.0 ``blockwise_cast_to_fp8`` (its FP8 weight-sync wire, 128x128),
+      ``power_2_scale`` = ``ue8m0``, its ``log2`` rounding included.
     """
+    if convention not in FP8_BLOCK_CONVENTIONS:
+        raise InputError(f"unknown fp8_block convention {convention!r}; expected one of "
+                         f"{FP8_BLOCK_CONVENTIONS}", field="convention")
     br, bc = block
     xb, info = to_blocks(x, (br, bc))
     if scale is None:
-        s = block_amax(xb).clamp(min=eps) * RCP_448
-        if ue8m0:
-            s = ceil_pow2(s)
+        s = fp8_block_scale(block_amax(xb), eps, ue8m0, convention)
     else:
         s = _static_scale(scale, (xb.shape[0], xb.shape[2]))
-    return _pack("fp8_block", x, _encode_e4m3(xb / s), s, info, {"block": tuple(block), "ue8m0": ue8m0, "eps": eps})
+    opts = {"block": tuple(block), "ue8m0": ue8m0, "eps": eps, "convention": convention}
+    return _pack("fp8_block", x, _encode_e4m3(xb / s), s, info, opts)
 
 
 # -- fused fake-quant (``fake_quant`` fast path): same formulas, no codes, chunked in cache ----------
@@ -181,10 +208,12 @@ def fake_quant_fp8(x: torch.Tensor, recipe: str, **opts) -> torch.Tensor | None:
     elif recipe == "fp8_block":
         block = tuple(opts.get("block", (1, 128)))
         eps, ue8m0 = opts.get("eps", 1e-10), opts.get("ue8m0", False)
+        conv = opts.get("convention", "vllm")
+        if conv not in FP8_BLOCK_CONVENTIONS:
+            return None
 
         def scale(amax):
-            s = amax.clamp(min=eps) * RCP_448
-            return ceil_pow2(s) if ue8m0 else s
+            return fp8_block_scale(amax, eps, ue8m0, conv)
 
         def elem(xb, s):
             return _fq_e4m3(xb.div_(s), s)

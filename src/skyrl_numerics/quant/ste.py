@@ -5,8 +5,8 @@ Backward, plain STE: ``dL/dx = dL/dx_hat`` (rounding treated as identity).
 Backward, clipped STE: ``dL/dx = dL/dx_hat * 1[lo <= x <= hi]`` where ``[lo, hi]`` is the range the
 element's block can represent with the scales chosen in the forward pass (``hi`` = largest
 positive code times the block scale, ``lo`` = most negative code times it). Elements that the
-format saturated (MX floor tops, INT4's +7.5, calibrated static scales) get no gradient, as in
-PACT/LSQ-style clipped STE.
+format saturated (MX floor tops, ``int4_g32``'s +7.5, calibrated static scales) get no gradient, as
+in PACT/LSQ-style clipped STE.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 
 from .api import dequantize, quantize
 from .qtensor import QTensor
+from .recipes_int4 import INT4_GRIDS
 
 # largest positive / most negative element code per storage kind
 _MAX_CODE = {torch.float8_e4m3fn: (0x7E, 0xFE), torch.float8_e5m2: (0x7B, 0xFB)}
@@ -24,8 +25,8 @@ _MAX_CODE = {torch.float8_e4m3fn: (0x7E, 0xFE), torch.float8_e5m2: (0x7B, 0xFB)}
 def _filled(q: QTensor, which: int) -> QTensor:
     """Copy of ``q`` with every element code set to the format's max (0) or min (1) code."""
     r = copy.copy(q)
-    if q.recipe == "int4_g32":
-        r.codes = torch.full_like(q.codes, 7 if which == 0 else -8)
+    if q.recipe in INT4_GRIDS:
+        r.codes = torch.full_like(q.codes, 7 if which == 0 else INT4_GRIDS[q.recipe][1])
     elif q.codes.dtype in _MAX_CODE:
         code = _MAX_CODE[q.codes.dtype][which]
         r.codes = torch.full_like(q.codes.view(torch.uint8), code).view(q.codes.dtype)

@@ -292,6 +292,44 @@ def list_versions(store: SyncStore) -> list[int]:
     return sorted(out)
 
 
+#: the layout :func:`list_versions` reads, as the errors name it
+LAYOUT = "manifests/<version:012d>.json + payloads/<version:012d>/ (skyrl-numerics DeltaPublisher)"
+_OURS = ("manifests", "payloads")
+_SKYRL_DELTA_RE = re.compile(r"^delta-\d{8}$")
+
+
+def foreign_layout(store: SyncStore) -> str | None:
+    """What the root of a store without a readable version holds instead, in words; ``None`` when
+    it holds nothing (no publish yet) or only this layout's folders (a publish under way).
+
+    Recognized: SkyRL's checkpoint-delta store (``delta-%08d/manifest.json``, SkyRL 0.4.0
+    ``DeltaCheckpointPublisher``) and this package's sharded store (``versions/`` + ``links/``);
+    anything else is named by its first entries."""
+    names = [n for n in store.list("") if not n.startswith(".")]
+    if not names or any(n in _OURS for n in names):
+        return None
+    skyrl = [n for n in names if _SKYRL_DELTA_RE.match(n) and store.exists(f"{n}/manifest.json")]
+    if skyrl:
+        return (f"a SkyRL checkpoint-delta store (delta-%08d/manifest.json, {len(skyrl)} version(s): "
+                f"{skyrl[0]}/manifest.json ...), which this receiver does not read")
+    if "versions" in names or "links" in names:
+        return ("a skyrl-numerics sharded store (versions/<v:012d>.json + links/s<S>-d<D>/): read it with "
+                "sync.sharded.ShardedReceiver, or point a DeltaReceiver at one links/ folder")
+    return f"{len(names)} entries of no weight-sync layout known here ({', '.join(names[:3])} ...)"
+
+
+def readable_versions(store: SyncStore) -> list[int]:
+    """:func:`list_versions`, or ``InputError`` naming the layout found and the one expected when
+    the store holds something else (a receiver pointed at it would otherwise apply nothing, silently)."""
+    versions = list_versions(store)
+    if not versions:
+        found = foreign_layout(store)
+        if found is not None:
+            raise InputError(f"no version this receiver can read under {store.url}: found {found}; expected "
+                             f"{LAYOUT}", field="root")
+    return versions
+
+
 def read_manifest(store: SyncStore, version: int, *, key=None) -> Manifest:
     rel = manifest_path(version)
     m = Manifest.from_json(store.read(rel, field="manifest"), source=rel, key=key)

@@ -32,6 +32,8 @@ class SyncStore:
             self.local = True
 
     def _path(self, rel: str) -> str:
+        if not rel:
+            return self.root
         return os.path.join(self.root, rel) if self.local else f"{self.root.rstrip('/')}/{rel}"
 
     def write(self, rel: str, data) -> None:
@@ -77,7 +79,8 @@ class SyncStore:
         return os.path.exists(path) if self.local else self.fs.exists(path)
 
     def list(self, rel_dir: str) -> list[str]:
-        """File names (not paths) directly inside ``rel_dir``; empty if it does not exist."""
+        """File names (not paths) directly inside ``rel_dir`` (``""``: the root); empty if it does
+        not exist."""
         path = self._path(rel_dir)
         if self.local:
             return sorted(os.listdir(path)) if os.path.isdir(path) else []

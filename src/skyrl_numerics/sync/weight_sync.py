@@ -50,7 +50,7 @@ from skyrl_numerics.sync.serving import (NATIVE, check_format, check_serving_ten
                                          serving_state)
 from skyrl_numerics.sync.manifest import (CHECKSUM_ALGOS, Manifest, TensorEntry, dtype_itemsize,
                                           list_versions, manifest_path, payload_dir, read_manifest,
-                                          signing_key, verify_payload)
+                                          readable_versions, signing_key, verify_payload)
 from skyrl_numerics.sync.store import SyncStore
 
 
@@ -305,7 +305,9 @@ class DeltaReceiver:
 
     # -- reading -------------------------------------------------------------------------------
     def latest_version(self) -> int | None:
-        vs = list_versions(self.store)
+        """The newest published version, ``None`` if none yet; ``InputError`` naming the layout
+        when the store holds another one (:func:`~skyrl_numerics.sync.manifest.readable_versions`)."""
+        vs = readable_versions(self.store)
         return vs[-1] if vs else None
 
     def prepare(self, version: int) -> PreparedUpdate:
@@ -465,10 +467,12 @@ class DeltaReceiver:
 
         When the next version is not there (a fresh receiver, or versions pruned) it jumps to the
         newest full snapshot newer than what it holds, then continues by deltas. Errors propagate
-        with the last good weights kept.
+        with the last good weights kept. A store that holds another layout (SkyRL's
+        ``delta-%08d/manifest.json``, a sharded store, anything else) and no version of ours is an
+        ``InputError`` naming what it found and what it expects, not an empty list.
         """
         applied: list[Manifest] = []
-        versions = list_versions(self.store)
+        versions = readable_versions(self.store)
         while True:
             cur = self.version
             if cur is not None and cur + 1 in versions:

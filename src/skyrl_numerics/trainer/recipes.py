@@ -27,7 +27,9 @@ recipe     what (source)
            dense, shared and routed experts, R3, token TIS cap 2, DAPO clip 0.2 / 0.28,
            GRPO 8 samples per prompt, no KL
 ``k2``     Kimi K2 RL: INT4 W4A16 (groups of 32) routed experts, trainer fake-quant, LoRA
-           32/64, R3, token TIS cap 2
+           32/64, R3, token TIS cap 2. The grid is compressed-tensors RTN (``int4_g32``,
+           ``amax/7.5``); Kimi's own releases use ``amax/7.0`` (quant recipe ``int4_g32_kimi``),
+           which is not a serving format of the invariant engine yet
 ``beam``   MXFP8 RL: MXFP8 weights and activations on every linear, full fine-tune (no LoRA:
            the trainer fake-quantizes its bf16 weights, the engine packs what it is sent)
 =========  ================================================================================
