@@ -158,3 +158,28 @@ def test_request_seeds_and_params():
     assert req.seed_of(2) == 6 and "top_k" not in req.params(0)
     assert "seed" not in check_generate(PROMPTS, top_k=0, seed=None, seeds=None,
                                         capture_support=False, **base).params(0)
+
+
+def test_multiturn_over_both_clients():
+    """``generate_multiturn`` (one ``Trajectory`` per row) gives the same trajectories through
+    either client; ``options=`` and keywords are the same call; deltas assemble into the routes
+    a full-prefix resend records."""
+    from skyrl_numerics.engine.multiturn import KeyValueEnv, MultiTurnOptions, generate_multiturn
+
+    local, remote = _engines()
+    kw = dict(max_turns=3, max_tokens=5, n=2, seed=1, top_k=8, capture_support=True,
+              topk_logprobs=3)
+    prompts = [p * 3 for p in PROMPTS]
+    a = generate_multiturn(local, prompts, KeyValueEnv, **kw)
+    b = generate_multiturn(remote, prompts, KeyValueEnv,
+                           options=MultiTurnOptions(**{**kw, "max_turns": 2}), max_turns=3)
+    full = generate_multiturn(local, prompts, KeyValueEnv, route_deltas=False, **kw)
+    assert a.is_multi_turn and a.num_turns.max() == 3 and list(a.group_ids) == [0, 0, 1, 1, 2, 2]
+    for f in ("prompt_tokens", "response_tokens", "response_cu", "loss_mask", "turns"):
+        assert np.array_equal(getattr(a, f), getattr(b, f)), f
+    assert np.array_equal(a.rollout_logprobs, b.rollout_logprobs, equal_nan=True)
+    assert a.support == b.support and a.routes == b.routes == full.routes
+    assert np.array_equal(a.topk.ids, b.topk.ids)
+    assert a.meta["env_reward"] == b.meta["env_reward"] and a.sampling == b.sampling
+    rb = a.meta["route_bytes"]
+    assert rb == b.meta["route_bytes"] and 0 < rb["delta"] < rb["full_resend"]
