@@ -10,19 +10,24 @@ with :func:`register_row`. The scenarios, rows and their trainers are
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from skyrl_numerics.doctor.engines import EngineStarts, ServedInPlace, room_for_engine
-from skyrl_numerics.doctor.engines import engine_kinds as _kinds, engine_plan, prefetch_enabled
+from skyrl_numerics.doctor.engines import engine_kinds, engine_plan, prefetch_enabled
 from skyrl_numerics.doctor.rows import (FULL, ROWS, SCENARIOS, TOPK, DoctorContext, Row, Scenario,
                                         register_row)
 from skyrl_numerics.doctor.engine_memory import (plan_for_doctor, release_engines,
                                                  scoring_needs_the_engines_memory)
+from skyrl_numerics.doctor.model_check import inspect_checkpoint
+from skyrl_numerics.engine import generator as engine_generator
 from skyrl_numerics.errors import NotEnoughMemory
+from skyrl_numerics.host import host_info, host_report, vllm_capabilities, vllm_version
+from skyrl_numerics.models import build_tiny_model
 from skyrl_numerics.rollout import Rollout
 from skyrl_numerics.rollout.prompts import make_prompts
 from skyrl_numerics.doctor.trainer_memory import copy_name, release_copy, scoring_order
@@ -32,6 +37,7 @@ __all__ = ["run_doctor", "score_rows", "skip_reason", "register_row", "Row", "Sc
            "SCENARIOS", "FULL", "TOPK", "DoctorContext", "DoctorResult", "SkippedReport"]
 
 DIGEST_KEY = "full distribution bitwise ="   # the report column of the full-row digest check
+LOG = logging.getLogger("skyrl_numerics.doctor")
 
 
 @dataclass
@@ -141,8 +147,6 @@ def _measured_row(row: Row, ctx: DoctorContext, ro: Rollout, lp: np.ndarray, bes
     """The report row of ``row``'s trainer logprobs ``lp`` against the engine's (and, for a row
     with a ``distribution`` check, the engine's top-K against the trainer's, while its copy is
     still loaded)."""
-    import logging
-
     from skyrl_numerics.gap import measure
     from skyrl_numerics.doctor.report import ReportRow
 
@@ -154,7 +158,6 @@ def _measured_row(row: Row, ctx: DoctorContext, ro: Rollout, lp: np.ndarray, bes
         rb = ro.meta["route_bytes"]
         extra["route kB (turn deltas / full resend)"] = (
             f"{rb['delta'] / 1e3:.1f} / {rb['full_resend'] / 1e3:.1f}")
-    log = logging.getLogger("skyrl_numerics.doctor")
     dist = getattr(row.compute, "distribution", None)
     if dist is not None and ro.topk is not None:
         try:
@@ -162,7 +165,7 @@ def _measured_row(row: Row, ctx: DoctorContext, ro: Rollout, lp: np.ndarray, bes
             extra[f"top-{d['k']} dist. bitwise ="] = f"{d['frac_bitwise']:.0%}"
             extra["_distribution"] = d
         except Exception as e:
-            log.exception("doctor: row %r distribution check failed", row.name)
+            LOG.exception("doctor: row %r distribution check failed", row.name)
             extra[f"top-{ro.topk.k} dist. bitwise ="] = f"failed: {one_line(e)}"
     digest = getattr(row.compute, "logits_digest", None)
     if digest is not None and getattr(ro, "logits_digest", None) is not None:
@@ -171,7 +174,7 @@ def _measured_row(row: Row, ctx: DoctorContext, ro: Rollout, lp: np.ndarray, bes
             extra[DIGEST_KEY] = f"{g['frac_bitwise']:.0%}"
             extra["_logits_digest"] = g
         except Exception as e:
-            log.exception("doctor: row %r logits digest check failed", row.name)
+            LOG.exception("doctor: row %r logits digest check failed", row.name)
             extra[DIGEST_KEY] = f"failed: {one_line(e)}"
     if beside_start.get(row.scenario):
         extra["_vLLM tok/s mark"] = ("†", "sampled while the next engine started in the "
@@ -209,9 +212,6 @@ def score_rows(selected: list, ctx: DoctorContext, rollouts: dict, skipped: dict
     reasons by row name / scenario (the row is listed with them)."""
     from skyrl_numerics.doctor.report import ReportRow
 
-    import logging
-
-    log = logging.getLogger("skyrl_numerics.doctor")
     beside_start = beside_start or {}
     results: dict[int, object] = {}
     lps: dict[int, np.ndarray] = {}
@@ -229,10 +229,10 @@ def score_rows(selected: list, ctx: DoctorContext, rollouts: dict, skipped: dict
             try:
                 lp = np.asarray(row.compute(ctx, ro), dtype=np.float32)
             except NotEnoughMemory as e:   # measured before loading its copy: nothing ran
-                log.warning("doctor: row %r skipped: %s", row.name, e)
+                LOG.warning("doctor: row %r skipped: %s", row.name, e)
                 status = f"skipped: {e}"
             except Exception as e:
-                log.exception("doctor: row %r failed", row.name)
+                LOG.exception("doctor: row %r failed", row.name)
                 status = f"failed: {one_line(e)}"
         if status is not None:
             results[i] = ReportRow(row.name, SkippedReport(status), np.zeros(0, np.float32),
@@ -241,7 +241,7 @@ def score_rows(selected: list, ctx: DoctorContext, rollouts: dict, skipped: dict
         else:
             results[i], lps[i] = _measured_row(row, ctx, ro, lp, beside_start), lp
         if i in frees and release_copy(ctx._models, frees[i]):
-            log.info("doctor: trainer copy %s freed after its last row", copy_name(frees[i]))
+            LOG.info("doctor: trainer copy %s freed after its last row", copy_name(frees[i]))
         advance(row.name)
     out_rows, scored = [results[i] for i in range(len(selected))], {}
     _causes(selected, out_rows)
@@ -271,14 +271,37 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
     ids). ``dtype``: the trainer dtype of the rows that keep the stored one. ``check(ckpt,
     selected_rows) -> prompts | None``: called before any engine starts (the CLI's memory and
     prompt checks; returned prompts replace ``prompts``)."""
-    import logging
-
     from rich.progress import Progress
 
-    from skyrl_numerics.doctor.model_check import inspect_checkpoint
-    from skyrl_numerics.models import build_tiny_model
-    from skyrl_numerics.engine.generator import VLLMGenerator, get_generator
+    user_ekw = dict(engine_args or {})
+    ctx, selected, prompts = _doctor_inputs(family, rows, seed, model_dir, user_ekw, dtype,
+                                            check, prompts)
+    skipped = {r.name: skip_reason(r, ctx) for r in selected}
+    mem = plan_for_doctor(ctx, selected, skipped, user_ekw, prompts=prompts, n_prompts=n_prompts,
+                          prompt_len=prompt_len, max_tokens=max_tokens, progress=progress)
+    scenarios = list(dict.fromkeys(r.scenario for r in selected if skipped[r.name] is None))
+    run = DoctorRun(ctx, {**user_ekw, **mem.settings}, mem, prompts, n_prompts, prompt_len,
+                    max_tokens, seed)   # engine settings derived from the checkpoint
+    with Progress(disable=not progress, transient=True) as prog:
+        task = prog.add_task("starting vLLM engine", total=len(scenarios) + len(selected))
+        run.sample_all(scenarios, prog, task)
+        if scoring_needs_the_engines_memory(mem):   # the trainer copies need the engines' memory
+            release_engines(run.live)
+        out_rows, scored = score_rows(selected, ctx, run.rollouts, skipped, run.failed,
+                                      no_routes=run.no_routes, beside_start=run.beside_start,
+                                      advance=lambda name: (
+                                          prog.update(task, description=f"trainer: {name}"),
+                                          prog.advance(task)))
+    info = run.engine_info()
+    return DoctorResult(out_rows, scored, info.name, info.version, ctx.model_dir,
+                        run.settings(scenarios, user_ekw, dtype), model=ctx.info.to_dict(),
+                        host=_host_report(run.hosts))
 
+
+def _doctor_inputs(family: str, rows, seed: int, model_dir, ekw: dict, dtype, check, prompts):
+    """Check the row names and the checkpoint (default: the tiny ``family`` model, built), and
+    select the rows for its family; ``(context, selected rows, prompts)`` (``check`` may replace
+    the prompts)."""
     if rows:
         unknown = set(rows) - {r.name for r in ROWS}
         if unknown:
@@ -286,126 +309,160 @@ def run_doctor(*, family: str = "qwen3_moe", n_prompts: int = 8, prompt_len: int
                              f"{[r.name for r in ROWS]}")
     if model_dir is None:
         model_dir = build_tiny_model(family, seed=seed)
-    ekw = dict(engine_args or {})
     ckpt = inspect_checkpoint(model_dir, engine_args=ekw)
-    if ckpt.model_type != family:
-        family = ckpt.model_type
+    family = ckpt.model_type
     # rows made for other families are left out; the generic rows (default ``families``) are
     # listed for every model, and skip_reason() says which of them do not apply
     selected = [r for r in ROWS if (r.name in rows if rows else r.default)
                 and (family in r.families or r.families == GENERIC_FAMILIES)]
-    model_dir = ckpt.path
-    ctx = DoctorContext(model_dir=model_dir, family=family, info=ckpt, dtype=dtype)
+    ctx = DoctorContext(model_dir=ckpt.path, family=family, info=ckpt, dtype=dtype)
     if check is not None:  # before skip_reason, which may load the HF model
         prompts = check(ckpt, selected) or prompts
-    skipped = {r.name: skip_reason(r, ctx) for r in selected}
-    mem = plan_for_doctor(ctx, selected, skipped, ekw, prompts=prompts, n_prompts=n_prompts,
-                          prompt_len=prompt_len, max_tokens=max_tokens, progress=progress)
-    user_ekw, ekw = ekw, {**ekw, **mem.settings}   # engine settings derived from the checkpoint
-    scenarios = list(dict.fromkeys(r.scenario for r in selected if skipped[r.name] is None))
-    failed: dict[str, str] = {}
-    no_routes = None   # why the engine could not capture routes (R3 rows are then skipped)
-    log = logging.getLogger("skyrl_numerics.doctor")
-    rollouts = {}
-    plan, own_scenarios = engine_plan(scenarios, SCENARIOS, model_dir, ekw, VLLMGenerator,
-                                      get_generator)
-    starts = EngineStarts(plan, prefetch_enabled(), alone=mem.alone_scenarios)
-    beside_start: dict[str, bool] = {}   # scenario sampled while another engine was starting
-    hosts, live = [], []   # each engine's own host report (engine_host); the shared engines
-    with Progress(disable=not progress, transient=True) as prog:
-        task = prog.add_task("starting vLLM engine", total=len(scenarios) + len(selected))
-        gen = None
-        base_tensors = None   # the model's tensors, read once for the in-place scenarios
-        try:
-            for i, sc in enumerate(scenarios):
-                spec = SCENARIOS[sc]
-                prog.update(task, description=f"sampling: {sc}")
-                in_place, own = _kinds(spec)
-                engine = None
-                if sc in mem.alone_scenarios:   # the others closed, trainer copies freed first
-                    base_tensors = release_engines(live, ctx._models)
-                try:
-                    if in_place:   # the shared engine, serving the scenario's weights for a while
-                        base = get_generator(model_dir, **ekw, capture_routes=ckpt.is_moe and not no_routes)
-                        gen = gen or base
-                        live.append(base)
-                        served_ip = ServedInPlace(base, model_dir, spec.serve(model_dir), base_tensors)
-                        base_tensors = served_ip.base
-                        starts.ahead(scenarios, i, lambda: room_for_engine(ckpt))
-                        with served_ip as engine:
-                            hosts.append(getattr(engine, "engine_host", None))
-                            engine.generate([[2, 3]], max_tokens=2)   # as every engine: warm-up
-                            sc_prompts = prompts or make_prompts(n_prompts, prompt_len,
-                                                                 engine.vocab_size, seed)
-                            beside_start[sc] = starts.busy()
-                            rollouts[sc] = spec.sample(engine, sc_prompts, max_tokens=max_tokens,
-                                                       seed=seed)
-                            beside_start[sc] |= starts.busy()
-                        served_ip, base_tensors = None, base_tensors if mem.together else None
-                        prog.advance(task)
-                        continue
-                    if sc in plan:                  # a shared engine variant or an own engine
-                        engine = starts.get(sc)
-                        if sc not in own_scenarios:
-                            gen = gen or engine
-                    elif spec.serve is None:
-                        try:
-                            gen = engine = get_generator(model_dir, **ekw,
-                                                         capture_routes=ckpt.is_moe and not no_routes)
-                        except RuntimeError as e:  # vLLM's model for this MoE: no router capture hook
-                            if not ckpt.is_moe or "route capture" not in str(e):
-                                raise
-                            log.exception("doctor: route capture unavailable, engine without it")
-                            no_routes = one_line(e)
-                            gen = engine = get_generator(model_dir, **ekw, capture_routes=False)
-                    starts.ahead(scenarios, i, lambda: room_for_engine(ckpt))
-                    hosts.append(getattr(engine, "engine_host", None))
-                    engine.generate([[2, 3]], max_tokens=2)  # warm-up, so tokens/s compares engines
-                    sc_prompts = prompts or make_prompts(n_prompts, prompt_len, engine.vocab_size, seed)
-                    beside_start[sc] = starts.busy()
-                    rollouts[sc] = spec.sample(engine, sc_prompts, max_tokens=max_tokens, seed=seed)
-                    beside_start[sc] |= starts.busy()
-                    if spec.record is not None:   # while the engine runs: scoring needs none
-                        ctx.recorded[id(rollouts[sc])] = spec.record(engine, rollouts[sc])
-                except Exception as e:  # the rows of this scenario show it; the traceback: the log
-                    log.exception("doctor: scenario %r failed", sc)
-                    failed[sc] = one_line(e)
-                if not own and engine is not None:
-                    live.append(engine)
-                if own and engine is not None:
-                    info = engine.info
-                    engine.close()
-                prog.advance(task)
-        finally:
-            starts.close(own_scenarios)   # a start never used (e.g. after an error)
-        if scoring_needs_the_engines_memory(mem):   # the trainer copies need the engines' memory
-            release_engines(live)
-        out_rows, scored = score_rows(selected, ctx, rollouts, skipped, failed, no_routes=no_routes,
-                                      beside_start=beside_start, advance=lambda name: (
-                                          prog.update(task, description=f"trainer: {name}"),
-                                          prog.advance(task)))
-    settings = dict(family=family, n_prompts=len(prompts) if prompts else n_prompts,
-                    prompt_len=None if prompts else prompt_len, prompts="given" if prompts
-                    else "seeded random ids", max_tokens=max_tokens, seed=seed,
-                    engine_args={k: repr(v) if not isinstance(v, (int, float, str, bool, type(None)))
-                                 else v for k, v in user_ekw.items()}, trainer_dtype=dtype,
-                    memory=mem.to_dict(),
-                    engines_started_ahead=sorted(starts.ahead_started),
-                    scenarios={s: {**SCENARIOS[s].sampling,
-                                   "description": SCENARIOS[s].description,
-                                   **_plan_setting(SCENARIOS[s], model_dir)}
-                               for s in scenarios})
-    from skyrl_numerics.host import host_info, host_report, vllm_capabilities, vllm_version
+    return ctx, selected, prompts
 
-    if gen is not None:
-        info = gen.info
-    elif "info" not in locals():  # no engine ran (every row skipped or failed)
-        from skyrl_numerics.engine.generator import EngineInfo
 
-        info = EngineInfo("vllm", vllm_version())
-
+def _host_report(hosts: list) -> dict:
+    """This host beside each engine's own report; the ISA warning logged."""
     rep = host_report({**host_info(), "vllm_kernels": vllm_capabilities()}, hosts)
     if rep["isa_warning"]:
-        log.warning("doctor: %s", rep["isa_warning"])
-    return DoctorResult(out_rows, scored, info.name, info.version, model_dir, settings,
-                        model=ckpt.to_dict(), host=rep)
+        LOG.warning("doctor: %s", rep["isa_warning"])
+    return rep
+
+
+@dataclass
+class DoctorRun:
+    """One :func:`run_doctor`'s engines and rollouts while its scenarios sample: shared engines
+    stay resident (``live``), own engines are closed once sampled, in-place scenarios borrow the
+    shared engine, the next engine starts ahead (``starts``)."""
+    ctx: DoctorContext
+    ekw: dict                         # engine arguments: the user's + the memory plan's
+    mem: Any                          # engine_memory.MemoryPlan
+    prompts: list | None
+    n_prompts: int
+    prompt_len: int
+    max_tokens: int
+    seed: int
+    plan: dict = field(default_factory=dict)        # scenario -> build() of its engine
+    own_scenarios: set = field(default_factory=set)
+    starts: EngineStarts | None = None
+    gen: Any = None                   # the first shared engine: the report's engine
+    closed_info: Any = None           # EngineInfo of the last own engine closed
+    base_tensors: dict | None = None  # the model's tensors, read once for in-place scenarios
+    no_routes: str | None = None      # why the engine could not capture routes (R3 skipped)
+    live: list = field(default_factory=list)       # the shared engines
+    hosts: list = field(default_factory=list)      # each engine's own host report
+    beside_start: dict = field(default_factory=dict)   # sampled while an engine was starting
+    failed: dict = field(default_factory=dict)     # scenario -> one-line error
+    rollouts: dict = field(default_factory=dict)   # scenario -> Rollout
+
+    def sample_all(self, scenarios: list, prog, task) -> None:
+        """Every scenario's rollout, in order (a failure is kept in ``failed``); engines started
+        ahead and never used are closed."""
+        self.plan, self.own_scenarios = engine_plan(
+            scenarios, SCENARIOS, self.ctx.model_dir, self.ekw, engine_generator.VLLMGenerator,
+            engine_generator.get_generator)
+        self.starts = EngineStarts(self.plan, prefetch_enabled(), alone=self.mem.alone_scenarios)
+        try:
+            for i, sc in enumerate(scenarios):
+                prog.update(task, description=f"sampling: {sc}")
+                self.sample_scenario(scenarios, i)
+                prog.advance(task)
+        finally:
+            self.starts.close(self.own_scenarios)   # a start never used (e.g. after an error)
+
+    def sample_scenario(self, scenarios: list, i: int) -> None:
+        sc = scenarios[i]
+        spec = SCENARIOS[sc]
+        in_place, own = engine_kinds(spec)
+        engine = None
+        if sc in self.mem.alone_scenarios:   # the others closed, trainer copies freed first
+            self.base_tensors = release_engines(self.live, self.ctx._models)
+        try:
+            if in_place:   # the shared engine, serving the scenario's weights for a while
+                self._sample_in_place(scenarios, i, spec)
+                return
+            engine = self._engine(sc, spec)
+            self.starts.ahead(scenarios, i, lambda: room_for_engine(self.ctx.info))
+            self._sample(engine, sc, spec)
+            if spec.record is not None:   # while the engine runs: scoring needs none
+                self.ctx.recorded[id(self.rollouts[sc])] = spec.record(engine, self.rollouts[sc])
+        except Exception as e:  # the rows of this scenario show it; the traceback: the log
+            LOG.exception("doctor: scenario %r failed", sc)
+            self.failed[sc] = one_line(e)
+        if engine is not None and not own:
+            self.live.append(engine)
+        if engine is not None and own:
+            self.closed_info = engine.info
+            engine.close()
+
+    def _shared(self, capture_routes):
+        return engine_generator.get_generator(self.ctx.model_dir, **self.ekw,
+                                              capture_routes=capture_routes)
+
+    def _engine(self, sc: str, spec: Scenario):
+        """The scenario's engine: planned (a shared variant or its own, maybe started ahead),
+        else the shared stock engine, without route capture if vLLM's model has no hook."""
+        if sc in self.plan:
+            engine = self.starts.get(sc)
+            if sc not in self.own_scenarios:
+                self.gen = self.gen or engine
+            return engine
+        if spec.serve is not None:
+            return None
+        try:
+            self.gen = self._shared(self.ctx.info.is_moe and not self.no_routes)
+        except RuntimeError as e:  # vLLM's model for this MoE: no router capture hook
+            if not self.ctx.info.is_moe or "route capture" not in str(e):
+                raise
+            LOG.exception("doctor: route capture unavailable, engine without it")
+            self.no_routes = one_line(e)
+            self.gen = self._shared(False)
+        return self.gen
+
+    def _sample_in_place(self, scenarios: list, i: int, spec: Scenario) -> None:
+        """The shared engine serving the scenario's checkpoint in place while it samples."""
+        base = self._shared(self.ctx.info.is_moe and not self.no_routes)
+        self.gen = self.gen or base
+        self.live.append(base)
+        served = ServedInPlace(base, self.ctx.model_dir, spec.serve(self.ctx.model_dir),
+                               self.base_tensors)
+        self.base_tensors = served.base
+        self.starts.ahead(scenarios, i, lambda: room_for_engine(self.ctx.info))
+        with served as engine:
+            self._sample(engine, scenarios[i], spec)
+        if not self.mem.together:
+            self.base_tensors = None
+
+    def _sample(self, engine, sc: str, spec: Scenario) -> None:
+        """Warm the engine up (so tokens/s compares engines), then sample the scenario."""
+        self.hosts.append(getattr(engine, "engine_host", None))
+        engine.generate([[2, 3]], max_tokens=2)
+        sc_prompts = self.prompts or make_prompts(self.n_prompts, self.prompt_len,
+                                                  engine.vocab_size, self.seed)
+        self.beside_start[sc] = self.starts.busy()
+        self.rollouts[sc] = spec.sample(engine, sc_prompts, max_tokens=self.max_tokens,
+                                        seed=self.seed)
+        self.beside_start[sc] |= self.starts.busy()
+
+    def engine_info(self):
+        """The report's engine: the shared one, else the last own engine, else vLLM's version
+        (no engine ran: every row skipped or failed)."""
+        if self.gen is not None:
+            return self.gen.info
+        return self.closed_info or engine_generator.EngineInfo("vllm", vllm_version())
+
+    def settings(self, scenarios: list, user_ekw: dict, dtype) -> dict:
+        """report.json's ``settings``."""
+        prompts = self.prompts
+        return dict(family=self.ctx.family, n_prompts=len(prompts) if prompts else self.n_prompts,
+                    prompt_len=None if prompts else self.prompt_len,
+                    prompts="given" if prompts else "seeded random ids",
+                    max_tokens=self.max_tokens, seed=self.seed,
+                    engine_args={k: repr(v) if not isinstance(v, (int, float, str, bool, type(None)))
+                                 else v for k, v in user_ekw.items()}, trainer_dtype=dtype,
+                    memory=self.mem.to_dict(),
+                    engines_started_ahead=sorted(self.starts.ahead_started),
+                    scenarios={s: {**SCENARIOS[s].sampling,
+                                   "description": SCENARIOS[s].description,
+                                   **_plan_setting(SCENARIOS[s], self.ctx.model_dir)}
+                               for s in scenarios})

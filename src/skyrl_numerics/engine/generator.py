@@ -23,6 +23,8 @@ import numpy as np
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.rollout import Rollout
 
+from .assemble import Request, Samples, assemble_rollout, check_generate
+
 WORKER_EXTENSION = "skyrl_numerics.engine.vllm_ext.SkyrlWorkerExtension"
 
 
@@ -93,62 +95,6 @@ def _refuse_spawn_reimport() -> None:
 
 def max_logprobs_of(gen) -> int:
     return int(getattr(gen, "max_logprobs", 0) or 0)
-
-
-def check_request(prompts, *, vocab_size: int, max_model_len: int, max_logprobs: int,
-                  max_tokens: int, capture_support, top_k: int, top_p: float,
-                  temperature: float) -> tuple[bool, int]:
-    """Check one ``generate`` call (every engine client: :class:`VLLMGenerator`,
-    :class:`~skyrl_numerics.engine.remote.RemoteGenerator`); returns ``(in_engine,
-    n_logprobs)``: whether the support must be captured inside the engine, and how many
-    logprobs per token to request."""
-    if not len(prompts):
-        raise InputError("no prompts", field="prompts")
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise InputError("empty prompt", row=i, field="prompts")
-        bad = [t for t in p if not 0 <= int(t) < vocab_size]
-        if bad:
-            raise InputError(f"token id {bad[0]} outside the vocabulary [0, {vocab_size})",
-                             row=i, field="prompts")
-        if len(p) + max_tokens > max_model_len:
-            raise InputError(f"prompt ({len(p)}) + max_tokens ({max_tokens}) exceeds "
-                             f"max_model_len {max_model_len}", row=i, field="prompts")
-    if capture_support not in (False, True, "auto", "sampler", "logprobs"):
-        raise InputError(f"capture_support must be a bool, 'auto', 'sampler' or 'logprobs', "
-                         f"got {capture_support!r}", field="capture_support")
-    if capture_support == "logprobs" and not 1 < top_k < max_logprobs:
-        raise InputError(f"capture_support='logprobs' needs 1 < top_k < max_logprobs "
-                         f"({max_logprobs}): the support is read from the top "
-                         "processed logprobs", field="top_k")
-    in_engine = capture_support == "sampler" or (
-        capture_support in (True, "auto") and not 1 < top_k < max_logprobs)
-    if in_engine and top_k <= 0 and top_p >= 1.0:
-        raise InputError("capture_support with neither top_k nor top_p < 1: the support is the "
-                         "whole vocabulary (nothing to capture)", field="top_k")
-    if in_engine and temperature <= 0:
-        raise InputError("capture_support needs temperature > 0 (greedy sampling has no "
-                         "support set)", field="temperature")
-    # More entries than top_k: vLLM's top-k keeps every token tied with the k-th logit (bf16
-    # logits tie often), so the support can exceed k. At least one returned entry must come
-    # back at -inf, proving the support ended inside what was returned.
-    n_logprobs = min(2 * top_k + 1, max_logprobs) if capture_support and not in_engine else 0
-    return in_engine, n_logprobs
-
-
-def check_route_starts(route_starts, prompts) -> list[int] | None:
-    """``route_starts``: ``None``, or one int per prompt in ``[0, len(prompt)]``."""
-    if route_starts is None:
-        return None
-    starts = [int(x) for x in route_starts]
-    if len(starts) != len(prompts):
-        raise InputError(f"{len(starts)} route starts for {len(prompts)} prompts",
-                         field="route_starts")
-    for i, (a, p) in enumerate(zip(starts, prompts)):
-        if not 0 <= a <= len(p):
-            raise InputError(f"route start {a} outside [0, {len(p)}] (the prompt's length)",
-                             field="route_starts", row=i)
-    return starts
 
 
 class VLLMGenerator:
@@ -276,94 +222,59 @@ class VLLMGenerator:
         """
         from vllm import SamplingParams
 
-        in_engine, n_logprobs = check_request(
+        req = check_generate(
             prompts, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
-            max_logprobs=self.max_logprobs, max_tokens=max_tokens, capture_support=capture_support,
-            top_k=top_k, top_p=top_p, temperature=temperature)
-        if not 0 <= topk_logprobs <= max_logprobs_of(self):
-            raise InputError(f"topk_logprobs must be in [0, max_logprobs {self.max_logprobs}], "
-                             f"got {topk_logprobs}", field="topk_logprobs")
-        if in_engine:
+            max_logprobs=max_logprobs_of(self), temperature=temperature, top_p=top_p,
+            top_k=top_k, max_tokens=max_tokens, seed=seed, n=n, capture_support=capture_support,
+            ignore_eos=ignore_eos, topk_logprobs=topk_logprobs, seeds=seeds,
+            route_starts=route_starts)
+        if req.in_engine:
             self._start_support_capture()
         if logits_digest:
             self._start_logits_digest()
-        if seeds is not None and len(seeds) != len(prompts):
-            raise InputError(f"{len(seeds)} seeds for {len(prompts)} prompts", field="seeds")
-        starts = check_route_starts(route_starts, prompts)
-        params = []
-        for i in range(len(prompts)):
-            kw = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n,
-                      logprobs=max(n_logprobs, topk_logprobs), ignore_eos=ignore_eos)
-            if top_k > 0:
-                kw["top_k"] = top_k
-            if seeds is not None:
-                kw["seed"] = int(seeds[i])
-            elif seed is not None:
-                kw["seed"] = seed + i
-            params.append(SamplingParams(**kw))
-        inputs = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
+        params = [SamplingParams(**req.params(i)) for i in range(len(prompts))]
+        inputs = [{"prompt_token_ids": req.prompt_ids(i)} for i in range(len(prompts))]
         t0 = time.perf_counter()
         outputs = self.llm.generate(inputs, params, use_tqdm=progress)
         elapsed = time.perf_counter() - t0
+        samples = self._samples(req, outputs)
+        routes = (self._fetch_routes(outputs, n, samples.prompts, samples.responses,
+                                     samples.route_starts()) if self.route_info else None)
+        support = self._support(req, outputs, samples)
+        digests = self._digests(outputs, n, samples) if logits_digest else None
+        return assemble_rollout(self, req, samples, elapsed, routes=routes, support=support,
+                                digests=digests)
 
-        p_rows, r_rows, lp_rows, groups, topk_rows, cached = [], [], [], [], [], []
-        top_rows = []   # topk_logprobs: {id: logprob} per token
+    @staticmethod
+    def _samples(req: Request, outputs) -> Samples:
+        """vLLM's ``RequestOutput``s as :class:`Samples` (the prompt ids as the engine echoes
+        them; the top-K from the ranked processed logprobs)."""
+        samples = Samples(req)
         for i, out in enumerate(outputs):
-            cached.append(int(getattr(out, "num_cached_tokens", 0) or 0))
+            samples.cached.append(int(getattr(out, "num_cached_tokens", 0) or 0))
             for comp in out.outputs:
                 toks = list(comp.token_ids)
-                lps = []
-                for j, (tok, d) in enumerate(zip(toks, comp.logprobs)):
-                    lps.append(d[tok].logprob)
-                    if capture_support and not in_engine:
-                        topk_rows.append({int(k): v.logprob for k, v in d.items()})
-                    if topk_logprobs:
-                        top_rows.append({int(k): v.logprob for k, v in d.items()
-                                         if v.rank is None or v.rank <= topk_logprobs})
-                p_rows.append(list(out.prompt_token_ids))
-                r_rows.append(toks)
-                lp_rows.append(lps)
-                groups.append(i)
-        sample_starts = None if starts is None else [starts[g] for g in groups]
-        routes = (self._fetch_routes(outputs, n, p_rows, r_rows, sample_starts)
-                  if self.route_info else None)
-        route_deltas = None
-        if sample_starts is not None:
-            route_deltas, routes = routes, None
-        support = None
-        if in_engine:
-            support = self._fetch_support(outputs, n, p_rows, r_rows)
-        else:
-            if getattr(self, "_support_hooked", False):  # hooked earlier: drop this call's records
-                self.llm.collective_rpc("skyrl_support_capture_fetch", args=([], [], []))
-            if capture_support:   # from the processed top-k logprobs (independent of the hook)
-                from skyrl_numerics.replay import PackedSupport
+                per_token = list(zip(toks, comp.logprobs))
+                top = ([{int(k): (v.logprob, v.rank) for k, v in d.items()} for _, d in per_token]
+                       if req.reads_top_logprobs else None)
+                samples.add(i, list(out.prompt_token_ids), toks,
+                            [d[tok].logprob for tok, d in per_token], top)
+        return samples
 
-                support = PackedSupport.from_topk_logprobs(topk_rows, requested=n_logprobs,
-                                                           vocab_size=self.vocab_size)
-        digests = None
-        if logits_digest:
-            try:
-                digests = self._fetch_digests(outputs, n, p_rows, r_rows)
-            finally:   # the hook hashes only while asked for
-                self.llm.collective_rpc("skyrl_logits_digest_stop")
-        n_tok = sum(len(r) for r in r_rows)
-        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, n=n,
-                        max_tokens=max_tokens, logprobs_mode="processed_logprobs")
-        meta = dict(model_dir=self.model_dir, dtype=self.dtype, generate_s=elapsed,
-                    num_cached_tokens=cached,
-                    tokens_per_s=n_tok / elapsed if elapsed > 0 else None)
-        if sample_starts is not None:
-            meta["route_deltas"] = route_deltas
-        ro = Rollout.from_lists(p_rows, r_rows, lp_rows, group_ids=np.asarray(groups),
-                                routes=routes, support=support, sampling=sampling, engine=self.info.name,
-                                engine_version=self.info.version, meta=meta)
-        if topk_logprobs:
-            from skyrl_numerics.gap.topk import TopkLogprobs
+    def _support(self, req: Request, outputs, samples: Samples):
+        """The call's support: captured by the engine's sampler (in-engine), else read from the
+        processed top logprobs (or none)."""
+        if req.in_engine:
+            return self._fetch_support(outputs, req.n, samples.prompts, samples.responses)
+        if getattr(self, "_support_hooked", False):  # hooked earlier: drop this call's records
+            self.llm.collective_rpc("skyrl_support_capture_fetch", args=([], [], []))
+        return samples.support(self.vocab_size)   # independent of the hook
 
-            ro.topk = TopkLogprobs.from_dicts(top_rows, topk_logprobs)
-        ro.logits_digest = digests
-        return ro
+    def _digests(self, outputs, n: int, samples: Samples):
+        try:
+            return self._fetch_digests(outputs, n, samples.prompts, samples.responses)
+        finally:   # the hook hashes only while asked for
+            self.llm.collective_rpc("skyrl_logits_digest_stop")
 
     def generate_multiturn(self, prompts, env, **kw) -> Rollout:
         """Multi-turn trajectories, one request per turn over the whole history, routes as turn

@@ -36,12 +36,15 @@ observation token's row is the token alone (never trained on, so never read by t
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
 from skyrl_numerics.errors import InputError
+from skyrl_numerics.gap.digest import DIGEST_BYTES, LogitsDigests, default_algo
+from skyrl_numerics.gap.topk import TopkLogprobs
+from skyrl_numerics.replay import PackedRoutes, PackedSupport, RouteTrace
 from skyrl_numerics.rollout import Rollout
 
 
@@ -100,141 +103,223 @@ def _num_experts(gen) -> int | None:
     return None if layout is None else int(layout[0])
 
 
-def generate_multiturn(gen, prompts: Sequence[Sequence[int]], env: Callable[[], Env], *,
-                       max_turns: int = 4, max_tokens: int = 16, n: int = 1, seed: int = 0,
-                       temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                       capture_support: bool | str = False, routes: bool | None = None,
-                       route_deltas: bool = True, ignore_eos: bool = True,
-                       topk_logprobs: int = 0, logits_digest: bool = False) -> Rollout:
+@dataclass(frozen=True)
+class MultiTurnOptions:
+    """The options of :func:`generate_multiturn` (its keywords)."""
+    max_turns: int = 4
+    max_tokens: int = 16                  # per model turn
+    n: int = 1                            # trajectories per prompt
+    seed: int = 0                         # trajectory i's turn t: seed + 1000 t + i
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    capture_support: bool | str = False
+    routes: bool | None = None            # None: when the engine captures them; True: required
+    route_deltas: bool = True             # False: the full prefix every turn (the reference)
+    ignore_eos: bool = True
+    topk_logprobs: int = 0
+    logits_digest: bool = False
+
+    def sampling(self) -> dict:
+        """The rollout's ``sampling`` record."""
+        return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                    seed=self.seed, n=self.n, max_tokens=self.max_tokens,
+                    max_turns=int(self.max_turns), logprobs_mode="processed_logprobs")
+
+
+@dataclass
+class Trajectory:
+    """One trajectory while it is sampled; becomes one Rollout row. The response holds the
+    observation and model tokens of every turn, one entry per token in each per-token list."""
+    index: int                  # trajectory i (its seeds, errors name it)
+    group: int                  # the prompt it started from
+    prompt: list                # that prompt, as given
+    env: Env
+    history: list[int]          # prompt + response + pending observation: the next request
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)    # None at observation tokens
+    mask: list[bool] = field(default_factory=list)  # True: model token
+    turns: list[int] = field(default_factory=list)  # each token's turn
+    support: list = field(default_factory=list)     # the sampled support (observation: itself)
+    topk: list = field(default_factory=list)        # (ids [K], values [K]) per token
+    digests: list = field(default_factory=list)     # logits digest [16] per token
+    pending: list[int] = field(default_factory=list)  # observation before the next model turn
+    reward: float = 0.0                             # sum of the environment's step rewards
+    trace: RouteTrace | None = None                 # routes, assembled from turn deltas
+    done: bool = False
+
+    @classmethod
+    def start(cls, index: int, group: int, prompt, env: Callable[[], Env]) -> "Trajectory":
+        e = env()
+        e.reset([int(t) for t in prompt])
+        return cls(index, group, list(prompt), e, [int(t) for t in prompt])
+
+    def _token(self, tok: int, logprob, model: bool, turn: int, support, topk, digest) -> None:
+        self.tokens.append(tok)
+        self.logprobs.append(logprob)
+        self.mask.append(model)
+        self.turns.append(turn)
+        if support is not None:
+            self.support.append(support)
+        if topk is not None:
+            self.topk.append(topk)
+        if digest is not None:
+            self.digests.append(digest)
+
+    def add_observation(self, t: int, opts: MultiTurnOptions, digest_bytes: int) -> None:
+        """The pending observation, as turn ``t``'s first tokens (no logprob, top-K NaN,
+        digest zeros, support the token alone)."""
+        K = opts.topk_logprobs
+        for o in self.pending:
+            self._token(o, None, False, t, np.asarray([o], np.int64),
+                        (np.zeros(K, np.int32), np.full(K, np.nan, np.float32)) if K else None,
+                        np.zeros(digest_bytes, np.uint8) if opts.logits_digest else None)
+        self.pending = []
+
+    def add_model_turn(self, ro: Rollout, k: int, t: int, opts: MultiTurnOptions) -> None:
+        """Row ``k`` of turn ``t``'s rollout ``ro``: the model's tokens."""
+        a = int(ro.response_cu[k])
+        for j, x in enumerate(int(x) for x in ro.response(k)):
+            self._token(x, float(ro.rollout_logprobs[a + j]), True, t,
+                        None if ro.support is None else np.asarray(ro.support.row(a + j), np.int64),
+                        (ro.topk.ids[a + j], ro.topk.values[a + j]) if opts.topk_logprobs else None,
+                        ro.logits_digest.digests[a + j] if opts.logits_digest else None)
+
+    def add_routes(self, start: int, rows, n_new: int, num_experts: int,
+                   allow_overlap: bool) -> tuple[int, int]:
+        """Turn routes ``rows`` from position ``start`` on (before the turn's ``n_new`` tokens
+        join the history); ``(bytes shipped, bytes of a full-prefix resend)``."""
+        rows = np.asarray(rows)
+        if self.trace is None:
+            self.trace = RouteTrace(rows.shape[1], rows.shape[2], num_experts)
+        full = (len(self.history) + n_new - 1) * rows.shape[1] * rows.shape[2] * rows.itemsize
+        self.trace.add(rows, start, allow_overlap=allow_overlap)
+        return rows.nbytes, full
+
+    def step(self, toks: list[int], vocab, t: int, last: bool) -> None:
+        """The environment's step after the model turn ``toks`` (the last turn too: its
+        reward); the trajectory ends on ``done``, an empty observation or the last turn, else
+        the observation waits for the next turn."""
+        self.history += toks
+        st = self.env.step(toks)
+        self.reward += float(st.reward)
+        obs = _checked_observation(st.observation, vocab, self.index, t)
+        if st.done or not obs or last:
+            self.done = True
+            return
+        self.pending = obs
+        self.history += obs
+
+
+@dataclass
+class TurnLog:
+    """What the turns of one call add up to (the rollout's meta)."""
+    generate_s: float = 0.0
+    cached: list = field(default_factory=list)   # per turn: prefix-cache hits per request
+    delta_bytes: int = 0
+    full_bytes: int = 0
+    digest_algo: str | None = None
+
+    def record(self, ro: Rollout, n_requests: int, logits_digest: bool):
+        """One turn's rollout; returns its route deltas (``None``: the engine sent none)."""
+        if logits_digest:
+            self.digest_algo = ro.logits_digest.algo
+        self.generate_s += float(ro.meta.get("generate_s") or 0.0)
+        self.cached.append([int(c) for c in ro.meta.get("num_cached_tokens", [0] * n_requests)])
+        return ro.meta.pop("route_deltas", None)
+
+    def meta(self, route_deltas: bool) -> dict:
+        return dict(generate_s=self.generate_s, num_cached_tokens_per_turn=self.cached,
+                    route_bytes={"delta": int(self.delta_bytes), "full_resend": int(self.full_bytes)},
+                    route_deltas=bool(route_deltas))
+
+
+def generate_multiturn(gen, prompts: Sequence[Sequence[int]], env: Callable[[], Env],
+                       options: MultiTurnOptions | None = None, **kw) -> Rollout:
     """``n`` trajectories per prompt (rows grouped by prompt, as ``generate``) through ``gen``
     (a :class:`~.generator.VLLMGenerator` or :class:`~.remote.RemoteGenerator`); see the module
-    doc. ``routes``: ``None`` takes them when the engine captures them, ``True`` requires them.
-    Trajectory ``i``'s turn ``t`` samples with seed ``seed + 1000 t + i``. ``topk_logprobs``:
-    the engine's top-K per model token in ``ro.topk`` (observation rows: ids 0, values NaN;
-    ``TopkCheck(mask=loss_mask)`` skips them). ``logits_digest``: the engine's full-row digest
-    per model token in ``ro.logits_digest`` (observation rows: zeros; ``DigestCheck(mask=)``)."""
-    if int(max_turns) < 1:
-        raise InputError(f"max_turns must be >= 1, got {max_turns}", field="max_turns")
-    if not callable(env):
-        raise InputError("env must be a factory (a class or zero-argument callable) giving one "
-                         "environment per trajectory", field="env")
-    num_experts = _num_experts(gen) if routes is not False else None
-    if routes and num_experts is None:
-        raise InputError("routes asked for but the engine captures none (an MoE model with route "
-                         "capture on)", field="routes")
-    vocab = getattr(gen, "vocab_size", None)
+    doc. Keywords (or ``options``, which they override): :class:`MultiTurnOptions` —
+    ``max_turns=4, max_tokens=16, n=1, seed=0, temperature=1.0, top_p=1.0, top_k=0,
+    capture_support=False, routes=None, route_deltas=True, ignore_eos=True, topk_logprobs=0,
+    logits_digest=False``. ``routes``: ``None`` takes them when the engine captures them,
+    ``True`` requires them. Trajectory ``i``'s turn ``t`` samples with seed ``seed + 1000 t + i``.
+    ``topk_logprobs``: the engine's top-K per model token in ``ro.topk`` (observation rows: ids
+    0, values NaN; ``TopkCheck(mask=loss_mask)`` skips them). ``logits_digest``: the engine's
+    full-row digest per model token in ``ro.logits_digest`` (observation rows: zeros;
+    ``DigestCheck(mask=)``)."""
+    opts = replace(options or MultiTurnOptions(), **kw)
+    num_experts = _checked(gen, env, opts)
+    trajs = [Trajectory.start(i, p, prompts[p], env)
+             for i, p in enumerate(p for p in range(len(prompts)) for _ in range(opts.n))]
+    log = TurnLog()
     max_len = getattr(gen, "max_model_len", None) or (1 << 62)
-    traj = [(p, j) for p in range(len(prompts)) for j in range(n)]
-    envs = []
-    for p, _ in traj:
-        e = env()
-        e.reset([int(t) for t in prompts[p]])
-        envs.append(e)
-    B = len(traj)
-    hist = [[int(t) for t in prompts[p]] for p, _ in traj]
-    resp = [[] for _ in range(B)]
-    lps = [[] for _ in range(B)]
-    mask = [[] for _ in range(B)]
-    turn_of = [[] for _ in range(B)]
-    sup = [[] for _ in range(B)]
-    top = [[] for _ in range(B)]    # (ids [K], values [K]) per response token
-    dig = [[] for _ in range(B)]    # digest [16] per response token
-    algo = None
-    pending: list[list[int]] = [[] for _ in range(B)]
-    reward = np.zeros(B)
-    traces = [None] * B
-    bytes_delta = bytes_full = 0
-    cached, elapsed, active = [], 0.0, list(range(B))
-    ro = None
-    for t in range(int(max_turns)):
-        active = [i for i in active if len(hist[i]) + max_tokens <= max_len]
+    for t in range(int(opts.max_turns)):
+        for tr in trajs:   # the next turn must fit
+            tr.done = tr.done or len(tr.history) + opts.max_tokens > max_len
+        active = [tr for tr in trajs if not tr.done]
         if not active:
             break
-        starts = None
-        if num_experts is not None:
-            starts = [(traces[i].num_tokens if traces[i] is not None else 0) if route_deltas else 0
-                      for i in active]
-        ro = gen.generate([hist[i] for i in active], n=1, seeds=[seed + 1000 * t + i for i in active],
-                          max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                          capture_support=capture_support, ignore_eos=ignore_eos, route_starts=starts,
-                          **({"topk_logprobs": topk_logprobs} if topk_logprobs else {}),
-                          **({"logits_digest": True} if logits_digest else {}))
-        if logits_digest:
-            algo = ro.logits_digest.algo
-        elapsed += float(ro.meta.get("generate_s") or 0.0)
-        cached.append([int(c) for c in ro.meta.get("num_cached_tokens", [0] * len(active))])
-        deltas = ro.meta.pop("route_deltas", None)
+        ro = _sample_turn(gen, active, t, opts, num_experts)
+        deltas = log.record(ro, len(active), opts.logits_digest)
         if num_experts is not None and deltas is None:
-            if routes or t > 0:
+            if opts.routes or t > 0:
                 raise InputError(f"turn {t}: the engine sent no routes (a server needs "
                                  "--enable-return-routed-experts)", field="routes")
             num_experts = None       # routes=None (auto): this engine captures none
-        still = []
-        for k, i in enumerate(active):
-            toks = [int(x) for x in ro.response(k)]
-            if not toks:        # nothing sampled: the trajectory ends, its pending observation with it
-                continue
-            for o in pending[i]:
-                resp[i].append(o); lps[i].append(None); mask[i].append(False); turn_of[i].append(t)
-                sup[i].append(np.asarray([o], np.int64))
-                if topk_logprobs:
-                    top[i].append((np.zeros(topk_logprobs, np.int32),
-                                   np.full(topk_logprobs, np.nan, np.float32)))
-                if logits_digest:
-                    dig[i].append(np.zeros(ro.logits_digest.digests.shape[1], np.uint8))
-            pending[i] = []
-            a, b = int(ro.response_cu[k]), int(ro.response_cu[k + 1])
-            for j, x in enumerate(toks):
-                resp[i].append(x); lps[i].append(float(ro.rollout_logprobs[a + j]))
-                mask[i].append(True); turn_of[i].append(t)
-                if ro.support is not None:
-                    sup[i].append(np.asarray(ro.support.row(a + j), np.int64))
-                if topk_logprobs:
-                    top[i].append((ro.topk.ids[a + j], ro.topk.values[a + j]))
-                if logits_digest:
-                    dig[i].append(ro.logits_digest.digests[a + j])
-            if deltas is not None:
-                start, rows = deltas[k]
-                rows = np.asarray(rows)
-                if traces[i] is None:
-                    from skyrl_numerics.replay import RouteTrace
+        for k, tr in enumerate(active):
+            _take_turn(tr, ro, k, t, opts, None if deltas is None else deltas[k], num_experts,
+                       log, getattr(gen, "vocab_size", None))
+    return _assemble(gen, trajs, num_experts, opts, log)
 
-                    traces[i] = RouteTrace(rows.shape[1], rows.shape[2], num_experts)
-                bytes_delta += rows.nbytes
-                bytes_full += (len(hist[i]) + len(toks) - 1) * rows.shape[1] * rows.shape[2] * rows.itemsize
-                traces[i].add(rows, start, allow_overlap=not route_deltas)
-            hist[i] += toks
-            st = envs[i].step(toks)      # after every model turn, the last one too (its reward)
-            reward[i] += float(st.reward)
-            obs = _checked_observation(st.observation, vocab, i, t)
-            if st.done or not obs or t + 1 == max_turns:
-                continue
-            pending[i] = obs
-            hist[i] += obs
-            still.append(i)
-        active = still
-    out = _assemble(gen, prompts, traj, resp, lps, mask, turn_of, sup, traces, reward, num_experts,
-                     ro, dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, n=n,
-                              max_tokens=max_tokens, max_turns=int(max_turns),
-                              logprobs_mode="processed_logprobs"),
-                     dict(generate_s=elapsed, num_cached_tokens_per_turn=cached,
-                          route_bytes={"delta": int(bytes_delta), "full_resend": int(bytes_full)},
-                          route_deltas=bool(route_deltas)),
-                     capture_support)
-    if topk_logprobs:
-        from skyrl_numerics.gap.topk import TopkLogprobs
 
-        rows = [r for t_ in top for r in t_]
-        k = int(topk_logprobs)
-        out.topk = TopkLogprobs(np.stack([r[0] for r in rows]) if rows else np.zeros((0, k), np.int32),
-                                np.stack([r[1] for r in rows]) if rows else np.zeros((0, k), np.float32))
-    if logits_digest:
-        from skyrl_numerics.gap.digest import DIGEST_BYTES, LogitsDigests, default_algo
+def _checked(gen, env, opts: MultiTurnOptions) -> int | None:
+    """The call's checks; the engine's expert count when routes are fetched (else ``None``)."""
+    if int(opts.max_turns) < 1:
+        raise InputError(f"max_turns must be >= 1, got {opts.max_turns}", field="max_turns")
+    if not callable(env):
+        raise InputError("env must be a factory (a class or zero-argument callable) giving one "
+                         "environment per trajectory", field="env")
+    num_experts = _num_experts(gen) if opts.routes is not False else None
+    if opts.routes and num_experts is None:
+        raise InputError("routes asked for but the engine captures none (an MoE model with route "
+                         "capture on)", field="routes")
+    return num_experts
 
-        rows = [d for d_ in dig for d in d_]
-        out.logits_digest = LogitsDigests(np.stack(rows) if rows else
-                                          np.zeros((0, DIGEST_BYTES), np.uint8), algo or default_algo())
-    return out
+
+def _sample_turn(gen, active: list[Trajectory], t: int, opts: MultiTurnOptions,
+                 num_experts: int | None) -> Rollout:
+    """Turn ``t``: one request per active trajectory over its whole history; routes from each
+    trace's end on (``route_deltas=False``: from 0)."""
+    starts = None
+    if num_experts is not None:
+        starts = [(tr.trace.num_tokens if tr.trace is not None else 0) if opts.route_deltas
+                  else 0 for tr in active]
+    return gen.generate([tr.history for tr in active], n=1,
+                        seeds=[opts.seed + 1000 * t + tr.index for tr in active],
+                        max_tokens=opts.max_tokens, temperature=opts.temperature,
+                        top_p=opts.top_p, top_k=opts.top_k, capture_support=opts.capture_support,
+                        ignore_eos=opts.ignore_eos, route_starts=starts,
+                        **({"topk_logprobs": opts.topk_logprobs} if opts.topk_logprobs else {}),
+                        **({"logits_digest": True} if opts.logits_digest else {}))
+
+
+def _take_turn(tr: Trajectory, ro: Rollout, k: int, t: int, opts: MultiTurnOptions, delta,
+               num_experts: int | None, log: TurnLog, vocab) -> None:
+    """Row ``k`` of turn ``t``'s rollout into ``tr``: its pending observation, the model's
+    tokens, their route delta, then the environment's step."""
+    toks = [int(x) for x in ro.response(k)]
+    if not toks:        # nothing sampled: the trajectory ends, its pending observation with it
+        tr.done = True
+        return
+    digest_bytes = ro.logits_digest.digests.shape[1] if opts.logits_digest else 0
+    tr.add_observation(t, opts, digest_bytes)
+    tr.add_model_turn(ro, k, t, opts)
+    if delta is not None:
+        shipped, full = tr.add_routes(*delta, len(toks), num_experts,
+                                      allow_overlap=not opts.route_deltas)
+        log.delta_bytes += shipped
+        log.full_bytes += full
+    tr.step(toks, vocab, t, last=t + 1 == opts.max_turns)
 
 
 def _checked_observation(obs, vocab, i: int, t: int) -> list[int]:
@@ -253,26 +338,41 @@ def _checked_observation(obs, vocab, i: int, t: int) -> list[int]:
     return [int(x) for x in arr]
 
 
-def _assemble(gen, prompts, traj, resp, lps, mask, turn_of, sup, traces, reward, num_experts, ro,
-              sampling, meta, capture_support) -> Rollout:
-    from skyrl_numerics.replay import PackedRoutes, PackedSupport
-
+def _assemble(gen, trajs: list[Trajectory], num_experts: int | None, opts: MultiTurnOptions,
+              log: TurnLog) -> Rollout:
+    """One Rollout row per trajectory: loss mask and turns, routes from the traces, supports,
+    top-K and digests when asked for."""
     routes = None
-    if num_experts is not None and all(tr is not None for tr in traces):
-        for i, tr in enumerate(traces):
-            tr.check_length(len(prompts[traj[i][0]]) + len(resp[i]))
-        routes = PackedRoutes.from_sequences([tr.to_routes().values for tr in traces], num_experts)
+    if num_experts is not None and all(tr.trace is not None for tr in trajs):
+        for tr in trajs:
+            tr.trace.check_length(len(tr.prompt) + len(tr.tokens))
+        routes = PackedRoutes.from_sequences([tr.trace.to_routes().values for tr in trajs],
+                                             num_experts)
     support = None
-    if capture_support:
-        support = PackedSupport.from_sets([row for rows in sup for row in rows],
+    if opts.capture_support:
+        support = PackedSupport.from_sets([row for tr in trajs for row in tr.support],
                                           vocab_size=getattr(gen, "vocab_size", None))
     info = getattr(gen, "info", None)
-    n_model = sum(sum(m) for m in mask)
-    meta = {**meta, "model_dir": getattr(gen, "model_dir", None), "env_reward": reward.tolist(),
-            "tokens_per_s": n_model / meta["generate_s"] if meta["generate_s"] > 0 else None}
-    return Rollout.from_lists([list(prompts[p]) for p, _ in traj], resp, lps,
-                              loss_mask=mask, turns=turn_of,
-                              group_ids=np.asarray([p for p, _ in traj]), routes=routes,
-                              support=support, sampling=sampling,
-                              engine=getattr(info, "name", "vllm"),
-                              engine_version=getattr(info, "version", "unknown"), meta=meta)
+    meta = log.meta(opts.route_deltas)
+    n_model = sum(sum(tr.mask) for tr in trajs)
+    meta.update(model_dir=getattr(gen, "model_dir", None),
+                env_reward=[float(tr.reward) for tr in trajs],
+                tokens_per_s=n_model / meta["generate_s"] if meta["generate_s"] > 0 else None)
+    out = Rollout.from_lists([tr.prompt for tr in trajs], [tr.tokens for tr in trajs],
+                             [tr.logprobs for tr in trajs], loss_mask=[tr.mask for tr in trajs],
+                             turns=[tr.turns for tr in trajs],
+                             group_ids=np.asarray([tr.group for tr in trajs]), routes=routes,
+                             support=support, sampling=opts.sampling(),
+                             engine=getattr(info, "name", "vllm"),
+                             engine_version=getattr(info, "version", "unknown"), meta=meta)
+    if opts.topk_logprobs:
+        rows, k = [r for tr in trajs for r in tr.topk], int(opts.topk_logprobs)
+        out.topk = TopkLogprobs(
+            np.stack([r[0] for r in rows]) if rows else np.zeros((0, k), np.int32),
+            np.stack([r[1] for r in rows]) if rows else np.zeros((0, k), np.float32))
+    if opts.logits_digest:
+        rows = [d for tr in trajs for d in tr.digests]
+        out.logits_digest = LogitsDigests(np.stack(rows) if rows else
+                                          np.zeros((0, DIGEST_BYTES), np.uint8),
+                                          log.digest_algo or default_algo())
+    return out

