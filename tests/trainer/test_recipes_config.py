@@ -32,12 +32,12 @@ def test_the_three_recipes_resolve_on_both_families(qwen_moe_dir, deepseek_v3_di
 
 def test_overrides_apply_and_bad_fields_are_refused():
     r = get_recipe("ml4", ["lora_rank=16", "experts=mxfp8/mxfp8", "tis_cap=none",
-                           "attention=fp8_tensor/fp8_tensor@0.05", "route_replay=false"])
+                           "attention=fp8_tensor_weight/fp8_tensor@0.05", "route_replay=false"])
     assert (r.lora_rank, r.experts, r.tis_cap, r.route_replay) == (16, "mxfp8/mxfp8", None, False)
     assert r.formats()["attention"]["act_scale"] == 0.05
     for bad, field in (("lora_rnk=3", "lora_rnk"), ("lora_rank=x", "lora_rank"),
                        ("experts=nvfp4", "experts"), ("experts=int3/none", "experts.weight"),
-                       ("attention=fp8_tensor/fp8_tensor", "attention.act_scale"),
+                       ("attention=fp8_tensor_weight/fp8_tensor", "attention.act_scale"),
                        ("kv_cache=fp4", "kv_cache"), ("kl_coef=0.1", "kl_coef"),
                        ("samples_per_prompt=1", "samples_per_prompt"), ("route_replay=maybe", "route_replay"),
                        ("nofield", "recipe-set")):

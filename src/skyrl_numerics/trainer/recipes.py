@@ -15,7 +15,7 @@ two loop configurations (:func:`loop_configs`):
   the recipe's numerics standing in for the GPU kernels: the gap shown is the trainer's (its
   kernels, its MLA formulation, its fake-quant placement), not a GPU kernel's.
 
-Format fields are ``WEIGHT/ACT`` (``nvfp4/nvfp4`` = W4A4, ``fp8_tensor/fp8_token`` = W8A8 with
+Format fields are ``WEIGHT/ACT`` (``nvfp4/nvfp4`` = W4A4, ``fp8_tensor_weight/fp8_token`` = W8A8 with
 dynamic per-token activations, ``int4_g32/none`` = W4A16); ``none`` keeps the model dtype;
 ``fp8_tensor@S`` is a static activation scale ``S``, ``nvfp4@A`` a static activation amax ``A``.
 
@@ -163,8 +163,8 @@ def parse_format(spec: str, group: str) -> dict:
 
 
 RECIPES = {
-    "ml4": Recipe("ml4", experts="nvfp4/nvfp4", attention="fp8_tensor/fp8_token",
-                  shared="fp8_tensor/fp8_token", dense="fp8_tensor/fp8_token",
+    "ml4": Recipe("ml4", experts="nvfp4/nvfp4", attention="fp8_tensor_weight/fp8_token",
+                  shared="fp8_tensor_weight/fp8_token", dense="fp8_tensor_weight/fp8_token",
                   kv_cache="fp8_latent", lora_rank=32, lora_alpha=64.0,
                   doc="Mistral Large 4 day-0 (SkyRL #2575): NVFP4 W4A4 experts, FP8 W8A8 "
                       "attention + shared, FP8 latent KV, LoRA 32/64, R3, TIS 2"),
