@@ -74,8 +74,8 @@ def test_published_trainer_rules_follow_the_plan(deepseek_v3_dir):
     assert pats["model.layers.*.mlp.experts"].recipe == "nvfp4"
     assert pats["model.layers.*.mlp.experts"].act_opts["convention"] == "vllm"
     assert pats["model.layers.*.self_attn.*_proj"].act_recipe == "fp8_token"
-    assert kw["lora_rank"] == 32 and "*.self_attn.kv_a_proj_with_mqa" in kw["lora_targets"]
-    assert not any("kv_b_proj" in t for t in kw["lora_targets"])
+    assert kw["lora_rank"] == 32 and "*.self_attn.kv_a_proj_with_mqa" in kw["lora_patterns"]
+    assert not any("kv_b_proj" in t for t in kw["lora_patterns"])
     from skyrl_numerics.models import load_hf_model
     from skyrl_numerics.quant import apply_qat
 

@@ -17,7 +17,7 @@ _EXPORTS = {
     "trainer_logprobs": "skyrl_numerics.trainer.logprobs",
     "TrainerLogprobs": "skyrl_numerics.trainer.logprobs",
     "FSDPTrainer": "skyrl_numerics.trainer.fsdp.trainer",
-    "TrainerConfig": "skyrl_numerics.trainer.fsdp.trainer",
+    "TrainerConfig": "skyrl_numerics.trainer.config",
     "MegatronTrainer": "skyrl_numerics.trainer.megatron.trainer",
     "policy_logprobs": "skyrl_numerics.trainer.fsdp.forward",
     "PolicyModel": "skyrl_numerics.trainer.fsdp.forward",

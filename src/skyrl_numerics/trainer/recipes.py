@@ -321,9 +321,16 @@ def published_trainer_kwargs(plan_json: str, model=None) -> dict:
     if model is not None:
         names = [n for n, _ in model.named_modules()]
         rules = [r for r in rules if any(fnmatch.fnmatchcase(n, r.pattern) for n in names)]
-    targets = [p for t in plan.lora_targets for p in _HF_LORA.get(t, ())]
-    return {"qat": rules or None, "lora_rank": plan.lora_rank if targets else 0,
-            "lora_alpha": plan.lora_alpha, "lora_targets": targets or ("*.o_proj",)}
+    patterns = lora_patterns_for(plan.lora_targets)
+    return {"qat": rules or None, "lora_rank": plan.lora_rank if patterns else 0,
+            "lora_alpha": plan.lora_alpha, "lora_patterns": patterns or ("*.o_proj",)}
+
+
+def lora_patterns_for(groups) -> list[str]:
+    """The HF module globs (``TrainerConfig.lora_patterns``) of LoRA target *groups* (a plan's or a
+    recipe's ``lora_targets``: attention, dense, shared, experts) — the one place one meaning is
+    turned into the other."""
+    return [p for g in groups for p in _HF_LORA.get(g, ())]
 
 
 def plain_names(state: dict) -> dict:

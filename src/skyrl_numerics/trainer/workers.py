@@ -190,17 +190,19 @@ class TrainerWorker:
         if config.bitwise:
             from skyrl_numerics.trainer.invariant_trainer import InvariantTrainer
 
-            self.trainer = InvariantTrainer(model_dir, lr=config.lr, kv_cache=config.kv_cache,
-                                            use_support=config.use_support,
-                                            numerics=config.numerics, eps_low=config.eps_low,
-                                            eps_high=config.eps_high)
+            from skyrl_numerics.trainer.config import TrainerConfig
+
+            self.trainer = InvariantTrainer(model_dir, TrainerConfig(
+                lr=config.lr, use_support=config.use_support, eps_low=config.eps_low,
+                eps_high=config.eps_high), kv_cache=config.kv_cache, numerics=config.numerics)
             self.publisher = DeltaPublisher(sync_dir, snapshot_every=snapshot_every)
             self.publish(full=True)
             return
 
         from skyrl_numerics import correction as corr
         from skyrl_numerics.models import load_hf_model
-        from skyrl_numerics.trainer.fsdp.trainer import FSDPTrainer, TrainerConfig
+        from skyrl_numerics.trainer.config import TrainerConfig
+        from skyrl_numerics.trainer.fsdp.trainer import FSDPTrainer
         from skyrl_numerics.sync.weight_sync import DeltaPublisher
 
         fn = None
