@@ -197,12 +197,12 @@ def test_format_names_mean_what_the_quant_recipes_of_that_name_mean():
     """A plan format named like a quant recipe is that recipe (weights and activations); the
     per-tensor FP8 weight format is not quant's fp8_tensor (vLLM's activation quantizer, x * fl(1/s))
     and has a name of its own."""
-    from skyrl_numerics.quant import RECIPES
+    from skyrl_numerics.quant import SEED_RECIPES
 
     for name, (recipe, _) in N.WEIGHT_FORMATS.items():
-        assert name not in RECIPES or recipe == name, name
+        assert name not in SEED_RECIPES or recipe == name, name
     for name, recipe in N.ACT_RECIPES.items():
-        assert name not in RECIPES or recipe == name, name
+        assert name not in SEED_RECIPES or recipe == name, name
     assert N.WEIGHT_FORMATS["fp8_tensor_weight"] == ("fp8_channel", {"block": (-1, -1)})
     assert not set(N.RENAMED_WEIGHT_FORMATS) & set(N.WEIGHT_FORMATS)
 
@@ -211,7 +211,7 @@ def test_the_old_weight_format_name_is_refused_naming_the_new_one():
     with pytest.raises(InputError) as e:
         N.NumericsPlan(formats={"attention": {"weight": "fp8_tensor", "act": "fp8_token"}})
     assert e.value.field == "attention.weight" and "'fp8_tensor_weight'" in str(e.value)
-    from skyrl_numerics.trainer.recipes import get_recipe
+    from skyrl_numerics.trainer.seed_recipes import get_recipe
 
     with pytest.raises(InputError, match="fp8_tensor_weight") as e:
         get_recipe("ml4", ["shared=fp8_tensor/fp8_token"])

@@ -90,12 +90,12 @@ def test_served_names_and_shapes_are_the_engines(deepseek_v3_dir):
     for the same plan (tiny DeepSeek-V3: MLA attention, a dense layer, shared + routed experts)."""
     from skyrl_numerics.models import load_hf_model
     from skyrl_numerics.invariant.numerics import NumericsPlan, plan_adapter_shapes
-    from skyrl_numerics.trainer.recipes import plain_names, published_trainer_kwargs
+    from skyrl_numerics.trainer.seed_recipes import plain_names, published_trainer_kwargs
 
     plan = NumericsPlan(formats={}, lora_rank=4, lora_alpha=8.0,
                         lora_targets=("attention", "dense", "shared", "experts"))
     hf = load_hf_model(deepseek_v3_dir, dtype="float32")
-    kw = published_trainer_kwargs(plan.to_json(), hf)
+    kw = published_trainer_kwargs(plan, hf)
     apply_lora(hf, rank=kw["lora_rank"], alpha=kw["lora_alpha"], patterns=kw["lora_patterns"])
     got = {k: tuple(v.shape) for k, v in plain_names(dict(hf.state_dict())).items() if ".lora_" in k}
     want = plan_adapter_shapes(plan, json.loads((deepseek_v3_dir / "config.json").read_text()))

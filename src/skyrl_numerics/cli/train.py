@@ -1,5 +1,5 @@
 """``skyrl-numerics train``: the RL loop from the command line (``trainer/loop.py``), with the seed
-recipes (``--recipe``, ``trainer/recipes.py``); writes ``OUT/train.json`` and ``OUT/train.png``."""
+recipes (``--recipe``, ``trainer/seed_recipes.py``); writes ``OUT/train.json`` and ``OUT/train.png``."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,7 +19,7 @@ def cmd_train(args) -> int:
                                                  "plain,aligned,bitwise")).split(",") if c.strip()]
     recipe = None
     if args.recipe or args.recipe_set:
-        from skyrl_numerics.trainer.recipes import get_recipe
+        from skyrl_numerics.trainer.seed_recipes import get_recipe
 
         if not args.recipe:
             raise InputError("--recipe-set without --recipe", field="recipe-set")
@@ -79,7 +79,7 @@ def cmd_train(args) -> int:
             raise InputError(f"the server serves {model_dir}, which is not a checkpoint directory "
                              "on this machine (the trainer loads it)", field="server")
     if recipe is not None:   # the plan for the checkpoint, checked before any engine starts
-        from skyrl_numerics.trainer.recipes import loop_configs
+        from skyrl_numerics.trainer.seed_recipes import loop_configs
 
         configs = loop_configs(recipe, model_dir or args.model
                                or build_tiny_model(args.family, seed=args.seed), names)

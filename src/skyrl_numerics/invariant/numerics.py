@@ -178,7 +178,11 @@ class NumericsPlan:
     def format_of(self, group: str | None) -> LinearFormat | None:
         return self.formats.get(group) if group else None
 
+    def __hash__(self) -> int:     # a value (engine and reference caches key on it)
+        return hash(self.to_json())
+
     def to_json(self) -> str:
+        """The plan as JSON: what crosses a process (vLLM's ``hf_overrides``), HTTP or file."""
         d = asdict(self)
         d["lora_targets"] = list(self.lora_targets)
         return json.dumps(d, sort_keys=True)

@@ -35,7 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
+from skyrl_numerics.invariant.numerics import NumericsPlan
 from skyrl_numerics.rollout import Rollout
+from skyrl_numerics.trainer.config import TrainerConfig
 from skyrl_numerics.trainer.loop_report import step_metrics
 from skyrl_numerics.trainer.workers import GeneratorWorker, TrainerWorker
 
@@ -71,21 +73,17 @@ class EnvRewardTask:
 # ---- configurations ------------------------------------------------------------------------
 @dataclass
 class LoopConfig:
+    """One configuration of the loop: its trainer (every number of the update, the alignment
+    pieces) and the engine its rollouts come from."""
     name: str = "plain"
-    route_replay: bool = False
-    use_support: bool = False
-    correction: str | None = None          # a skyrl_numerics.correction function name
-    correction_kwargs: dict = field(default_factory=dict)
-    lr: float = 1e-2
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
     bitwise: bool = False                  # invariant engine + invariant trainer
     kv_cache: str | None = None            # invariant engine: the cache format (bitwise: both sides)
-    eps_low: float = 0.2                   # PPO clip range (DAPO clip-higher)
-    eps_high: float = 0.28
-    # a recipe (trainer/recipes.py): its name and its serving numerics (NumericsPlan JSON). The
-    # invariant engine serves them; bitwise: the invariant trainer computes the same, published:
-    # the HF trainer fake-quantizes (apply_qat) and carries LoRA on its linears
+    # a seed recipe (trainer/seed_recipes.py): its name and its serving numerics. The invariant
+    # engine serves them; bitwise: the invariant trainer computes the same, published: the HF
+    # trainer fake-quantizes (apply_qat) and carries LoRA on its linears
     recipe: str | None = None
-    numerics: str | None = None
+    numerics: NumericsPlan | None = None
 
     @property
     def invariant_engine(self) -> bool:
@@ -94,9 +92,9 @@ class LoopConfig:
 
 CONFIGS = {
     "plain": LoopConfig("plain"),
-    "aligned": LoopConfig("aligned", route_replay=True, use_support=True,
-                          correction="token_tis", correction_kwargs={"cap": 2.0}),
-    "bitwise": LoopConfig("bitwise", use_support=True, bitwise=True),
+    "aligned": LoopConfig("aligned", TrainerConfig(route_replay=True, use_support=True, correction="token_tis",
+                                                   correction_kwargs={"cap": 2.0})),
+    "bitwise": LoopConfig("bitwise", TrainerConfig(use_support=True), bitwise=True),
 }
 
 
@@ -313,9 +311,7 @@ def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings |
             raise InputError(f"config {cfg.name!r} needs {need}; {server} is "
                              f"{'batch-invariant' if gen.gen.batch_invariant else 'stock'}",
                              field="configs")
-        from skyrl_numerics.invariant.numerics import NumericsPlan
-
-        if NumericsPlan.from_json(cfg.numerics) != NumericsPlan.from_json(gen.gen.numerics):
+        if cfg.numerics != NumericsPlan.from_json(gen.gen.numerics):     # the server's: JSON
             what = f"recipe {cfg.recipe!r}'s serving numerics" if cfg.recipe else "no recipe"
             raise InputError(f"config {cfg.name!r} needs {what}; {server} serves "
                              f"{'another plan' if gen.gen.numerics else 'none'} (start it with "

@@ -1,8 +1,10 @@
 """The seed recipes as small config objects: ``train --recipe ml4|k2|beam [--recipe-set KEY=VALUE]``.
 
-A :class:`Recipe` is the whole stack a published run uses — serving formats per group of linears,
-the KV cache, LoRA, R3, the off-policy correction, the PPO clip and the GRPO group — and becomes
-two loop configurations (:func:`loop_configs`):
+A :class:`SeedRecipe` is the whole stack a published run uses — serving formats per group of
+linears, the KV cache, LoRA, the GRPO group and the trainer (a
+:class:`~skyrl_numerics.trainer.config.TrainerConfig`: R3, support replay, the off-policy
+correction, the PPO clip, the learning rate) — and becomes two loop configurations
+(:func:`loop_configs`):
 
 - ``bitwise``: the invariant engine serving the recipe's numerics (quantized weights packed,
   activations quantized per token, LoRA adapters, the cache format) and the invariant trainer
@@ -18,6 +20,8 @@ two loop configurations (:func:`loop_configs`):
 Format fields are ``WEIGHT/ACT`` (``nvfp4/nvfp4`` = W4A4, ``fp8_tensor_weight/fp8_token`` = W8A8 with
 dynamic per-token activations, ``int4_g32/none`` = W4A16); ``none`` keeps the model dtype;
 ``fp8_tensor@S`` is a static activation scale ``S``, ``nvfp4@A`` a static activation amax ``A``.
+``lora_targets`` are linear groups (the plan's); the published trainer's module globs come from
+them in one place (:func:`lora_patterns_for`).
 
 =========  ================================================================================
 recipe     what (source)
@@ -41,12 +45,26 @@ from pathlib import Path
 
 from skyrl_numerics.errors import InputError
 
+from .config import TrainerConfig
+
 KV_CHOICES = ("auto", "fp8", "fp8_latent", "fp8_ds_mla")
+GROUP_FIELDS = ("attention", "dense", "shared", "experts")
+#: trainer fields the recipe's plan sets (LoRA, fake-quant) or ``tis_cap`` spells
+_DERIVED = ("qat", "lora_rank", "lora_alpha", "lora_patterns", "correction", "correction_kwargs")
+_NULLABLE = ("tis_cap", "dual_clip", "grad_clip", "temperature")
+
+
+def published_trainer() -> TrainerConfig:
+    """The seed recipes' trainer: R3, support replay, token TIS cap 2 (the rest the defaults:
+    DAPO clip 0.2 / 0.28, lr 1e-2)."""
+    return TrainerConfig(route_replay=True, use_support=True, correction="token_tis",
+                         correction_kwargs={"cap": 2.0})
 
 
 @dataclass(frozen=True)
-class Recipe:
-    """One recipe; every field can be overridden with ``--recipe-set FIELD=VALUE``."""
+class SeedRecipe:
+    """One recipe; every field can be overridden with ``--recipe-set FIELD=VALUE`` (a field of
+    its ``trainer`` by its bare name too, and ``tis_cap``: the token TIS cap, ``none``: off)."""
     name: str
     experts: str = "none/none"          # WEIGHT/ACT of the routed experts
     attention: str = "none/none"
@@ -55,46 +73,48 @@ class Recipe:
     kv_cache: str = "auto"              # auto | fp8 | fp8_latent (MLA only) | fp8_ds_mla
     lora_rank: int = 0
     lora_alpha: float = 16.0
-    lora_targets: tuple = ("attention", "dense", "shared", "experts")
-    route_replay: bool = True           # R3 in the published trainer
-    tis_cap: float | None = 2.0         # token TIS cap of the published trainer (None: off)
-    eps_low: float = 0.2
-    eps_high: float = 0.28
+    lora_targets: tuple = GROUP_FIELDS  # linear groups
+    trainer: TrainerConfig = field(default_factory=published_trainer)
     samples_per_prompt: int = 8
     kl_coef: float = 0.0
-    lr: float = 1e-2
     doc: str = field(default="", compare=False)
+
+    @property
+    def tis_cap(self) -> float | None:
+        """The published trainer's token TIS cap (None: no correction)."""
+        t = self.trainer
+        return float(t.correction_kwargs.get("cap", 2.0)) if t.correction == "token_tis" else None
 
     def formats(self) -> dict:
         """``{group: LinearFormat kwargs}`` of the groups this recipe quantizes."""
         out = {}
-        for g in ("attention", "dense", "shared", "experts"):
-            spec = getattr(self, g)
-            f = parse_format(spec, g)
+        for g in GROUP_FIELDS:
+            f = parse_format(getattr(self, g), g)
             if f["weight"] is not None or f["act"] != "none":
                 out[g] = f
         return out
 
-    def with_overrides(self, items) -> "Recipe":
-        """``["lora_rank=16", "experts=mxfp8/mxfp8", ...]`` applied; unknown fields and bad
-        values are refused naming the field."""
-        names = {f.name: f for f in dataclasses.fields(self) if f.name not in ("name", "doc")}
-        kw = {}
+    def with_overrides(self, items) -> "SeedRecipe":
+        """``["lora_rank=16", "experts=mxfp8/mxfp8", "lr=1e-3", ...]`` applied; unknown fields and
+        bad values are refused naming the field."""
+        kw, tkw = {}, {}
         for item in items or ():
-            if "=" not in item:
-                raise InputError(f"--recipe-set {item!r}: expected FIELD=VALUE", field="recipe-set")
-            k, v = item.split("=", 1)
-            k = k.strip().replace("-", "_")
-            if k not in names:
-                raise InputError(f"recipe {self.name!r} has no field {k!r}; fields: {sorted(names)}",
-                                 field=k)
-            kw[k] = _coerce(k, v.strip(), getattr(self, k))
-        r = dataclasses.replace(self, **kw)
+            k, v = _split_override(item)
+            if k in _recipe_fields():
+                kw[k] = _coerce(k, v, getattr(self, k))
+            elif k == "tis_cap":
+                tkw.update(_tis_fields(_coerce(k, v, 2.0)))
+            elif k in _trainer_fields():
+                tkw[k] = _coerce(k, v, getattr(self.trainer, k))
+            else:
+                raise InputError(f"recipe {self.name!r} has no field {k!r}; fields: "
+                                 f"{sorted(_recipe_fields() + _trainer_fields() + ('tis_cap',))}", field=k)
+        r = dataclasses.replace(self, trainer=dataclasses.replace(self.trainer, **tkw), **kw)
         r.check()
         return r
 
     def check(self) -> None:
-        for g in ("attention", "dense", "shared", "experts"):
+        for g in GROUP_FIELDS:
             parse_format(getattr(self, g), g)
         if self.kv_cache not in KV_CHOICES:
             raise InputError(f"recipe {self.name!r}: kv_cache {self.kv_cache!r} is not one of "
@@ -102,15 +122,10 @@ class Recipe:
         if self.kl_coef != 0:
             raise InputError(f"recipe {self.name!r}: kl_coef {self.kl_coef}: the loop has no KL "
                              "term (all three seed recipes run without one)", field="kl_coef")
-        if self.tis_cap is not None and not self.tis_cap > 0:
-            raise InputError(f"tis_cap must be > 0 or none, got {self.tis_cap}", field="tis_cap")
-        if not (0 <= self.eps_low < 1 and 0 <= self.eps_high):
-            raise InputError(f"clip range eps_low={self.eps_low}, eps_high={self.eps_high}",
-                             field="eps_low")
         if self.samples_per_prompt < 2:
             raise InputError(f"samples_per_prompt {self.samples_per_prompt}: GRPO needs a group "
                              "of >= 2", field="samples_per_prompt")
-        self.plan_for_groups(("attention", "dense", "shared", "experts"))   # plan fields
+        self.plan_for_groups(GROUP_FIELDS)   # plan fields
 
     def plan_for_groups(self, groups):
         from skyrl_numerics.invariant.numerics import NumericsPlan
@@ -121,8 +136,30 @@ class Recipe:
                             lora_targets=targets)
 
 
+def _recipe_fields() -> tuple:
+    return tuple(f.name for f in dataclasses.fields(SeedRecipe) if f.name not in ("name", "doc", "trainer"))
+
+
+def _trainer_fields() -> tuple:
+    return tuple(f.name for f in dataclasses.fields(TrainerConfig) if f.name not in _DERIVED)
+
+
+def _split_override(item: str) -> tuple[str, str]:
+    if "=" not in item:
+        raise InputError(f"--recipe-set {item!r}: expected FIELD=VALUE", field="recipe-set")
+    k, v = item.split("=", 1)
+    return k.strip().replace("-", "_").removeprefix("trainer."), v.strip()
+
+
+def _tis_fields(cap) -> dict:
+    if cap is not None and not cap > 0:
+        raise InputError(f"tis_cap must be > 0 or none, got {cap}", field="tis_cap")
+    return ({"correction": "token_tis", "correction_kwargs": {"cap": cap}} if cap is not None
+            else {"correction": None, "correction_kwargs": {}})
+
+
 def _coerce(k: str, v: str, old):
-    if v.lower() in ("none", "null") and k in ("tis_cap",):
+    if v.lower() in ("none", "null") and k in _NULLABLE:
         return None
     try:
         if isinstance(old, bool):
@@ -134,7 +171,8 @@ def _coerce(k: str, v: str, old):
         if isinstance(old, float) or old is None:
             return float(v)
         if isinstance(old, tuple):
-            return tuple(s.strip() for s in v.split(",") if s.strip())
+            parts = [s.strip() for s in v.split(",") if s.strip()]
+            return tuple(type(old[0])(x) for x in parts) if old and not isinstance(old[0], str) else tuple(parts)
     except ValueError:
         raise InputError(f"--recipe-set {k}={v!r}: expected a {type(old).__name__}", field=k) from None
     return v
@@ -162,27 +200,27 @@ def parse_format(spec: str, group: str) -> dict:
     return dataclasses.asdict(f)
 
 
-RECIPES = {
-    "ml4": Recipe("ml4", experts="nvfp4/nvfp4", attention="fp8_tensor_weight/fp8_token",
-                  shared="fp8_tensor_weight/fp8_token", dense="fp8_tensor_weight/fp8_token",
-                  kv_cache="fp8_latent", lora_rank=32, lora_alpha=64.0,
-                  doc="Mistral Large 4 day-0 (SkyRL #2575): NVFP4 W4A4 experts, FP8 W8A8 "
-                      "attention + shared, FP8 latent KV, LoRA 32/64, R3, TIS 2"),
-    "k2": Recipe("k2", experts="int4_g32/none", lora_rank=32, lora_alpha=64.0,
-                 doc="Kimi K2: INT4 W4A16 experts, fake-quant trainer, LoRA 32/64, R3, TIS 2"),
-    "beam": Recipe("beam", experts="mxfp8/mxfp8", attention="mxfp8/mxfp8",
-                   shared="mxfp8/mxfp8", dense="mxfp8/mxfp8",
-                   doc="MXFP8 RL: MXFP8 weights and activations, full fine-tune"),
+SEED_RECIPES = {
+    "ml4": SeedRecipe("ml4", experts="nvfp4/nvfp4", attention="fp8_tensor_weight/fp8_token",
+                      shared="fp8_tensor_weight/fp8_token", dense="fp8_tensor_weight/fp8_token",
+                      kv_cache="fp8_latent", lora_rank=32, lora_alpha=64.0,
+                      doc="Mistral Large 4 day-0 (SkyRL #2575): NVFP4 W4A4 experts, FP8 W8A8 "
+                          "attention + shared, FP8 latent KV, LoRA 32/64, R3, TIS 2"),
+    "k2": SeedRecipe("k2", experts="int4_g32/none", lora_rank=32, lora_alpha=64.0,
+                     doc="Kimi K2: INT4 W4A16 experts, fake-quant trainer, LoRA 32/64, R3, TIS 2"),
+    "beam": SeedRecipe("beam", experts="mxfp8/mxfp8", attention="mxfp8/mxfp8",
+                       shared="mxfp8/mxfp8", dense="mxfp8/mxfp8",
+                       doc="MXFP8 RL: MXFP8 weights and activations, full fine-tune"),
 }
 
 
-def get_recipe(name: str, overrides=()) -> Recipe:
-    if name not in RECIPES:
-        raise InputError(f"unknown recipe {name!r}; known: {sorted(RECIPES)}", field="recipe")
-    return RECIPES[name].with_overrides(overrides)
+def get_recipe(name: str, overrides=()) -> SeedRecipe:
+    if name not in SEED_RECIPES:
+        raise InputError(f"unknown recipe {name!r}; known: {sorted(SEED_RECIPES)}", field="recipe")
+    return SEED_RECIPES[name].with_overrides(overrides)
 
 
-def resolve(recipe: Recipe, model_dir) -> tuple:
+def resolve(recipe: SeedRecipe, model_dir) -> tuple:
     """``(NumericsPlan, kv_cache format, notes)`` of ``recipe`` on the checkpoint at
     ``model_dir``; groups the model does not have are dropped (noted), and what cannot apply is
     refused naming the recipe field — all before any engine starts."""
@@ -239,29 +277,27 @@ def resolve(recipe: Recipe, model_dir) -> tuple:
     return plan, (None if kv == "auto" else kv), notes
 
 
-def loop_configs(recipe: Recipe, model_dir, names) -> list:
+def loop_configs(recipe: SeedRecipe, model_dir, names) -> list:
     """The :class:`~skyrl_numerics.trainer.loop.LoopConfig` of each requested configuration
-    (``published``, ``bitwise``) of ``recipe`` on ``model_dir``."""
+    (``published``, ``bitwise``) of ``recipe`` on ``model_dir``: both embed the recipe's trainer
+    (``bitwise`` without R3 and correction: its routes and logprobs are the engine's own)."""
     from skyrl_numerics.trainer.loop import LoopConfig
 
     plan, kv, notes = resolve(recipe, model_dir)
     out = []
     for n in names:
         if n == "bitwise":
-            out.append(LoopConfig("bitwise", use_support=True, bitwise=True, kv_cache=kv,
-                                  numerics=plan.to_json(), lr=recipe.lr, recipe=recipe.name,
-                                  eps_low=recipe.eps_low, eps_high=recipe.eps_high))
+            trainer = dataclasses.replace(recipe.trainer, route_replay=False, use_support=True,
+                                          correction=None, correction_kwargs={})
+            out.append(LoopConfig("bitwise", trainer, bitwise=True, kv_cache=kv, recipe=recipe.name,
+                                  numerics=plan))
         elif n == "published":
             if any(x.startswith("formats: the checkpoint") for x in notes):
                 raise InputError(f"recipe {recipe.name!r}: 'published' trains an HF model, which "
                                  f"would load {model_dir} dequantized by transformers — not wired; "
                                  "run --configs bitwise on a quantized checkpoint", field="configs")
-            out.append(LoopConfig("published", route_replay=recipe.route_replay, use_support=True,
-                                  correction="token_tis" if recipe.tis_cap else None,
-                                  correction_kwargs={"cap": recipe.tis_cap} if recipe.tis_cap else {},
-                                  lr=recipe.lr, recipe=recipe.name, numerics=plan.to_json(),
-                                  kv_cache=kv,
-                                  eps_low=recipe.eps_low, eps_high=recipe.eps_high))
+            out.append(LoopConfig("published", recipe.trainer, kv_cache=kv, recipe=recipe.name,
+                                  numerics=plan))
         else:
             raise InputError(f"recipe configurations are 'published' and 'bitwise', got {n!r}",
                              field="configs")
@@ -285,19 +321,23 @@ _HF_LORA = {
 
 
 def _act_rule(f) -> tuple:
+    """The ``apply_qat`` activation recipe and options of a plan's activation format."""
     import torch
 
-    if f.act == "none":
-        return None, {}
+    from skyrl_numerics.invariant.numerics import ACT_RECIPES
+
     if f.act == "fp8_tensor":
         return "fp8_tensor", {"scale": torch.tensor(float(f.act_scale))}
     if f.act == "nvfp4":
         return "nvfp4", {"convention": "vllm", "global_amax": torch.tensor(float(f.act_amax))}
-    return f.act, {}
+    if f.act == "fp8_group":
+        return "fp8_block", {"block": (1, 128)}
+    return ACT_RECIPES[f.act], {}
 
 
-def published_trainer_kwargs(plan_json: str, model=None) -> dict:
-    """``TrainerConfig`` fields (``qat`` rules, LoRA) of the published trainer for a plan:
+def published_trainer_kwargs(plan, model=None) -> dict:
+    """``TrainerConfig`` fields (``qat`` rules, LoRA) of the published trainer for a
+    :class:`~skyrl_numerics.invariant.numerics.NumericsPlan`:
     the HF model fake-quantizes the planned weights (STE) and their inputs
     (``quant.apply_qat``: for a fused experts module both GEMM inputs of every expert, the
     tokens and the ``down_proj`` input, as the engine quantizes them; MLA's ``kv_b_proj`` weight
@@ -308,9 +348,8 @@ def published_trainer_kwargs(plan_json: str, model=None) -> dict:
     import fnmatch
 
     from skyrl_numerics.quant import QATRule
-    from skyrl_numerics.invariant.numerics import WEIGHT_FORMATS, NumericsPlan
+    from skyrl_numerics.invariant.numerics import WEIGHT_FORMATS
 
-    plan = NumericsPlan.from_json(plan_json)
     rules = []
     for g, f in plan.formats.items():
         recipe, opts = WEIGHT_FORMATS[f.weight] if f.weight else (None, {})
