@@ -197,12 +197,12 @@ def test_format_names_mean_what_the_quant_recipes_of_that_name_mean():
     """A plan format named like a quant recipe is that recipe (weights and activations); the
     per-tensor FP8 weight format is not quant's fp8_tensor (vLLM's activation quantizer, x * fl(1/s))
     and has a name of its own."""
-    from skyrl_numerics.quant import SEED_RECIPES
+    from skyrl_numerics.quant import RECIPES
 
     for name, (recipe, _) in N.WEIGHT_FORMATS.items():
-        assert name not in SEED_RECIPES or recipe == name, name
+        assert name not in RECIPES or recipe == name, name
     for name, recipe in N.ACT_RECIPES.items():
-        assert name not in SEED_RECIPES or recipe == name, name
+        assert name not in RECIPES or recipe == name, name
     assert N.WEIGHT_FORMATS["fp8_tensor_weight"] == ("fp8_channel", {"block": (-1, -1)})
     assert not set(N.RENAMED_WEIGHT_FORMATS) & set(N.WEIGHT_FORMATS)
 

@@ -90,7 +90,7 @@ def test_served_names_and_shapes_are_the_engines(deepseek_v3_dir):
     for the same plan (tiny DeepSeek-V3: MLA attention, a dense layer, shared + routed experts)."""
     from skyrl_numerics.models import load_hf_model
     from skyrl_numerics.invariant.numerics import NumericsPlan, plan_adapter_shapes
-    from skyrl_numerics.trainer.seed_recipes import plain_names, published_trainer_kwargs
+    from skyrl_numerics.trainer.published import plain_names, published_trainer_kwargs
 
     plan = NumericsPlan(formats={}, lora_rank=4, lora_alpha=8.0,
                         lora_targets=("attention", "dense", "shared", "experts"))

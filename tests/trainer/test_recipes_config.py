@@ -8,7 +8,8 @@ import pytest
 
 from skyrl_numerics.cli import main
 from skyrl_numerics.errors import InputError
-from skyrl_numerics.trainer.seed_recipes import SEED_RECIPES, get_recipe, loop_configs, published_trainer_kwargs, resolve
+from skyrl_numerics.trainer.published import published_trainer_kwargs
+from skyrl_numerics.trainer.seed_recipes import SEED_RECIPES, get_recipe, loop_configs, resolve
 
 
 def test_the_three_recipes_resolve_on_both_families(qwen_moe_dir, deepseek_v3_dir):

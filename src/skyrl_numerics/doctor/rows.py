@@ -135,7 +135,7 @@ class DoctorContext:
         """The HF trainer model, loaded once per (dtype, QAT recipe). ``qat``: experts wrapped
         with ``apply_qat`` in that recipe (the trainer-side match of a quantized server), or
         ``("plan", scenario)``: the published trainer's QAT rules for that serving scenario's
-        plan (:func:`serving_plan`, ``seed_recipes.published_trainer_kwargs``)."""
+        plan (:func:`serving_plan`, ``published.qat_rules_for``)."""
         dtype = dtype if dtype is not None else self.dtype
         key = (dtype, qat)
         if key not in self._models:
@@ -331,12 +331,12 @@ def serving_plan(scenario: str, model_dir) -> str:
 
 def plan_qat_rules(model, plan_json: str) -> list:
     """The published trainer's ``apply_qat`` rules for a plan, fitted to ``model``
-    (:func:`skyrl_numerics.trainer.seed_seed_recipes.published_trainer_kwargs`; the doctor hands plans
+    (:func:`skyrl_numerics.trainer.published.qat_rules_for`; the doctor hands plans
     to its engines as JSON)."""
     from skyrl_numerics.invariant.numerics import NumericsPlan
-    from skyrl_numerics.trainer.seed_recipes import published_trainer_kwargs
+    from skyrl_numerics.trainer.published import qat_rules_for
 
-    return published_trainer_kwargs(NumericsPlan.from_json(plan_json), model)["qat"] or []
+    return qat_rules_for(NumericsPlan.from_json(plan_json), model)
 
 
 class _PlanFor:
@@ -375,7 +375,7 @@ for _sc, _what in (("W4A4 serving", "NVFP4 W4A4 routed experts, FP8 W8A8 attenti
     _fq = f"{_sc}: + fake-quant matched"
     register_row(Row(_fq, _sc, _plain_trainer(None, qat=("plan", _sc)),
                      closes=("quantization", _stock),
-                     note="HF trainer with the plan's QAT rules (seed_recipes.published_trainer_kwargs "
+                     note="HF trainer with the plan's QAT rules (published.qat_rules_for "
                           "-> apply_qat, fitted to the model: plan_qat_rules): weights on the "
                           "served grid, activations fake-quantized per token as the engine "
                           "quantizes them (fused experts: both GEMM inputs); what it closes is "

@@ -9,7 +9,7 @@ One default per concept, the numbers ``skyrl-numerics train`` runs with on the t
 LoRA on an HF model: ``lora_patterns`` are globs over module names (``"*.q_proj"``, a fused
 experts module ``"model.layers.*.mlp.experts"``). A serving plan's and a seed recipe's
 ``lora_targets`` are linear *groups* (attention, dense, shared, experts); the published trainer
-turns groups into patterns in one place (:func:`~.seed_recipes.lora_patterns_for`).
+turns groups into patterns in one place (:func:`~.published.lora_patterns_for`).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from skyrl_numerics import correction
 from skyrl_numerics.errors import InputError
 
 from .losses import AGGREGATIONS
@@ -89,8 +90,6 @@ def correction_fn(spec, kwargs: dict | None = None):
     if spec is None:
         return None
     if not callable(spec):
-        from skyrl_numerics import correction
-
         fn = getattr(correction, str(spec), None)
         if fn is None or spec not in correction.__all__ or spec in _NOT_CORRECTIONS:
             names = [n for n in correction.__all__ if n not in _NOT_CORRECTIONS]

@@ -37,13 +37,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rich.progress import Progress
 
 from skyrl_numerics.errors import InputError
+from skyrl_numerics.gap import measure
+from skyrl_numerics.host import host_report
 from skyrl_numerics.invariant.numerics import NumericsPlan
 from skyrl_numerics.rollout import Rollout
+from skyrl_numerics.rollout.prompts import make_prompts
 from skyrl_numerics.trainer.config import TrainerConfig
+from skyrl_numerics.trainer.invariant_trainer import compare_gradients
 from skyrl_numerics.trainer.loop_actors import LoopActors, check_in_place_sync
 from skyrl_numerics.trainer.loop_report import step_metrics
+from skyrl_numerics.trainer.megatron.model import check_parallel_config
 
 
 # ---- the task ------------------------------------------------------------------------------
@@ -218,8 +224,6 @@ def run_loop(run, configs=None, settings: LoopSettings | None = None, *, task=No
     run = prepare(run)
     work = Path(run.work_dir or tempfile.mkdtemp(prefix="skyrl_loop_")).resolve()   # absolute: Ray
     history: dict[str, list[dict]] = {}
-    from rich.progress import Progress
-
     with LoopActors(run) as actors, Progress(disable=not run.progress) as prog:
         for cfg in run.configs:
             history[cfg.name] = ConfigRun(actors, run, cfg, work / f"sync-{cfg.name}").steps(prog)
@@ -239,8 +243,6 @@ def prepare(run: LoopRun) -> LoopRun:
         env = KeyValueEnv
     task = run.task or (EnvRewardTask() if s.turns > 1 else TargetSetTask())
     if p.backend == "megatron" and any(not c.bitwise for c in run.configs):
-        from skyrl_numerics.trainer.megatron.model import check_parallel_config
-
         check_parallel_config(run.model_dir, p.tp, p.ep)  # the family must be mapped, before any engine starts
     if p.replicas < 1 or (p.replicas > 1 and p.server is not None):
         raise InputError(f"replicas={p.replicas}: in-process replicas need replicas >= 1 and no server "
@@ -290,8 +292,6 @@ class ConfigRun:
 
     def launch(self, step: int):
         """Queue step ``step``'s rollout (in process: generate it)."""
-        from skyrl_numerics.rollout.prompts import make_prompts
-
         t = time.perf_counter()
         s = self.s
         try:
@@ -313,8 +313,6 @@ class ConfigRun:
         t_train = time.perf_counter() - t_train - t_ref
         t_sync = time.perf_counter()
         if ref_grad is not None:
-            from skyrl_numerics.trainer.invariant_trainer import compare_gradients
-
             metrics = {**metrics, **compare_gradients(self.a.ask(self.trn, "last_grads"), ref_grad)}
         pub, syn = self.sync()
         t_sync = time.perf_counter() - t_sync
@@ -335,8 +333,6 @@ class ConfigRun:
 
     def old_logprobs(self, ro_ref, rollout: Rollout):
         """The trainer's logprobs before the update and their gap to the engine's (model tokens)."""
-        from skyrl_numerics.gap import measure
-
         old = self.a.ask(self.trn, "logprobs", self.wire(ro_ref, rollout))
         turn_kw = {"mask": rollout.loss_mask, "turns": rollout.turns} if rollout.is_multi_turn else {}
         return old, measure(old, rollout.rollout_logprobs, cu_seqlens=rollout.response_cu, **turn_kw)
@@ -385,8 +381,6 @@ def record(cfg: LoopConfig, step: int, s: LoopSettings, rewards, gap, m: dict, p
 def result(run: LoopRun, history: dict, actors: LoopActors) -> LoopResult:
     """The run's ``train.json``: its settings (the schedule, the task, the placement, every
     configuration), the history, the trainer's and engines' hosts."""
-    from skyrl_numerics.host import host_report
-
     p = run.placement
     task_desc = (asdict(run.task) if isinstance(run.task, TargetSetTask)
                  else {"reward": getattr(run.task, "name", repr(run.task))})

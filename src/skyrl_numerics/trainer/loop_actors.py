@@ -13,10 +13,15 @@ import json
 import logging
 from pathlib import Path
 
+import torch
+
 from skyrl_numerics.errors import InputError
+from skyrl_numerics.host import isa_mismatch
+from skyrl_numerics.invariant import from_checkpoint
 from skyrl_numerics.invariant.numerics import NumericsPlan
 from skyrl_numerics.rollout import Rollout
 
+from .invariant_trainer import onpolicy_gradient
 from .rank_group import TrainerGroup
 from .workers import GeneratorWorker, ReplicaGeneratorWorker, TrainerWorker
 
@@ -26,13 +31,9 @@ class OnPolicyReference:
     weights loaded per call)."""
 
     def __init__(self, model_dir: str, kv_cache=None, numerics=None):
-        from skyrl_numerics.invariant import from_checkpoint
-
         self.model = from_checkpoint(model_dir, kv_cache=kv_cache, numerics=numerics)
 
     def gradient(self, served: dict, rollout: Rollout, rewards, use_support: bool) -> dict:
-        from skyrl_numerics.trainer.invariant_trainer import onpolicy_gradient
-
         self.model.load_named((k, v) for k, v in served.items() if k in self.model._names)
         return onpolicy_gradient(self.model, rollout, rewards, use_support=use_support)
 
@@ -41,12 +42,7 @@ def check_in_place_sync(model_dir, configs) -> None:
     """vLLM CPU 0.32 cannot reload an MLA model's weights in place (its layerwise reload fails in
     ``_copy_and_restore_kernel_tensors`` on the processed MLA weights), so a stock DeepSeek engine
     cannot follow the trainer; the invariant engine can. Refuse before anything starts."""
-    try:
-        import torch
-
-        on_gpu = torch.cuda.is_available()
-    except ImportError:  # pragma: no cover
-        on_gpu = False
+    on_gpu = torch.cuda.is_available()
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     stock = [c.name for c in configs if not c.invariant_engine]
     if cfg.get("kv_lora_rank") is not None and stock and not on_gpu:
@@ -164,8 +160,6 @@ class LoopActors:
     def meet(self, trn, gen) -> None:
         """Keep the trainer's host report (once) and each new engine's; warn once per engine whose
         ISA differs from the trainer's (bitwise trainer = engine holds only within one ISA)."""
-        from skyrl_numerics.host import isa_mismatch
-
         if self.trainer_host is None:
             self.trainer_host = self.ask(trn, "host_info")
         engine = self.ask(gen, "engine_host")

@@ -21,7 +21,7 @@ Format fields are ``WEIGHT/ACT`` (``nvfp4/nvfp4`` = W4A4, ``fp8_tensor_weight/fp
 dynamic per-token activations, ``int4_g32/none`` = W4A16); ``none`` keeps the model dtype;
 ``fp8_tensor@S`` is a static activation scale ``S``, ``nvfp4@A`` a static activation amax ``A``.
 ``lora_targets`` are linear groups (the plan's); the published trainer's module globs come from
-them in one place (:func:`lora_patterns_for`).
+them in one place (:func:`~skyrl_numerics.trainer.published.lora_patterns_for`).
 
 =========  ================================================================================
 recipe     what (source)
@@ -42,10 +42,18 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
+
+import torch
 
 from skyrl_numerics.errors import InputError
+from skyrl_numerics.invariant import FAMILIES, family_class
+from skyrl_numerics.invariant.kv_format import parse_kv_spec
+from skyrl_numerics.invariant.numerics import LinearFormat, NumericsPlan, check_plan_for_config, group_of
+from skyrl_numerics.invariant.vendor_plan import vendor_numerics, vendor_quant_config
 
 from .config import TrainerConfig
+from .loop import LoopConfig
 
 KV_CHOICES = ("auto", "fp8", "fp8_latent", "fp8_ds_mla")
 GROUP_FIELDS = ("attention", "dense", "shared", "experts")
@@ -128,8 +136,6 @@ class SeedRecipe:
         self.plan_for_groups(GROUP_FIELDS)   # plan fields
 
     def plan_for_groups(self, groups):
-        from skyrl_numerics.invariant.numerics import NumericsPlan
-
         fm = {g: f for g, f in self.formats().items() if g in groups}
         targets = tuple(t for t in self.lora_targets if t in groups) if self.lora_rank else ()
         return NumericsPlan(formats=fm, lora_rank=self.lora_rank, lora_alpha=self.lora_alpha,
@@ -180,8 +186,6 @@ def _coerce(k: str, v: str, old):
 
 def parse_format(spec: str, group: str) -> dict:
     """``"WEIGHT/ACT[@X]"`` -> LinearFormat kwargs (checked); errors name the group."""
-    from skyrl_numerics.invariant.numerics import LinearFormat
-
     if not isinstance(spec, str) or spec.count("/") != 1:
         raise InputError(f"{group}={spec!r}: expected WEIGHT/ACT, e.g. nvfp4/nvfp4 or int4_g32/none",
                          field=group)
@@ -224,11 +228,6 @@ def resolve(recipe: SeedRecipe, model_dir) -> tuple:
     """``(NumericsPlan, kv_cache format, notes)`` of ``recipe`` on the checkpoint at
     ``model_dir``; groups the model does not have are dropped (noted), and what cannot apply is
     refused naming the recipe field — all before any engine starts."""
-    from skyrl_numerics.invariant import FAMILIES
-    from skyrl_numerics.invariant.numerics import check_plan_for_config, group_of
-
-    from skyrl_numerics.invariant.vendor_plan import vendor_quant_config
-
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     arch = (cfg.get("architectures") or ["?"])[0]
     if arch not in FAMILIES:
@@ -239,12 +238,20 @@ def resolve(recipe: SeedRecipe, model_dir) -> tuple:
         raise InputError(f"recipe {recipe.name!r} fine-tunes every weight, but {model_dir} is "
                          "quantized (its packed weights are not trainable): set lora_rank",
                          field="lora_rank")
-    from types import SimpleNamespace
+    have, notes = _model_groups(recipe, arch, cfg)
+    kv = _kv_format(recipe, cfg)
+    plan = recipe.plan_for_groups(have)
+    if quant is not None:
+        plan = vendor_numerics(cfg, quant, dataclasses.replace(plan, formats={}), kv_cache=parse_kv_spec(kv))
+        method = (quant.get("config") or {}).get("quant_method", "?")
+        notes.append(f"formats: the checkpoint's own ({method}), not the recipe's")
+    check_plan_for_config(plan, cfg, kv_cache=kv)
+    return plan, kv, notes
 
-    import torch
 
-    from skyrl_numerics.invariant import family_class
-
+def _model_groups(recipe: SeedRecipe, arch: str, cfg: dict) -> tuple[set, list]:
+    """The linear groups the model has (its family built on the meta device) and a note for each
+    group the recipe names that it lacks; routed experts the model lacks are refused."""
     cls = family_class(arch)
     with torch.device("meta"):
         model = cls(**cls.config_parts(SimpleNamespace(**cfg)))
@@ -252,37 +259,27 @@ def resolve(recipe: SeedRecipe, model_dir) -> tuple:
     if "experts" in recipe.formats() and "experts" not in have:
         raise InputError(f"recipe {recipe.name!r} serves routed experts in {recipe.experts}; "
                          "this model has none", field="experts")
-    notes = [f"{g}: not in this model" for g in ("attention", "dense", "shared", "experts")
+    notes = [f"{g}: not in this model" for g in GROUP_FIELDS
              if g not in have and (g in recipe.formats() or (recipe.lora_rank and g in recipe.lora_targets))]
-    mla = cfg.get("kv_lora_rank") is not None
+    return have, notes
+
+
+def _kv_format(recipe: SeedRecipe, cfg: dict) -> str | None:
+    """The engine's cache format (None: the model dtype); ``fp8_latent`` is FP8 on an MLA model."""
     kv = recipe.kv_cache
     if kv == "fp8_latent":
-        if not mla:
+        if cfg.get("kv_lora_rank") is None:
             raise InputError(f"recipe {recipe.name!r}: kv_cache=fp8_latent needs an MLA model (a "
                              "latent cache); this one caches K/V per head: set kv_cache=fp8 or auto",
                              field="kv_cache")
         kv = "fp8"
-    plan = recipe.plan_for_groups(have)
-    if quant is not None:
-        from dataclasses import replace
-
-        from skyrl_numerics.invariant.kv_format import parse_kv_spec
-        from skyrl_numerics.invariant.vendor_plan import vendor_numerics
-
-        plan = vendor_numerics(cfg, quant, replace(plan, formats={}),
-                               kv_cache=parse_kv_spec(None if kv == "auto" else kv))
-        method = (quant.get("config") or {}).get("quant_method", "?")
-        notes.append(f"formats: the checkpoint's own ({method}), not the recipe's")
-    check_plan_for_config(plan, cfg, kv_cache=None if kv == "auto" else kv)
-    return plan, (None if kv == "auto" else kv), notes
+    return None if kv == "auto" else kv
 
 
 def loop_configs(recipe: SeedRecipe, model_dir, names) -> list:
     """The :class:`~skyrl_numerics.trainer.loop.LoopConfig` of each requested configuration
     (``published``, ``bitwise``) of ``recipe`` on ``model_dir``: both embed the recipe's trainer
     (``bitwise`` without R3 and correction: its routes and logprobs are the engine's own)."""
-    from skyrl_numerics.trainer.loop import LoopConfig
-
     plan, kv, notes = resolve(recipe, model_dir)
     out = []
     for n in names:
@@ -301,98 +298,4 @@ def loop_configs(recipe: SeedRecipe, model_dir, names) -> list:
         else:
             raise InputError(f"recipe configurations are 'published' and 'bitwise', got {n!r}",
                              field="configs")
-    return out
-
-
-# ---- the published trainer: fake-quant rules and LoRA on the HF model ------------------------
-_HF_PATTERNS = {
-    "attention": ["model.layers.*.self_attn.*_proj", "model.layers.*.self_attn.kv_a_proj_with_mqa"],
-    "shared": [f"model.layers.*.mlp.shared_experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")],
-    "dense": [f"model.layers.*.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")],
-    "experts": ["model.layers.*.mlp.experts"],
-}
-_HF_LORA = {
-    "experts": ["model.layers.*.mlp.experts"],
-    "attention": [f"*.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj",
-                                                "q_b_proj", "kv_a_proj_with_mqa")],
-    "shared": [f"*.mlp.shared_experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")],
-    "dense": [f"model.layers.*.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")],
-}
-
-
-def _act_rule(f) -> tuple:
-    """The ``apply_qat`` activation recipe and options of a plan's activation format."""
-    import torch
-
-    from skyrl_numerics.invariant.numerics import ACT_RECIPES
-
-    if f.act == "fp8_tensor":
-        return "fp8_tensor", {"scale": torch.tensor(float(f.act_scale))}
-    if f.act == "nvfp4":
-        return "nvfp4", {"convention": "vllm", "global_amax": torch.tensor(float(f.act_amax))}
-    if f.act == "fp8_group":
-        return "fp8_block", {"block": (1, 128)}
-    return ACT_RECIPES[f.act], {}
-
-
-def published_trainer_kwargs(plan, model=None) -> dict:
-    """``TrainerConfig`` fields (``qat`` rules, LoRA) of the published trainer for a
-    :class:`~skyrl_numerics.invariant.numerics.NumericsPlan`:
-    the HF model fake-quantizes the planned weights (STE) and their inputs
-    (``quant.apply_qat``: for a fused experts module both GEMM inputs of every expert, the
-    tokens and the ``down_proj`` input, as the engine quantizes them; MLA's ``kv_b_proj`` weight
-    only), and carries LoRA on the planned linears and, per expert, on the routed experts
-    (``fsdp.lora``: the engine's adapter layout).
-    ``model``: the HF model the rules are for — rules naming modules it does not have (MLA's
-    ``kv_b_proj`` in a GQA model) are left out (``apply_qat`` refuses a rule matching nothing)."""
-    import fnmatch
-
-    from skyrl_numerics.quant import QATRule
-    from skyrl_numerics.invariant.numerics import WEIGHT_FORMATS
-
-    rules = []
-    for g, f in plan.formats.items():
-        recipe, opts = WEIGHT_FORMATS[f.weight] if f.weight else (None, {})
-        act, act_opts = _act_rule(f)
-        if g == "attention" and recipe:
-            rules.append(QATRule("model.layers.*.self_attn.kv_b_proj", recipe, dict(opts)))
-        rules += [QATRule(p, recipe, dict(opts), act, dict(act_opts)) for p in _HF_PATTERNS[g]]
-    if model is not None:
-        names = [n for n, _ in model.named_modules()]
-        rules = [r for r in rules if any(fnmatch.fnmatchcase(n, r.pattern) for n in names)]
-    patterns = lora_patterns_for(plan.lora_targets)
-    return {"qat": rules or None, "lora_rank": plan.lora_rank if patterns else 0,
-            "lora_alpha": plan.lora_alpha, "lora_patterns": patterns or ("*.o_proj",)}
-
-
-def lora_patterns_for(groups) -> list[str]:
-    """The HF module globs (``TrainerConfig.lora_patterns``) of LoRA target *groups* (a plan's or a
-    recipe's ``lora_targets``: attention, dense, shared, experts) — the one place one meaning is
-    turned into the other."""
-    return [p for g in groups for p in _HF_LORA.get(g, ())]
-
-
-def plain_names(state: dict) -> dict:
-    """A parametrized (QAT) / LoRA model's state under plain names: ``X.parametrizations.P.original``
-    -> ``X.P`` (the full-precision weight), ``X.lora_A`` -> ``X.lora_A.weight``, a fused experts
-    module's ``X.lora.{p}_A [E, r, in]`` -> ``X.{e}.{p}_proj.lora_A.weight`` (the engine's names)."""
-    from skyrl_numerics.quant.hf_experts import served_adapters
-
-    out, experts = {}, {}
-    for k, v in state.items():
-        if ".lora." in k:              # per-expert adapters of a fused experts module
-            head, _, leaf = k.rpartition(".lora.")
-            if leaf != "scaling":
-                experts.setdefault(head, {})[leaf] = v
-            continue
-        if ".parametrizations." in k and k.endswith(".original"):
-            head, _, rest = k.partition(".parametrizations.")
-            k = f"{head}.{rest[: -len('.original')]}"
-        elif k.endswith((".lora_A", ".lora_B")):
-            k = k + ".weight"
-        elif k.endswith(".lora_scaling"):
-            continue
-        out[k.replace(".base.", ".")] = v
-    for head, lora in experts.items():
-        out.update(served_adapters(head, lora))
     return out

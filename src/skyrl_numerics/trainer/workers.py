@@ -13,6 +13,8 @@ import numpy as np
 
 from skyrl_numerics.rollout import Rollout
 
+from .published import plain_names, published_trainer_kwargs
+
 
 class GeneratorWorker:
     """Owns the vLLM engine and a delta receiver; applies new versions to the engine in place."""
@@ -204,8 +206,6 @@ class TrainerWorker:
 
         tcfg, hf = config.trainer, None
         if self.recipe:
-            from skyrl_numerics.trainer.seed_recipes import published_trainer_kwargs
-
             hf = load_hf_model(self.model_dir, dtype="float32")
             tcfg = dataclasses.replace(tcfg, **published_trainer_kwargs(config.numerics, hf))
             self.initial_adapters = _initial_adapters(self.model_dir, config.numerics)
@@ -253,8 +253,6 @@ class TrainerWorker:
             sd = _revert_names(self.trainer.model, self.trainer.full_state_dict())
             return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in sd.items()}
         if self.recipe:          # plain names; with LoRA only the adapters (the base is frozen)
-            from skyrl_numerics.trainer.seed_recipes import plain_names
-
             sd = plain_names(dict(self.trainer.model.state_dict()))
             if self.trainer.lora_modules:   # every adapter the engine serves: any this trainer
                 # has no layer for (a non-standard experts layout is refused) at the plan's start
@@ -276,8 +274,6 @@ class TrainerWorker:
             return self.trainer.hf_grads()
         grads = self.trainer.last_grads
         if self.recipe:
-            from skyrl_numerics.trainer.seed_recipes import plain_names
-
             grads = plain_names(grads)
             return grads if self.trainer.lora_modules else _revert_names(self.trainer.model, grads)
         if self.fsdp_ranks > 1:   # collective: every rank gathers its DTensor shards, same order
