@@ -37,12 +37,13 @@ def test_the_three_recipes_resolve_on_both_families(qwen_moe_dir, deepseek_v3_di
 def test_overrides_apply_and_bad_fields_are_refused():
     r = get_recipe("ml4", ["lora_rank=16", "experts=mxfp8/mxfp8", "tis_cap=none",
                            "attention=fp8_tensor_weight/fp8_tensor@0.05", "route_replay=false"])
-    assert (r.lora_rank, r.experts, r.tis_cap, r.trainer.route_replay) == (16, "mxfp8/mxfp8", None, False)
+    assert (r.numerics.lora_rank, r.spec("experts"), r.tis_cap, r.trainer.route_replay) == (16, "mxfp8/mxfp8", None, False)
     assert r.trainer.correction is None
     # a trainer field by its bare name (or trainer.FIELD); the plan's LoRA fields stay the recipe's
     t = get_recipe("k2", ["lr=1e-3", "trainer.eps_high=0.3", "tis_cap=3", "micro_batch_size=4"]).trainer
     assert (t.lr, t.eps_high, t.correction_kwargs, t.micro_batch_size) == (1e-3, 0.3, {"cap": 3.0}, 4)
-    assert r.formats()["attention"]["act_scale"] == 0.05
+    assert r.numerics.formats["attention"].act_scale == 0.05 and r.spec("attention") == "fp8_tensor_weight/fp8_tensor@0.05"
+    assert "dense" not in get_recipe("ml4", ["dense=none/none"]).numerics.formats
     for bad, field in (("lora_rnk=3", "lora_rnk"), ("lora_rank=x", "lora_rank"),
                        ("experts=nvfp4", "experts"), ("experts=int3/none", "experts.weight"),
                        ("attention=fp8_tensor_weight/fp8_tensor", "attention.act_scale"),

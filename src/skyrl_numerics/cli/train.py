@@ -75,7 +75,7 @@ def check_model_args(args, recipe, names) -> None:
         from skyrl_numerics.doctor.model_check import inspect_checkpoint
 
         inspect_checkpoint(args.model)   # a clear error before any engine starts
-    if recipe is not None and args.backend == "megatron" and "published" in names and recipe.lora_rank:
+    if recipe is not None and args.backend == "megatron" and "published" in names and recipe.numerics.lora_rank:
         raise InputError(f"recipe {recipe.name!r} trains LoRA adapters; the megatron trainer has no "
                          "LoRA: run the published config with --backend fsdp", field="backend")
     if recipe is not None and args.kv_cache:

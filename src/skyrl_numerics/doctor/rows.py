@@ -310,7 +310,8 @@ def serving_recipe(scenario: str):
     kw = dict(SERVING_RECIPES[scenario])
     name = scenario.split()[0]
     base = kw.pop("base", None)
-    return dataclasses.replace(SEED_RECIPES[base], name=name, **kw) if base else SeedRecipe(name, **kw)
+    r = SEED_RECIPES[base] if base else SeedRecipe(name)     # the fields as --recipe-set sets them
+    return dataclasses.replace(r.with_overrides([f"{k}={v}" for k, v in kw.items()]), name=name)
 
 
 def serving_plan(scenario: str, model_dir) -> str:
@@ -354,8 +355,8 @@ class _PlanFor:
 
 def _formats(scenario: str) -> str:
     r = serving_recipe(scenario)
-    return ", ".join(f"{g} {getattr(r, g)}" for g in ("experts", "attention", "shared", "dense")
-                     if getattr(r, g) != "none/none")
+    return ", ".join(f"{g} {r.spec(g)}" for g in ("experts", "attention", "shared", "dense")
+                     if r.spec(g) != "none/none")
 
 
 for _sc, _what in (("W4A4 serving", "NVFP4 W4A4 routed experts, FP8 W8A8 attention / shared "

@@ -10,9 +10,14 @@ One step of one configuration::
     manifest = publisher.publish(bf16 weights)             # XOR delta vs the last version, zstd
     receiver.sync(); update_vllm_weights(engine, ...)      # in place, no restart
 
-Generator and trainer are :class:`GeneratorWorker` / :class:`TrainerWorker` (``workers.py``); with ``use_ray`` they
-run as Ray actors on a local cluster and rollouts travel through the object store (numpy arrays
-and packed routes come back as views of the shared buffer, not copies).
+A run is a :class:`LoopRun` (the configurations, :class:`LoopSettings`, :class:`LoopPlacement`,
+the task); :func:`run_loop` composes named steps: :func:`prepare` (defaults, every refusal),
+:class:`~skyrl_numerics.trainer.loop_actors.LoopActors` (the engines, trainers and on-policy
+references), :class:`ConfigRun` per configuration (per step ``collect`` -> ``old_logprobs`` ->
+``reference_gradient`` -> the trainer's ``step`` -> ``sync`` -> :func:`record`), :func:`result`.
+Generator and trainer are ``workers.GeneratorWorker`` / ``workers.TrainerWorker``; with
+``use_ray`` they run as Ray actors on a local cluster and rollouts travel through the object store
+(numpy arrays and packed routes come back as views of the shared buffer, not copies).
 
 Configurations (``plain``, ``aligned``, ``bitwise``) run one after the other from the same
 initial weights (the engine is reset by a full-snapshot sync), so their reward and gap curves

@@ -60,7 +60,7 @@ def qat_rules_for(plan: NumericsPlan, model=None) -> list:
     ``model``: the HF model the rules are for — rules naming modules it does not have (MLA's
     ``kv_b_proj`` in a GQA model) are left out (``apply_qat`` refuses a rule matching nothing)."""
     rules = []
-    for g, f in plan.formats.items():
+    for g, f in sorted(plan.formats.items()):     # by group name, whatever order the plan was built in
         recipe, opts = WEIGHT_FORMATS[f.weight] if f.weight else (None, {})
         act, act_opts = _act_rule(f)
         if g == "attention" and recipe:

@@ -60,6 +60,8 @@ GROUP_FIELDS = ("attention", "dense", "shared", "experts")
 #: trainer fields the recipe's plan sets (LoRA, fake-quant) or ``tis_cap`` spells
 _DERIVED = ("qat", "lora_rank", "lora_alpha", "lora_patterns", "correction", "correction_kwargs")
 _NULLABLE = ("tis_cap", "dual_clip", "grad_clip", "temperature")
+_PLAN_FIELDS = ("lora_rank", "lora_alpha", "lora_targets")
+_RECIPE_FIELDS = ("kv_cache", "samples_per_prompt", "kl_coef")
 
 
 def published_trainer() -> TrainerConfig:
@@ -71,17 +73,14 @@ def published_trainer() -> TrainerConfig:
 
 @dataclass(frozen=True)
 class SeedRecipe:
-    """One recipe; every field can be overridden with ``--recipe-set FIELD=VALUE`` (a field of
-    its ``trainer`` by its bare name too, and ``tis_cap``: the token TIS cap, ``none``: off)."""
+    """One recipe: its serving numerics (a :class:`NumericsPlan` over every group, LoRA included),
+    the engine's cache, the trainer, the GRPO group. Every field can be overridden with
+    ``--recipe-set FIELD=VALUE``: a group's ``WEIGHT/ACT`` (``experts=nvfp4/nvfp4``) and the plan's
+    ``lora_rank`` / ``lora_alpha`` / ``lora_targets``, a field of ``trainer`` by its bare name (or
+    ``trainer.FIELD``), and ``tis_cap`` (the token TIS cap, ``none``: off)."""
     name: str
-    experts: str = "none/none"          # WEIGHT/ACT of the routed experts
-    attention: str = "none/none"
-    shared: str = "none/none"           # shared experts
-    dense: str = "none/none"            # dense MLP layers
+    numerics: NumericsPlan = field(default_factory=lambda: numerics_plan())
     kv_cache: str = "auto"              # auto | fp8 | fp8_latent (MLA only) | fp8_ds_mla
-    lora_rank: int = 0
-    lora_alpha: float = 16.0
-    lora_targets: tuple = GROUP_FIELDS  # linear groups
     trainer: TrainerConfig = field(default_factory=published_trainer)
     samples_per_prompt: int = 8
     kl_coef: float = 0.0
@@ -93,37 +92,41 @@ class SeedRecipe:
         t = self.trainer
         return float(t.correction_kwargs.get("cap", 2.0)) if t.correction == "token_tis" else None
 
-    def formats(self) -> dict:
-        """``{group: LinearFormat kwargs}`` of the groups this recipe quantizes."""
-        out = {}
-        for g in GROUP_FIELDS:
-            f = parse_format(getattr(self, g), g)
-            if f["weight"] is not None or f["act"] != "none":
-                out[g] = f
-        return out
+    def spec(self, group: str) -> str:
+        """A group's format as ``WEIGHT/ACT[@X]`` (``none/none``: the model dtype)."""
+        f = self.numerics.format_of(group)
+        if f is None:
+            return "none/none"
+        x = (f"@{f.act_scale:g}" if f.act_scale is not None
+             else f"@{f.act_amax:g}" if f.act == "nvfp4" and f.act_amax != 2688.0 else "")
+        return f"{f.weight or 'none'}/{f.act}{x}"
 
     def with_overrides(self, items) -> "SeedRecipe":
         """``["lora_rank=16", "experts=mxfp8/mxfp8", "lr=1e-3", ...]`` applied; unknown fields and
         bad values are refused naming the field."""
-        kw, tkw = {}, {}
+        kw, pkw, tkw = {}, {}, {}
+        formats = dict(self.numerics.formats)
         for item in items or ():
             k, v = _split_override(item)
-            if k in _recipe_fields():
+            if k in GROUP_FIELDS:
+                _set_format(formats, k, v)
+            elif k in _PLAN_FIELDS:
+                pkw[k] = _coerce(k, v, getattr(self.numerics, k))
+            elif k in _RECIPE_FIELDS:
                 kw[k] = _coerce(k, v, getattr(self, k))
             elif k == "tis_cap":
                 tkw.update(_tis_fields(_coerce(k, v, 2.0)))
             elif k in _trainer_fields():
                 tkw[k] = _coerce(k, v, getattr(self.trainer, k))
             else:
-                raise InputError(f"recipe {self.name!r} has no field {k!r}; fields: "
-                                 f"{sorted(_recipe_fields() + _trainer_fields() + ('tis_cap',))}", field=k)
-        r = dataclasses.replace(self, trainer=dataclasses.replace(self.trainer, **tkw), **kw)
+                known = GROUP_FIELDS + _PLAN_FIELDS + _RECIPE_FIELDS + _trainer_fields() + ("tis_cap",)
+                raise InputError(f"recipe {self.name!r} has no field {k!r}; fields: {sorted(known)}", field=k)
+        r = dataclasses.replace(self, numerics=dataclasses.replace(self.numerics, formats=formats, **pkw),
+                                trainer=dataclasses.replace(self.trainer, **tkw), **kw)
         r.check()
         return r
 
     def check(self) -> None:
-        for g in GROUP_FIELDS:
-            parse_format(getattr(self, g), g)
         if self.kv_cache not in KV_CHOICES:
             raise InputError(f"recipe {self.name!r}: kv_cache {self.kv_cache!r} is not one of "
                              f"{list(KV_CHOICES)}", field="kv_cache")
@@ -133,17 +136,34 @@ class SeedRecipe:
         if self.samples_per_prompt < 2:
             raise InputError(f"samples_per_prompt {self.samples_per_prompt}: GRPO needs a group "
                              "of >= 2", field="samples_per_prompt")
-        self.plan_for_groups(GROUP_FIELDS)   # plan fields
 
-    def plan_for_groups(self, groups):
-        fm = {g: f for g, f in self.formats().items() if g in groups}
-        targets = tuple(t for t in self.lora_targets if t in groups) if self.lora_rank else ()
-        return NumericsPlan(formats=fm, lora_rank=self.lora_rank, lora_alpha=self.lora_alpha,
-                            lora_targets=targets)
+    def plan_for_groups(self, groups) -> NumericsPlan:
+        """The recipe's plan on a model with these linear groups (the others dropped; no LoRA
+        targets without a rank)."""
+        p = self.numerics
+        targets = tuple(t for t in p.lora_targets if t in groups) if p.lora_rank else ()
+        return dataclasses.replace(p, formats={g: f for g, f in p.formats.items() if g in groups},
+                                   lora_targets=targets)
 
 
-def _recipe_fields() -> tuple:
-    return tuple(f.name for f in dataclasses.fields(SeedRecipe) if f.name not in ("name", "doc", "trainer"))
+def numerics_plan(*, lora_rank: int = 0, lora_alpha: float = 16.0, lora_targets=GROUP_FIELDS,
+                  **specs) -> NumericsPlan:
+    """A recipe's plan from ``WEIGHT/ACT`` specs per group (``experts="nvfp4/nvfp4"``); groups in
+    the model dtype are left out. LoRA targets default to every group."""
+    formats: dict = {}
+    for g, spec in specs.items():
+        _set_format(formats, g, spec)
+    return NumericsPlan(formats=formats, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets)
+
+
+def _set_format(formats: dict, group: str, spec: str) -> None:
+    if group not in GROUP_FIELDS:
+        raise InputError(f"unknown linear group {group!r}; expected one of {list(GROUP_FIELDS)}", field=group)
+    f = parse_format(spec, group)
+    if f["weight"] is not None or f["act"] != "none":
+        formats[group] = LinearFormat(**f)
+    else:
+        formats.pop(group, None)
 
 
 def _trainer_fields() -> tuple:
@@ -204,16 +224,17 @@ def parse_format(spec: str, group: str) -> dict:
     return dataclasses.asdict(f)
 
 
+_W8A8_TENSOR = "fp8_tensor_weight/fp8_token"
 SEED_RECIPES = {
-    "ml4": SeedRecipe("ml4", experts="nvfp4/nvfp4", attention="fp8_tensor_weight/fp8_token",
-                      shared="fp8_tensor_weight/fp8_token", dense="fp8_tensor_weight/fp8_token",
-                      kv_cache="fp8_latent", lora_rank=32, lora_alpha=64.0,
+    "ml4": SeedRecipe("ml4", numerics_plan(experts="nvfp4/nvfp4", attention=_W8A8_TENSOR, shared=_W8A8_TENSOR,
+                                           dense=_W8A8_TENSOR, lora_rank=32, lora_alpha=64.0),
+                      kv_cache="fp8_latent",
                       doc="Mistral Large 4 day-0 (SkyRL #2575): NVFP4 W4A4 experts, FP8 W8A8 "
                           "attention + shared, FP8 latent KV, LoRA 32/64, R3, TIS 2"),
-    "k2": SeedRecipe("k2", experts="int4_g32/none", lora_rank=32, lora_alpha=64.0,
+    "k2": SeedRecipe("k2", numerics_plan(experts="int4_g32/none", lora_rank=32, lora_alpha=64.0),
                      doc="Kimi K2: INT4 W4A16 experts, fake-quant trainer, LoRA 32/64, R3, TIS 2"),
-    "beam": SeedRecipe("beam", experts="mxfp8/mxfp8", attention="mxfp8/mxfp8",
-                       shared="mxfp8/mxfp8", dense="mxfp8/mxfp8",
+    "beam": SeedRecipe("beam", numerics_plan(experts="mxfp8/mxfp8", attention="mxfp8/mxfp8",
+                                             shared="mxfp8/mxfp8", dense="mxfp8/mxfp8"),
                        doc="MXFP8 RL: MXFP8 weights and activations, full fine-tune"),
 }
 
@@ -234,7 +255,7 @@ def resolve(recipe: SeedRecipe, model_dir) -> tuple:
         raise InputError(f"recipe {recipe.name!r}: its bitwise config needs a batch-invariant family; "
                          f"{arch} is not one of {sorted(FAMILIES)}", field="model")
     quant = vendor_quant_config(model_dir, cfg)    # a vendor-quantized base: its own formats
-    if quant is not None and not recipe.lora_rank:
+    if quant is not None and not recipe.numerics.lora_rank:
         raise InputError(f"recipe {recipe.name!r} fine-tunes every weight, but {model_dir} is "
                          "quantized (its packed weights are not trainable): set lora_rank",
                          field="lora_rank")
@@ -256,11 +277,12 @@ def _model_groups(recipe: SeedRecipe, arch: str, cfg: dict) -> tuple[set, list]:
     with torch.device("meta"):
         model = cls(**cls.config_parts(SimpleNamespace(**cfg)))
     have = {group_of(n) for n in model.hf_names()} - {None}
-    if "experts" in recipe.formats() and "experts" not in have:
-        raise InputError(f"recipe {recipe.name!r} serves routed experts in {recipe.experts}; "
+    p = recipe.numerics
+    if "experts" in p.formats and "experts" not in have:
+        raise InputError(f"recipe {recipe.name!r} serves routed experts in {recipe.spec('experts')}; "
                          "this model has none", field="experts")
     notes = [f"{g}: not in this model" for g in GROUP_FIELDS
-             if g not in have and (g in recipe.formats() or (recipe.lora_rank and g in recipe.lora_targets))]
+             if g not in have and (g in p.formats or (p.lora_rank and g in p.lora_targets))]
     return have, notes
 
 
