@@ -66,7 +66,7 @@ def _variant(name: str, E=E, H=H, I=I):
     if name.endswith("LoRA r32"):      # as the FSDP trainer does: LoRA, then the frozen base baked
         from skyrl_numerics.quant.qat import bake_frozen
 
-        apply_lora(wrap, rank=32, alpha=64.0, targets=("experts",))
+        apply_lora(wrap, rank=32, alpha=64.0, patterns=("experts",))
         bake_frozen(wrap)
     return m
 

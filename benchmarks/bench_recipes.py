@@ -27,7 +27,7 @@ from _timing import best
 
 
 def _plans(family: str, model_dir):
-    from skyrl_numerics.trainer.recipes import get_recipe, resolve
+    from skyrl_numerics.trainer.seed_recipes import get_recipe, resolve
 
     kv = [] if family == "deepseek_v3" else ["kv_cache=auto"]
     nolora = ["lora_rank=0"]

@@ -22,7 +22,7 @@ def test_plans_drop_the_groups_a_model_lacks(qwen_moe_dir, deepseek_v3_dir):
     assert set(ds["W4A4 serving"].formats) == {"attention", "experts", "shared", "dense"}
     w4 = ds["W4A4 serving"].formats
     assert (w4["experts"].weight, w4["experts"].act) == ("nvfp4", "nvfp4")
-    assert all((w4[g].weight, w4[g].act) == ("fp8_tensor", "fp8_token")
+    assert all((w4[g].weight, w4[g].act) == ("fp8_tensor_weight", "fp8_token")
                for g in ("attention", "shared", "dense"))
     assert all((f.weight, f.act) == ("fp8_channel", "fp8_token")
                for f in ds["W8A8 serving"].formats.values())

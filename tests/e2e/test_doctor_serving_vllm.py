@@ -72,7 +72,7 @@ def test_serving_plan_and_trainer_copies_in_the_report(served):
     fm = rep["settings"]["scenarios"][sc]["numerics"]["formats"]
     assert set(fm) == groups                       # the groups the model lacks are dropped
     want = {g: ("fp8_channel", "fp8_token") for g in groups} if sc.startswith("W8A8") else {
-        g: ("nvfp4", "nvfp4") if g == "experts" else ("fp8_tensor", "fp8_token") for g in groups}
+        g: ("nvfp4", "nvfp4") if g == "experts" else ("fp8_tensor_weight", "fp8_token") for g in groups}
     assert {g: (f["weight"], f["act"]) for g, f in fm.items()} == want
     mem = rep["settings"]["memory"]
     copies = mem["trainer_copies"]

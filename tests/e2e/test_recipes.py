@@ -113,7 +113,7 @@ def test_adapter_sync_refuses_a_wrong_adapter_and_keeps_the_old_ones(user_dir):
     from skyrl_numerics.trainer import get_generator
     from skyrl_numerics.invariant import from_checkpoint
     from skyrl_numerics.trainer.logprobs import invariant_trainer_logprobs
-    from skyrl_numerics.trainer.recipes import get_recipe, resolve
+    from skyrl_numerics.trainer.seed_recipes import get_recipe, resolve
     from skyrl_numerics.engine.weight_update import update_vllm_weights
 
     plan, kv, _ = resolve(get_recipe("k2"), user_dir)
@@ -143,7 +143,7 @@ def test_adapter_sync_refuses_a_wrong_adapter_and_keeps_the_old_ones(user_dir):
     # put the plan's own starting adapters back (the engine is shared with the k2 loop test)
     from skyrl_numerics.trainer.workers import _initial_adapters
 
-    update_vllm_weights(gen, _initial_adapters(str(user_dir), plan.to_json()))
+    update_vllm_weights(gen, _initial_adapters(str(user_dir), plan))
 
 
 def test_k2_over_a_vllm_server(tmp_path, user_dir, monkeypatch):
@@ -153,7 +153,7 @@ def test_k2_over_a_vllm_server(tmp_path, user_dir, monkeypatch):
     server does not serve is refused with one line."""
     from skyrl_numerics.errors import InputError
     from skyrl_numerics.engine.server import VLLMServer
-    from skyrl_numerics.trainer.recipes import get_recipe, resolve
+    from skyrl_numerics.trainer.seed_recipes import get_recipe, resolve
 
     plan, kv, _ = resolve(get_recipe("k2"), user_dir)
     monkeypatch.setenv("VLLM_API_KEY", "k2-key")
@@ -165,7 +165,7 @@ def test_k2_over_a_vllm_server(tmp_path, user_dir, monkeypatch):
         assert all(r["sync_raw_bytes"] == _adapter_bytes(user_dir, plan.to_json()) for r in rows)
         with pytest.raises(InputError, match="serves another plan"):
             from skyrl_numerics.trainer.loop import LoopSettings, run_loop
-            from skyrl_numerics.trainer.recipes import loop_configs
+            from skyrl_numerics.trainer.seed_recipes import loop_configs
 
             other = loop_configs(get_recipe("k2", ["lora_rank=8"]), user_dir, ["bitwise"])
             run_loop(str(user_dir), other, LoopSettings(steps=1), server=srv.url,

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.isa
 
 W4A4 = {"experts": {"weight": "nvfp4", "act": "nvfp4"},
         "attention": {"weight": "fp8_channel", "act": "fp8_token"}}
-DS_EXTRA = {"shared": {"weight": "fp8_tensor", "act": "fp8_token"},
+DS_EXTRA = {"shared": {"weight": "fp8_tensor_weight", "act": "fp8_token"},
             "dense": {"weight": "fp8_block", "act": "mxfp8"}}
 
 
@@ -191,6 +191,31 @@ def test_bad_plans_are_refused(bad, field):
     with pytest.raises(InputError) as e:
         N.NumericsPlan(**bad)
     assert field in str(e.value)
+
+
+def test_format_names_mean_what_the_quant_recipes_of_that_name_mean():
+    """A plan format named like a quant recipe is that recipe (weights and activations); the
+    per-tensor FP8 weight format is not quant's fp8_tensor (vLLM's activation quantizer, x * fl(1/s))
+    and has a name of its own."""
+    from skyrl_numerics.quant import RECIPES
+
+    for name, (recipe, _) in N.WEIGHT_FORMATS.items():
+        assert name not in RECIPES or recipe == name, name
+    for name, recipe in N.ACT_RECIPES.items():
+        assert name not in RECIPES or recipe == name, name
+    assert N.WEIGHT_FORMATS["fp8_tensor_weight"] == ("fp8_channel", {"block": (-1, -1)})
+    assert not set(N.RENAMED_WEIGHT_FORMATS) & set(N.WEIGHT_FORMATS)
+
+
+def test_the_old_weight_format_name_is_refused_naming_the_new_one():
+    with pytest.raises(InputError) as e:
+        N.NumericsPlan(formats={"attention": {"weight": "fp8_tensor", "act": "fp8_token"}})
+    assert e.value.field == "attention.weight" and "'fp8_tensor_weight'" in str(e.value)
+    from skyrl_numerics.trainer.seed_recipes import get_recipe
+
+    with pytest.raises(InputError, match="fp8_tensor_weight") as e:
+        get_recipe("ml4", ["shared=fp8_tensor/fp8_token"])
+    assert e.value.field == "shared.weight"
 
 
 def test_plans_that_do_not_fit_the_model_are_refused(qwen_moe_dir):

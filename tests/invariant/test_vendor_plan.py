@@ -53,7 +53,7 @@ WANT = {   # checkpoint -> {group: (weight, act)}
     "ctw_int4": {"attention": ("int4_g32", "none")},
     "ctw_nvfp4": {"attention": ("nvfp4_ct", "none")},
     "modelopt_nvfp4": {"attention": ("nvfp4", "nvfp4"), "experts": ("nvfp4", "nvfp4")},
-    "modelopt_fp8": {"attention": ("fp8_tensor", "fp8_tensor"), "experts": ("fp8_tensor", "fp8_tensor")},
+    "modelopt_fp8": {"attention": ("fp8_tensor_weight", "fp8_tensor"), "experts": ("fp8_tensor_weight", "fp8_tensor")},
 }
 
 

@@ -16,7 +16,8 @@ from skyrl_numerics.models import build_tiny_model, load_hf_model
 from skyrl_numerics.rollout import Rollout
 from skyrl_numerics.trainer.fsdp.checkpoint import load_checkpoint, save_checkpoint
 from skyrl_numerics.trainer.fsdp.forward import policy_logprobs
-from skyrl_numerics.trainer.fsdp.trainer import FSDPTrainer, TrainerConfig
+from skyrl_numerics.trainer.config import TrainerConfig
+from skyrl_numerics.trainer.fsdp.trainer import FSDPTrainer
 from skyrl_numerics.trainer.logprobs import trainer_logprobs
 from skyrl_numerics.trainer.fsdp.lora import apply_lora, merge_lora_state_dict
 
@@ -220,8 +221,9 @@ def test_batch_invariant_step(batch):
     beyond rounding: same loss and gradient norm as the plain step, and the update moves the
     logprobs the same way."""
     r, rewards = batch
-    t = FSDPTrainer(fp32_model(), TrainerConfig(batch_invariant=True))
-    p = FSDPTrainer(fp32_model(), TrainerConfig())
+    small = dict(lr=1e-6, weight_decay=0.01, micro_batch_size=8)   # a small step: it moves the logprobs alike
+    t = FSDPTrainer(fp32_model(), TrainerConfig(batch_invariant=True, **small))
+    p = FSDPTrainer(fp32_model(), TrainerConfig(**small))
     before = t.logprobs(r)
     np.testing.assert_allclose(before, p.logprobs(r), atol=1e-5)
     met, pmet = t.step(r, rewards), p.step(r, rewards)
@@ -358,8 +360,8 @@ def test_lora_starts_at_base_trains_adapters_and_merges(batch):
     assert (lora_lp - ref.detach()).abs().max() > 1e-3  # the adapters did change the policy
     np.testing.assert_allclose(merged_lp.numpy(), lora_lp.numpy(), atol=1e-5)
     assert set(merge_lora_state_dict(w1)) == set(base.state_dict())
-    with pytest.raises(InputError, match="lora_targets"):
-        apply_lora(fp32_model(), targets=("*.nothing",))
+    with pytest.raises(InputError, match="lora_patterns"):
+        apply_lora(fp32_model(), patterns=("*.nothing",))
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from skyrl_numerics.rollout import Rollout
+from skyrl_numerics.trainer.config import TrainerConfig
 from skyrl_numerics.trainer.loop import LoopConfig, LoopResult
 from skyrl_numerics.trainer.loop_report import step_metrics, write_loop_plot
 
@@ -22,7 +23,7 @@ def _rollout(lp, **kw) -> Rollout:
 def test_tis_clip_frac_is_the_share_over_the_cap(d, cap):
     rollout_lp = np.full(len(d), -1.0, np.float32)
     trainer_lp = (rollout_lp.astype(np.float64) + np.asarray(d, np.float64))
-    cfg = LoopConfig(name="c", correction="token_tis", correction_kwargs={"cap": cap})
+    cfg = LoopConfig(name="c", trainer=TrainerConfig(correction="token_tis", correction_kwargs={"cap": cap}))
     got = step_metrics(cfg, trainer_lp, _rollout(rollout_lp), None)["tis_clip_frac"]
     ratio = np.exp(trainer_lp - rollout_lp.astype(np.float64))
     assert got == float((ratio > cap).mean())

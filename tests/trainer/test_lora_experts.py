@@ -38,7 +38,7 @@ def _randomize_adapters(model, seed):
 def test_start_is_the_base_model_and_only_adapters_train():
     base = _tiny64()
     model = _tiny64()
-    done = apply_lora(model, rank=4, alpha=8.0, targets=TARGETS)
+    done = apply_lora(model, rank=4, alpha=8.0, patterns=TARGETS)
     assert "model.layers.0.mlp.experts" in done and "model.layers.1.self_attn.q_proj" in done
     ids = torch.randint(0, 512, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -56,7 +56,7 @@ def test_adapted_forward_is_the_merged_weights_forward(seed, rank):
     """float64: the per-expert adapters computed beside the base equal ``W + s·B A`` merged in
     (merge_lora_state_dict), so the layout of A/B per expert and gate/up/down is the merge's."""
     model = _tiny64()
-    apply_lora(model, rank=rank, alpha=2.0 * rank + 1, targets=TARGETS)
+    apply_lora(model, rank=rank, alpha=2.0 * rank + 1, patterns=TARGETS)
     _randomize_adapters(model, seed)
     merged = _tiny64()
     sd = merge_lora_state_dict(dict(model.state_dict()))
@@ -70,7 +70,7 @@ def test_adapted_forward_is_the_merged_weights_forward(seed, rank):
 
 def test_a_token_trains_only_the_experts_it_was_routed_to():
     model = _tiny64()
-    apply_lora(model, rank=2, alpha=4.0, targets=TARGETS)
+    apply_lora(model, rank=2, alpha=4.0, patterns=TARGETS)
     _randomize_adapters(model, 1)
     exp = model.model.layers[0].mlp.experts
     routed = {}
@@ -90,13 +90,13 @@ def test_served_names_and_shapes_are_the_engines(deepseek_v3_dir):
     for the same plan (tiny DeepSeek-V3: MLA attention, a dense layer, shared + routed experts)."""
     from skyrl_numerics.models import load_hf_model
     from skyrl_numerics.invariant.numerics import NumericsPlan, plan_adapter_shapes
-    from skyrl_numerics.trainer.recipes import plain_names, published_trainer_kwargs
+    from skyrl_numerics.trainer.published import plain_names, published_trainer_kwargs
 
     plan = NumericsPlan(formats={}, lora_rank=4, lora_alpha=8.0,
                         lora_targets=("attention", "dense", "shared", "experts"))
     hf = load_hf_model(deepseek_v3_dir, dtype="float32")
-    kw = published_trainer_kwargs(plan.to_json(), hf)
-    apply_lora(hf, rank=kw["lora_rank"], alpha=kw["lora_alpha"], targets=kw["lora_targets"])
+    kw = published_trainer_kwargs(plan, hf)
+    apply_lora(hf, rank=kw["lora_rank"], alpha=kw["lora_alpha"], patterns=kw["lora_patterns"])
     got = {k: tuple(v.shape) for k, v in plain_names(dict(hf.state_dict())).items() if ".lora_" in k}
     want = plan_adapter_shapes(plan, json.loads((deepseek_v3_dir / "config.json").read_text()))
     assert got == {k: tuple(v) for k, v in want.items()}
@@ -106,7 +106,7 @@ def test_another_experts_layout_is_refused_naming_the_module():
     model = tiny_qwen3_moe()
     model.model.layers[1].mlp.experts.has_bias = True
     with pytest.raises(InputError, match=r"model\.layers\.1\.mlp\.experts.*standard fused experts"):
-        apply_lora(model, rank=2, targets=TARGETS)
+        apply_lora(model, rank=2, patterns=TARGETS)
     assert not any(".lora" in n for n, _ in model.named_parameters())
     assert "forward" not in model.model.layers[0].mlp.experts.__dict__
 
@@ -117,7 +117,7 @@ def test_lora_and_activation_quant_together_and_removed_in_any_order():
     model = tiny_qwen3_moe()
     apply_qat(model, [QATRule("model.layers.*.mlp.experts", "nvfp4", {"convention": "vllm"},
                               act_recipe="fp8_token")])
-    apply_lora(model, rank=2, targets=TARGETS)
+    apply_lora(model, rank=2, patterns=TARGETS)
     exp = model.model.layers[0].mlp.experts
     assert "_act_quant" in exp.__dict__ and "lora" in exp._modules
     remove_qat(model)
@@ -141,7 +141,7 @@ def test_a_frozen_qat_base_is_quantized_once_bitwise():
     a, b = tiny_qwen3_moe(), tiny_qwen3_moe()
     for m in (a, b):
         apply_qat(m, rules)
-        apply_lora(m, rank=2, targets=TARGETS)
+        apply_lora(m, rank=2, patterns=TARGETS)
         _randomize_adapters(m, 4)
     done = bake_frozen(b)
     assert "model.layers.0.mlp.experts.gate_up_proj" in done and \

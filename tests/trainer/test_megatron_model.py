@@ -25,7 +25,7 @@ def test_spawn_and_trainer_refuse_bad_layout_before_any_group(qwen_moe_dir):
         MegatronTrainer(qwen_moe_dir, tp=1, ep=3)
     with pytest.raises(InputError, match="world_size=1"):   # no group: 1 rank, but tp=2 needs 2
         MegatronTrainer(qwen_moe_dir, tp=2, ep=1)
-    from skyrl_numerics.trainer.fsdp.trainer import TrainerConfig
+    from skyrl_numerics.trainer.config import TrainerConfig
 
     with pytest.raises(InputError, match="LoRA") as e:
         MegatronTrainer(qwen_moe_dir, TrainerConfig(lora_rank=4))
@@ -233,7 +233,7 @@ def test_bad_parallel_config_is_refused(qwen_moe_dir, over, tp, ep, field, match
 @pytest.mark.slow
 def test_grouped_experts_forward_and_qat(group, qwen_moe_dir, hf_sd):
     from skyrl_numerics.quant import fake_quant
-    from skyrl_numerics.trainer.fsdp.trainer import TrainerConfig
+    from skyrl_numerics.trainer.config import TrainerConfig
     from skyrl_numerics.trainer.megatron.trainer import MegatronTrainer
 
     torch.manual_seed(0)
@@ -283,7 +283,7 @@ def test_batch_invariant_megatron_forward_and_step(group, qwen_moe_dir):
     """Without the mode, micro-batch size changes some logprobs in the last bits (measured: about half of the
     tokens, max 1.4e-6); with it every size gives the same bits."""
     from skyrl_numerics.rollout import Rollout
-    from skyrl_numerics.trainer.fsdp.trainer import TrainerConfig
+    from skyrl_numerics.trainer.config import TrainerConfig
     from skyrl_numerics.trainer.megatron.trainer import MegatronTrainer
 
     rng = np.random.default_rng(0)

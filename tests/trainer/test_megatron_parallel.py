@@ -70,7 +70,7 @@ def _worker(rank, world, model_dir, out, ds_dir):
 
     from skyrl_numerics.quant import QATRule
     from skyrl_numerics.replay.megatron import megatron_record_routes, megatron_replay_indices, megatron_route_replay
-    from skyrl_numerics.trainer.fsdp.trainer import TrainerConfig
+    from skyrl_numerics.trainer.config import TrainerConfig
     from skyrl_numerics.trainer.megatron.forward import _rows_routes
     from skyrl_numerics.trainer.megatron.trainer import MegatronTrainer
 
@@ -192,7 +192,8 @@ def two_ranks(qwen_moe_dir, deepseek_v3_dir, tmp_path_factory):
 def single(qwen_moe_dir, two_ranks):
     """The same runs on one rank (MegatronTrainer TP=EP=1) and the FSDP trainer."""
     from skyrl_numerics.models import load_hf_model
-    from skyrl_numerics.trainer.fsdp.trainer import FSDPTrainer, TrainerConfig
+    from skyrl_numerics.trainer.config import TrainerConfig
+    from skyrl_numerics.trainer.fsdp.trainer import FSDPTrainer
     from skyrl_numerics.trainer.megatron.trainer import MegatronTrainer
     from skyrl_numerics.engine.weight_update import checkpoint_state_dict
 
@@ -221,7 +222,8 @@ def single(qwen_moe_dir, two_ranks):
 @pytest.fixture(scope="module")
 def single_ds(deepseek_v3_dir, two_ranks):
     from skyrl_numerics.models import load_hf_model
-    from skyrl_numerics.trainer.fsdp.trainer import FSDPTrainer, TrainerConfig
+    from skyrl_numerics.trainer.config import TrainerConfig
+    from skyrl_numerics.trainer.fsdp.trainer import FSDPTrainer
     from skyrl_numerics.trainer.megatron.trainer import MegatronTrainer
     from skyrl_numerics.engine.weight_update import checkpoint_state_dict
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from skyrl_numerics import correction as corr
 from skyrl_numerics.rollout import Rollout
-from skyrl_numerics.trainer.fsdp.trainer import TrainerConfig
+from skyrl_numerics.trainer.config import TrainerConfig
 from skyrl_numerics.trainer.ppo_step import ppo_update
 
 

@@ -10,17 +10,19 @@ import numpy as np
 import torch
 
 from skyrl_numerics.rollout import Rollout
-from skyrl_numerics.invariant.numerics import NumericsPlan, check_adapters, plan_adapter_shapes
-from skyrl_numerics.trainer.recipes import RECIPES, loop_configs
+from skyrl_numerics.invariant.numerics import check_adapters, plan_adapter_shapes
+from skyrl_numerics.trainer.seed_recipes import SEED_RECIPES, loop_configs
 from skyrl_numerics.trainer.workers import TrainerWorker
 
 
 def test_published_ml4_trains_and_serves_every_engine_adapter(deepseek_v3_dir, tmp_path):
-    recipe = RECIPES["ml4"].with_overrides(["lora_rank=4", "lora_alpha=8"])
+    recipe = SEED_RECIPES["ml4"].with_overrides(["lora_rank=4", "lora_alpha=8"])
     (cfg,) = loop_configs(recipe, deepseek_v3_dir, ["published"])
-    cfg = dataclasses.replace(cfg, route_replay=False, use_support=False, lr=5e-2)  # no engine routes here
+    # no engine routes here
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, route_replay=False, use_support=False,
+                                                               lr=5e-2))
     w = TrainerWorker(str(deepseek_v3_dir), cfg, str(tmp_path / "sync"), snapshot_every=4)
-    plan = NumericsPlan.from_json(cfg.numerics)
+    plan = cfg.numerics
     shapes = plan_adapter_shapes(plan, json.loads((deepseek_v3_dir / "config.json").read_text()))
     before = w.served_state()
     assert set(before) == set(shapes) and any(".experts.3.down_proj.lora_B" in n for n in before)

@@ -1,4 +1,4 @@
-"""Recipe objects (trainer/recipes.py): fields, overrides, what cannot apply to a model — all
+"""Seed recipe objects (trainer/seed_recipes.py): fields, overrides, what cannot apply to a model — all
 refused before any engine starts, with one line naming the field."""
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 
 from skyrl_numerics.cli import main
 from skyrl_numerics.errors import InputError
-from skyrl_numerics.trainer.recipes import RECIPES, get_recipe, loop_configs, published_trainer_kwargs, resolve
+from skyrl_numerics.trainer.published import published_trainer_kwargs
+from skyrl_numerics.trainer.seed_recipes import SEED_RECIPES, get_recipe, loop_configs, resolve
 
 
 def test_the_three_recipes_resolve_on_both_families(qwen_moe_dir, deepseek_v3_dir):
@@ -25,28 +26,37 @@ def test_the_three_recipes_resolve_on_both_families(qwen_moe_dir, deepseek_v3_di
     assert not beam.lora and {f.act for f in beam.formats.values()} == {"mxfp8"}
     cfgs = loop_configs(get_recipe("ml4"), deepseek_v3_dir, ["published", "bitwise"])
     assert [c.name for c in cfgs] == ["published", "bitwise"]
-    assert cfgs[0].correction == "token_tis" and cfgs[0].correction_kwargs == {"cap": 2.0}
-    assert cfgs[0].route_replay and cfgs[1].bitwise and cfgs[0].numerics == cfgs[1].numerics
-    assert (cfgs[1].eps_low, cfgs[1].eps_high) == (0.2, 0.28)
+    pub, bit = cfgs[0].trainer, cfgs[1].trainer
+    assert pub.correction == "token_tis" and pub.correction_kwargs == {"cap": 2.0}
+    assert pub.route_replay and cfgs[1].bitwise
+    assert cfgs[0].numerics == cfgs[1].numerics == resolve(get_recipe("ml4"), deepseek_v3_dir)[0]
+    assert (bit.eps_low, bit.eps_high, bit.lr) == (0.2, 0.28, 1e-2) and bit.use_support
+    assert bit.correction is None and not bit.route_replay    # the engine's own logprobs and routes
 
 
 def test_overrides_apply_and_bad_fields_are_refused():
     r = get_recipe("ml4", ["lora_rank=16", "experts=mxfp8/mxfp8", "tis_cap=none",
-                           "attention=fp8_tensor/fp8_tensor@0.05", "route_replay=false"])
-    assert (r.lora_rank, r.experts, r.tis_cap, r.route_replay) == (16, "mxfp8/mxfp8", None, False)
-    assert r.formats()["attention"]["act_scale"] == 0.05
+                           "attention=fp8_tensor_weight/fp8_tensor@0.05", "route_replay=false"])
+    assert (r.numerics.lora_rank, r.spec("experts"), r.tis_cap, r.trainer.route_replay) == (16, "mxfp8/mxfp8", None, False)
+    assert r.trainer.correction is None
+    # a trainer field by its bare name (or trainer.FIELD); the plan's LoRA fields stay the recipe's
+    t = get_recipe("k2", ["lr=1e-3", "trainer.eps_high=0.3", "tis_cap=3", "micro_batch_size=4"]).trainer
+    assert (t.lr, t.eps_high, t.correction_kwargs, t.micro_batch_size) == (1e-3, 0.3, {"cap": 3.0}, 4)
+    assert r.numerics.formats["attention"].act_scale == 0.05 and r.spec("attention") == "fp8_tensor_weight/fp8_tensor@0.05"
+    assert "dense" not in get_recipe("ml4", ["dense=none/none"]).numerics.formats
     for bad, field in (("lora_rnk=3", "lora_rnk"), ("lora_rank=x", "lora_rank"),
                        ("experts=nvfp4", "experts"), ("experts=int3/none", "experts.weight"),
-                       ("attention=fp8_tensor/fp8_tensor", "attention.act_scale"),
+                       ("attention=fp8_tensor_weight/fp8_tensor", "attention.act_scale"),
                        ("kv_cache=fp4", "kv_cache"), ("kl_coef=0.1", "kl_coef"),
                        ("samples_per_prompt=1", "samples_per_prompt"), ("route_replay=maybe", "route_replay"),
+                       ("eps_low=1.5", "eps_low"), ("tis_cap=0", "tis_cap"), ("qat=nvfp4", "qat"),
                        ("nofield", "recipe-set")):
         with pytest.raises(InputError) as e:
             get_recipe("ml4", [bad])
         assert field in str(e.value), (bad, str(e.value))
     with pytest.raises(InputError, match="unknown recipe"):
         get_recipe("ml5")
-    assert set(RECIPES) == {"ml4", "k2", "beam"}
+    assert set(SEED_RECIPES) == {"ml4", "k2", "beam"}
 
 
 def test_what_does_not_apply_is_refused(qwen_moe_dir, tmp_path):
@@ -68,19 +78,19 @@ def test_what_does_not_apply_is_refused(qwen_moe_dir, tmp_path):
 
 def test_published_trainer_rules_follow_the_plan(deepseek_v3_dir):
     plan, _, _ = resolve(get_recipe("ml4"), deepseek_v3_dir)
-    kw = published_trainer_kwargs(plan.to_json())
+    kw = published_trainer_kwargs(plan)
     pats = {r.pattern: r for r in kw["qat"]}
     assert pats["model.layers.*.self_attn.kv_b_proj"].act_recipe is None     # absorbed: weight only
     assert pats["model.layers.*.mlp.experts"].recipe == "nvfp4"
     assert pats["model.layers.*.mlp.experts"].act_opts["convention"] == "vllm"
     assert pats["model.layers.*.self_attn.*_proj"].act_recipe == "fp8_token"
-    assert kw["lora_rank"] == 32 and "*.self_attn.kv_a_proj_with_mqa" in kw["lora_targets"]
-    assert not any("kv_b_proj" in t for t in kw["lora_targets"])
+    assert kw["lora_rank"] == 32 and "*.self_attn.kv_a_proj_with_mqa" in kw["lora_patterns"]
+    assert not any("kv_b_proj" in t for t in kw["lora_patterns"])
     from skyrl_numerics.models import load_hf_model
     from skyrl_numerics.quant import apply_qat
 
     hf = load_hf_model(deepseek_v3_dir, dtype="float32")
-    done = apply_qat(hf, published_trainer_kwargs(plan.to_json(), hf)["qat"])   # every rule hits
+    done = apply_qat(hf, published_trainer_kwargs(plan, hf)["qat"])   # every rule hits
     assert any(k.endswith("mlp.experts") for k in done)
     # MLA's kv_a_proj_with_mqa is served in the attention's formats: the trainer quantizes it too
     assert done["model.layers.0.self_attn.kv_a_proj_with_mqa"] == ["weight:fp8_channel", "input:fp8_token"]
@@ -95,7 +105,7 @@ def test_published_rules_fit_a_gqa_model(qwen_moe_dir):
     for name, sets in (("ml4", ["kv_cache=auto"]), ("beam", [])):
         plan, _, _ = resolve(get_recipe(name, sets), qwen_moe_dir)
         hf = load_hf_model(qwen_moe_dir, dtype="float32")
-        rules = published_trainer_kwargs(plan.to_json(), hf)["qat"]
+        rules = published_trainer_kwargs(plan, hf)["qat"]
         assert not any("kv_b_proj" in r.pattern or "mqa" in r.pattern for r in rules)
         done = apply_qat(hf, rules)
         assert "model.layers.0.self_attn.q_proj" in done and "model.layers.1.mlp.experts" in done
@@ -129,7 +139,7 @@ def test_a_vendor_quantized_base_keeps_its_own_formats(qwen_moe_dir):
     assert plan.lora_rank == 32 and "experts" in plan.lora_targets
     assert any("checkpoint's own (compressed-tensors)" in n for n in notes), notes
     (cfg,) = loop_configs(get_recipe("k2"), q, ["bitwise"])
-    assert cfg.numerics == resolve(get_recipe("k2"), q)[0].to_json()
+    assert cfg.numerics == resolve(get_recipe("k2"), q)[0]
     with pytest.raises(InputError, match="set lora_rank") as e:
         resolve(get_recipe("beam"), q)
     assert e.value.field == "lora_rank"

@@ -280,13 +280,12 @@ def _cmd_serve(args) -> int:
 
     numerics, kv = None, args.kv_cache
     if args.recipe or args.recipe_set:    # a recipe's serving numerics and cache (train --recipe)
-        from skyrl_numerics.trainer.recipes import get_recipe, resolve
+        from skyrl_numerics.trainer.seed_recipes import get_recipe, resolve
 
         if not args.recipe or not args.batch_invariant or args.kv_cache:
             raise InputError("--recipe (with --recipe-set) needs --batch-invariant and sets the "
                              "cache itself", field="recipe")
-        plan, kv, _ = resolve(get_recipe(args.recipe, args.recipe_set), args.model_dir)
-        numerics = plan.to_json()
+        numerics, kv, _ = resolve(get_recipe(args.recipe, args.recipe_set), args.model_dir)
     srv = VLLMServer(args.model_dir, host=args.host, port=args.port, api_key=args.api_key,
                      log_path=args.log, batch_invariant=args.batch_invariant,
                      kv_cache=kv, numerics=numerics, max_model_len=args.max_model_len,
@@ -396,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "three; with --recipe: published, bitwise (default both)")
     t.add_argument("--recipe", default=None, choices=["ml4", "k2", "beam"],
                    help="a seed recipe's whole stack (serving formats, KV cache, LoRA, R3, TIS, "
-                        "clip, group size): trainer/recipes.py")
+                        "clip, group size): trainer/seed_recipes.py")
     t.add_argument("--recipe-set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override one recipe field (repeatable), e.g. lora_rank=16, "
                         "experts=mxfp8/mxfp8, kv_cache=auto")

@@ -1,47 +1,73 @@
 """``skyrl-numerics train``: the RL loop from the command line (``trainer/loop.py``), with the seed
-recipes (``--recipe``, ``trainer/recipes.py``); writes ``OUT/train.json`` and ``OUT/train.png``."""
+recipes (``--recipe``, ``trainer/seed_recipes.py``); writes ``OUT/train.json`` and ``OUT/train.png``.
+
+Everything the arguments say is checked (and refused with one line naming the field) before any
+engine starts; then one :class:`~skyrl_numerics.trainer.loop.LoopRun` runs and its table is
+printed."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from skyrl_numerics.errors import InputError
 
 
 def cmd_train(args) -> int:
-    from skyrl_numerics.cli import make_console, engine_log
+    from skyrl_numerics.doctor.report import check_out_dir
+    from skyrl_numerics.trainer.loop import LoopRun
 
-    from skyrl_numerics.models import build_tiny_model
-    from skyrl_numerics.doctor.report import check_out_dir, plain, write_json
-    from skyrl_numerics.trainer.loop import CONFIGS, LoopSettings, run_loop
-    from skyrl_numerics.trainer.loop_report import write_loop_plot
+    recipe = seed_recipe(args)
+    names = config_names(args, recipe)
+    check_out_dir(args.out)              # before any engine starts
+    task, env = task_and_env(args)
+    check_model_args(args, recipe, names)
+    model_dir = checkpoint(args)
+    run = LoopRun(model_dir, loop_configs(args, recipe, names, model_dir), loop_settings(args, recipe),
+                  placement(args), task=task, env=env, work_dir=Path(args.out) / "sync",
+                  progress=not args.no_progress)
+    res, log_path = run_logged(args, run)
+    report(args, recipe, res, log_path)
+    return 0
 
-    names = [c.strip() for c in (args.configs or ("published,bitwise" if args.recipe else
-                                                 "plain,aligned,bitwise")).split(",") if c.strip()]
-    recipe = None
-    if args.recipe or args.recipe_set:
-        from skyrl_numerics.trainer.recipes import get_recipe
 
-        if not args.recipe:
-            raise InputError("--recipe-set without --recipe", field="recipe-set")
-        recipe = get_recipe(args.recipe, args.recipe_set)   # fields checked before anything starts
+# ---- what the arguments ask for, checked before any engine starts -----------------------------
+def seed_recipe(args):
+    """The ``--recipe`` with its ``--recipe-set`` overrides (every field checked), or None."""
+    if not (args.recipe or args.recipe_set):
+        return None
+    from skyrl_numerics.trainer.seed_recipes import get_recipe
+
+    if not args.recipe:
+        raise InputError("--recipe-set without --recipe", field="recipe-set")
+    return get_recipe(args.recipe, args.recipe_set)
+
+
+def config_names(args, recipe) -> list[str]:
+    from skyrl_numerics.trainer.loop import CONFIGS
+
+    default = "published,bitwise" if recipe else "plain,aligned,bitwise"
+    names = [c.strip() for c in (args.configs or default).split(",") if c.strip()]
     unknown = [n for n in names if n not in CONFIGS and recipe is None]
     if unknown:
-        raise InputError(f"unknown configuration(s) {unknown}; known: {sorted(CONFIGS)}",
-                         field="configs")
-    check_out_dir(args.out)              # before any engine starts
-    task = None
-    if args.reward:
-        from skyrl_numerics.trainer.reward import RewardTask, load_reward
+        raise InputError(f"unknown configuration(s) {unknown}; known: {sorted(CONFIGS)}", field="configs")
+    return names
 
-        task = RewardTask(load_reward(args.reward), name=args.reward)
+
+def task_and_env(args) -> tuple:
+    """``--reward`` (a task; None: the loop's default) and ``--env`` (multi-turn)."""
+    from skyrl_numerics.trainer.reward import RewardTask, load_reward
+
+    task = RewardTask(load_reward(args.reward), name=args.reward) if args.reward else None
     env = None
     if args.env:
-        from skyrl_numerics.trainer.reward import load_reward
-
         if args.multi_turn < 2:
             raise InputError("--env without --multi-turn N (N >= 2): an environment answers "
                              "between model turns", field="env")
         env = load_reward(args.env, field="env")
+    return task, env
+
+
+def check_model_args(args, recipe, names) -> None:
     if args.model and (args.server or args.family != "qwen3_moe"):
         raise InputError("--model DIR with --server or --family: the server / family names the "
                          "checkpoint", field="model")
@@ -49,56 +75,106 @@ def cmd_train(args) -> int:
         from skyrl_numerics.doctor.model_check import inspect_checkpoint
 
         inspect_checkpoint(args.model)   # a clear error before any engine starts
-    samples = args.samples or (recipe.samples_per_prompt if recipe else 4)
-    settings = LoopSettings(steps=args.steps, prompts_per_step=args.prompts,
-                            samples_per_prompt=samples, max_tokens=args.max_tokens,
-                            seed=args.seed, off_policy=1 if args.async_ else 0,
-                            measure_grad=not args.no_grad, turns=args.multi_turn)
-    if recipe is not None and args.backend == "megatron" and "published" in names and recipe.lora_rank:
+    if recipe is not None and args.backend == "megatron" and "published" in names and recipe.numerics.lora_rank:
         raise InputError(f"recipe {recipe.name!r} trains LoRA adapters; the megatron trainer has no "
                          "LoRA: run the published config with --backend fsdp", field="backend")
     if recipe is not None and args.kv_cache:
         raise InputError("--recipe sets the engine's cache format itself (--recipe-set "
                          "kv_cache=...); not with --kv-cache", field="recipe")
-    configs = [CONFIGS[n] for n in names] if recipe is None else []
-    if args.kv_cache:
-        import dataclasses
 
-        configs = [dataclasses.replace(c, kv_cache=args.kv_cache) if c.bitwise else c
-                   for c in configs]
-    out = Path(args.out)
-    model_dir = None
+
+def servers(args) -> list[str]:
+    return [u.strip() for u in args.server.split(",") if u.strip()] if args.server else []
+
+
+def checkpoint(args) -> str:
+    """The checkpoint the trainer loads: the one the server serves, ``--model``, or the tiny
+    ``--family`` model."""
     if args.server:
         from skyrl_numerics.engine.remote import RemoteGenerator
 
         if args.ray:
             raise InputError("--server and --ray: the server is the generator", field="ray")
-        servers = [u.strip() for u in args.server.split(",") if u.strip()]
-        model_dir = RemoteGenerator(servers[0], api_key=args.api_key).model_dir
+        model_dir = RemoteGenerator(servers(args)[0], api_key=args.api_key).model_dir
         if not (Path(model_dir) / "config.json").is_file():
             raise InputError(f"the server serves {model_dir}, which is not a checkpoint directory "
                              "on this machine (the trainer loads it)", field="server")
-    if recipe is not None:   # the plan for the checkpoint, checked before any engine starts
-        from skyrl_numerics.trainer.recipes import loop_configs
+        return model_dir
+    if args.model:
+        return args.model
+    from skyrl_numerics.models import build_tiny_model
 
-        configs = loop_configs(recipe, model_dir or args.model
-                               or build_tiny_model(args.family, seed=args.seed), names)
+    return build_tiny_model(args.family, seed=args.seed)
+
+
+def loop_configs(args, recipe, names, model_dir) -> list:
+    """The named configurations (``--kv-cache`` on the bitwise one), or the recipe's, its plan
+    built for the checkpoint and checked before any engine starts."""
+    if recipe is not None:
+        from skyrl_numerics.trainer.seed_recipes import loop_configs as recipe_configs
+
+        return recipe_configs(recipe, model_dir, names)
+    from skyrl_numerics.trainer.loop import CONFIGS
+
+    return [dataclasses.replace(CONFIGS[n], kv_cache=args.kv_cache) if args.kv_cache and CONFIGS[n].bitwise
+            else CONFIGS[n] for n in names]
+
+
+def loop_settings(args, recipe):
+    from skyrl_numerics.trainer.loop import LoopSettings
+
+    return LoopSettings(steps=args.steps, prompts_per_step=args.prompts,
+                        samples_per_prompt=args.samples or (recipe.samples_per_prompt if recipe else 4),
+                        max_tokens=args.max_tokens, seed=args.seed, off_policy=1 if args.async_ else 0,
+                        measure_grad=not args.no_grad, turns=args.multi_turn)
+
+
+def placement(args):
+    from skyrl_numerics.trainer.loop import LoopPlacement
+
+    urls = servers(args)
+    return LoopPlacement(backend=args.backend, tp=args.tp, ep=args.ep, dp=args.dp, replicas=args.replicas,
+                         use_ray=args.ray, server=urls if len(urls) > 1 else args.server, api_key=args.api_key)
+
+
+# ---- the run and its report ----------------------------------------------------------------------
+def run_logged(args, run) -> tuple:
+    """Run the loop with vLLM's log captured; on a failure the log is kept and named."""
+    from skyrl_numerics.cli import engine_log
+    from skyrl_numerics.trainer.loop import run_loop
+
+    out = Path(args.out)
     with engine_log(args) as elog:
         try:
-            res = run_loop(model_dir or args.model or build_tiny_model(args.family, seed=args.seed),
-                           configs, settings, use_ray=args.ray, work_dir=out / "sync", task=task,
-                           progress=not args.no_progress, backend=args.backend,
-                           server=(servers if args.server and len(servers) > 1 else args.server),
-                           api_key=args.api_key, tp=args.tp, ep=args.ep, replicas=args.replicas,
-                           dp=args.dp, env=env)
+            res = run_loop(run)
         except InputError:
             raise
         except BaseException:
             if not elog.verbose:
                 print(f"train failed; vLLM log: {elog.keep(out / 'vllm.log')}", file=elog.terminal)
             raise
-        log_path = None if elog.verbose else elog.keep(out / "vllm.log")
+        return res, (None if elog.verbose else elog.keep(out / "vllm.log"))
+
+
+def report(args, recipe, res, log_path) -> None:
+    """The table on the terminal, ``train.json`` and ``train.png``."""
+    from skyrl_numerics.cli import make_console
+    from skyrl_numerics.doctor.report import plain, write_json
+    from skyrl_numerics.trainer.loop_report import write_loop_plot
+
+    out = Path(args.out)
     console = make_console()
+    console.print(table(args, recipe, res))
+    if res.host.get("isa_warning"):
+        console.print(res.host["isa_warning"], markup=False)
+    write_json(out / "train.json", res.to_dict())
+    write_loop_plot(out / "train.png", res)
+    console.print(f"wrote {plain(out / 'train.json')}, {plain(out / 'train.png')}"
+                  + (f", {plain(log_path)}" if log_path else ""))
+
+
+def table(args, recipe, res):
+    """One row per configuration and step."""
     from rich.table import Table
 
     what = (f"the model at {args.server}" if args.server else args.model if args.model
@@ -124,11 +200,4 @@ def cmd_train(args) -> int:
                       *([fmt(r, "tis_clip_frac", ".2%"),
                          f"{r['time_generate_s']:.1f} / {r['time_train_s']:.1f} / {r['time_sync_s']:.2f}"]
                         if recipe else []))
-    console.print(t)
-    if res.host.get("isa_warning"):
-        console.print(res.host["isa_warning"], markup=False)
-    write_json(out / "train.json", res.to_dict())
-    write_loop_plot(out / "train.png", res)
-    console.print(f"wrote {plain(out / 'train.json')}, {plain(out / 'train.png')}"
-                  + (f", {plain(log_path)}" if log_path else ""))
-    return 0
+    return t

@@ -28,11 +28,10 @@ from typing import Any
 from skyrl_numerics.engine.arch_check import check_vllm_architecture
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.hashing import json_key
+from skyrl_numerics.hf_config import moe_dims
 from skyrl_numerics.safetensors_header import read_header
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8}
-# config keys holding the routed expert count, by family
-_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
 
@@ -200,11 +199,7 @@ def inspect_checkpoint(path: str | os.PathLike, *, engine_args: dict | None = No
     if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 2:
         raise InputError(f"config.json: vocab_size must be an integer >= 2, got {vocab!r}",
                          source=src, field="vocab_size")
-    experts = 0
-    for k in _EXPERT_KEYS:
-        v = config.get(k)
-        if isinstance(v, int) and not isinstance(v, bool) and v > experts:
-            experts = v
+    experts = moe_dims(config).num_experts
     stored = config.get("torch_dtype") or config.get("dtype") or "float32"
     stored = str(stored).replace("torch.", "")
     check_vllm_architecture(arch, engine_args or {}, src)

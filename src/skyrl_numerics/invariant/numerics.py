@@ -20,19 +20,25 @@ and is added in float32, rounded once. MLA's ``kv_b_proj`` is absorbed into the 
 (``W_UK``, ``W_UV``): like vLLM, it is decoded to the model dtype and used without activation
 quantization, and it takes no adapter (an adapter would have to be merged before absorption).
 
-Weight formats (``quant`` recipes; formulas in ``quant/recipes_*.py``):
+Weight formats (``quant`` recipes; formulas in ``quant/recipes_*.py``). A format named like a
+``quant.RECIPES`` entry *is* that recipe (its weight options fixed: modelopt's NVFP4 convention,
+128x128 FP8 blocks); the others have names of their own:
 
-    nvfp4        E2M1, 1x16 blocks, E4M3 block scales, fp32 global amax/2688 (modelopt writer)
-    fp8_tensor   E4M3, one scale amax/448 (modelopt / compressed-tensors ``tensor``)
-    fp8_channel  E4M3, one scale per output row (compressed-tensors ``channel``)
-    fp8_block    E4M3, 128x128 blocks (DeepSeek-V3 ``weight_scale_inv``)
-    int4_g32     INT4 symmetric groups of 32 along the input (compressed-tensors W4A16)
-    mxfp8        E4M3, 1x32 blocks, E8M0 scales
-    nvfp4_ct     NVFP4 as compressed-tensors stores it (encode global 2688/amax)
-    int4_g128    INT4 symmetric groups of 128
+    nvfp4              E2M1, 1x16 blocks, E4M3 block scales, fp32 global amax/2688 (modelopt writer)
+    fp8_channel        E4M3, one scale per output row (compressed-tensors ``channel``)
+    fp8_block          E4M3, 128x128 blocks (DeepSeek-V3 ``weight_scale_inv``)
+    int4_g32           INT4 symmetric groups of 32 along the input (compressed-tensors W4A16)
+    mxfp8              E4M3, 1x32 blocks, E8M0 scales
+    fp8_tensor_weight  E4M3, one scale amax/448 for the whole weight, ``w / s`` (the writers'
+                       convention: modelopt FP8, compressed-tensors ``tensor``; quant's
+                       ``fp8_channel`` over one block). Not quant's ``fp8_tensor``, which is
+                       vLLM's per-tensor *activation* quantizer (``x * fl(1/s)``).
+    nvfp4_ct           NVFP4 as compressed-tensors stores it (encode global 2688/amax)
+    int4_g128          INT4 symmetric groups of 128
 
 Activation formats — each one quantizes a token's row from that row alone, so a token's bits do
-not depend on the batch (the invariance the engine needs):
+not depend on the batch (the invariance the engine needs); again a name of a ``quant`` recipe is
+that recipe:
 
     none         the model dtype as it is
     fp8_token    dynamic per-token E4M3 (vLLM ``dynamic_per_token_scaled_fp8_quant``)
@@ -67,19 +73,25 @@ import torch
 from skyrl_numerics.errors import InputError
 
 GROUPS = ("attention", "dense", "shared", "experts")
-#: weight format -> (quant recipe, options)
+#: weight format -> (quant recipe, options); a name in ``quant.RECIPES`` maps to that recipe
 WEIGHT_FORMATS = {
     "nvfp4": ("nvfp4", {"convention": "modelopt"}),
-    "fp8_tensor": ("fp8_channel", {"block": (-1, -1)}),
     "fp8_channel": ("fp8_channel", {}),
     "fp8_block": ("fp8_block", {"block": (128, 128)}),
     "int4_g32": ("int4_g32", {}),
     "mxfp8": ("mxfp8", {}),
+    "fp8_tensor_weight": ("fp8_channel", {"block": (-1, -1)}),
     # read from vendor checkpoints (vendor_plan.py): compressed-tensors' NVFP4, INT4 groups of 128
     "nvfp4_ct": ("nvfp4", {"convention": "compressed_tensors"}),
     "int4_g128": ("int4_g32", {"group": 128}),
 }
-ACT_FORMATS = ("none", "fp8_token", "fp8_tensor", "nvfp4", "mxfp8", "fp8_group")
+#: plan weight format names that meant another quant recipe than their name says: refused,
+#: naming the new name (no saved file holds a plan: plans are built from recipes each run)
+RENAMED_WEIGHT_FORMATS = {"fp8_tensor": "fp8_tensor_weight"}
+#: activation format -> quant recipe (``none``: the model dtype); options in quantize_activation
+ACT_RECIPES = {"none": None, "fp8_token": "fp8_token", "fp8_tensor": "fp8_tensor", "nvfp4": "nvfp4",
+               "mxfp8": "mxfp8", "fp8_group": "fp8_block"}
+ACT_FORMATS = tuple(ACT_RECIPES)
 # the input dim a format's blocks need to divide (serving kernels do not pad these)
 _K_MULTIPLE = {"nvfp4": 16, "int4_g32": 32, "mxfp8": 32, "nvfp4_ct": 16, "int4_g128": 128,
                "fp8_group": 128}
@@ -98,6 +110,11 @@ class LinearFormat:
     act_global: float | None = None     # nvfp4: the stored global g itself (modelopt input_scale)
 
     def check(self, where: str) -> None:
+        if self.weight in RENAMED_WEIGHT_FORMATS:
+            raise InputError(f"{where}: weight format {self.weight!r} is now called "
+                             f"{RENAMED_WEIGHT_FORMATS[self.weight]!r} (quant's {self.weight!r} is "
+                             "vLLM's per-tensor activation quantizer, another rounding)",
+                             field=f"{where}.weight")
         if self.weight is not None and self.weight not in WEIGHT_FORMATS:
             raise InputError(f"{where}: weight format {self.weight!r} is not one of "
                              f"{sorted(WEIGHT_FORMATS)}", field=f"{where}.weight")
@@ -161,7 +178,11 @@ class NumericsPlan:
     def format_of(self, group: str | None) -> LinearFormat | None:
         return self.formats.get(group) if group else None
 
+    def __hash__(self) -> int:     # a value (engine and reference caches key on it)
+        return hash(self.to_json())
+
     def to_json(self) -> str:
+        """The plan as JSON: what crosses a process (vLLM's ``hf_overrides``), HTTP or file."""
         d = asdict(self)
         d["lora_targets"] = list(self.lora_targets)
         return json.dumps(d, sort_keys=True)
@@ -243,22 +264,20 @@ def quantize_activation(x: torch.Tensor, f: LinearFormat) -> torch.Tensor:
     """``A(x)`` of the module doc in ``x.dtype``, row by row (straight-through under grad):
     ``quant.fake_quant`` — ``dequantize(quantize(x))`` bit for bit (its fused paths are tested
     against that reference)."""
-    if f.act == "none":
+    recipe = ACT_RECIPES[f.act]
+    if recipe is None:
         return x
     from skyrl_numerics.quant import fake_quant
 
-    if f.act == "fp8_token":
-        recipe, opts = "fp8_token", {}
-    elif f.act == "fp8_tensor":
-        recipe, opts = "fp8_tensor", {"scale": torch.tensor(float(f.act_scale))}
+    opts: dict = {}
+    if f.act == "fp8_tensor":
+        opts = {"scale": torch.tensor(float(f.act_scale))}
     elif f.act == "nvfp4":     # a checkpoint's stored global scale, else the static amax
         g = ({"global_scale": torch.tensor(float(f.act_global))} if f.act_global is not None
              else {"global_amax": torch.tensor(float(f.act_amax))})
-        recipe, opts = "nvfp4", {"convention": "vllm", **g}
+        opts = {"convention": "vllm", **g}
     elif f.act == "fp8_group":
-        recipe, opts = "fp8_block", {"block": (1, 128)}
-    else:
-        recipe, opts = "mxfp8", {}
+        opts = {"block": (1, 128)}
 
     def fn(t):
         return fake_quant(t.reshape(-1, t.shape[-1]), recipe, **opts).reshape(t.shape)

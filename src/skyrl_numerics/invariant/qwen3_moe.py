@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from skyrl_numerics.hf_config import moe_dims
 from skyrl_numerics.kernels import attention as inv_attention
 
 from .base import Attend, InvariantCausalLM
@@ -42,7 +43,8 @@ class Dims:
     def from_config(cls, c) -> "Dims":
         rope = getattr(c, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
-        experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts")
+        moe = moe_dims(c)
+        require(moe.num_experts > 0, "num_experts", None, "a routed expert count is needed")
         require(not getattr(c, "mlp_only_layers", None), "mlp_only_layers",
                 getattr(c, "mlp_only_layers", None), "dense layers are not in this family")
         require(getattr(c, "decoder_sparse_step", 1) == 1, "decoder_sparse_step",
@@ -55,8 +57,8 @@ class Dims:
                 "a tied lm-head is not implemented")
         return cls(vocab=c.vocab_size, hidden=c.hidden_size, layers=c.num_hidden_layers,
                    heads=c.num_attention_heads, kv_heads=c.num_key_value_heads,
-                   head_dim=c.head_dim, experts=experts, top_k=c.num_experts_per_tok,
-                   moe_inter=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob,
+                   head_dim=c.head_dim, experts=moe.num_experts, top_k=moe.top_k,
+                   moe_inter=moe.moe_intermediate, norm_topk_prob=c.norm_topk_prob,
                    eps=c.rms_norm_eps, rope_theta=float(theta))
 
 

@@ -10,13 +10,13 @@ modelopt's ``hf_quant_config.json``; both present: they must agree)::
     modelopt NVFP4                             nvfp4: P u8, P_scale E4M3,         nvfp4, static global
                                                P_scale_2 (g = amax/2688)          g = X.input_scale
     modelopt W4A16_NVFP4                       nvfp4                              none (input_scale dropped)
-    modelopt FP8                               fp8_tensor: P E4M3, P_scale        fp8_tensor, static
-                                                                                  X.input_scale
+    modelopt FP8                               fp8_tensor_weight: P E4M3,         fp8_tensor, static
+                                               P_scale                            X.input_scale
     compressed-tensors pack-quantized          int4_g32 / int4_g128:              none
       int 4-bit group 32 / 128                 P_packed i32, P_scale, P_shape
     compressed-tensors nvfp4-pack-quantized    nvfp4_ct: P_packed u8, P_scale,    none
                                                P_global_scale (G = 2688/amax)
-    compressed-tensors float-quantized 8-bit   fp8_tensor / fp8_channel /         input_activations: none,
+    compressed-tensors float-quantized 8-bit   fp8_tensor_weight / fp8_channel /  input_activations: none,
       tensor / channel / block [128, 128]      fp8_block: P E4M3, P_scale         fp8 token (dynamic),
                                                                                   tensor (static X.input_scale),
                                                                                   group 128 (dynamic)
@@ -182,7 +182,7 @@ class VendorScheme:
         spec = Spec("modelopt_nvfp4" if nv else "modelopt_fp8", src)
         self.rules = [Rule(spec, "nvfp4", "nvfp4", static=True) if algo == "NVFP4" else
                       Rule(spec, "nvfp4", drop_input_scale=True) if algo == "W4A16_NVFP4" else
-                      Rule(spec, "fp8_tensor", "fp8_tensor", static=True)]
+                      Rule(spec, "fp8_tensor_weight", "fp8_tensor", static=True)]
 
     @staticmethod
     def _modelopt_groups(groups, src: str, algo: str) -> None:
@@ -285,7 +285,7 @@ def _ct_weight_format(spec) -> str:
         return f"int4_g{spec.group_size}"
     if spec.kind == "ct_nvfp4":
         return "nvfp4_ct"
-    fmt = {(1, -1): "fp8_channel", (-1, -1): "fp8_tensor", (128, 128): "fp8_block"}.get(spec.block)
+    fmt = {(1, -1): "fp8_channel", (-1, -1): "fp8_tensor_weight", (128, 128): "fp8_block"}.get(spec.block)
     if fmt is None:
         _bad(spec.where, "block_structure", f"FP8 blocks {list(spec.block)} are not served (128x128 only)")
     return fmt

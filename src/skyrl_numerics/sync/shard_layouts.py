@@ -32,6 +32,7 @@ whole and spread over all ``world`` ranks in contiguous blocks (vLLM's linear pl
 from __future__ import annotations
 
 from skyrl_numerics.errors import InputError
+from skyrl_numerics.hf_config import moe_dims
 
 from .shard_plan import Layout
 
@@ -41,8 +42,8 @@ def _cfg(config) -> dict:
 
 
 def _n_experts(c):
-    """Routed experts, under any of the names configs use (``num_local_experts``: transformers 5)."""
-    return c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts") or 0
+    """Routed experts (:func:`skyrl_numerics.hf_config.moe_dims`: every name configs use)."""
+    return moe_dims(c).num_experts
 
 
 def _mla(c) -> bool:
@@ -50,11 +51,9 @@ def _mla(c) -> bool:
 
 
 def _moe_layer(c, l) -> bool:
-    """Qwen3-MoE: not in ``mlp_only_layers`` and ``(l + 1) % decoder_sparse_step == 0`` (HF's rule);
-    DeepSeek-V3 family: from ``first_k_dense_replace`` on."""
-    if _n_experts(c) == 0 or l < (c.get("first_k_dense_replace") or 0):
-        return False
-    return l not in (c.get("mlp_only_layers") or ()) and (l + 1) % (c.get("decoder_sparse_step") or 1) == 0
+    """Does layer ``l`` route (:meth:`~skyrl_numerics.hf_config.MoEDims.is_moe_layer`: Qwen3-MoE's
+    ``mlp_only_layers`` / ``decoder_sparse_step``, DeepSeek-V3's ``first_k_dense_replace``)?"""
+    return moe_dims(c).is_moe_layer(l)
 
 
 def hf_shapes(config) -> dict:

@@ -1,7 +1,7 @@
 """skyrl_numerics.trainer: trainer-side logprobs, the FSDP2 (``fsdp/``) and megatron-core
 (``megatron/``) trainers, the shared PPO step (``ppo_step.py``) and losses, the trainer over the
 invariant forward (``invariant_trainer.py``), the thin RL loop (``loop.py``, ``workers.py``) and
-the seed recipes (``recipes.py``).
+the seed recipes (``seed_recipes.py``); every trainer reads one :class:`TrainerConfig` (``config.py``).
 
 The names below are the public entry points, some of them from the packages the trainer drives
 (``VLLMGenerator`` is :mod:`skyrl_numerics.engine`'s, ``DeltaPublisher`` :mod:`skyrl_numerics.sync`'s);
@@ -17,7 +17,7 @@ _EXPORTS = {
     "trainer_logprobs": "skyrl_numerics.trainer.logprobs",
     "TrainerLogprobs": "skyrl_numerics.trainer.logprobs",
     "FSDPTrainer": "skyrl_numerics.trainer.fsdp.trainer",
-    "TrainerConfig": "skyrl_numerics.trainer.fsdp.trainer",
+    "TrainerConfig": "skyrl_numerics.trainer.config",
     "MegatronTrainer": "skyrl_numerics.trainer.megatron.trainer",
     "policy_logprobs": "skyrl_numerics.trainer.fsdp.forward",
     "PolicyModel": "skyrl_numerics.trainer.fsdp.forward",

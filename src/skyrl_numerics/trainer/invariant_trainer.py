@@ -27,6 +27,8 @@ import torch
 from skyrl_numerics.invariant.base import InvariantCausalLM
 from skyrl_numerics.rollout import Rollout
 
+from .config import TrainerConfig
+
 
 def trainable_names(model: InvariantCausalLM) -> list[str]:
     """HF names of the trained weights (the router's correction bias is a buffer in HF); under a
@@ -112,21 +114,18 @@ class InvariantTrainer:
     ``step`` returns the FSDP trainer's metric names (loss, clipfrac, entropy, ...) and keeps the
     step's gradient (before clipping) in ``last_grads`` by HF name."""
 
-    def __init__(self, model_dir, *, lr: float = 1e-2, kv_cache=None, use_support: bool = False,
-                 grad_clip: float | None = 1.0, betas=(0.9, 0.999), eps_low=0.2, eps_high=0.28,
+    def __init__(self, model_dir, config: TrainerConfig | None = None, *, kv_cache=None,
                  numerics=None):
         from skyrl_numerics.invariant import from_checkpoint
 
+        self.config = cfg = config or TrainerConfig()
         self.model = from_checkpoint(model_dir, kv_cache=kv_cache, numerics=numerics)
         self.names = trainable_names(self.model)
         self.master = {n: torch.nn.Parameter(self.model.w(n).detach().float().clone())
                        for n in self.names}
-        self.optimizer = torch.optim.AdamW(list(self.master.values()), lr=lr, betas=betas,
-                                           weight_decay=0.0)
-        self.use_support, self.grad_clip = use_support, grad_clip
-        from skyrl_numerics.trainer.fsdp.trainer import TrainerConfig
-
-        self.config = TrainerConfig(eps_low=eps_low, eps_high=eps_high, grad_clip=grad_clip)
+        self.optimizer = torch.optim.AdamW(list(self.master.values()), lr=cfg.lr, betas=tuple(cfg.betas),
+                                           eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+        self.use_support, self.grad_clip = cfg.use_support, cfg.grad_clip
         self.last_grads: dict[str, torch.Tensor] = {}
         self.global_step = 0
 

@@ -10,9 +10,14 @@ One step of one configuration::
     manifest = publisher.publish(bf16 weights)             # XOR delta vs the last version, zstd
     receiver.sync(); update_vllm_weights(engine, ...)      # in place, no restart
 
-Generator and trainer are :class:`GeneratorWorker` / :class:`TrainerWorker` (``workers.py``); with ``use_ray`` they
-run as Ray actors on a local cluster and rollouts travel through the object store (numpy arrays
-and packed routes come back as views of the shared buffer, not copies).
+A run is a :class:`LoopRun` (the configurations, :class:`LoopSettings`, :class:`LoopPlacement`,
+the task); :func:`run_loop` composes named steps: :func:`prepare` (defaults, every refusal),
+:class:`~skyrl_numerics.trainer.loop_actors.LoopActors` (the engines, trainers and on-policy
+references), :class:`ConfigRun` per configuration (per step ``collect`` -> ``old_logprobs`` ->
+``reference_gradient`` -> the trainer's ``step`` -> ``sync`` -> :func:`record`), :func:`result`.
+Generator and trainer are ``workers.GeneratorWorker`` / ``workers.TrainerWorker``; with
+``use_ray`` they run as Ray actors on a local cluster and rollouts travel through the object store
+(numpy arrays and packed routes come back as views of the shared buffer, not copies).
 
 Configurations (``plain``, ``aligned``, ``bitwise``) run one after the other from the same
 initial weights (the engine is reset by a full-snapshot sync), so their reward and gap curves
@@ -28,16 +33,28 @@ put into the update, measured directly (``bitwise``: 1 and 0 by construction).
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from rich.progress import Progress
 
+from skyrl_numerics.errors import InputError
+from skyrl_numerics.gap import measure
+from skyrl_numerics.host import host_report
+from skyrl_numerics.invariant.numerics import NumericsPlan
 from skyrl_numerics.rollout import Rollout
+from skyrl_numerics.rollout.prompts import make_prompts
+from skyrl_numerics.trainer.config import TrainerConfig
+from skyrl_numerics.trainer.invariant_trainer import compare_gradients
+from skyrl_numerics.trainer.loop_actors import LoopActors, check_in_place_sync
 from skyrl_numerics.trainer.loop_report import step_metrics
-from skyrl_numerics.trainer.workers import GeneratorWorker, TrainerWorker
+from skyrl_numerics.trainer.megatron.model import check_parallel_config
 
 
 # ---- the task ------------------------------------------------------------------------------
@@ -71,21 +88,17 @@ class EnvRewardTask:
 # ---- configurations ------------------------------------------------------------------------
 @dataclass
 class LoopConfig:
+    """One configuration of the loop: its trainer (every number of the update, the alignment
+    pieces) and the engine its rollouts come from."""
     name: str = "plain"
-    route_replay: bool = False
-    use_support: bool = False
-    correction: str | None = None          # a skyrl_numerics.correction function name
-    correction_kwargs: dict = field(default_factory=dict)
-    lr: float = 1e-2
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
     bitwise: bool = False                  # invariant engine + invariant trainer
     kv_cache: str | None = None            # invariant engine: the cache format (bitwise: both sides)
-    eps_low: float = 0.2                   # PPO clip range (DAPO clip-higher)
-    eps_high: float = 0.28
-    # a recipe (trainer/recipes.py): its name and its serving numerics (NumericsPlan JSON). The
-    # invariant engine serves them; bitwise: the invariant trainer computes the same, published:
-    # the HF trainer fake-quantizes (apply_qat) and carries LoRA on its linears
+    # a seed recipe (trainer/seed_recipes.py): its name and its serving numerics. The invariant
+    # engine serves them; bitwise: the invariant trainer computes the same, published: the HF
+    # trainer fake-quantizes (apply_qat) and carries LoRA on its linears
     recipe: str | None = None
-    numerics: str | None = None
+    numerics: NumericsPlan | None = None
 
     @property
     def invariant_engine(self) -> bool:
@@ -94,14 +107,15 @@ class LoopConfig:
 
 CONFIGS = {
     "plain": LoopConfig("plain"),
-    "aligned": LoopConfig("aligned", route_replay=True, use_support=True,
-                          correction="token_tis", correction_kwargs={"cap": 2.0}),
-    "bitwise": LoopConfig("bitwise", use_support=True, bitwise=True),
+    "aligned": LoopConfig("aligned", TrainerConfig(route_replay=True, use_support=True, correction="token_tis",
+                                                   correction_kwargs={"cap": 2.0})),
+    "bitwise": LoopConfig("bitwise", TrainerConfig(use_support=True), bitwise=True),
 }
 
 
 @dataclass
 class LoopSettings:
+    """The run's schedule and sampling (every configuration the same)."""
     steps: int = 5
     prompts_per_step: int = 4
     samples_per_prompt: int = 4
@@ -122,47 +136,69 @@ class LoopSettings:
     # run's environment; max_tokens per turn); the loss, gap and corrections see model tokens only
     turns: int = 1
 
+    def sampling(self) -> dict:
+        """The engine's sampling arguments of every request."""
+        return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                    max_tokens=self.max_tokens, n=self.samples_per_prompt, capture_support=self.top_k > 1)
 
-def _check_in_place_sync(model_dir, configs) -> None:
-    """vLLM CPU 0.32 cannot reload an MLA model's weights in place (its layerwise reload fails in
-    ``_copy_and_restore_kernel_tensors`` on the processed MLA weights), so a stock DeepSeek engine
-    cannot follow the trainer; the invariant engine can. Refuse before anything starts."""
-    import json
-
-    from skyrl_numerics.errors import InputError
-
-    try:
-        import torch
-
-        on_gpu = torch.cuda.is_available()
-    except ImportError:  # pragma: no cover
-        on_gpu = False
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    stock = [c.name for c in configs if not c.invariant_engine]
-    if cfg.get("kv_lora_rank") is not None and stock and not on_gpu:
-        raise InputError(f"configs {stock} need the stock vLLM engine to take new weights in place, "
-                         "which vLLM CPU 0.32 cannot do for MLA models (layerwise reload of the "
-                         "processed MLA weights fails); run --configs bitwise for this family",
-                         field="configs")
+    @property
+    def truncated(self) -> bool:
+        """Top-p / top-k sampling: the on-policy distribution is renormalized over the support."""
+        return self.top_k > 1 or self.top_p < 1.0
 
 
-class OnPolicyReference:
-    """The exact on-policy gradient of a batch at given served weights (one invariant model,
-    weights loaded per call)."""
+@dataclass
+class LoopPlacement:
+    """Where the loop runs. ``backend``: the trainer of the non-bitwise configurations, ``"fsdp"``
+    (HF model) or ``"megatron"`` (megatron-core GPTModel); ``tp`` / ``ep`` (megatron): that trainer
+    on ``max(tp, ep)`` rank actors reaching the in-process engine by sharded transfer; ``dp``
+    (fsdp): an FSDP2 data-parallel trainer on ``dp`` rank actors (rank 0 publishes); ``replicas``:
+    in-process engines behind a ``ReplicaRouter``; ``server``: the URL (or URLs: replicas) of a
+    running ``vllm serve`` (``skyrl-numerics serve``) to generate with, synced through vLLM's own
+    HTTP client and the ``skyrl_delta`` backend (``bitwise`` needs a ``--batch-invariant`` server,
+    the others a stock one); ``use_ray``: generator and trainer as Ray actors."""
+    backend: str = "fsdp"
+    tp: int = 1
+    ep: int = 1
+    dp: int = 1
+    replicas: int = 1
+    use_ray: bool = False
+    server: str | list | None = None
+    api_key: str | None = None
 
-    def __init__(self, model_dir: str, kv_cache=None, numerics=None):
-        from skyrl_numerics.invariant import from_checkpoint
+    @property
+    def multi_rank(self) -> bool:
+        return (self.backend == "megatron" and self.tp * self.ep > 1) or self.dp > 1
 
-        self.model = from_checkpoint(model_dir, kv_cache=kv_cache, numerics=numerics)
+    def check(self, turns: int) -> None:
+        """What cannot run together, refused naming the field."""
+        if turns > 1 and self.replicas > 1:
+            raise InputError("multi-turn with in-process replicas: not wired (each turn must reach "
+                             "the replica holding the history's KV)", field="replicas")
+        if self.backend not in ("fsdp", "megatron"):
+            raise InputError(f"unknown backend {self.backend!r}; expected 'fsdp' or 'megatron'", field="backend")
+        if self.tp < 1 or self.ep < 1 or (self.backend != "megatron" and self.tp * self.ep > 1):
+            raise InputError(f"tp={self.tp}, ep={self.ep}: a multi-rank trainer needs the megatron backend "
+                             "and tp, ep >= 1", field="tp" if self.tp != 1 else "ep")
+        if self.dp < 1 or (self.backend != "fsdp" and self.dp > 1):
+            raise InputError(f"dp={self.dp}: data parallel ranks are the fsdp backend's, dp >= 1", field="dp")
 
-    def gradient(self, served: dict, rollout: Rollout, rewards, use_support: bool) -> dict:
-        from skyrl_numerics.trainer.invariant_trainer import onpolicy_gradient
 
-        self.model.load_named((k, v) for k, v in served.items() if k in self.model._names)
-        return onpolicy_gradient(self.model, rollout, rewards, use_support=use_support)
+@dataclass
+class LoopRun:
+    """One run of the loop: the checkpoint, the configurations, the schedule, the placement, the
+    task (default: :class:`TargetSetTask`; multi-turn: the environment's reward) and the
+    environment (multi-turn; default the toy ``KeyValueEnv``)."""
+    model_dir: str
+    configs: list
+    settings: LoopSettings = field(default_factory=LoopSettings)
+    placement: LoopPlacement = field(default_factory=LoopPlacement)
+    task: Any = None
+    env: Any = None
+    work_dir: str | os.PathLike | None = None
+    progress: bool = True
 
 
-# ---- the loop --------------------------------------------------------------------------------
 @dataclass
 class LoopResult:
     settings: dict
@@ -174,307 +210,198 @@ class LoopResult:
         return {"settings": self.settings, "history": self.history, **self.host}
 
 
-def _remote(cls, use_ray: bool):
-    if not use_ray:
-        return cls, (lambda ref: ref)
-    import ray
-
-    return ray.remote(num_cpus=0)(cls), ray.get
-
-
-def run_loop(model_dir: str, configs: list[LoopConfig], settings: LoopSettings | None = None, *,
-             task=None, use_ray: bool = False, work_dir=None,
-             progress: bool = True, backend: str = "fsdp", server=None,
-             api_key: str | None = None, tp: int = 1, ep: int = 1, replicas: int = 1,
-             dp: int = 1, env=None) -> LoopResult:
+# ---- the loop --------------------------------------------------------------------------------
+def run_loop(run, configs=None, settings: LoopSettings | None = None, *, task=None, env=None,
+             work_dir=None, progress: bool = True, **placement) -> LoopResult:
     """Run ``settings.steps`` GRPO steps for each configuration; return per-step metrics.
-    The engine gets the checkpoint's weights back at the end (it may be a shared, cached one).
+
+    ``run``: a :class:`LoopRun`; or, the older spelling, the checkpoint directory with the
+    configurations, the :class:`LoopSettings` and :class:`LoopPlacement`'s fields as keywords.
+    The engines get the checkpoint's weights back at the end (they may be shared, cached ones).
     ``settings.off_policy = 1`` overlaps generation of step s+1 with the update of step s.
-    ``backend``: the trainer of the non-bitwise configurations, ``"fsdp"`` (HF model) or ``"megatron"``
-    (megatron-core GPTModel, :class:`~skyrl_numerics.trainer.megatron.trainer.MegatronTrainer`).
-    ``server``: the URL of a running ``vllm serve`` (``skyrl-numerics serve``), or a list of
-    URLs (replicas behind :class:`~skyrl_numerics.engine.router.ReplicaRouter`: sticky,
-    least-loaded; per-replica ``replica_gap_*`` / ``replica_tokens_per_s`` in each step), to generate with
-    instead of an in-process engine; each step's weights reach it through vLLM's own HTTP client
-    and the ``skyrl_delta`` backend (:class:`~skyrl_numerics.engine.remote.RemoteGeneratorWorker`;
-    ``off_policy`` pauses it with ``mode=keep`` around each update). The ``bitwise`` config needs a
-    ``--batch-invariant`` server, the others a stock one.
-    ``tp`` / ``ep`` (megatron backend): the plain/aligned trainer runs on ``max(tp, ep)`` ranks as
-    Ray actors (:class:`~skyrl_numerics.trainer.rank_group.TrainerGroup`) and reaches the in-process
-    engine by sharded transfer (``sync/sharded.py``); per step ``sync_rank_payload_bytes`` (what each
-    trainer rank sent) and ``engine_bytes_read``. ``dp`` (fsdp backend): an FSDP2 data-parallel
-    trainer on ``dp`` rank actors; rank 0 publishes the gathered weights. ``replicas``: in-process engines behind a
-    ``ReplicaRouter`` (:class:`~skyrl_numerics.trainer.workers.ReplicaGeneratorWorker`), every
-    version applied to each; per-replica ``replica_gap_*`` / ``replica_tokens_per_s`` per step.
-    ``settings.turns > 1``: multi-turn trajectories through ``env`` (an environment factory,
-    ``engine/multiturn.py``; default the toy ``KeyValueEnv``), routes as turn deltas,
-    the task's default the environment's reward; per step ``gap_per_turn_max_abs`` /
-    ``gap_per_turn_mean_abs`` (by turn index) and ``route_bytes_delta`` / ``route_bytes_full``."""
-    from rich.progress import Progress
+    Per step (:func:`record`): the gap, the update's metrics, the sync's bytes and times; per
+    engine replica ``replica_gap_*`` / ``replica_tokens_per_s``; with a multi-rank megatron trainer
+    ``sync_rank_payload_bytes`` and ``engine_bytes_read``; multi-turn ``gap_per_turn_*`` and
+    ``route_bytes_*``."""
+    if not isinstance(run, LoopRun):
+        run = LoopRun(run, list(configs), settings or LoopSettings(), LoopPlacement(**placement),
+                      task=task, env=env, work_dir=work_dir, progress=progress)
+    run = prepare(run)
+    work = Path(run.work_dir or tempfile.mkdtemp(prefix="skyrl_loop_")).resolve()   # absolute: Ray
+    history: dict[str, list[dict]] = {}
+    with LoopActors(run) as actors, Progress(disable=not run.progress) as prog:
+        for cfg in run.configs:
+            history[cfg.name] = ConfigRun(actors, run, cfg, work / f"sync-{cfg.name}").steps(prog)
+    return result(run, history, actors)
 
-    from skyrl_numerics.rollout.prompts import make_prompts
-    from skyrl_numerics.gap import measure
 
-    s = settings or LoopSettings()
-    multi_turn = s.turns > 1
+def prepare(run: LoopRun) -> LoopRun:
+    """``run`` with its defaults filled in, checked before anything starts."""
+    s, p = run.settings, run.placement
     if s.turns < 1:
-        from skyrl_numerics.errors import InputError
-
         raise InputError(f"turns must be >= 1, got {s.turns}", field="turns")
-    if multi_turn and replicas > 1:
-        from skyrl_numerics.errors import InputError
-
-        raise InputError("multi-turn with in-process replicas: not wired (each turn must reach "
-                         "the replica holding the history's KV)", field="replicas")
-    if multi_turn and env is None:
+    p.check(s.turns)
+    env = run.env
+    if s.turns > 1 and env is None:
         from skyrl_numerics.engine.multiturn import KeyValueEnv
 
         env = KeyValueEnv
-    task = task or (EnvRewardTask() if multi_turn else TargetSetTask())
-    if backend not in ("fsdp", "megatron"):
-        from skyrl_numerics.errors import InputError
-
-        raise InputError(f"unknown backend {backend!r}; expected 'fsdp' or 'megatron'", field="backend")
-    if tp < 1 or ep < 1 or (backend != "megatron" and tp * ep > 1):
-        from skyrl_numerics.errors import InputError
-
-        raise InputError(f"tp={tp}, ep={ep}: a multi-rank trainer needs the megatron backend and "
-                         "tp, ep >= 1", field="tp" if tp != 1 else "ep")
-    if dp < 1 or (backend != "fsdp" and dp > 1):
-        from skyrl_numerics.errors import InputError
-
-        raise InputError(f"dp={dp}: data parallel ranks are the fsdp backend's, dp >= 1", field="dp")
-    if backend == "megatron" and any(not c.bitwise for c in configs):
-        from skyrl_numerics.trainer.megatron.model import check_parallel_config
-
-        check_parallel_config(model_dir, tp, ep)  # the family must be mapped, before any engine starts
-    multi = (backend == "megatron" and tp * ep > 1) or dp > 1
-    if replicas < 1 or (replicas > 1 and server is not None):
-        from skyrl_numerics.errors import InputError
-
-        raise InputError(f"replicas={replicas}: in-process replicas need replicas >= 1 and no server "
+    task = run.task or (EnvRewardTask() if s.turns > 1 else TargetSetTask())
+    if p.backend == "megatron" and any(not c.bitwise for c in run.configs):
+        check_parallel_config(run.model_dir, p.tp, p.ep)  # the family must be mapped, before any engine starts
+    if p.replicas < 1 or (p.replicas > 1 and p.server is not None):
+        raise InputError(f"replicas={p.replicas}: in-process replicas need replicas >= 1 and no server "
                          "(several servers: pass their URLs)", field="replicas")
-    if multi and server is not None:
-        from skyrl_numerics.errors import InputError
-
-        raise InputError("a multi-rank trainer (--tp/--ep/--dp) with --server: not wired; it feeds in-process engines",
-                         field="server")
-    if server is None:
-        _check_in_place_sync(model_dir, configs)
-    # absolute: Ray actors do not share the driver's working directory
-    work = Path(work_dir or tempfile.mkdtemp(prefix="skyrl_loop_")).resolve()
-    started_ray = False
-    if use_ray or multi:
-        import ray
-
-        if not ray.is_initialized():
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-            started_ray = True
-    from skyrl_numerics.trainer.workers import ReplicaGeneratorWorker
-
-    Gen, get = _remote(ReplicaGeneratorWorker if replicas > 1 else GeneratorWorker, use_ray)
-    Trn, _ = _remote(TrainerWorker, use_ray)
-    from skyrl_numerics.trainer.rank_group import TrainerGroup
-
-    def call(obj, name, *a, **k):
-        if use_ray and not isinstance(obj, TrainerGroup):   # a group's methods block and return values
-            return getattr(obj, name).remote(*a, **k)
-        return getattr(obj, name)(*a, **k)
-
-    if use_ray:
-        import ray
-
-        get = (lambda x: ray.get(x) if isinstance(x, ray.ObjectRef) else x)
-    gens: dict = {}
-
-    def generator_for(cfg):
-        key = (cfg.invariant_engine, cfg.kv_cache if cfg.invariant_engine else None, cfg.numerics)
-        if server is not None:
-            return remote_for(cfg)
-        if key not in gens:
-            if cfg.numerics is not None and replicas > 1:
-                from skyrl_numerics.errors import InputError
-
-                raise InputError("a recipe with --replicas: not wired", field="replicas")
-            args = (str(model_dir), *key[:2]) + ((replicas,) if replicas > 1 else ())
-            kw = {"numerics": cfg.numerics} if cfg.numerics is not None else {}
-            gens[key] = Gen.remote(*args, **kw) if use_ray else Gen(*args, **kw)
-        return gens[key]
-    def remote_for(cfg):
-        from skyrl_numerics.errors import InputError
-        from skyrl_numerics.engine.remote import RemoteGeneratorWorker
-
-        if "server" not in gens:
-            gens["server"] = RemoteGeneratorWorker(server, api_key=api_key, model_dir=str(model_dir),
-                                                   pause="keep" if s.off_policy else None)
-        gen = gens["server"]
-        if cfg.invariant_engine != gen.gen.batch_invariant:
-            need = "a --batch-invariant server" if cfg.invariant_engine else "a stock server"
-            raise InputError(f"config {cfg.name!r} needs {need}; {server} is "
-                             f"{'batch-invariant' if gen.gen.batch_invariant else 'stock'}",
-                             field="configs")
-        from skyrl_numerics.invariant.numerics import NumericsPlan
-
-        if NumericsPlan.from_json(cfg.numerics) != NumericsPlan.from_json(gen.gen.numerics):
-            what = f"recipe {cfg.recipe!r}'s serving numerics" if cfg.recipe else "no recipe"
-            raise InputError(f"config {cfg.name!r} needs {what}; {server} serves "
-                             f"{'another plan' if gen.gen.numerics else 'none'} (start it with "
-                             "skyrl-numerics serve --batch-invariant --recipe ...)", field="recipe")
-        served_kv = (gen.gen.kv_cache or {}).get("format", "auto")
-        if cfg.invariant_engine and served_kv != (cfg.kv_cache or "auto"):
-            raise InputError(f"config {cfg.name!r} uses kv_cache {cfg.kv_cache!r}; the server "
-                             f"stores {served_kv!r}", field="kv_cache")
-        return gen
-    references: dict = {}
-
-    def reference_for(cfg):   # the exact on-policy gradient where the engine's numbers are
-        key = (cfg.kv_cache if cfg.invariant_engine else None, cfg.numerics)
-        if key not in references:
-            references[key] = OnPolicyReference(str(model_dir), *key)
-        return references[key]
-    truncated = s.top_k > 1 or s.top_p < 1.0
-    history: dict[str, list[dict]] = {}
-    trainer_host, engine_hosts = None, []
-    sampling = dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                    max_tokens=s.max_tokens, n=s.samples_per_prompt,
-                    capture_support=s.top_k > 1)
-    try:
-        with Progress(disable=not progress) as prog:
-            for cfg in configs:
-                task_id = prog.add_task(f"{cfg.name}", total=s.steps)
-                sync_dir = str(work / f"sync-{cfg.name}")
-                args = (str(model_dir), cfg, sync_dir, s.snapshot_every, backend)
-                if multi and not cfg.bitwise:
-                    trn = TrainerGroup(*args[:4], backend=backend, tp=tp, ep=ep, dp=dp)
-                else:
-                    trn = Trn.remote(*args) if use_ray else Trn(*args)
-                gen = generator_for(cfg)
-                if trainer_host is None:
-                    trainer_host = get(call(trn, "host_info"))
-                _check_isa(trainer_host, get(call(gen, "engine_host")), engine_hosts)
-                sharded = get(call(trn, "sharded_info"))   # a multi-rank trainer's store, else None
-                get(call(gen, "attach", sync_dir, *([sharded] if sharded else [])))
-                rows = history[cfg.name] = []
-
-                gen_s: dict = {}
-
-                def launch(step):     # (in process: the generation itself; with Ray: queued)
-                    t = time.perf_counter()
-                    try:
-                        return _launch(step)
-                    finally:
-                        gen_s["launch"] = gen_s.get("launch", 0.0) + time.perf_counter() - t
-
-                def _launch(step):
-                    prompts = make_prompts(s.prompts_per_step, s.prompt_len, 512, s.seed + step)
-                    if multi_turn:
-                        return call(gen, "generate_multiturn", prompts, env, max_turns=s.turns,
-                                    seed=s.seed + 100_000 * step, **sampling)
-                    return call(gen, "generate", prompts, seed=s.seed + 1000 * step, **sampling)
-
-                pending = launch(0)
-                for step in range(s.steps):
-                    ro_ref = pending
-                    if s.off_policy and step + 1 < s.steps:
-                        # queued on the generator before this step's sync: it samples with the
-                        # current (soon stale) weights while the trainer works
-                        pending = launch(step + 1)
-                    t_gen = time.perf_counter()
-                    rollout = get(ro_ref)
-                    t_gen = time.perf_counter() - t_gen + gen_s.pop("launch", 0.0)
-                    rewards = task.reward(rollout)
-                    t_train = time.perf_counter()
-                    old = get(call(trn, "logprobs", ro_ref if use_ray else rollout))
-                    turn_kw = ({"mask": rollout.loss_mask, "turns": rollout.turns}
-                               if rollout.is_multi_turn else {})
-                    g = measure(old, rollout.rollout_logprobs, cu_seqlens=rollout.response_cu,
-                                **turn_kw)
-                    ref_grad = None
-                    if s.measure_grad:   # at the weights before this update (not timed)
-                        t_ref = time.perf_counter()
-                        ref_grad = reference_for(cfg).gradient(get(call(trn, "served_state")),
-                                                               rollout, rewards, use_support=truncated)
-                        t_train -= time.perf_counter() - t_ref
-                    m = get(call(trn, "step", ro_ref if use_ray else rollout, rewards, old))
-                    t_train = time.perf_counter() - t_train
-                    t_sync = time.perf_counter()
-                    if ref_grad is not None:
-                        from skyrl_numerics.trainer.invariant_trainer import compare_gradients
-
-                        m = {**m, **compare_gradients(get(call(trn, "last_grads")), ref_grad)}
-                    pub = get(call(trn, "publish"))
-                    syn = get(call(gen, "sync", *([pub["sharded"]] if pub.get("sharded") else [])))
-                    t_sync = time.perf_counter() - t_sync
-                    if not s.off_policy and step + 1 < s.steps:
-                        pending = launch(step + 1)
-                    summ = g.summary()
-                    rows.append({"step": step, "reward": float(rewards.mean()),
-                                 "rollout_lag": s.off_policy if step else 0,
-                                 "gap_mean_abs": summ["mean_abs"], "gap_max_abs": summ["max_abs"],
-                                 "gap_frac_bitwise_equal": summ["frac_bitwise_equal"],
-                                 "gap_F2": summ["F_2"],
-                                 "gap_kl_k3": summ["kl_k3"], "loss": m["loss"],
-                                 "clipfrac": m["clipfrac"], "entropy": m["entropy"],
-                                 **{k: v for k, v in m.items() if k.startswith("correction/")
-                                    or k.startswith("grad_")},
-                                 "sync_version": pub["version"], "sync_payload_bytes": pub["payload_bytes"],
-                                 "sync_raw_bytes": pub["raw_bytes"],
-                                 "engine_update_s": syn["engine_update_s"],
-                                 **({"sync_rank_payload_bytes": pub["rank_payload_bytes"],
-                                     "engine_bytes_read": sum(syn["engine_bytes_read"].values())}
-                                    if "sharded" in pub else {}),
-                                 "time_generate_s": t_gen, "time_train_s": t_train,
-                                 "time_sync_s": t_sync,
-                                 **({"sync_full_model_bytes": pub["full_model_bytes"]}
-                                    if "full_model_bytes" in pub else {}),
-                                 **step_metrics(cfg, old, rollout, g)})
-                    prog.update(task_id, advance=1, description=(
-                        f"{cfg.name}: step {step} reward {rows[-1]['reward']:.3f} "
-                        f"|Δ| {summ['mean_abs']:.2e} sync {pub['payload_bytes'] / 1e3:.0f} kB"))
-                get(call(trn, "close"))
-                if use_ray and not isinstance(trn, TrainerGroup):
-                    import ray
-
-                    ray.kill(trn)
-    finally:
-        for gen in gens.values():
-            get(call(gen, "restore"))
-        if use_ray:
-            import ray
-
-            for gen in gens.values():
-                get(call(gen, "close"))
-                ray.kill(gen)
-        else:   # the further replicas' engines are this run's own; the cached one stays
-            for gen in gens.values():
-                if isinstance(gen, ReplicaGeneratorWorker):
-                    gen.close(shared=False)
-        if started_ray:  # leave the process as we found it
-            import ray
-
-            ray.shutdown()
-    from skyrl_numerics.host import host_report
-
-    task_desc = (asdict(task) if isinstance(task, TargetSetTask)
-                 else {"reward": getattr(task, "name", repr(task))})
-    if multi_turn:
-        task_desc["env"] = getattr(env, "__name__", repr(env))
-    return LoopResult(settings={**asdict(s), "task": task_desc, "use_ray": use_ray, "backend": backend,
-                                "tp": tp, "ep": ep, "dp": dp, "replicas": replicas,
-                                "configs": [asdict(c) for c in configs]}, history=history,
-                      host=host_report(trainer_host, engine_hosts))
+    if p.multi_rank and p.server is not None:
+        raise InputError("a multi-rank trainer (--tp/--ep/--dp) with --server: not wired; it feeds "
+                         "in-process engines", field="server")
+    if p.server is None:
+        check_in_place_sync(run.model_dir, run.configs)
+    return dataclasses.replace(run, task=task, env=env)
 
 
-def _check_isa(trainer: dict, engine: dict | None, seen: list) -> None:
-    """Keep each new engine's host report; warn once per engine whose ISA differs from the
-    trainer's (bitwise trainer = engine holds only within one ISA)."""
-    if engine in seen:
-        return
-    seen.append(engine)
-    from skyrl_numerics.host import isa_mismatch
+class ConfigRun:
+    """One configuration's steps: its trainer and engine attached to one delta store, then per
+    step generate -> old logprobs -> (on-policy reference) -> train -> sync -> record."""
 
-    warning = isa_mismatch(trainer, engine)
-    if warning:
-        import logging
+    def __init__(self, actors: LoopActors, run: LoopRun, cfg: LoopConfig, sync_dir: Path):
+        self.a, self.run, self.cfg, self.s = actors, run, cfg, run.settings
+        self.launch_s = 0.0      # generation time spent in ``launch`` (in process: all of it)
+        self.sync_dir = str(sync_dir)
 
-        logging.getLogger("skyrl_numerics.train").warning("%s", warning)
+    def steps(self, prog) -> list[dict]:
+        a, s = self.a, self.s
+        task_id = prog.add_task(f"{self.cfg.name}", total=s.steps)
+        self.trn = a.trainer_for(self.cfg, self.sync_dir)
+        self.gen = a.generator_for(self.cfg)
+        a.meet(self.trn, self.gen)
+        sharded = a.ask(self.trn, "sharded_info")   # a multi-rank trainer's store, else None
+        a.ask(self.gen, "attach", self.sync_dir, *([sharded] if sharded else []))
+        rows: list[dict] = []
+        pending = self.launch(0)
+        for step in range(s.steps):
+            ro_ref = pending
+            if s.off_policy and step + 1 < s.steps:
+                # queued on the generator before this step's sync: it samples with the current
+                # (soon stale) weights while the trainer works
+                pending = self.launch(step + 1)
+            rows.append(self.one_step(step, ro_ref))
+            if not s.off_policy and step + 1 < s.steps:
+                pending = self.launch(step + 1)
+            r = rows[-1]
+            prog.update(task_id, advance=1, description=(
+                f"{self.cfg.name}: step {step} reward {r['reward']:.3f} "
+                f"|Δ| {r['gap_mean_abs']:.2e} sync {r['sync_payload_bytes'] / 1e3:.0f} kB"))
+        a.release(self.trn)
+        return rows
+
+    def launch(self, step: int):
+        """Queue step ``step``'s rollout (in process: generate it)."""
+        t = time.perf_counter()
+        s = self.s
+        try:
+            prompts = make_prompts(s.prompts_per_step, s.prompt_len, 512, s.seed + step)
+            if s.turns > 1:
+                return self.a.call(self.gen, "generate_multiturn", prompts, self.run.env, max_turns=s.turns,
+                                   seed=s.seed + 100_000 * step, **s.sampling())
+            return self.a.call(self.gen, "generate", prompts, seed=s.seed + 1000 * step, **s.sampling())
+        finally:
+            self.launch_s += time.perf_counter() - t
+
+    def one_step(self, step: int, ro_ref) -> dict:
+        rollout, t_gen = self.collect(ro_ref)
+        rewards = self.run.task.reward(rollout)
+        t_train = time.perf_counter()
+        old, gap = self.old_logprobs(ro_ref, rollout)
+        ref_grad, t_ref = self.reference_gradient(rollout, rewards)   # before the update, not timed
+        metrics = self.a.ask(self.trn, "step", self.wire(ro_ref, rollout), rewards, old)
+        t_train = time.perf_counter() - t_train - t_ref
+        t_sync = time.perf_counter()
+        if ref_grad is not None:
+            metrics = {**metrics, **compare_gradients(self.a.ask(self.trn, "last_grads"), ref_grad)}
+        pub, syn = self.sync()
+        t_sync = time.perf_counter() - t_sync
+        return record(self.cfg, step, self.s, rewards, gap, metrics, pub, syn, (t_gen, t_train, t_sync),
+                      old, rollout)
+
+    def wire(self, ro_ref, rollout):
+        """What a trainer call carries: the rollout's object-store reference under Ray."""
+        return ro_ref if self.a.use_ray else rollout
+
+    def collect(self, ro_ref) -> tuple[Rollout, float]:
+        """The step's rollout and its generation time (what ``launch`` spent included)."""
+        t = time.perf_counter()
+        rollout = self.a.get(ro_ref)
+        t_gen = time.perf_counter() - t + self.launch_s
+        self.launch_s = 0.0
+        return rollout, t_gen
+
+    def old_logprobs(self, ro_ref, rollout: Rollout):
+        """The trainer's logprobs before the update and their gap to the engine's (model tokens)."""
+        old = self.a.ask(self.trn, "logprobs", self.wire(ro_ref, rollout))
+        turn_kw = {"mask": rollout.loss_mask, "turns": rollout.turns} if rollout.is_multi_turn else {}
+        return old, measure(old, rollout.rollout_logprobs, cu_seqlens=rollout.response_cu, **turn_kw)
+
+    def reference_gradient(self, rollout: Rollout, rewards):
+        """The exact on-policy gradient at the served weights (``measure_grad``) and its time."""
+        if not self.s.measure_grad:
+            return None, 0.0
+        t = time.perf_counter()
+        served = self.a.ask(self.trn, "served_state")
+        grad = self.a.reference_for(self.cfg).gradient(served, rollout, rewards, use_support=self.s.truncated)
+        return grad, time.perf_counter() - t
+
+    def sync(self) -> tuple[dict, dict]:
+        """Publish the new weights; the engine applies them in place."""
+        pub = self.a.ask(self.trn, "publish")
+        syn = self.a.ask(self.gen, "sync", *([pub["sharded"]] if pub.get("sharded") else []))
+        return pub, syn
+
+
+def record(cfg: LoopConfig, step: int, s: LoopSettings, rewards, gap, m: dict, pub: dict, syn: dict,
+           times: tuple, old, rollout: Rollout) -> dict:
+    """One step's row of ``train.json``'s history."""
+    summ = gap.summary()
+    t_gen, t_train, t_sync = times
+    return {"step": step, "reward": float(rewards.mean()),
+            "rollout_lag": s.off_policy if step else 0,
+            "gap_mean_abs": summ["mean_abs"], "gap_max_abs": summ["max_abs"],
+            "gap_frac_bitwise_equal": summ["frac_bitwise_equal"],
+            "gap_F2": summ["F_2"],
+            "gap_kl_k3": summ["kl_k3"], "loss": m["loss"],
+            "clipfrac": m["clipfrac"], "entropy": m["entropy"],
+            **{k: v for k, v in m.items() if k.startswith("correction/") or k.startswith("grad_")},
+            "sync_version": pub["version"], "sync_payload_bytes": pub["payload_bytes"],
+            "sync_raw_bytes": pub["raw_bytes"],
+            "engine_update_s": syn["engine_update_s"],
+            **({"sync_rank_payload_bytes": pub["rank_payload_bytes"],
+                "engine_bytes_read": sum(syn["engine_bytes_read"].values())}
+               if "sharded" in pub else {}),
+            "time_generate_s": t_gen, "time_train_s": t_train,
+            "time_sync_s": t_sync,
+            **({"sync_full_model_bytes": pub["full_model_bytes"]} if "full_model_bytes" in pub else {}),
+            **step_metrics(cfg, old, rollout, gap)}
+
+
+def result(run: LoopRun, history: dict, actors: LoopActors) -> LoopResult:
+    """The run's ``train.json``: its settings (the schedule, the task, the placement, every
+    configuration), the history, the trainer's and engines' hosts."""
+    p = run.placement
+    task_desc = (asdict(run.task) if isinstance(run.task, TargetSetTask)
+                 else {"reward": getattr(run.task, "name", repr(run.task))})
+    if run.settings.turns > 1:
+        task_desc["env"] = getattr(run.env, "__name__", repr(run.env))
+    settings = {**asdict(run.settings), "task": task_desc, "use_ray": p.use_ray, "backend": p.backend,
+                "tp": p.tp, "ep": p.ep, "dp": p.dp, "replicas": p.replicas,
+                "configs": [config_record(c) for c in run.configs]}
+    return LoopResult(settings=settings, history=history,
+                      host=host_report(actors.trainer_host, actors.engine_hosts))
+
+
+def config_record(cfg: LoopConfig) -> dict:
+    """A configuration as ``train.json`` records it (a callable correction by its name)."""
+    d = asdict(cfg)
+    corr = cfg.trainer.correction
+    if callable(corr):
+        d["trainer"]["correction"] = getattr(corr, "__name__", None) or repr(corr)
+    return d

@@ -21,9 +21,10 @@ def _tis_metrics(cfg, trainer_lp, rollout: Rollout) -> dict:
     """``tis_clip_frac``: the share of (model) tokens whose ratio π_trainer / π_rollout exceeds the
     token-TIS cap (the config's, else 2) — what the correction clips, measured for every config
     (``bitwise``: 0, its ratio is exactly 1)."""
-    if cfg.correction != "token_tis" and cfg.recipe is None:
+    t = cfg.trainer
+    if t.correction != "token_tis" and cfg.recipe is None:
         return {}
-    cap = float(cfg.correction_kwargs.get("cap", 2.0)) if cfg.correction == "token_tis" else 2.0
+    cap = float(t.correction_kwargs.get("cap", 2.0)) if t.correction == "token_tis" else 2.0
     d = np.asarray(trainer_lp, np.float64) - np.asarray(rollout.rollout_logprobs, np.float64)
     if rollout.loss_mask is not None:
         d = d[np.asarray(rollout.loss_mask, bool)]

@@ -6,26 +6,30 @@ classes; the loop makes them Ray actors with ``use_ray``, and ``rank_group.Train
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 
 from skyrl_numerics.rollout import Rollout
 
+from .published import plain_names, published_trainer_kwargs
+
 
 class GeneratorWorker:
     """Owns the vLLM engine and a delta receiver; applies new versions to the engine in place."""
 
     def __init__(self, model_dir: str, batch_invariant: bool = False, kv_cache=None,
-                 own_engine: bool = False, numerics: str | None = None):
+                 own_engine: bool = False, numerics=None):
         from skyrl_numerics.engine.generator import VLLMGenerator, get_generator
 
         self.model_dir = model_dir
         kw = dict(batch_invariant=True, kv_cache=kv_cache) if batch_invariant else {}
         if kv_cache is None:
             kw.pop("kv_cache", None)
-        if numerics is not None:     # a recipe's serving numerics (invariant engine only)
-            kw["numerics"] = numerics
+        if numerics is not None:     # a recipe's serving numerics (a NumericsPlan; invariant engine only)
+            # as JSON: what vLLM's worker processes receive, and the engine cache's key
+            kw["numerics"] = numerics.to_json()
         self.initial_adapters = _initial_adapters(model_dir, numerics)
         # the process-wide cached engine, or (a further replica) an engine of its own
         self.gen = (VLLMGenerator if own_engine else get_generator)(model_dir, capture_routes=True, **kw)
@@ -104,17 +108,16 @@ def _checkpoint_bf16_bytes(model_dir: str) -> int:
                for e in read_header(f, str(model_dir)).values())
 
 
-def _initial_adapters(model_dir: str, numerics: str | None) -> dict:
-    """The starting adapters of a LoRA plan (what the engine holds after start-up)."""
-    if numerics is None:
+def _initial_adapters(model_dir: str, plan) -> dict:
+    """The starting adapters of a LoRA plan (a NumericsPlan: what the engine holds after start-up)."""
+    if plan is None:
         return {}
     import json
 
     import torch
 
-    from skyrl_numerics.invariant.numerics import NumericsPlan, init_adapter, plan_adapter_shapes
+    from skyrl_numerics.invariant.numerics import init_adapter, plan_adapter_shapes
 
-    plan = NumericsPlan.from_json(numerics)
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     return {n: init_adapter(n, shp, torch.bfloat16, plan.seed)
             for n, shp in plan_adapter_shapes(plan, cfg).items()}
@@ -178,56 +181,50 @@ class TrainerWorker:
 
     def __init__(self, model_dir: str, config, sync_dir: str, snapshot_every: int,
                  backend: str = "fsdp", tp: int = 1, ep: int = 1):
-        import functools
-
-        from skyrl_numerics.sync.weight_sync import DeltaPublisher
-
+        """``config``: a :class:`~skyrl_numerics.trainer.loop.LoopConfig` (its ``trainer`` is the
+        update's :class:`~skyrl_numerics.trainer.config.TrainerConfig`)."""
         self.model_dir = model_dir
         self.sharded = None   # a rank of a multi-rank trainer (rank_group.py): its ShardedPublisher
         self.bitwise = config.bitwise
-        self.recipe = False
         self.megatron = backend == "megatron" and not config.bitwise
-        if config.bitwise:
+        self.recipe = config.numerics is not None and not config.bitwise
+        self.trainer = self._build_trainer(config, tp, ep)
+        # an FSDP2 rank of a data-parallel group: weights gathered to rank 0, which alone publishes
+        self.fsdp_ranks = 1 if self.bitwise or self.megatron else self.trainer.world_size
+        self.publisher = self._make_publisher(sync_dir, snapshot_every, tp, ep)
+        self.publish(full=True)
+
+    def _build_trainer(self, config, tp: int, ep: int):
+        """The invariant trainer (bitwise), megatron-core, or FSDP over the HF model; a recipe's
+        published trainer adds its plan's fake-quant rules and LoRA to the config's trainer."""
+        if self.bitwise:
             from skyrl_numerics.trainer.invariant_trainer import InvariantTrainer
 
-            self.trainer = InvariantTrainer(model_dir, lr=config.lr, kv_cache=config.kv_cache,
-                                            use_support=config.use_support,
-                                            numerics=config.numerics, eps_low=config.eps_low,
-                                            eps_high=config.eps_high)
-            self.publisher = DeltaPublisher(sync_dir, snapshot_every=snapshot_every)
-            self.publish(full=True)
-            return
-
-        from skyrl_numerics import correction as corr
+            return InvariantTrainer(self.model_dir, config.trainer, kv_cache=config.kv_cache,
+                                    numerics=config.numerics)
         from skyrl_numerics.models import load_hf_model
-        from skyrl_numerics.trainer.fsdp.trainer import FSDPTrainer, TrainerConfig
-        from skyrl_numerics.sync.weight_sync import DeltaPublisher
 
-        fn = None
-        if config.correction:
-            fn = functools.partial(getattr(corr, config.correction), **config.correction_kwargs)
-        extra = {}
-        self.recipe = config.numerics is not None
-        hf = None
-        if self.recipe:          # a recipe's published trainer: fake-quant rules + LoRA
-            from skyrl_numerics.trainer.recipes import published_trainer_kwargs
-
-            hf = load_hf_model(model_dir, dtype="float32")
-            extra = published_trainer_kwargs(config.numerics, hf)
-            self.initial_adapters = _initial_adapters(model_dir, config.numerics)
-        tcfg = TrainerConfig(lr=config.lr, route_replay=config.route_replay, use_support=config.use_support,
-                             correction=fn, micro_batch_size=16, weight_decay=0.0,
-                             eps_low=config.eps_low, eps_high=config.eps_high, **extra)
+        tcfg, hf = config.trainer, None
+        if self.recipe:
+            hf = load_hf_model(self.model_dir, dtype="float32")
+            tcfg = dataclasses.replace(tcfg, **published_trainer_kwargs(config.numerics, hf))
+            self.initial_adapters = _initial_adapters(self.model_dir, config.numerics)
         if self.megatron:  # megatron-core GPTModel; with tp x ep > 1 this is one rank of a group
             from skyrl_numerics.trainer.megatron.trainer import MegatronTrainer
 
-            self.trainer = MegatronTrainer(model_dir, tcfg, tp=tp, ep=ep)
+            trainer = MegatronTrainer(self.model_dir, tcfg, tp=tp, ep=ep)
         else:
-            self.trainer = FSDPTrainer(hf if hf is not None else load_hf_model(model_dir, dtype="float32"),
-                                       tcfg)
-        self.trainer.keep_grads = True
-        # an FSDP2 rank of a data-parallel group: weights gathered to rank 0, which alone publishes
-        self.fsdp_ranks = 1 if self.megatron else self.trainer.world_size
+            from skyrl_numerics.trainer.fsdp.trainer import FSDPTrainer
+
+            trainer = FSDPTrainer(hf if hf is not None else load_hf_model(self.model_dir, dtype="float32"), tcfg)
+        trainer.keep_grads = True
+        return trainer
+
+    def _make_publisher(self, sync_dir: str, snapshot_every: int, tp: int, ep: int):
+        """The delta publisher (None on a data-parallel rank other than 0); a multi-rank
+        megatron trainer's rank gets a ShardedPublisher in ``self.sharded`` instead."""
+        from skyrl_numerics.sync.weight_sync import DeltaPublisher
+
         if self.megatron and self.trainer.world_size > 1:
             from skyrl_numerics.sync import shard_layouts as sl
             from skyrl_numerics.sync import shard_plan as sp
@@ -236,11 +233,10 @@ class TrainerWorker:
             c, w = self.trainer.hf_config, self.trainer.world_size
             plan = sp.plan(sl.megatron_layout(c, tp=tp, ep=ep, world=w), sl.vllm_layout(c, tp=1))
             self.sharded = ShardedPublisher(sync_dir, plan, snapshot_every=snapshot_every)
-        elif self.fsdp_ranks == 1 or self.trainer.rank == 0:
-            self.publisher = DeltaPublisher(sync_dir, snapshot_every=snapshot_every)
-        else:
-            self.publisher = None
-        self.publish(full=True)
+            return None
+        if self.fsdp_ranks == 1 or self.trainer.rank == 0:
+            return DeltaPublisher(sync_dir, snapshot_every=snapshot_every)
+        return None
 
     def _served_state(self) -> dict:
         """The weights as the engine serves them: checkpoint names, bf16."""
@@ -257,8 +253,6 @@ class TrainerWorker:
             sd = _revert_names(self.trainer.model, self.trainer.full_state_dict())
             return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in sd.items()}
         if self.recipe:          # plain names; with LoRA only the adapters (the base is frozen)
-            from skyrl_numerics.trainer.recipes import plain_names
-
             sd = plain_names(dict(self.trainer.model.state_dict()))
             if self.trainer.lora_modules:   # every adapter the engine serves: any this trainer
                 # has no layer for (a non-standard experts layout is refused) at the plan's start
@@ -279,9 +273,7 @@ class TrainerWorker:
         if self.megatron:
             return self.trainer.hf_grads()
         grads = self.trainer.last_grads
-        if getattr(self, "recipe", False):
-            from skyrl_numerics.trainer.recipes import plain_names
-
+        if self.recipe:
             grads = plain_names(grads)
             return grads if self.trainer.lora_modules else _revert_names(self.trainer.model, grads)
         if self.fsdp_ranks > 1:   # collective: every rank gathers its DTensor shards, same order

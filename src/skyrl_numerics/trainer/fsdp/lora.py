@@ -15,7 +15,7 @@ MoE experts stored as fused 3-D parameters (transformers 5's standard layout,
 expert and projection, as vLLM's MoE LoRA holds them: ``<name>.lora.{gate,up,down}_A [E, r, in]``
 / ``_B [E, out, r]`` (:class:`~skyrl_numerics.quant.hf_experts.ExpertsLoRA`; a token's update touches
 only the experts it was routed to). Merged per expert into ``gate_up_proj`` / ``down_proj``.
-Another experts layout named by a target is refused (its adapters could not be served).
+Another experts layout named by a pattern is refused (its adapters could not be served).
 """
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ from torch import nn
 from skyrl_numerics.quant import hf_experts
 from skyrl_numerics.errors import InputError
 
-__all__ = ["LoRALinear", "apply_lora", "merge_lora_state_dict", "DEFAULT_TARGETS"]
+from ..config import DEFAULT_LORA_PATTERNS
 
-DEFAULT_TARGETS = ("*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj")
+__all__ = ["LoRALinear", "apply_lora", "merge_lora_state_dict"]
 
 
 class LoRALinear(nn.Module):
@@ -53,27 +53,27 @@ class LoRALinear(nn.Module):
 
 
 def apply_lora(model: nn.Module, *, rank: int = 8, alpha: float = 16.0,
-               targets: Sequence[str] = DEFAULT_TARGETS, seed: int | None = 0) -> list[str]:
-    """Replace every ``nn.Linear`` whose module name matches a glob in ``targets``; freeze the rest.
+               patterns: Sequence[str] = DEFAULT_LORA_PATTERNS, seed: int | None = 0) -> list[str]:
+    """Replace every ``nn.Linear`` whose module name matches a glob in ``patterns``; freeze the rest.
 
     Returns the adapted module names. ``seed`` makes ``A``'s init reproducible (every data-parallel
     rank must start from the same adapters). Raises InputError if nothing matches.
     """
     if rank < 1:
         raise InputError(f"LoRA rank must be >= 1, got {rank}", field="lora_rank")
-    hit = [(n, m) for n, m in model.named_modules() if any(fnmatch.fnmatchcase(n, g) for g in targets)]
+    hit = [(n, m) for n, m in model.named_modules() if any(fnmatch.fnmatchcase(n, g) for g in patterns)]
     names = [n for n, m in hit if isinstance(m, nn.Linear)]
     experts = [n for n, m in hit if not isinstance(m, nn.Linear)
                and (hf_experts.stored(m, "gate_up_proj") is not None
                     or any(p.dim() == 3 for p in m.parameters(recurse=False)))]
     for n in experts:
         if not hf_experts.standard_experts(model.get_submodule(n)):
-            raise InputError(f"LoRA target {n!r}: {type(model.get_submodule(n)).__name__} is not "
+            raise InputError(f"LoRA pattern match {n!r}: {type(model.get_submodule(n)).__name__} is not "
                              "transformers' standard fused experts layout (gate_up_proj [E, 2I, H], "
-                             "no bias); its per-expert adapters are not supported", field="lora_targets")
+                             "no bias); its per-expert adapters are not supported", field="lora_patterns")
     if not names and not experts:
         linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:6]
-        raise InputError(f"no nn.Linear matches {list(targets)} (e.g. {linear})", field="lora_targets")
+        raise InputError(f"no nn.Linear matches {list(patterns)} (e.g. {linear})", field="lora_patterns")
     model.requires_grad_(False)
     rng = torch.random.fork_rng(devices=[]) if seed is not None else contextlib.nullcontext()
     with rng:

@@ -12,7 +12,7 @@ One step on a :class:`~skyrl_numerics.rollout.Rollout` with per-sequence rewards
    micro-batches of ``micro_batch_size`` sequences;
 3. ``log π_old``: given, or a no-grad pass (needed when an off-policy correction is on); with
    neither, ``log π_old = log π_θ`` detached (one update per batch: ratio ≡ 1);
-4. the correction (``config.correction``, e.g. ``functools.partial(correction.token_tis, cap=2)``)
+4. the correction (``config.correction``, e.g. ``"token_tis"`` with ``correction_kwargs={"cap": 2}``)
    on ``(log π_old, log π_rollout)`` gives weights ``w`` and keep mask ``m`` per rank (sequences
    are never split, so sequence-level masks see whole sequences);
 5. the global denominator ``D`` (kept tokens, or kept sequences) is all-reduced, then each
@@ -20,85 +20,27 @@ One step on a :class:`~skyrl_numerics.rollout.Rollout` with per-sequence rewards
    divides the ``world`` back out, so the summed gradient is that of the full-batch loss;
 6. gradient-norm clip, AdamW step.
 
-The forward is switchable: ``batch_invariant`` (``skyrl_numerics.kernels.batch_invariant_mode``
-around forward and backward), ``use_support`` (top-p/top-k support replay), ``route_replay`` (R3),
+The configuration is :class:`~skyrl_numerics.trainer.config.TrainerConfig`. The forward is
+switchable: ``batch_invariant`` (``skyrl_numerics.kernels.batch_invariant_mode`` around forward
+and backward), ``use_support`` (top-p/top-k support replay), ``route_replay`` (R3),
 ``qat`` (``skyrl_numerics.quant.apply_qat(model, recipe)`` before sharding), LoRA.
 """
 from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
-from typing import Callable, Sequence
-
 import numpy as np
 import torch
 
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.rollout import Rollout
 
+from ..config import TrainerConfig
 from ..dist import rank_and_world, shard_rows
 from .forward import PolicyModel, make_micro_batch
-from ..losses import AGGREGATIONS
 from ..ppo_step import ppo_update
 
-__all__ = ["TrainerConfig", "FSDPTrainer"]
-
-
-@dataclass
-class TrainerConfig:
-    """Everything one update needs. Defaults follow SkyRL/DAPO-style GRPO."""
-
-    advantage: str = "grpo"              # "grpo" | "rloo"
-    std_normalize: bool = True           # GRPO: divide by the group std
-    adv_eps: float = 1e-6
-    eps_low: float = 0.2
-    eps_high: float = 0.28               # clip-higher (DAPO)
-    dual_clip: float | None = None
-    aggregation: str = "token_mean"      # | "seq_mean_token_mean"
-    lr: float = 1e-6
-    betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    weight_decay: float = 0.01
-    grad_clip: float | None = 1.0
-    micro_batch_size: int = 8            # sequences per forward
-    token_chunk: int = 1024              # lm-head rows per chunk
-    pad_id: int = 0
-    temperature: float | None = None     # None: the rollout's sampling temperature
-    # alignment pieces
-    batch_invariant: bool = False
-    use_support: bool = False
-    route_replay: bool = False
-    qat: str | list | None = None        # recipe for the experts, or apply_qat rules
-    correction: Callable | str | None = None   # f(trainer_lp, rollout_lp, cu_seqlens=) -> Correction
-    # LoRA (rank 0: off)
-    lora_rank: int = 0
-    lora_alpha: float = 16.0
-    lora_targets: Sequence[str] = ("*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj")
-    reshard_after_forward: bool = True
-
-    def __post_init__(self):
-        if self.advantage not in ("grpo", "rloo"):
-            raise InputError(f"unknown advantage {self.advantage!r}; expected 'grpo' or 'rloo'", field="advantage")
-        if self.aggregation not in AGGREGATIONS:
-            raise InputError(f"unknown aggregation {self.aggregation!r}; expected one of {AGGREGATIONS}",
-                             field="aggregation")
-        if self.micro_batch_size < 1:
-            raise InputError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}", field="micro_batch_size")
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise InputError(f"grad_clip must be > 0 or None, got {self.grad_clip}", field="grad_clip")
-
-
-def correction_fn(spec):
-    if spec is None or callable(spec):
-        return spec
-    from skyrl_numerics import correction
-
-    fn = getattr(correction, str(spec), None)
-    if fn is None or spec not in correction.__all__ or spec in ("Correction", "combine"):
-        names = [n for n in correction.__all__ if n not in ("Correction", "combine")]
-        raise InputError(f"unknown correction {spec!r}; expected one of {names} or a callable", field="correction")
-    return fn
+__all__ = ["FSDPTrainer"]
 
 
 def batch_invariant_context():
@@ -144,7 +86,7 @@ class FSDPTrainer:
         import torch.distributed as dist
 
         self.config = cfg = config or TrainerConfig()
-        self._correction = correction_fn(cfg.correction)
+        self._correction = cfg.correction_callable()
         self.rank, self.world_size = rank_and_world()
         if cfg.qat:
             model = _apply_qat(model, cfg.qat)
@@ -152,7 +94,7 @@ class FSDPTrainer:
         if cfg.lora_rank:
             from .lora import apply_lora
 
-            self.lora_modules = apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_targets)
+            self.lora_modules = apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, patterns=cfg.lora_patterns)
             if cfg.qat:      # the frozen base's QAT weights: quantized once, not on every forward
                 from skyrl_numerics.quant.qat import bake_frozen
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from skyrl_numerics.errors import InputError
+from skyrl_numerics.hf_config import moe_dims
 
 __all__ = ["ParallelConfig", "hf_config_dict", "check_parallel_config", "transformer_config", "init_parallel",
            "build_gpt_model", "destroy_parallel", "tp_group", "tp_rank_size"]
@@ -47,11 +48,10 @@ class ParallelConfig:
 
 def _normalized(cfg: dict) -> dict:
     cfg = dict(cfg)
-    if cfg.get("num_experts") is None and cfg.get("num_local_experts") is not None:  # transformers >= 5 name
-        cfg["num_experts"] = cfg["num_local_experts"]
-    if cfg.get("model_type") == "deepseek_v3":  # MLA: no KV groups; experts under their DeepSeek name
-        if cfg.get("num_experts") is None and cfg.get("n_routed_experts") is not None:
-            cfg["num_experts"] = cfg["n_routed_experts"]
+    experts = moe_dims(cfg).num_experts    # under whichever name the config stores it
+    if experts:
+        cfg["num_experts"] = experts
+    if cfg.get("model_type") == "deepseek_v3":  # MLA: no KV groups
         cfg["num_key_value_heads"] = cfg.get("num_attention_heads")
     if cfg.get("rope_theta") is None:
         cfg["rope_theta"] = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)

@@ -1,7 +1,7 @@
 """MegatronTrainer: one PPO/GRPO update per :meth:`MegatronTrainer.step` over a megatron-core GPTModel (MoE),
 tensor parallel ``tp`` x expert parallel ``ep`` on ``max(tp, ep)`` ranks (gloo on CPU, NCCL on GPU).
 
-The same :class:`~skyrl_numerics.trainer.fsdp.trainer.TrainerConfig`, the same micro-batches and the same
+The same :class:`~skyrl_numerics.trainer.config.TrainerConfig`, the same micro-batches and the same
 losses (:mod:`skyrl_numerics.trainer.losses`) as :class:`~skyrl_numerics.trainer.fsdp.trainer.FSDPTrainer`;
 what differs is the model and its parallelism:
 
@@ -36,7 +36,8 @@ import torch
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.rollout import Rollout
 
-from ..fsdp.trainer import TrainerConfig, batch_invariant_context, correction_fn
+from ..config import TrainerConfig
+from ..fsdp.trainer import batch_invariant_context
 from ..ppo_step import ppo_update
 
 __all__ = ["MegatronTrainer", "spawn_megatron"]
@@ -108,7 +109,7 @@ class MegatronTrainer:
         hf_cfg, hf_sd = _hf_state(model)
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.hf_config = check_parallel_config(hf_cfg, tp, ep, world_size=world)  # before any group / model
-        self._correction = correction_fn(cfg.correction)
+        self._correction = cfg.correction_callable()
         self.tp, self.ep = tp, ep
         self._own_group = None
         if not dist.is_initialized():

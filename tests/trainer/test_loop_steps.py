@@ -1,0 +1,133 @@
+"""``run_loop`` as a composition of named steps, driven with stand-in workers (no engine, no
+trainer): the order of generate / logprobs / step / publish / sync per step, the one-step lag of
+``off_policy``, the history row's keys (``train.json``'s schema) and the settings record."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from skyrl_numerics.errors import InputError
+from skyrl_numerics.rollout import Rollout
+from skyrl_numerics.trainer import loop_actors
+from skyrl_numerics.trainer.loop import CONFIGS, LoopPlacement, LoopRun, LoopSettings, run_loop
+
+CALLS: list = []
+
+
+class FakeGenerator:
+    def __init__(self, model_dir, batch_invariant=False, kv_cache=None, **kw):
+        self.version = 0
+
+    def attach(self, sync_dir, *sharded):
+        CALLS.append(("attach",))
+        return {"version": 0}
+
+    def generate(self, prompts, *, seed, n, **sampling):
+        CALLS.append(("generate", seed, self.version))
+        rows = [p for p in prompts for _ in range(n)]
+        resp = [[3 + (seed + i) % 90, 70, 5] for i in range(len(rows))]
+        return Rollout.from_lists(rows, resp, [[-1.0, -2.0, -0.5]] * len(rows),
+                                  group_ids=np.repeat(np.arange(len(prompts)), n), sampling=dict(sampling))
+
+    def sync(self, *sharded):
+        self.version += 1
+        CALLS.append(("sync", self.version))
+        return {"version": self.version, "engine_update_s": 0.01}
+
+    def restore(self):
+        CALLS.append(("restore",))
+
+    def engine_host(self):
+        return {"isa": "test"}
+
+
+class FakeTrainer:
+    def __init__(self, model_dir, config, sync_dir, snapshot_every, backend="fsdp"):
+        self.config = config
+        self.v = 0
+
+    def host_info(self):
+        return {"isa": "test"}
+
+    def sharded_info(self):
+        return None
+
+    def logprobs(self, rollout):
+        CALLS.append(("logprobs",))
+        return rollout.rollout_logprobs - 0.01
+
+    def step(self, rollout, rewards, old):
+        CALLS.append(("step",))
+        return {"loss": 0.5, "clipfrac": 0.0, "entropy": 1.0, "correction/mean_weight": 1.0}
+
+    def publish(self, full=False):
+        self.v += 1
+        CALLS.append(("publish", self.v))
+        return {"version": self.v, "payload_bytes": 10, "raw_bytes": 100}
+
+    def close(self):
+        CALLS.append(("close",))
+
+
+@pytest.fixture
+def fakes(monkeypatch, tmp_path):
+    monkeypatch.setattr(loop_actors, "GeneratorWorker", FakeGenerator)
+    monkeypatch.setattr(loop_actors, "TrainerWorker", FakeTrainer)
+    CALLS.clear()
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3MoeForCausalLM"]}))
+    return tmp_path
+
+
+ROW_KEYS = ["step", "reward", "rollout_lag", "gap_mean_abs", "gap_max_abs", "gap_frac_bitwise_equal", "gap_F2",
+            "gap_kl_k3", "loss", "clipfrac", "entropy", "correction/mean_weight", "sync_version",
+            "sync_payload_bytes", "sync_raw_bytes", "engine_update_s", "time_generate_s", "time_train_s",
+            "time_sync_s", "tis_clip_frac"]
+
+
+def _settings(**kw):
+    return LoopSettings(steps=3, prompts_per_step=2, samples_per_prompt=2, measure_grad=False, **kw)
+
+
+def test_one_step_is_generate_logprobs_train_publish_sync(fakes):
+    res = run_loop(LoopRun(str(fakes), [CONFIGS["aligned"]], _settings(), work_dir=fakes / "w", progress=False))
+    rows = res.history["aligned"]
+    assert [list(r) for r in rows] == [ROW_KEYS] * 3            # train.json's history schema
+    assert [r["rollout_lag"] for r in rows] == [0, 0, 0] and [r["sync_version"] for r in rows] == [1, 2, 3]
+    kinds = [c[0] for c in CALLS]
+    assert kinds == (["attach"] + ["generate", "logprobs", "step", "publish", "sync"] * 3 + ["close", "restore"])
+    # on-policy: step s samples with the weights of version s (after s syncs)
+    assert [c[2] for c in CALLS if c[0] == "generate"] == [0, 1, 2]
+    s = res.settings
+    assert s["steps"] == 3 and s["backend"] == "fsdp" and s["task"] == {"limit": 64}
+    assert s["configs"][0]["name"] == "aligned" and s["configs"][0]["trainer"]["correction"] == "token_tis"
+    json.dumps(res.to_dict())
+
+
+def test_off_policy_samples_the_next_rollout_before_the_sync(fakes):
+    res = run_loop(str(fakes), [CONFIGS["plain"]], _settings(off_policy=1), work_dir=fakes / "w",
+                   progress=False)
+    assert [r["rollout_lag"] for r in res.history["plain"]] == [0, 1, 1]
+    # step s+1 is queued before step s's sync: it samples with the weights before that sync
+    assert [c[2] for c in CALLS if c[0] == "generate"] == [0, 0, 1]
+    assert "tis_clip_frac" not in res.history["plain"][0]
+
+
+def test_the_old_keyword_spelling_builds_the_same_run(fakes):
+    a = run_loop(str(fakes), [CONFIGS["plain"]], _settings(), work_dir=fakes / "a", progress=False,
+                 backend="fsdp", replicas=1)
+    b = run_loop(LoopRun(str(fakes), [CONFIGS["plain"]], _settings(), LoopPlacement(backend="fsdp"),
+                         work_dir=fakes / "b", progress=False))
+    strip = lambda h: [{k: v for k, v in r.items() if not k.startswith("time_")} for r in h]  # noqa: E731
+    assert strip(a.history["plain"]) == strip(b.history["plain"]) and a.settings == b.settings
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(tp=2), "tp"), (dict(backend="jax"), "backend"), (dict(dp=0), "dp"),
+    (dict(replicas=2, server="http://x"), "replicas"), (dict(dp=2, server="http://x"), "server"),
+])
+def test_placements_that_cannot_run_are_refused_before_anything_starts(fakes, kw, field):
+    with pytest.raises(InputError) as e:
+        run_loop(str(fakes), [CONFIGS["plain"]], _settings(), progress=False, **kw)
+    assert e.value.field == field and CALLS == []
