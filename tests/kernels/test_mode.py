@@ -22,10 +22,14 @@ from device_cases import CUDA_ONLY, MODE_DEVICES, MODE_DTYPES, MODE_OPS, SIZES, 
 pytestmark = pytest.mark.isa   # also run under each lower CPU capability (tests/test_isa_matrix.py)
 
 # what docs/kernels.md and the mode's docstring claim, for both dispatch keys
-CLAIMED = {"mm", "addmm", "bmm", "mm.out", "addmm.out", "bmm.out", "_grouped_mm", "_log_softmax",
-           "_log_softmax_backward_data", "_softmax", "_softmax_backward_data", "mean.dim",
-           "sum.dim_IntList", "sum", "mean", "baddbmm", "baddbmm.out", "silu", "sigmoid", "gelu", "softplus", "rsqrt", "silu_backward",
-           "sigmoid_backward", "gelu_backward", "softplus_backward"}
+MATMUL = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "_addmm_activation"}
+CLAIMED = (MATMUL | {f"{op}.out" for op in MATMUL}
+           | {"addmm_", "baddbmm_", "addbmm_", "addmv_"}
+           | {f"{op}.{o}" for op in ("mm", "bmm", "addmm", "baddbmm") for o in ("dtype", "dtype_out")}
+           | {"_grouped_mm", "_log_softmax", "_log_softmax_backward_data", "_softmax",
+              "_softmax_backward_data", "mean.dim", "sum.dim_IntList", "sum", "mean", "silu", "sigmoid",
+              "gelu", "softplus", "rsqrt", "silu_backward", "sigmoid_backward", "gelu_backward",
+              "softplus_backward"})
 CPU_ONLY = {"_scaled_dot_product_flash_attention_for_cpu",
             "_scaled_dot_product_flash_attention_for_cpu_backward"}
 

@@ -7,8 +7,13 @@ overrides, so backward passes are covered too.
 
 Overridden ops, the same on both keys but for the CPU-only ones (``CPU_ONLY``):
 
-* GEMMs: mm, addmm, bmm, baddbmm (and their .out forms), _grouped_mm (transformers' MoE
-  experts call it; megatron-core's attention scores are a baddbmm);
+* the matmul family, every overload a trainer reaches (:mod:`.mode_matmul` writes each formula
+  out): mm, addmm, bmm, baddbmm, addbmm, mv, addmv, dot, vdot, _addmm_activation and their .out
+  forms; the in-place addmm_, baddbmm_, addbmm_, addmv_ (TRL's LM-head backward accumulates with
+  ``acc.addmm_``); the out_dtype overloads mm/bmm/addmm/baddbmm .dtype and .dtype_out (torch has
+  them on CUDA only; on the CPU key the mode provides them). matmul, linear, einsum, tensordot
+  are composite and reach aten as these. And _grouped_mm (transformers' MoE experts call it;
+  megatron-core's attention scores are a baddbmm);
 * reductions: _log_softmax, _log_softmax_backward_data, _softmax, _softmax_backward_data,
   mean.dim, mean, sum.dim_IntList, sum (CPU: :func:`cpu.row_sum`'s fixed pairwise tree, which trailing
   zeros — a right-padded batch — do not change);
@@ -46,6 +51,7 @@ import torch
 
 from ..patching import Refcount
 from . import cpu, cpu_sdpa
+from .mode_matmul import MatmulFamily
 
 _LIB: torch.library.Library | None = None
 
@@ -64,35 +70,13 @@ def _rowwise(fn, x, dim, *more):
 
 
 # --------------------------------------------------------------------------- CPU kernels
-def _cpu_mm(a, b):
-    return cpu.matmul_2d(a, b)
+def _cpu_mm(a, b, out_dtype):
+    """The CPU key's matmul primitive (``mode_matmul``): :func:`cpu.matmul_2d`, looked up per call."""
+    return cpu.matmul_2d(a, b, None, out_dtype)
 
 
-def _cpu_addmm(bias, a, b, *, beta=1, alpha=1):
-    if beta == 1 and alpha == 1:
-        return cpu.matmul_2d(a, b, bias.expand(a.shape[0], b.shape[1]))
-    prod = cpu.matmul_2d(a, b, out_dtype=torch.float32)
-    out = prod * alpha if alpha != 1 else prod
-    if beta != 0:
-        out = out + beta * bias.float()
-    return out.to(a.dtype)
-
-
-def _cpu_bmm(a, b):
-    return cpu.bmm(a, b)
-
-
-def _baddbmm(bmm_fn):
-    """aten::baddbmm = beta · self + alpha · (batch1 @ batch2) (beta = 0 ignores self, NaNs
-    included, as torch), the product by ``bmm_fn``; megatron-core's attention scores call it."""
-    def impl(self, batch1, batch2, *, beta=1, alpha=1):
-        prod = bmm_fn(batch1, batch2)
-        if alpha != 1:
-            prod = prod * alpha
-        if beta == 0:
-            return prod.expand(torch.broadcast_shapes(self.shape, prod.shape)).to(self.dtype)
-        return (prod + (self if beta == 1 else self * beta)).to(self.dtype)
-    return impl
+def _cpu_bmm(a, b, out_dtype):
+    return cpu.bmm(a, b, out_dtype)
 
 
 def _cpu_grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
@@ -121,14 +105,6 @@ def _cpu_grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
         raise NotImplementedError(f"batch-invariant _grouped_mm: {a.dim()}D x {b.dim()}D"
                                   f"{' with' if offs is not None else ' without'} offs")
     return out if bias is None else out + bias
-
-
-def _out_variant(fn):
-    def impl(*args, out, **kwargs):
-        res = fn(*args, **kwargs)
-        out.resize_(res.shape)
-        return out.copy_(res)
-    return impl
 
 
 def _cpu_log_softmax(x, dim, half_to_float):
@@ -211,17 +187,11 @@ def _cuda_kernels() -> dict:
     (``_install(cuda=True)``), which is how the tests inspect it."""
     from . import tl_matmul, tl_reduce, tl_softmax
 
-    def mm(a, b):
-        return tl_matmul.matmul(a, b)
+    def mm(a, b, out_dtype):
+        return tl_matmul.matmul(a, b, out_dtype=out_dtype)
 
-    def addmm(bias, a, b, *, beta=1, alpha=1):
-        if beta == 1 and alpha == 1 and bias.dim() == 1:
-            return tl_matmul.matmul(a, b, bias)
-        out = tl_matmul.matmul(a.float(), b.float())
-        return (alpha * out + beta * bias.float()).to(a.dtype)
-
-    def bmm(a, b):
-        return tl_matmul.bmm(a, b)
+    def bmm(a, b, out_dtype):
+        return tl_matmul.bmm(a, b, out_dtype=out_dtype)
 
     def grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
         """aten::_grouped_mm, the three layouts of ``_cpu_grouped_mm``."""
@@ -283,28 +253,22 @@ def _cuda_kernels() -> dict:
         return tl_reduce.reduce(x if dtype is None else x.to(dtype),
                                 list(dim) if dim is not None else None, keepdim, False, dtype)
 
-    return {"mm": mm, "addmm": addmm, "bmm": bmm,
+    return {**MatmulFamily(mm, bmm).table(),
             "_log_softmax": log_softmax, "_log_softmax_backward_data": log_softmax_bwd,
             "_softmax": softmax, "_softmax_backward_data": softmax_bwd, "mean.dim": mean,
             "_grouped_mm": grouped_mm,
-            "mm.out": _out_variant(mm), "addmm.out": _out_variant(addmm),
-            "bmm.out": _out_variant(bmm),
             "sum.dim_IntList": sum_, "sum": lambda x, *, dtype=None: sum_(x, None, False, dtype=dtype),
             "mean": lambda x, *, dtype=None: mean(x, None, False, dtype=dtype),
-            "baddbmm": _baddbmm(bmm), "baddbmm.out": _out_variant(_baddbmm(bmm)),
             **{op: _stock_pointwise(*spec) for op, spec in _POINTWISE.items()}}
 
 
 _CPU_KERNELS = {
-    "mm": _cpu_mm, "addmm": _cpu_addmm, "bmm": _cpu_bmm,
+    **MatmulFamily(_cpu_mm, _cpu_bmm).table(),
     "_log_softmax": _cpu_log_softmax, "_log_softmax_backward_data": _cpu_log_softmax_bwd,
     "_softmax": _cpu_softmax, "_softmax_backward_data": _cpu_softmax_bwd, "mean.dim": _cpu_mean,
     "_grouped_mm": _cpu_grouped_mm,
-    "mm.out": _out_variant(_cpu_mm), "addmm.out": _out_variant(_cpu_addmm),
-    "bmm.out": _out_variant(_cpu_bmm),
     "sum.dim_IntList": _cpu_sum, "sum": _cpu_sum_all,
     "mean": lambda x, *, dtype=None: _cpu_mean(x, None, False, dtype=dtype),
-    "baddbmm": _baddbmm(_cpu_bmm), "baddbmm.out": _out_variant(_baddbmm(_cpu_bmm)),
     **{op: _pointwise(*spec) for op, spec in _POINTWISE.items()},
     "_scaled_dot_product_flash_attention_for_cpu": cpu_sdpa.flash_attention_for_cpu,
     "_scaled_dot_product_flash_attention_for_cpu_backward": cpu_sdpa.flash_attention_for_cpu_backward,

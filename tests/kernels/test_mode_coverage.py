@@ -1,0 +1,134 @@
+"""batch_invariant_mode() routes every matmul-family overload (issue 37, item 1): in place,
+``.out``, ``out_dtype``, mv/dot and the composites matmul/linear/einsum — rows of ``x[:M] @ W``
+have the bits of the same rows for M = 300, and agree with stock torch within the GEMM rounding
+bound.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from skyrl_numerics.errors import NotInvariant
+from skyrl_numerics.kernels import batch_invariant_mode, cpu, mode
+
+A = torch.ops.aten
+K, N, FULL = 96, 40, 300
+EPS = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8}
+
+
+def _data(dtype):
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(FULL, K, generator=g), torch.randn(K, N, generator=g)
+    acc, bias = torch.randn(FULL, N, generator=g), torch.randn(N, generator=g)
+    return x.to(dtype), w.to(dtype), acc.to(dtype), bias.to(dtype)
+
+
+def _halves(t):
+    """(M, K) -> (2, M, K/2): the two halves of the depth as a batch (their products sum to t @ W)."""
+    return t.view(t.shape[0], 2, K // 2).transpose(0, 1)
+
+
+# variant -> fn(x, W, acc, bias) giving rows x[:M] of its result ((M, N), (M,) or (M, 1));
+# ``acc``/``x`` are already cut to M rows. ``stock``: torch has it on CPU without the mode.
+VARIANTS = {
+    "mm": lambda x, w, acc, b: torch.mm(x, w),
+    "mm.out": lambda x, w, acc, b: torch.mm(x, w, out=torch.empty(0, dtype=x.dtype)),
+    "mm.dtype": lambda x, w, acc, b: A.mm.dtype(x, w, torch.float32),
+    "mm.dtype_out": lambda x, w, acc, b: A.mm.dtype_out(x, w, torch.float32, out=torch.empty(0)),
+    "addmm": lambda x, w, acc, b: torch.addmm(b, x, w),
+    "addmm.alpha_beta": lambda x, w, acc, b: torch.addmm(acc, x, w, beta=0.5, alpha=2.0),
+    "addmm.out": lambda x, w, acc, b: torch.addmm(acc, x, w, out=torch.empty(0, dtype=x.dtype)),
+    "addmm_": lambda x, w, acc, b: acc.clone().addmm_(x, w),
+    "addmm_.alpha_beta": lambda x, w, acc, b: acc.clone().addmm_(x, w, beta=0.25, alpha=-1.5),
+    "addmm.dtype": lambda x, w, acc, b: A.addmm.dtype(acc.float(), x, w, torch.float32),
+    "addmm.dtype_out": lambda x, w, acc, b: A.addmm.dtype_out(acc.float(), x, w, torch.float32,
+                                                             out=torch.empty(0)),
+    "_addmm_activation": lambda x, w, acc, b: A._addmm_activation(b, x, w),
+    "_addmm_activation.gelu": lambda x, w, acc, b: A._addmm_activation(b, x, w, use_gelu=True),
+    "bmm": lambda x, w, acc, b: torch.bmm(torch.stack([x, -x]), torch.stack([w, w]))[0],
+    "bmm.out": lambda x, w, acc, b: torch.bmm(x[None], w[None], out=torch.empty(0, dtype=x.dtype))[0],
+    "bmm.dtype": lambda x, w, acc, b: A.bmm.dtype(x[None], w[None], torch.float32)[0],
+    "baddbmm": lambda x, w, acc, b: torch.baddbmm(acc[None], x[None], w[None], alpha=0.5)[0],
+    "baddbmm_": lambda x, w, acc, b: acc.clone()[None].baddbmm_(x[None], w[None])[0],
+    "baddbmm.out": lambda x, w, acc, b: torch.baddbmm(acc[None], x[None], w[None],
+                                                      out=torch.empty(0, dtype=x.dtype))[0],
+    "baddbmm.dtype": lambda x, w, acc, b: A.baddbmm.dtype(acc[None].float(), x[None], w[None],
+                                                          torch.float32)[0],
+    "addbmm": lambda x, w, acc, b: torch.addbmm(acc, _halves(x), w.view(2, K // 2, N)),
+    "addbmm_": lambda x, w, acc, b: acc.clone().addbmm_(_halves(x), w.view(2, K // 2, N), beta=2),
+    "addbmm.out": lambda x, w, acc, b: torch.addbmm(acc, _halves(x), w.view(2, K // 2, N),
+                                                    out=torch.empty(0, dtype=x.dtype)),
+    "mv": lambda x, w, acc, b: torch.mv(x, w[:, 3]),
+    "mv.out": lambda x, w, acc, b: torch.mv(x, w[:, 3], out=torch.empty(0, dtype=x.dtype)),
+    "addmv": lambda x, w, acc, b: torch.addmv(acc[:, 0], x, w[:, 3], alpha=3.0),
+    "addmv_": lambda x, w, acc, b: acc[:, 0].clone().addmv_(x, w[:, 3]),
+    "addmv.out": lambda x, w, acc, b: torch.addmv(acc[:, 0], x, w[:, 3], out=torch.empty(0, dtype=x.dtype)),
+    "dot": lambda x, w, acc, b: torch.stack([torch.dot(r, w[:, 3]) for r in x]),
+    "vdot": lambda x, w, acc, b: torch.stack([torch.vdot(r, w[:, 3]) for r in x]),
+    "matmul.2d": lambda x, w, acc, b: x @ w,
+    "matmul.3d": lambda x, w, acc, b: (x[:, None] @ w)[:, 0],
+    "matmul.vec": lambda x, w, acc, b: x @ w[:, 0],
+    "linear": lambda x, w, acc, b: F.linear(x, w.t(), b),
+    "linear.3d": lambda x, w, acc, b: F.linear(x[None], w.t().contiguous(), b)[0],
+    "einsum": lambda x, w, acc, b: torch.einsum("mk,kn->mn", x, w),
+}
+_UP_MM = lambda x, w, acc, b: torch.mm(x.float(), w.float())                      # noqa: E731
+_UP_ADDMM = lambda x, w, acc, b: torch.addmm(acc.float(), x.float(), w.float())   # noqa: E731
+# out_dtype overloads: CUDA-only in stock torch, compared with the product of the upcast operands
+NO_CPU_STOCK = {"mm.dtype": _UP_MM, "mm.dtype_out": _UP_MM, "bmm.dtype": _UP_MM,
+                "addmm.dtype": _UP_ADDMM, "addmm.dtype_out": _UP_ADDMM, "baddbmm.dtype": _UP_ADDMM}
+
+
+def _bound(x, w, acc, dtype, out_dtype):
+    """|Δ| allowed vs stock: each side's dot product within K·u·(|x| @ |w|), then one rounding
+    to the result's dtype (plus ``acc``'s share); u = 2^-24 (fp32 accumulation)."""
+    mag = x.float().abs() @ w.float().abs() + acc.float().abs()
+    return 2 * K * EPS[torch.float32] * mag + 2 * EPS[out_dtype] * mag
+
+
+@pytest.mark.isa
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_matmul_variant_rows_equal_for_any_batch_and_close_to_stock(variant, dtype):
+    fn = VARIANTS[variant]
+    x, w, acc, b = _data(dtype)
+    with batch_invariant_mode():
+        full = fn(x, w, acc, b)
+        bad = [m for m in range(1, 9) if not torch.equal(fn(x[:m], w, acc[:m], b), full[:m])]
+    assert not bad, f"{variant}: rows of M = {bad} differ from the same rows of M = {FULL}"
+    stock = NO_CPU_STOCK.get(variant, fn)(x, w, acc, b).float()
+    err = (full.float() - stock).abs()
+    lim = _bound(x, w, acc, dtype, full.dtype)
+    lim = lim[:, 3] if full.dim() == 1 else lim[:, :full.shape[1]]
+    assert bool((err <= lim).all()), f"{variant}: max |Δ| vs stock {err.max():.3g}"
+
+
+def test_in_place_variants_write_self_and_respect_alpha_beta():
+    x, w, acc, b = _data(torch.float32)
+    with batch_invariant_mode():
+        s = acc.clone()
+        assert s.addmm_(x, w, beta=0.0, alpha=1.0) is s
+        assert torch.equal(s, torch.mm(x, w))                       # beta = 0: self not read
+        s = torch.full_like(acc, float("nan"))
+        assert torch.equal(s.addmm_(x, w, beta=0), torch.mm(x, w))   # (NaN in self ignored, as torch)
+        s = acc.clone()
+        s.addmm_(x, w, beta=0.5, alpha=2.0)
+        assert torch.equal(s, (2.0 * cpu.matmul_2d(x, w) + 0.5 * acc))
+        v = acc[:, 0].clone()
+        assert v.addmv_(x, w[:, 0], beta=0) is v and torch.equal(v, torch.mv(x, w[:, 0]))
+    with pytest.raises(NotInvariant, match=r"aten::mm: torch.int64"):
+        with batch_invariant_mode():
+            torch.mm(torch.ones(2, 2, dtype=torch.long), torch.ones(2, 2, dtype=torch.long))
+
+
+def test_the_family_table_is_the_same_on_both_keys():
+    fam = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "addbmm", "addbmm_", "mv", "addmv",
+           "addmv_", "dot", "vdot", "_addmm_activation"}
+    fam |= {f"{op}.out" for op in fam if not op.endswith("_")}
+    fam |= {f"{op}.{o}" for op in ("mm", "bmm", "addmm", "baddbmm") for o in ("dtype", "dtype_out")}
+    for dev in ("cpu", "cuda"):
+        assert fam <= set(mode.registered_ops(dev)), sorted(fam - set(mode.registered_ops(dev)))
+    for op in fam:     # every one is a real aten overload
+        base, _, ov = op.partition(".")
+        getattr(getattr(A, base), ov or "default")
