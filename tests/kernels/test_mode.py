@@ -66,6 +66,7 @@ def test_enable_restore_and_nesting(count_cpu_matmul):
     assert not is_batch_invariant_mode_enabled()
     with batch_invariant_mode():
         assert all(_overridden(op, "CPU") for op in CLAIMED)
+        assert all(_overridden(op, "AutocastCPU") for op in mode.AUTOCAST_CPU)
         assert _mm_row0_invariant(a, b) and count_cpu_matmul
         assert torch.equal(torch.mm(a, b), cpu.matmul_2d(a, b))     # the CPU path's bits
         with batch_invariant_mode():
@@ -74,6 +75,7 @@ def test_enable_restore_and_nesting(count_cpu_matmul):
         assert _overridden("mm", "CPU")                               # the inner exit kept it
     assert not is_batch_invariant_mode_enabled()
     assert not any(_overridden(op, "CPU") for op in CLAIMED)
+    assert not any(_overridden(op, "AutocastCPU") for op in mode.AUTOCAST_CPU)
     n = len(count_cpu_matmul)
     assert torch.equal(torch.mm(a[:1], b), stock_small)   # stock kernel is back (same bits as before)
     assert len(count_cpu_matmul) == n

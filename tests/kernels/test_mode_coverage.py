@@ -1,7 +1,8 @@
 """batch_invariant_mode() routes every matmul-family overload (issue 37, item 1): in place,
 ``.out``, ``out_dtype``, mv/dot and the composites matmul/linear/einsum — rows of ``x[:M] @ W``
 have the bits of the same rows for M = 300, and agree with stock torch within the GEMM rounding
-bound.
+bound; and under bf16 autocast, SDPA's ``enable_gqa`` and ``repeat_kv`` give the same bits,
+forward and input gradients, so a padded batch's rows equal each sequence alone on a tiny Llama.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 
 from skyrl_numerics.errors import NotInvariant
 from skyrl_numerics.kernels import batch_invariant_mode, cpu, mode
+from skyrl_numerics.kernels.cpu_sdpa import repeat_kv
 
 A = torch.ops.aten
 K, N, FULL = 96, 40, 300
@@ -132,3 +134,72 @@ def test_the_family_table_is_the_same_on_both_keys():
     for op in fam:     # every one is a real aten overload
         base, _, ov = op.partition(".")
         getattr(getattr(A, base), ov or "default")
+
+
+# ---------------------------------------------------------------------------- bf16 autocast
+def _llama(attn):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    m = LlamaForCausalLM(cfg)
+    m.config._attn_implementation = attn
+    return m
+
+
+LENS = [9, 13, 5, 11]
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, 250, (len(LENS), max(LENS)), generator=g)
+    mask = torch.stack([(torch.arange(max(LENS)) < n).long() for n in LENS])
+    return ids, mask
+
+
+def test_autocast_enable_gqa_and_repeat_kv_give_the_same_bits():
+    """fp32 q/k/v (RoPE's output) under bf16 autocast: SDPA with ``enable_gqa`` (transformers
+    without a padding mask) and ``repeat_kv`` + SDPA (with one): forward and q/k/v gradients."""
+    g = torch.Generator().manual_seed(0)
+    q0, k0, v0 = (torch.randn(2, h, 9, 16, generator=g) for h in (4, 2, 2))
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+
+    def run(gqa):
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if gqa:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            else:
+                out = F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), attn_mask=causal)
+        out.float().pow(2).sum().backward()
+        return out, q.grad, k.grad, v.grad
+
+    with batch_invariant_mode():
+        a, b = run(True), run(False)
+    assert a[0].dtype == torch.bfloat16 and a[2].dtype == torch.float32
+    for name, x, y in zip(("out", "dq", "dk", "dv"), a, b):
+        assert torch.equal(x, y), name
+
+
+def test_autocast_padded_batch_rows_equal_each_sequence_alone():
+    """A tiny Llama (fp32 weights, bf16 autocast, SDPA): each sequence alone (enable_gqa) and its
+    rows in the right-padded batch (repeat_kv): logprobs and input-embedding gradients. Before
+    the AutocastCPU override: 56 of 63 gradient rows differed (Llama of test_mode_trace.py)."""
+    m = _llama("sdpa").train()
+    ids, mask = _batch()
+
+    def run(ids, mask):
+        emb = m.get_input_embeddings()(ids).detach().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = m(inputs_embeds=emb, attention_mask=mask).logits
+        lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        (lp * mask[:, 1:]).sum().backward()
+        return lp.detach(), emb.grad
+
+    with batch_invariant_mode():
+        lp, grad = run(ids, mask)
+        for i, n in enumerate(LENS):
+            lp1, g1 = run(ids[i:i + 1, :n], mask[i:i + 1, :n])
+            assert torch.equal(lp[i, :n - 1], lp1[0]), f"sequence {i}: logprobs"
+            assert torch.equal(grad[i, :n], g1[0]), f"sequence {i}: input-embedding gradient"

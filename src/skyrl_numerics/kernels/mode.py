@@ -5,7 +5,7 @@ present, the CUDA key (the Triton kernels) through ``torch.library.Library("aten
 Autograd is untouched: aten's derivative formulas call mm/bmm/... again and hit the same
 overrides, so backward passes are covered too.
 
-Overridden ops, the same on both keys but for the CPU-only ones (``CPU_ONLY``):
+Overridden ops, the same on both keys but for the CPU-only ones (``CPU_ONLY``, ``AUTOCAST_CPU``):
 
 * the matmul family, every overload a trainer reaches (:mod:`.mode_matmul` writes each formula
   out): mm, addmm, bmm, baddbmm, addbmm, mv, addmv, dot, vdot, _addmm_activation and their .out
@@ -27,6 +27,9 @@ Overridden ops, the same on both keys but for the CPU-only ones (``CPU_ONLY``):
   right-padded batch differ from the same rows alone on AVX2, and on AVX-512 from 16 keys on).
   SDPA's math path (other head sizes, e.g. MLA) decomposes into the ops above by itself. (CUDA
   SDPA kernels are not covered by the mode.)
+* AutocastCPU only: scaled_dot_product_attention, so that ``enable_gqa`` under CPU autocast is
+  ``repeat_kv`` before the cast (:func:`.cpu_sdpa.autocast_sdpa` says why): both GQA paths of
+  transformers give the same bits.
 
 Every other op the supported families (HF Qwen3-MoE, DeepSeek-V3, Mixtral, Llama; FSDP and
 megatron-core) reach forward and backward is left stock because it is exact or per element with
@@ -275,6 +278,9 @@ _CPU_KERNELS = {
 }
 CPU_ONLY = frozenset({"_scaled_dot_product_flash_attention_for_cpu",
                       "_scaled_dot_product_flash_attention_for_cpu_backward"})
+# the AutocastCPU key (above autograd): CPU autocast's SDPA, with enable_gqa as repeat_kv
+_AUTOCAST_CPU_KERNELS = {"scaled_dot_product_attention": cpu_sdpa.autocast_sdpa}
+AUTOCAST_CPU = frozenset(_AUTOCAST_CPU_KERNELS)
 
 
 def _install(cuda: bool | None = None) -> torch.library.Library:
@@ -287,6 +293,8 @@ def _install(cuda: bool | None = None) -> torch.library.Library:
         warnings.simplefilter("ignore", UserWarning)
         for op, fn in _CPU_KERNELS.items():
             lib.impl(op, fn, "CPU")
+        for op, fn in _AUTOCAST_CPU_KERNELS.items():
+            lib.impl(op, fn, "AutocastCPU")
         if cuda:
             for op, fn in _cuda_kernels().items():
                 lib.impl(op, fn, "CUDA")
