@@ -2,7 +2,9 @@
 ``.out``, ``out_dtype``, mv/dot and the composites matmul/linear/einsum — rows of ``x[:M] @ W``
 have the bits of the same rows for M = 300, and agree with stock torch within the GEMM rounding
 bound; and under bf16 autocast, SDPA's ``enable_gqa`` and ``repeat_kv`` give the same bits,
-forward and input gradients, so a padded batch's rows equal each sequence alone on a tiny Llama.
+forward and input gradients, so a padded batch's rows equal each sequence alone on a tiny Llama;
+``torch.compile`` inside the mode (SDPA and eager attention, compiled before or inside): the bits
+of eager under the mode; the CPU SDPA override's outputs and gradients have the stock op's strides.
 """
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from skyrl_numerics.errors import NotInvariant
-from skyrl_numerics.kernels import batch_invariant_mode, cpu, mode
+from skyrl_numerics.kernels import (batch_invariant_mode, cpu, disable_batch_invariant_cpu,
+                                    enable_batch_invariant_cpu, mode)
 from skyrl_numerics.kernels.cpu_sdpa import repeat_kv
 
 A = torch.ops.aten
@@ -203,3 +206,63 @@ def test_autocast_padded_batch_rows_equal_each_sequence_alone():
             lp1, g1 = run(ids[i:i + 1, :n], mask[i:i + 1, :n])
             assert torch.equal(lp[i, :n - 1], lp1[0]), f"sequence {i}: logprobs"
             assert torch.equal(grad[i, :n], g1[0]), f"sequence {i}: input-embedding gradient"
+
+
+# ---------------------------------------------------------------------------- torch.compile
+def _logprobs(m, ids, mask):
+    logits = m(input_ids=ids, attention_mask=mask).logits
+    return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_compiled_model_under_the_mode_has_the_bits_of_eager_under_the_mode(attn):
+    """Before: SDPA crashed (the override's strides were not the stock op's), eager attention
+    differed in 11 of 56 tokens (inductor's own softmax and sums). Now compiled code runs eagerly
+    through the mode's kernels: inside the ``with`` block, and under enable_batch_invariant_cpu()
+    (process-wide)."""
+    m = _llama(attn).eval()
+    ids, mask = _batch()
+    cm = torch.compile(m)
+    with torch.no_grad():
+        with batch_invariant_mode():
+            ref = _logprobs(m, ids, mask)
+            assert torch.equal(_logprobs(cm, ids, mask), ref)
+        enable_batch_invariant_cpu()                  # process-wide
+        try:
+            assert torch.equal(_logprobs(cm, ids, mask), ref)
+        finally:
+            disable_batch_invariant_cpu()
+
+
+def test_function_compiled_before_the_mode_runs_the_modes_kernels():
+    def f(x, w):
+        return torch.log_softmax(x @ w, -1).sum(-1)
+
+    x, w = torch.randn(37, 64), torch.randn(64, 50)
+    cf = torch.compile(f)
+    stock = cf(x, w)                                   # compiled (inductor) outside the mode
+    with batch_invariant_mode():
+        ref = f(x, w)
+        assert torch.equal(cf(x, w), ref)
+    assert torch.equal(cf(x, w), stock)                # the compiled code is back after the mode
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "heads_transposed"])
+def test_cpu_sdpa_override_returns_the_stock_ops_strides(layout):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 7, 4, 16, generator=g)
+    q = q.transpose(1, 2) if layout == "heads_transposed" else q.permute(0, 2, 1, 3).contiguous()
+    k, v = torch.randn(2, 4, 7, 16, generator=g), torch.randn(2, 4, 7, 16, generator=g)
+    op = A._scaled_dot_product_flash_attention_for_cpu
+    bwd = A._scaled_dot_product_flash_attention_for_cpu_backward
+
+    def strides():
+        out, lse = op(q, k, v, 0.0, True)
+        grads = bwd(torch.ones_like(out), q, k, v, out, lse, 0.0, True)
+        return [t.stride() for t in (out, lse, *grads)], [t.dtype for t in (out, lse, *grads)]
+
+    stock = strides()
+    meta_out, meta_lse = op(q.to("meta"), k.to("meta"), v.to("meta"), 0.0, True)
+    assert stock[0][:2] == [meta_out.stride(), meta_lse.stride()]
+    with batch_invariant_mode():
+        assert strides() == stock

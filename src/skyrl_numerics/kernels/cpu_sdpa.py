@@ -86,7 +86,10 @@ def flash_attention_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *
     empty = l_ == 0
     out = torch.where(empty, torch.zeros(()), _bmm(p, vf) / torch.where(empty, torch.ones(()), l_))
     lse = torch.where(empty, torch.zeros(()), ms + l_.log()).squeeze(-1)
-    return out.to(query.dtype), lse
+    B, H, L, _ = query.shape
+    res = torch.empty_like(query) if value.shape[-1] == query.shape[-1] else \
+        torch.empty_permuted((*query.shape[:3], value.shape[-1]), (0, 2, 1, 3), dtype=query.dtype)
+    return res.copy_(out), torch.empty((B, L, H), dtype=F32).transpose(1, 2).copy_(lse)
 
 
 def flash_attention_for_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p,
@@ -108,7 +111,13 @@ def flash_attention_for_cpu_backward(grad_out, query, key, value, out, logsumexp
     dk = _bmm(ds.transpose(-1, -2), qf) * sc
     if g > 1:
         dk, dv = _fold_groups(dk, B, Hkv, g, key.dtype), _fold_groups(dv, B, Hkv, g, value.dtype)
-    return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
+    return _like_stock(dq, query), _like_stock(dk, key), _like_stock(dv, value)
+
+
+def _like_stock(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``grad`` in ``x``'s dtype, laid out as the stock backward (and its meta) lays it out:
+    ``(B, L, H, D)`` in memory, seen as ``(B, H, L, D)``."""
+    return torch.empty_permuted(x.shape, (0, 2, 1, 3), dtype=x.dtype).copy_(grad)
 
 
 def _fold_groups(t: torch.Tensor, B: int, Hkv: int, g: int, dtype: torch.dtype) -> torch.Tensor:
