@@ -1,12 +1,18 @@
-"""batch_invariant_mode() routes every matmul-family overload (issue 37, item 1): in place,
-``.out``, ``out_dtype``, mv/dot and the composites matmul/linear/einsum — rows of ``x[:M] @ W``
-have the bits of the same rows for M = 300, and agree with stock torch within the GEMM rounding
-bound; and under bf16 autocast, SDPA's ``enable_gqa`` and ``repeat_kv`` give the same bits,
-forward and input gradients, so a padded batch's rows equal each sequence alone on a tiny Llama;
-``torch.compile`` inside the mode (SDPA and eager attention, compiled before or inside): the bits
-of eager under the mode; the CPU SDPA override's outputs and gradients have the stock op's strides.
+"""batch_invariant_mode() holds in any trainer, or says where it cannot (issue 37, item 1):
+
+* every matmul-family overload (in place, ``.out``, ``out_dtype``, mv/dot, the composites
+  matmul/linear): rows of ``x[:M] @ W`` have the bits of the same rows for M = 300, and agree with
+  stock torch within the GEMM rounding bound;
+* ``strict=True`` names an uncovered reduction (``NotInvariant``), non-strict warns once per op;
+* ``torch.compile`` inside the mode (SDPA and eager attention, compiled before or inside, with or
+  without the watch): the bits of eager under the mode; the CPU SDPA override's outputs and
+  gradients have the stock op's strides;
+* bf16 autocast: SDPA's ``enable_gqa`` and ``repeat_kv`` give the same bits, forward and input
+  gradients, and a padded batch's rows equal each sequence alone on a tiny Llama.
 """
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -14,7 +20,7 @@ import torch.nn.functional as F
 
 from skyrl_numerics.errors import NotInvariant
 from skyrl_numerics.kernels import (batch_invariant_mode, cpu, disable_batch_invariant_cpu,
-                                    enable_batch_invariant_cpu, mode)
+                                    enable_batch_invariant_cpu, mode, mode_watch)
 from skyrl_numerics.kernels.cpu_sdpa import repeat_kv
 
 A = torch.ops.aten
@@ -98,7 +104,7 @@ def _bound(x, w, acc, dtype, out_dtype):
 def test_every_matmul_variant_rows_equal_for_any_batch_and_close_to_stock(variant, dtype):
     fn = VARIANTS[variant]
     x, w, acc, b = _data(dtype)
-    with batch_invariant_mode():
+    with batch_invariant_mode(strict=True):
         full = fn(x, w, acc, b)
         bad = [m for m in range(1, 9) if not torch.equal(fn(x[:m], w, acc[:m], b), full[:m])]
     assert not bad, f"{variant}: rows of M = {bad} differ from the same rows of M = {FULL}"
@@ -111,7 +117,7 @@ def test_every_matmul_variant_rows_equal_for_any_batch_and_close_to_stock(varian
 
 def test_in_place_variants_write_self_and_respect_alpha_beta():
     x, w, acc, b = _data(torch.float32)
-    with batch_invariant_mode():
+    with batch_invariant_mode(strict=True):
         s = acc.clone()
         assert s.addmm_(x, w, beta=0.0, alpha=1.0) is s
         assert torch.equal(s, torch.mm(x, w))                       # beta = 0: self not read
@@ -139,7 +145,55 @@ def test_the_family_table_is_the_same_on_both_keys():
         getattr(getattr(A, base), ov or "default")
 
 
-# ---------------------------------------------------------------------------- bf16 autocast
+# ---------------------------------------------------------------------------- strict / warn
+def test_strict_names_an_uncovered_reduction_and_lets_covered_ops_run():
+    x = torch.randn(6, 50)
+    with batch_invariant_mode(strict=True):
+        torch.softmax(x, -1).sum(-1).mean()                            # overridden
+        torch.cumsum(x, -1).amax(-1)                                   # listed row-local
+        for fn, op in ((lambda: torch.var(x, -1), "aten::var.correction"),
+                       (lambda: torch.logsumexp(x, -1), "aten::logsumexp"),
+                       (lambda: torch.linalg.vector_norm(x, dim=-1), "aten::linalg_vector_norm"),
+                       (lambda: F.layer_norm(x, (50,)), "aten::native_layer_norm"),
+                       (lambda: torch.sum(x, -1, out=torch.empty(0)), "aten::sum.IntList_out")):
+            with pytest.raises(NotInvariant) as e:
+                fn()
+            assert e.value.op == op and op in str(e.value)
+
+
+def test_non_strict_warns_once_per_op_and_runs_stock(monkeypatch):
+    monkeypatch.setattr(mode_watch, "_WARNED", set())
+    x = torch.randn(6, 50)
+    with batch_invariant_mode(strict=False):
+        with pytest.warns(RuntimeWarning, match=r"aten::var\.correction runs stock"):
+            v = torch.var(x, -1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            torch.var(x, -1)                                           # second time: silent
+    assert torch.equal(v, torch.var(x, -1))
+
+
+def test_strict_default_comes_from_the_environment(monkeypatch):
+    x = torch.randn(4, 8)
+    monkeypatch.setenv(mode.STRICT_ENV, "0")
+    with batch_invariant_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.std(x, -1)
+    monkeypatch.setenv(mode.STRICT_ENV, "1")
+    with pytest.raises(NotInvariant, match="aten::std"):
+        with batch_invariant_mode():
+            torch.std(x, -1)
+    assert not mode.is_batch_invariant_mode_enabled()
+
+
+def test_allow_list_and_overrides_are_disjoint_and_name_their_reasons():
+    assert not {op.split(".")[0] for op in mode.registered_ops("cpu")} & mode_watch.ALLOWED
+    assert all(len(why) > 20 and ops for why, ops in mode_watch.ROW_LOCAL.items())
+    for op in ("sum", "mean", "softmax", "var", "std", "norm", "logsumexp", "prod", "mm", "addmm_"):
+        assert not mode_watch.allowed(op), op
+
+
+# ---------------------------------------------------------------------------- torch.compile
 def _llama(attn):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -161,6 +215,73 @@ def _batch():
     return ids, mask
 
 
+def _logprobs(m, ids, mask):
+    logits = m(input_ids=ids, attention_mask=mask).logits
+    return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_compiled_model_under_the_mode_has_the_bits_of_eager_under_the_mode(attn):
+    """Before: SDPA crashed (the override's strides were not the stock op's), eager attention
+    differed in 11 of 56 tokens (inductor's own softmax and sums). Now compiled code runs eagerly
+    through the mode's kernels: inside the ``with`` block, and under enable_batch_invariant_cpu()
+    (process-wide, no watch on the thread)."""
+    m = _llama(attn).eval()
+    ids, mask = _batch()
+    cm = torch.compile(m)
+    with torch.no_grad():
+        with batch_invariant_mode(strict=True):
+            ref = _logprobs(m, ids, mask)
+            assert torch.equal(_logprobs(cm, ids, mask), ref)
+        enable_batch_invariant_cpu()                  # process-wide, no watch on this thread
+        try:
+            assert torch.equal(_logprobs(cm, ids, mask), ref)
+        finally:
+            disable_batch_invariant_cpu()
+
+
+def test_function_compiled_before_or_entering_the_mode_runs_the_modes_kernels():
+    def f(x, w):
+        return torch.log_softmax(x @ w, -1).sum(-1)
+
+    x, w = torch.randn(37, 64), torch.randn(64, 50)
+    cf = torch.compile(f)
+    stock = cf(x, w)                                   # compiled (inductor) outside the mode
+    with batch_invariant_mode(strict=True):
+        ref = f(x, w)
+        assert torch.equal(cf(x, w), ref)
+    assert torch.equal(cf(x, w), stock)                # the compiled code is back after the mode
+
+    @torch.compile
+    def g(x, w):
+        with batch_invariant_mode(strict=True):
+            return f(x, w)
+
+    assert torch.equal(g(x, w), ref) and not mode.is_batch_invariant_mode_enabled()
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "heads_transposed"])
+def test_cpu_sdpa_override_returns_the_stock_ops_strides(layout):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 7, 4, 16, generator=g)
+    q = q.transpose(1, 2) if layout == "heads_transposed" else q.permute(0, 2, 1, 3).contiguous()
+    k, v = torch.randn(2, 4, 7, 16, generator=g), torch.randn(2, 4, 7, 16, generator=g)
+    op = A._scaled_dot_product_flash_attention_for_cpu
+    bwd = A._scaled_dot_product_flash_attention_for_cpu_backward
+
+    def strides():
+        out, lse = op(q, k, v, 0.0, True)
+        grads = bwd(torch.ones_like(out), q, k, v, out, lse, 0.0, True)
+        return [t.stride() for t in (out, lse, *grads)], [t.dtype for t in (out, lse, *grads)]
+
+    stock = strides()
+    meta_out, meta_lse = op(q.to("meta"), k.to("meta"), v.to("meta"), 0.0, True)
+    assert stock[0][:2] == [meta_out.stride(), meta_lse.stride()]
+    with batch_invariant_mode(strict=True):
+        assert strides() == stock
+
+
+# ---------------------------------------------------------------------------- bf16 autocast
 def test_autocast_enable_gqa_and_repeat_kv_give_the_same_bits():
     """fp32 q/k/v (RoPE's output) under bf16 autocast: SDPA with ``enable_gqa`` (transformers
     without a padding mask) and ``repeat_kv`` + SDPA (with one): forward and q/k/v gradients."""
@@ -178,7 +299,7 @@ def test_autocast_enable_gqa_and_repeat_kv_give_the_same_bits():
         out.float().pow(2).sum().backward()
         return out, q.grad, k.grad, v.grad
 
-    with batch_invariant_mode():
+    with batch_invariant_mode(strict=True):
         a, b = run(True), run(False)
     assert a[0].dtype == torch.bfloat16 and a[2].dtype == torch.float32
     for name, x, y in zip(("out", "dq", "dk", "dv"), a, b):
@@ -200,69 +321,9 @@ def test_autocast_padded_batch_rows_equal_each_sequence_alone():
         (lp * mask[:, 1:]).sum().backward()
         return lp.detach(), emb.grad
 
-    with batch_invariant_mode():
+    with batch_invariant_mode(strict=True):
         lp, grad = run(ids, mask)
         for i, n in enumerate(LENS):
             lp1, g1 = run(ids[i:i + 1, :n], mask[i:i + 1, :n])
             assert torch.equal(lp[i, :n - 1], lp1[0]), f"sequence {i}: logprobs"
             assert torch.equal(grad[i, :n], g1[0]), f"sequence {i}: input-embedding gradient"
-
-
-# ---------------------------------------------------------------------------- torch.compile
-def _logprobs(m, ids, mask):
-    logits = m(input_ids=ids, attention_mask=mask).logits
-    return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-
-
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_compiled_model_under_the_mode_has_the_bits_of_eager_under_the_mode(attn):
-    """Before: SDPA crashed (the override's strides were not the stock op's), eager attention
-    differed in 11 of 56 tokens (inductor's own softmax and sums). Now compiled code runs eagerly
-    through the mode's kernels: inside the ``with`` block, and under enable_batch_invariant_cpu()
-    (process-wide)."""
-    m = _llama(attn).eval()
-    ids, mask = _batch()
-    cm = torch.compile(m)
-    with torch.no_grad():
-        with batch_invariant_mode():
-            ref = _logprobs(m, ids, mask)
-            assert torch.equal(_logprobs(cm, ids, mask), ref)
-        enable_batch_invariant_cpu()                  # process-wide
-        try:
-            assert torch.equal(_logprobs(cm, ids, mask), ref)
-        finally:
-            disable_batch_invariant_cpu()
-
-
-def test_function_compiled_before_the_mode_runs_the_modes_kernels():
-    def f(x, w):
-        return torch.log_softmax(x @ w, -1).sum(-1)
-
-    x, w = torch.randn(37, 64), torch.randn(64, 50)
-    cf = torch.compile(f)
-    stock = cf(x, w)                                   # compiled (inductor) outside the mode
-    with batch_invariant_mode():
-        ref = f(x, w)
-        assert torch.equal(cf(x, w), ref)
-    assert torch.equal(cf(x, w), stock)                # the compiled code is back after the mode
-
-
-@pytest.mark.parametrize("layout", ["contiguous", "heads_transposed"])
-def test_cpu_sdpa_override_returns_the_stock_ops_strides(layout):
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 7, 4, 16, generator=g)
-    q = q.transpose(1, 2) if layout == "heads_transposed" else q.permute(0, 2, 1, 3).contiguous()
-    k, v = torch.randn(2, 4, 7, 16, generator=g), torch.randn(2, 4, 7, 16, generator=g)
-    op = A._scaled_dot_product_flash_attention_for_cpu
-    bwd = A._scaled_dot_product_flash_attention_for_cpu_backward
-
-    def strides():
-        out, lse = op(q, k, v, 0.0, True)
-        grads = bwd(torch.ones_like(out), q, k, v, out, lse, 0.0, True)
-        return [t.stride() for t in (out, lse, *grads)], [t.dtype for t in (out, lse, *grads)]
-
-    stock = strides()
-    meta_out, meta_lse = op(q.to("meta"), k.to("meta"), v.to("meta"), 0.0, True)
-    assert stock[0][:2] == [meta_out.stride(), meta_lse.stride()]
-    with batch_invariant_mode():
-        assert strides() == stock

@@ -31,17 +31,21 @@ Overridden ops, the same on both keys but for the CPU-only ones (``CPU_ONLY``, `
   ``repeat_kv`` before the cast (:func:`.cpu_sdpa.autocast_sdpa` says why): both GQA paths of
   transformers give the same bits.
 
-Every other op the supported families (HF Qwen3-MoE, DeepSeek-V3, Mixtral, Llama; FSDP and
-megatron-core) reach forward and backward is left stock because it is exact or per element with
-the same bits in the vector body and the tail (add, mul, div, neg, pow, exp, log, sin, cos,
-fp32 rsqrt, where, gather/scatter/index ops, topk/sort, cumsum/histc on integers, embedding);
-the trace and that per-op property are tests (``tests/kernels/test_mode_trace.py``). Parameter
-gradients summed over tokens (embedding_dense_backward, the weight gradients) agree only to
-rounding across micro-batch sizes: they are sums in another association, not per-row results.
+Every other aten op is judged by the watch the ``with`` block pushes (:mod:`.mode_watch`). The
+ops it lists as row-local, each group with its reason (exact, per element with the same bits in
+the vector body and the tail, a fixed order along the row), run stock: the supported families —
+HF Qwen3-MoE, DeepSeek-V3, Mixtral, Llama — and TRL's GRPO loss reach nothing else
+(``test_mode_trace.py``; the FSDP and single-process megatron-core trainer tests run strict too).
+Any other raises :class:`~skyrl_numerics.errors.NotInvariant` naming it under ``strict=True``, and
+otherwise runs stock with one warning per op name. Parameter gradients summed over tokens
+(embedding_dense_backward, the weight gradients) agree only to rounding across micro-batch sizes:
+they are sums in another association, not per-row results.
 
 ``torch.compile``: while the mode is on, the compiler's stance is ``force_eager`` (process-wide;
-restored when the last holder leaves): compiled functions — compiled before the mode or inside
-it — run eagerly, op by op, through the kernels above, with the bits of eager under the mode. (Compiled, inductor would generate its own softmax and sums: measured, 11 of 56
+restored when the last holder leaves) and, inside a ``with`` block, dynamo also skips every frame
+because the watch is a dispatch mode: compiled functions — compiled before the mode, inside it, or
+entering it themselves — run eagerly, op by op, through the kernels above, with the bits of eager
+under the mode. (Compiled, inductor would generate its own softmax and sums: measured, 11 of 56
 tokens of a tiny Llama differed.)
 
 The overrides are process-wide (the dispatcher has no per-thread table): the mode is on while
@@ -53,6 +57,7 @@ without a ``with`` block, for installing in a worker process (e.g. a vLLM CPU wo
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 
 import torch
@@ -61,6 +66,7 @@ from ..errors import NotInvariant
 from ..patching import Refcount
 from . import cpu, cpu_sdpa
 from .mode_matmul import MatmulFamily
+from .mode_watch import Watch
 
 _LIB: torch.library.Library | None = None
 _STANCE = None          # the compiler stance object while the mode is on (_eager_stance)
@@ -354,17 +360,28 @@ def _unregister() -> None:
 
 # on while at least one holder is inside (patching.Refcount: nested and threaded use)
 _MODE = Refcount("batch-invariant mode", on=_register, off=_unregister)
+STRICT_ENV = "SKYRL_NUMERICS_MODE_STRICT"
 
 
 def is_batch_invariant_mode_enabled() -> bool:
     return _MODE.active()
 
 
+def default_strict() -> bool:
+    """``strict`` when the caller does not say: ``SKYRL_NUMERICS_MODE_STRICT=1`` (the project's
+    tests set it) makes it True; default False."""
+    return os.environ.get(STRICT_ENV, "0") not in ("", "0")
+
+
 @contextlib.contextmanager
-def batch_invariant_mode():
-    """Within the block, the ops of :func:`registered_ops` (GEMMs, softmax and sums, the
-    pointwise ops with a scalar tail, SDPA's backend choice) run batch-invariant kernels."""
-    with _MODE.held():
+def batch_invariant_mode(strict: bool | None = None):
+    """Within the block, the ops of :func:`registered_ops` (GEMMs in every form, softmax and
+    sums, the pointwise ops with a scalar tail, CPU SDPA) run batch-invariant kernels, and every
+    other aten op this thread dispatches is judged (:mod:`.mode_watch`): row-local ones run stock;
+    an uncovered one raises :class:`NotInvariant` naming it when ``strict`` (default:
+    :func:`default_strict`), else runs stock with one warning per op name."""
+    strict = default_strict() if strict is None else bool(strict)
+    with _MODE.held(), Watch(frozenset(_CPU_KERNELS), strict):
         yield
 
 
