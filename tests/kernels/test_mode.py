@@ -275,7 +275,9 @@ def test_qwen3_moe_forward_backward_rows_identical_on_device(attn, device):
             outs[bs] = lg.detach()
         return outs, grads
 
-    with batch_invariant_mode():
+    # not strict: CUDA SDPA is not covered (strict would name it at the first attention), and no
+    # GPU has surveyed which other ops a CUDA forward reaches; the rows are what this checks
+    with batch_invariant_mode(strict=False):
         no_grad, _ = run(False)
         outs, grads = run(True)
     assert _rows_equal(no_grad), "logits (no grad) differ across batch sizes"
