@@ -138,3 +138,11 @@ def _device_default(request):
 
     with torch.device(resolve(device)):
         yield
+
+
+@pytest.fixture(autouse=True)
+def _strict_batch_invariant_mode(monkeypatch):
+    """``batch_invariant_mode()`` is strict in every test (and in the processes a test starts): an
+    aten op the mode neither overrides nor lists as row-local raises ``NotInvariant`` naming it
+    instead of running stock with a warning (``kernels/mode_watch.py``)."""
+    monkeypatch.setenv("SKYRL_NUMERICS_MODE_STRICT", "1")

@@ -2,8 +2,9 @@
 
 Every check in the library that rejects user data raises :class:`InputError` with the place
 (``row``, ``field``, ``index``; ``turn`` for a multi-turn trajectory's token) and what was expected
-vs what was found. Two more, not about input: :class:`NotEnoughMemory` (a step that would not fit)
-and :class:`PatchError` (a refused monkeypatch, ``patching.py``).
+vs what was found. Three more, not about input: :class:`NotEnoughMemory` (a step that would not
+fit), :class:`PatchError` (a refused monkeypatch, ``patching.py``) and :class:`NotInvariant` (what
+``kernels.batch_invariant_mode`` cannot make batch-invariant, named instead of run silently).
 """
 from __future__ import annotations
 
@@ -56,3 +57,14 @@ class PatchError(RuntimeError):
     def __init__(self, message: str, *, where: str | None = None):
         self.where = where
         super().__init__(f"{where}: {message}" if where else message)
+
+
+class NotInvariant(RuntimeError):
+    """``batch_invariant_mode`` met something it cannot make batch-invariant and refuses it rather
+    than run it stock: ``op`` names it (an aten op as ``name.overload``, or ``"torch.compile"``) and
+    the message says why and what to do. Strict mode raises it for an op the mode neither
+    overrides nor lists as row-local (``kernels/mode_watch.py``)."""
+
+    def __init__(self, op: str, why: str):
+        self.op, self.why = op, why
+        super().__init__(f"batch_invariant_mode: {op}: {why}")

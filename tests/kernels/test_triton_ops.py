@@ -254,7 +254,7 @@ def test_attention_chunked_prefill_and_batch_invariant(device):
 def test_mode_cuda_table_kernels_on_cpu_tensors():
     """The kernels the mode registers for the CUDA key (Triton), run here on CPU tensors in the
     interpreter: the ops the CPU key also has (_grouped_mm in its three layouts, _softmax and its
-    backward, the .out forms, mean.dim) agree with the CPU table and give each row the same bits
+    backward, the .out forms, the rest of the matmul family, mean.dim) agree with the CPU table and give each row the same bits
     for a batch prefix."""
     from skyrl_numerics.kernels import mode
     K, C = mode._cuda_kernels(), mode._CPU_KERNELS
@@ -296,6 +296,18 @@ def test_mode_cuda_table_kernels_on_cpu_tensors():
         assert K[f"{op}.out"](*args, out=o) is o and torch.equal(o, K[op](*args))
         torch.testing.assert_close(o, C[op](*args), rtol=1e-5, atol=1e-5)
     assert torch.equal(K["mm"](a[:1], b2), K["mm"](a, b2)[:1])
+    # the rest of the matmul family (mode_matmul: the same formulas over the Triton primitives)
+    acc, v = torch.randn(10, 6), torch.randn(12)
+    for op, args, kw in (("addmm_", (acc.clone(), a, b2), {"beta": 0.5}), ("mv", (a, v), {}),
+                         ("addmv", (acc[:, 0], a, v), {"alpha": 2.0}), ("dot", (v, v), {}),
+                         ("addbmm", (acc, torch.randn(3, 10, 12), torch.randn(3, 12, 6)), {}),
+                         ("mm.dtype", (a, b2, torch.float32), {}),
+                         ("baddbmm_", (torch.randn(3, 4, 5), a3, b3), {"alpha": 3.0})):
+        ref = C[op](*(t.clone() if isinstance(t, torch.Tensor) else t for t in args), **kw)
+        got = K[op](*args, **kw)                                    # (in place: args[0] written)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(K["mv"](a[:3], v), K["mv"](a, v)[:3])
+    assert torch.equal(K["addmm_"](acc[:2].clone(), a[:2], b2), K["addmm"](acc, a, b2)[:2])
     m = K["mean.dim"](x, [-1], False)
     torch.testing.assert_close(m, x.double().mean(-1).float(), rtol=1e-5, atol=1e-6)
     assert torch.equal(K["mean.dim"](x[:2], [-1], False), m[:2])

@@ -17,8 +17,8 @@ small-M kernel). What this module does instead:
     (:mod:`.pool`), each worker running single-threaded GEMMs; bits are the same for any split
     (tested). N below ``MIN_ROWS`` (16) is padded too: MKL takes GEMV-like kernels for a skinny
     side. bf16/fp16 are computed in fp32 (exact products) and rounded once, like the Triton
-    kernels. The calls go through ``baddbmm`` (not ``mm``/``addmm``/``bmm``), so this can serve
-    as the override of those ops without recursing.
+    kernels. The calls go to ``baddbmm_``'s stock CPU kernel, taken before the mode overrides
+    that op too, so this serves as the override of the whole matmul family without recursing.
   * zero padding of the reduced dimension changes no bits either (a right-padded batch: the
     keys of a short sequence inside a longer batch, whose probabilities are 0): ``bmm`` cuts K
     into chunks of ``K_CHUNK`` (128) at fixed positions, each chunk one GEMM of exactly that
@@ -113,8 +113,15 @@ def _gemm_locked(out, a, bb, n: int, K: int, N: int) -> None:
             torch.set_num_threads(threads)
 
 
+# aten::baddbmm_'s stock CPU kernel (MKL), taken at import, before batch_invariant_mode can
+# override the op (it routes baddbmm_ too): every block GEMM here is one call of it, at the CPU
+# key (the operands are this module's own buffers: nothing for autograd to record)
+_STOCK_BADDBMM_ = torch.library.get_kernel("aten::baddbmm_", "CPU")
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+
 def _gemm_run(out, a, b) -> None:
-    out.baddbmm_(a, b, beta=0)
+    _STOCK_BADDBMM_.call_boxed(_CPU_KEYS, out, a, b, beta=0)
 
 
 def _gemm_run_worker(out, a, b, inference: bool) -> None:

@@ -45,6 +45,12 @@ def _weight(w: torch.Tensor) -> torch.Tensor:
     return w
 
 
+def _ld(t: torch.Tensor) -> int:
+    """The row stride the C kernels are given: ``t``'s, or K for a single row (whose stride torch
+    may report as anything, e.g. 1 for a column vector seen as a row; never stepped over)."""
+    return t.stride(0) if t.shape[0] > 1 else t.shape[1]
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """``x [M, K]`` as float32 rows with unit stride (bfloat16 widened: exact)."""
     if x.dtype != torch.float32 or x.stride(-1) != 1:
@@ -89,7 +95,7 @@ def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return out.zero_()
 
     def run(lo: int, hi: int) -> None:
-        rc = L.skyrl_gemm_bf16(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0),
+        rc = L.skyrl_gemm_bf16(x.data_ptr(), _ld(x), w.data_ptr(), _ld(w),
                                out.data_ptr(), N, M, K, lo, hi)
         if rc != 0:
             raise RuntimeError(f"skyrl_gemm_bf16 failed (rc {rc})")
@@ -122,11 +128,11 @@ def grouped_f32(x: torch.Tensor, ws, row_off) -> torch.Tensor:
     if not used:
         return torch.zeros(R, ws[0].shape[0] if G else 0)
     wl = [_weight(ws[g]) for g in used]
-    N, ld = wl[0].shape[0], wl[0].stride(0)
+    N, ld = wl[0].shape[0], _ld(wl[0])
     if wl[0].shape[1] != K:
         raise ValueError(f"x has K = {K}, expert weights {tuple(wl[0].shape)}")
     L = lib()
-    if L is None or any(w.shape != wl[0].shape or w.stride(0) != ld for w in wl):
+    if L is None or any(w.shape != wl[0].shape or _ld(w) != ld for w in wl):
         out = torch.zeros(R, N)
         for g, w in zip(used, wl):
             out[offs[g]:offs[g + 1]] = linear_f32(x[offs[g]:offs[g + 1]], w)
@@ -138,7 +144,7 @@ def grouped_f32(x: torch.Tensor, ws, row_off) -> torch.Tensor:
     goff = np.array([offs[g] for g in used] + [offs[used[-1] + 1]], dtype=np.int64)
 
     def run(lo: int, hi: int) -> None:
-        rc = L.skyrl_gemm_bf16_grouped(x.data_ptr(), x.stride(0), ptrs.ctypes.data, ld,
+        rc = L.skyrl_gemm_bf16_grouped(x.data_ptr(), _ld(x), ptrs.ctypes.data, ld,
                                        goff.ctypes.data, len(used), out.data_ptr(), N, K, lo, hi)
         if rc != 0:
             raise RuntimeError(f"skyrl_gemm_bf16_grouped failed (rc {rc})")

@@ -26,6 +26,9 @@ independent of trailing zeros, and exp/log compute an element the same in ATen's
 and tail (tested per ISA). A padded key has p = 0 exactly and a padded query (whose output the
 loss never reads) has dO = 0, hence ds = 0: every real row's forward and its contributions to
 dq, dk, dv are the bits it gets alone. Dropout is refused (it cannot be invariant).
+
+Under CPU autocast the mode also replaces SDPA at the ``AutocastCPU`` key (:func:`autocast_sdpa`):
+``enable_gqa`` becomes :func:`repeat_kv` before the cast, as transformers' other GQA path.
 """
 from __future__ import annotations
 
@@ -83,7 +86,10 @@ def flash_attention_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *
     empty = l_ == 0
     out = torch.where(empty, torch.zeros(()), _bmm(p, vf) / torch.where(empty, torch.ones(()), l_))
     lse = torch.where(empty, torch.zeros(()), ms + l_.log()).squeeze(-1)
-    return out.to(query.dtype), lse
+    B, H, L, _ = query.shape
+    res = torch.empty_like(query) if value.shape[-1] == query.shape[-1] else \
+        torch.empty_permuted((*query.shape[:3], value.shape[-1]), (0, 2, 1, 3), dtype=query.dtype)
+    return res.copy_(out), torch.empty((B, L, H), dtype=F32).transpose(1, 2).copy_(lse)
 
 
 def flash_attention_for_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p,
@@ -105,7 +111,13 @@ def flash_attention_for_cpu_backward(grad_out, query, key, value, out, logsumexp
     dk = _bmm(ds.transpose(-1, -2), qf) * sc
     if g > 1:
         dk, dv = _fold_groups(dk, B, Hkv, g, key.dtype), _fold_groups(dv, B, Hkv, g, value.dtype)
-    return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
+    return _like_stock(dq, query), _like_stock(dk, key), _like_stock(dv, value)
+
+
+def _like_stock(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``grad`` in ``x``'s dtype, laid out as the stock backward (and its meta) lays it out:
+    ``(B, L, H, D)`` in memory, seen as ``(B, H, L, D)``."""
+    return torch.empty_permuted(x.shape, (0, 2, 1, 3), dtype=x.dtype).copy_(grad)
 
 
 def _fold_groups(t: torch.Tensor, B: int, Hkv: int, g: int, dtype: torch.dtype) -> torch.Tensor:
@@ -116,3 +128,44 @@ def _fold_groups(t: torch.Tensor, B: int, Hkv: int, g: int, dtype: torch.dtype) 
     takes one with a padding mask and the other without)."""
     t = t.to(dtype).view(B, Hkv, g, *t.shape[2:])
     return cpu.reduce(t, [2], False, False)
+
+
+def repeat_kv(x: torch.Tensor, g: int) -> torch.Tensor:
+    """``(..., Hkv, S, D) -> (..., Hkv·g, S, D)``, KV head j serving query heads j·g ... j·g+g-1:
+    transformers' ``repeat_kv`` (expand + reshape), whose backward sums the g heads' gradients
+    in the dtype of ``x``."""
+    shape = (*x.shape[:-2], g, *x.shape[-2:])
+    return x.unsqueeze(-3).expand(shape).reshape(*x.shape[:-3], x.shape[-3] * g, *x.shape[-2:])
+
+
+def _autocast(t, dtype: torch.dtype):
+    """What CPU autocast's lower-precision policy does to an argument: floating tensors but
+    float64 cast to ``dtype``; anything else as it is."""
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64:
+        return t.to(dtype)
+    return t
+
+
+def autocast_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                  enable_gqa=False):
+    """aten::scaled_dot_product_attention at the ``AutocastCPU`` key: what stock autocast does
+    (the arguments cast to the autocast dtype, SDPA run with autocast off), except that
+    ``enable_gqa`` with fewer K/V heads becomes :func:`repeat_kv` of K and V *as given*, before
+    the cast, and SDPA without ``enable_gqa``.
+
+    Why: transformers takes ``enable_gqa`` without a padding mask and ``repeat_kv`` with one. Under
+    bf16 autocast K arrives in float32 (RoPE promotes it); ``repeat_kv`` then repeats float32 K,
+    autocast casts the repeated K, and the backward sums the g heads' bf16 gradients in float32,
+    while ``enable_gqa`` casts K first and folds dK inside the op, rounded to bf16 (measured on a
+    tiny Llama: 56 of 63 input-gradient rows differed between a sequence alone and in a padded
+    batch). Repeating first gives both paths one graph, hence the same bits; the values are those
+    ``enable_gqa`` reads (a repeat is exact)."""
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        g = query.shape[-3] // key.shape[-3]
+        key, value, enable_gqa = repeat_kv(key, g), repeat_kv(value, g), False
+    dt = torch.get_autocast_dtype("cpu")
+    q, k, v, m = (_autocast(t, dt) for t in (query, key, value, attn_mask))
+    with torch.autocast("cpu", enabled=False):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=m, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa)

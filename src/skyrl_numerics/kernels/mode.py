@@ -5,10 +5,15 @@ present, the CUDA key (the Triton kernels) through ``torch.library.Library("aten
 Autograd is untouched: aten's derivative formulas call mm/bmm/... again and hit the same
 overrides, so backward passes are covered too.
 
-Overridden ops, the same on both keys but for the CPU-only ones (``CPU_ONLY``):
+Overridden ops, the same on both keys but for the CPU-only ones (``CPU_ONLY``, ``AUTOCAST_CPU``):
 
-* GEMMs: mm, addmm, bmm, baddbmm (and their .out forms), _grouped_mm (transformers' MoE
-  experts call it; megatron-core's attention scores are a baddbmm);
+* the matmul family, every overload a trainer reaches (:mod:`.mode_matmul` writes each formula
+  out): mm, addmm, bmm, baddbmm, addbmm, mv, addmv, dot, vdot, _addmm_activation and their .out
+  forms; the in-place addmm_, baddbmm_, addbmm_, addmv_ (TRL's LM-head backward accumulates with
+  ``acc.addmm_``); the out_dtype overloads mm/bmm/addmm/baddbmm .dtype and .dtype_out (torch has
+  them on CUDA only; on the CPU key the mode provides them). matmul, linear, einsum, tensordot
+  are composite and reach aten as these. And _grouped_mm (transformers' MoE experts call it;
+  megatron-core's attention scores are a baddbmm);
 * reductions: _log_softmax, _log_softmax_backward_data, _softmax, _softmax_backward_data,
   mean.dim, mean, sum.dim_IntList, sum (CPU: :func:`cpu.row_sum`'s fixed pairwise tree, which trailing
   zeros — a right-padded batch — do not change);
@@ -18,18 +23,30 @@ Overridden ops, the same on both keys but for the CPU-only ones (``CPU_ONLY``):
   computes every element in the vector body; CUDA: the stock kernel, one code path per element);
 * CPU only: _scaled_dot_product_flash_attention_for_cpu and its backward, the ops
   ``scaled_dot_product_attention`` takes on CPU (:mod:`.cpu_sdpa` writes them with the kernels
-  above; the stock kernel's blocking follows the padded length — measured: rows of a
-  right-padded batch differ from the same rows alone on AVX2, and on AVX-512 from 16 keys on).
-  SDPA's math path (other head sizes, e.g. MLA) decomposes into the ops above by itself. (CUDA
-  SDPA kernels are not covered by the mode.)
+  above, outputs and gradients laid out as the stock op's; the stock kernel's blocking follows the
+  padded length — measured: rows of a right-padded batch differ from the same rows alone on AVX2,
+  and on AVX-512 from 16 keys on). SDPA's math path (other head sizes, e.g. MLA) decomposes into
+  the ops above by itself. (CUDA SDPA kernels are not covered by the mode.)
+* AutocastCPU only: scaled_dot_product_attention, so that ``enable_gqa`` under CPU autocast is
+  ``repeat_kv`` before the cast (:func:`.cpu_sdpa.autocast_sdpa` says why): both GQA paths of
+  transformers give the same bits.
 
-Every other op the supported families (HF Qwen3-MoE, DeepSeek-V3, Mixtral, Llama; FSDP and
-megatron-core) reach forward and backward is left stock because it is exact or per element with
-the same bits in the vector body and the tail (add, mul, div, neg, pow, exp, log, sin, cos,
-fp32 rsqrt, where, gather/scatter/index ops, topk/sort, cumsum/histc on integers, embedding);
-the trace and that per-op property are tests (``tests/kernels/test_mode_trace.py``). Parameter
-gradients summed over tokens (embedding_dense_backward, the weight gradients) agree only to
-rounding across micro-batch sizes: they are sums in another association, not per-row results.
+Every other aten op is judged by the watch the ``with`` block pushes (:mod:`.mode_watch`). The
+ops it lists as row-local, each group with its reason (exact, per element with the same bits in
+the vector body and the tail, a fixed order along the row), run stock: the supported families —
+HF Qwen3-MoE, DeepSeek-V3, Mixtral, Llama — and TRL's GRPO loss reach nothing else
+(``test_mode_trace.py``; the FSDP and single-process megatron-core trainer tests run strict too).
+Any other raises :class:`~skyrl_numerics.errors.NotInvariant` naming it under ``strict=True``, and
+otherwise runs stock with one warning per op name. Parameter gradients summed over tokens
+(embedding_dense_backward, the weight gradients) agree only to rounding across micro-batch sizes:
+they are sums in another association, not per-row results.
+
+``torch.compile``: while the mode is on, the compiler's stance is ``force_eager`` (process-wide;
+restored when the last holder leaves) and, inside a ``with`` block, dynamo also skips every frame
+because the watch is a dispatch mode: compiled functions — compiled before the mode, inside it, or
+entering it themselves — run eagerly, op by op, through the kernels above, with the bits of eager
+under the mode. (Compiled, inductor would generate its own softmax and sums: measured, 11 of 56
+tokens of a tiny Llama differed.)
 
 The overrides are process-wide (the dispatcher has no per-thread table): the mode is on while
 at least one holder is inside; entering/leaving is reference counted under a lock
@@ -40,14 +57,19 @@ without a ``with`` block, for installing in a worker process (e.g. a vLLM CPU wo
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 
 import torch
 
+from ..errors import NotInvariant
 from ..patching import Refcount
 from . import cpu, cpu_sdpa
+from .mode_matmul import MatmulFamily
+from .mode_watch import Watch
 
 _LIB: torch.library.Library | None = None
+_STANCE = None          # the compiler stance object while the mode is on (_eager_stance)
 
 
 def _last(dim: int, nd: int) -> bool:
@@ -64,35 +86,13 @@ def _rowwise(fn, x, dim, *more):
 
 
 # --------------------------------------------------------------------------- CPU kernels
-def _cpu_mm(a, b):
-    return cpu.matmul_2d(a, b)
+def _cpu_mm(a, b, out_dtype):
+    """The CPU key's matmul primitive (``mode_matmul``): :func:`cpu.matmul_2d`, looked up per call."""
+    return cpu.matmul_2d(a, b, None, out_dtype)
 
 
-def _cpu_addmm(bias, a, b, *, beta=1, alpha=1):
-    if beta == 1 and alpha == 1:
-        return cpu.matmul_2d(a, b, bias.expand(a.shape[0], b.shape[1]))
-    prod = cpu.matmul_2d(a, b, out_dtype=torch.float32)
-    out = prod * alpha if alpha != 1 else prod
-    if beta != 0:
-        out = out + beta * bias.float()
-    return out.to(a.dtype)
-
-
-def _cpu_bmm(a, b):
-    return cpu.bmm(a, b)
-
-
-def _baddbmm(bmm_fn):
-    """aten::baddbmm = beta · self + alpha · (batch1 @ batch2) (beta = 0 ignores self, NaNs
-    included, as torch), the product by ``bmm_fn``; megatron-core's attention scores call it."""
-    def impl(self, batch1, batch2, *, beta=1, alpha=1):
-        prod = bmm_fn(batch1, batch2)
-        if alpha != 1:
-            prod = prod * alpha
-        if beta == 0:
-            return prod.expand(torch.broadcast_shapes(self.shape, prod.shape)).to(self.dtype)
-        return (prod + (self if beta == 1 else self * beta)).to(self.dtype)
-    return impl
+def _cpu_bmm(a, b, out_dtype):
+    return cpu.bmm(a, b, out_dtype)
 
 
 def _cpu_grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
@@ -121,14 +121,6 @@ def _cpu_grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
         raise NotImplementedError(f"batch-invariant _grouped_mm: {a.dim()}D x {b.dim()}D"
                                   f"{' with' if offs is not None else ' without'} offs")
     return out if bias is None else out + bias
-
-
-def _out_variant(fn):
-    def impl(*args, out, **kwargs):
-        res = fn(*args, **kwargs)
-        out.resize_(res.shape)
-        return out.copy_(res)
-    return impl
 
 
 def _cpu_log_softmax(x, dim, half_to_float):
@@ -211,17 +203,11 @@ def _cuda_kernels() -> dict:
     (``_install(cuda=True)``), which is how the tests inspect it."""
     from . import tl_matmul, tl_reduce, tl_softmax
 
-    def mm(a, b):
-        return tl_matmul.matmul(a, b)
+    def mm(a, b, out_dtype):
+        return tl_matmul.matmul(a, b, out_dtype=out_dtype)
 
-    def addmm(bias, a, b, *, beta=1, alpha=1):
-        if beta == 1 and alpha == 1 and bias.dim() == 1:
-            return tl_matmul.matmul(a, b, bias)
-        out = tl_matmul.matmul(a.float(), b.float())
-        return (alpha * out + beta * bias.float()).to(a.dtype)
-
-    def bmm(a, b):
-        return tl_matmul.bmm(a, b)
+    def bmm(a, b, out_dtype):
+        return tl_matmul.bmm(a, b, out_dtype=out_dtype)
 
     def grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
         """aten::_grouped_mm, the three layouts of ``_cpu_grouped_mm``."""
@@ -283,34 +269,31 @@ def _cuda_kernels() -> dict:
         return tl_reduce.reduce(x if dtype is None else x.to(dtype),
                                 list(dim) if dim is not None else None, keepdim, False, dtype)
 
-    return {"mm": mm, "addmm": addmm, "bmm": bmm,
+    return {**MatmulFamily(mm, bmm).table(),
             "_log_softmax": log_softmax, "_log_softmax_backward_data": log_softmax_bwd,
             "_softmax": softmax, "_softmax_backward_data": softmax_bwd, "mean.dim": mean,
             "_grouped_mm": grouped_mm,
-            "mm.out": _out_variant(mm), "addmm.out": _out_variant(addmm),
-            "bmm.out": _out_variant(bmm),
             "sum.dim_IntList": sum_, "sum": lambda x, *, dtype=None: sum_(x, None, False, dtype=dtype),
             "mean": lambda x, *, dtype=None: mean(x, None, False, dtype=dtype),
-            "baddbmm": _baddbmm(bmm), "baddbmm.out": _out_variant(_baddbmm(bmm)),
             **{op: _stock_pointwise(*spec) for op, spec in _POINTWISE.items()}}
 
 
 _CPU_KERNELS = {
-    "mm": _cpu_mm, "addmm": _cpu_addmm, "bmm": _cpu_bmm,
+    **MatmulFamily(_cpu_mm, _cpu_bmm).table(),
     "_log_softmax": _cpu_log_softmax, "_log_softmax_backward_data": _cpu_log_softmax_bwd,
     "_softmax": _cpu_softmax, "_softmax_backward_data": _cpu_softmax_bwd, "mean.dim": _cpu_mean,
     "_grouped_mm": _cpu_grouped_mm,
-    "mm.out": _out_variant(_cpu_mm), "addmm.out": _out_variant(_cpu_addmm),
-    "bmm.out": _out_variant(_cpu_bmm),
     "sum.dim_IntList": _cpu_sum, "sum": _cpu_sum_all,
     "mean": lambda x, *, dtype=None: _cpu_mean(x, None, False, dtype=dtype),
-    "baddbmm": _baddbmm(_cpu_bmm), "baddbmm.out": _out_variant(_baddbmm(_cpu_bmm)),
     **{op: _pointwise(*spec) for op, spec in _POINTWISE.items()},
     "_scaled_dot_product_flash_attention_for_cpu": cpu_sdpa.flash_attention_for_cpu,
     "_scaled_dot_product_flash_attention_for_cpu_backward": cpu_sdpa.flash_attention_for_cpu_backward,
 }
 CPU_ONLY = frozenset({"_scaled_dot_product_flash_attention_for_cpu",
                       "_scaled_dot_product_flash_attention_for_cpu_backward"})
+# the AutocastCPU key (above autograd): CPU autocast's SDPA, with enable_gqa as repeat_kv
+_AUTOCAST_CPU_KERNELS = {"scaled_dot_product_attention": cpu_sdpa.autocast_sdpa}
+AUTOCAST_CPU = frozenset(_AUTOCAST_CPU_KERNELS)
 
 
 def _install(cuda: bool | None = None) -> torch.library.Library:
@@ -323,6 +306,8 @@ def _install(cuda: bool | None = None) -> torch.library.Library:
         warnings.simplefilter("ignore", UserWarning)
         for op, fn in _CPU_KERNELS.items():
             lib.impl(op, fn, "CPU")
+        for op, fn in _AUTOCAST_CPU_KERNELS.items():
+            lib.impl(op, fn, "AutocastCPU")
         if cuda:
             for op, fn in _cuda_kernels().items():
                 lib.impl(op, fn, "CUDA")
@@ -337,31 +322,66 @@ def registered_ops(device: str = "cpu") -> tuple[str, ...]:
     return tuple(sorted(_CPU_KERNELS if device == "cpu" else _cuda_kernels()))
 
 
+@torch.compiler.disable
+def _eager_stance():
+    """``torch.compiler.set_stance("force_eager")`` (its object restores the prior stance on
+    ``__exit__``): while the mode is on, compiled functions run eagerly, op by op, through the
+    mode's kernels — on every thread, compiled before or not. Inductor would otherwise generate
+    its own softmax and sums (measured: 11 of 56 tokens of a tiny Llama differed from eager under
+    the mode). Run outside dynamo (``torch.compiler.disable``), so a compiled function may enter
+    the mode too; should torch refuse the change, the mode refuses, naming torch.compile."""
+    try:
+        return torch.compiler.set_stance("force_eager")
+    except RuntimeError as e:
+        raise NotInvariant("torch.compile", f"the mode cannot be entered inside a compiled region "
+                           f"({e}); enter it around the compiled call") from None
+
+
+@torch.compiler.disable
+def _restore_stance(stance) -> None:
+    stance.__exit__(None, None, None)
+
+
 def _register() -> None:
-    global _LIB
+    global _LIB, _STANCE
+    _STANCE = _eager_stance()
     _LIB = _install()
 
 
 def _unregister() -> None:
-    global _LIB
+    global _LIB, _STANCE
     if _LIB is not None:
         _LIB._destroy()
         _LIB = None
+    if _STANCE is not None:
+        _restore_stance(_STANCE)
+        _STANCE = None
 
 
 # on while at least one holder is inside (patching.Refcount: nested and threaded use)
 _MODE = Refcount("batch-invariant mode", on=_register, off=_unregister)
+STRICT_ENV = "SKYRL_NUMERICS_MODE_STRICT"
 
 
 def is_batch_invariant_mode_enabled() -> bool:
     return _MODE.active()
 
 
+def default_strict() -> bool:
+    """``strict`` when the caller does not say: ``SKYRL_NUMERICS_MODE_STRICT=1`` (the project's
+    tests set it) makes it True; default False."""
+    return os.environ.get(STRICT_ENV, "0") not in ("", "0")
+
+
 @contextlib.contextmanager
-def batch_invariant_mode():
-    """Within the block, the ops of :func:`registered_ops` (GEMMs, softmax and sums, the
-    pointwise ops with a scalar tail, SDPA's backend choice) run batch-invariant kernels."""
-    with _MODE.held():
+def batch_invariant_mode(strict: bool | None = None):
+    """Within the block, the ops of :func:`registered_ops` (GEMMs in every form, softmax and
+    sums, the pointwise ops with a scalar tail, CPU SDPA) run batch-invariant kernels, and every
+    other aten op this thread dispatches is judged (:mod:`.mode_watch`): row-local ones run stock;
+    an uncovered one raises :class:`NotInvariant` naming it when ``strict`` (default:
+    :func:`default_strict`), else runs stock with one warning per op name."""
+    strict = default_strict() if strict is None else bool(strict)
+    with _MODE.held(), Watch(frozenset(_CPU_KERNELS), strict):
         yield
 
 

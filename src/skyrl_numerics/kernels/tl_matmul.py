@@ -155,14 +155,15 @@ def _portable(portable: bool | None) -> bool:
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, config=None,
-           portable: bool | None = None):
-    """a (M, K) @ b (K, N) (+ bias (N,)), output dtype = a.dtype."""
+           portable: bool | None = None, out_dtype: torch.dtype | None = None):
+    """a (M, K) @ b (K, N) (+ bias (N,)) in ``out_dtype`` (default a.dtype); float32 stores the
+    fp32 accumulator as it is (the same K order as the rounded result)."""
     (BM, BN, BK, GM, warps, stages), compute, ieee = _prep(a.dtype, config)
     M, K = a.shape
     N = b.shape[1]
-    out_dtype = a.dtype
+    out_dtype = out_dtype or a.dtype
     a, b = a.to(compute), b.to(compute)
-    c = torch.empty((M, N), device=a.device, dtype=compute)
+    c = torch.empty((M, N), device=a.device, dtype=torch.float32 if out_dtype == torch.float32 else compute)
     if M == 0 or N == 0:
         return c.to(out_dtype)
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
@@ -175,14 +176,15 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, c
     return c.to(out_dtype)
 
 
-def bmm(a: torch.Tensor, b: torch.Tensor, config=None, portable: bool | None = None):
-    """a (B, M, K) @ b (B, K, N)."""
+def bmm(a: torch.Tensor, b: torch.Tensor, config=None, portable: bool | None = None,
+        out_dtype: torch.dtype | None = None):
+    """a (B, M, K) @ b (B, K, N) in ``out_dtype`` (default a.dtype; float32: as :func:`matmul`)."""
     (BM, BN, BK, GM, warps, stages), compute, ieee = _prep(a.dtype, config)
     Bt, M, K = a.shape
     N = b.shape[2]
-    out_dtype = a.dtype
+    out_dtype = out_dtype or a.dtype
     a, b = a.to(compute), b.to(compute)
-    c = torch.empty((Bt, M, N), device=a.device, dtype=compute)
+    c = torch.empty((Bt, M, N), device=a.device, dtype=torch.float32 if out_dtype == torch.float32 else compute)
     if Bt == 0 or M == 0 or N == 0:
         return c.to(out_dtype)
     grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN), Bt)

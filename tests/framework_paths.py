@@ -1,4 +1,5 @@
-"""Where ``make venv`` puts the frameworks' released code (Makefile; tests/integrations/conftest.py)."""
+"""Where ``make venv`` puts the frameworks' released code (Makefile; tests/integrations/conftest.py,
+and the TRL child of tests/kernels/test_mode_trace.py)."""
 from __future__ import annotations
 
 import sys
