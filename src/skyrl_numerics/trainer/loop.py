@@ -398,10 +398,19 @@ def result(run: LoopRun, history: dict, actors: LoopActors) -> LoopResult:
                       host=host_report(actors.trainer_host, actors.engine_hosts))
 
 
+# the trainer fields train.json has recorded at the top of each configuration since before the
+# TrainerConfig was embedded (readers of older files and their scripts keep working)
+RECORD_TRAINER_FIELDS = ("route_replay", "use_support", "correction", "correction_kwargs", "lr",
+                         "eps_low", "eps_high")
+
+
 def config_record(cfg: LoopConfig) -> dict:
-    """A configuration as ``train.json`` records it (a callable correction by its name)."""
+    """A configuration as ``train.json`` records it: its fields, the whole ``trainer`` config, the
+    trainer fields earlier files carried at the top level, and ``numerics`` as the plan's JSON
+    (as the engine and the server receive it); a callable correction by its name."""
     d = asdict(cfg)
     corr = cfg.trainer.correction
     if callable(corr):
         d["trainer"]["correction"] = getattr(corr, "__name__", None) or repr(corr)
-    return d
+    d["numerics"] = cfg.numerics.to_json() if cfg.numerics is not None else None
+    return {**{k: d["trainer"][k] for k in RECORD_TRAINER_FIELDS}, **d}
