@@ -319,10 +319,12 @@ def test_prefix_cache_reset_with_a_running_request(server, client, hf, qwen_moe_
     before = _post(server, "/collective_rpc", {"method": "skyrl_aux_output_state"})["results"][0]
     p = _prompt(40, 95)
     n_new = 1024 - len(p)                    # as long as --max-model-len allows
+    running = []
     for _attempt in range(3):   # on a loaded host the request may finish before the reset lands
         got = {}
         tokens0 = _metric(server, "vllm:generation_tokens_total")
         preempted0 = _metric(server, "vllm:num_preemptions_total")
+
         def run():
             try:   # unseeded: the recompute is chunked
                 got["r"] = _complete(client, qwen_moe_dir, p, max_tokens=n_new)
@@ -337,15 +339,18 @@ def test_prefix_cache_reset_with_a_running_request(server, client, hf, qwen_moe_
         while (_metric(server, "vllm:generation_tokens_total") < tokens0 + 4
                and th.is_alive() and time.monotonic() < deadline):
             time.sleep(0.005)
+        running.append(th.is_alive())          # was the request still running at the reset?
         reset = _post(server, "/reset_prefix_cache?reset_running_requests=true", {})
         th.join(timeout=180)
         assert reset.get("success", True)
         if _metric(server, "vllm:num_preemptions_total") > preempted0:
             break
-    if "error" in got and _metric(server, "vllm:num_preemptions_total") <= preempted0:
+    if _metric(server, "vllm:num_preemptions_total") <= preempted0 and not any(running):
         # seen twice in full-suite runs on a loaded 2-core host (never alone or beside its
-        # neighbours): the long request itself was refused, so there was nothing to preempt
-        pytest.skip(f"the server did not run the {n_new}-token request: {got['error'][:300]}")
+        # neighbours): the request failed or finished before each reset, so nothing could be
+        # preempted — a reset that met it running and did not preempt still fails below
+        pytest.skip(f"the {n_new}-token request was not running at any of 3 resets "
+                    f"({got.get('error', 'it had finished')[:300]})")
     # the reset met the request running: vLLM preempted it
     assert _metric(server, "vllm:num_preemptions_total") > preempted0, got.get("error")
     _, [(toks, rows)] = got["r"]
