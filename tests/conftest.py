@@ -146,3 +146,23 @@ def _strict_batch_invariant_mode(monkeypatch):
     aten op the mode neither overrides nor lists as row-local raises ``NotInvariant`` naming it
     instead of running stock with a warning (``kernels/mode_watch.py``)."""
     monkeypatch.setenv("SKYRL_NUMERICS_MODE_STRICT", "1")
+
+
+# ---- where the suite's time goes: seconds per test file (setup + call + teardown) -------------
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The 15 test files that took longest, beside ``--durations`` (the slowest single phases):
+    the suite's budget is spent per file (module engines and servers), so that is where to look."""
+    if not _FILE_SECONDS:
+        return
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.write_sep("=", f"slowest 15 test files ({total:.0f} s in all tests)")
+    for path, s in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:15]:
+        terminalreporter.write_line(f"{s:8.1f}s  {100 * s / total:5.1f}%  {path}")
