@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE")
 # chose a place (SKYRL_NUMERICS_CACHE is the old name of the variable).
 if not os.environ.get("SKYRL_NUMERICS_CACHE"):
     os.environ.setdefault("SKYRL_NUMERICS_CACHE_DIR", str(REPO / ".cache"))
+# vLLM CPU engines started without a memory setting reserve this share of RAM (weights + KV cache;
+# host.cpu_memory_share, default 0.1 = 2.4 GB of a 24 GB host, mostly zeroed KV blocks the tiny
+# models never use): 0.06 leaves each tiny engine ~0.7 GB of KV, and two test workers room for
+# their engines together. Inherited by every engine and server the tests start.
+os.environ.setdefault("SKYRL_NUMERICS_CPU_MEMORY_SHARE", "0.06")
 
 
 def pytest_report_header(config):
@@ -166,3 +170,23 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_sep("=", f"slowest 15 test files ({total:.0f} s in all tests)")
     for path, s in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:15]:
         terminalreporter.write_line(f"{s:8.1f}s  {100 * s / total:5.1f}%  {path}")
+
+
+# ---- two workers (``make test`` runs ``pytest -n 2 --dist loadgroup``, pytest-xdist) ----------
+#: the session engines above; every test file that uses one runs in the same worker, so each is
+#: started once per run, not once per worker (three engines hold ~3 GB of RAM each)
+SESSION_ENGINES = ("vllm_qwen", "vllm_qwen_invariant", "vllm_deepseek_invariant")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Group the tests for pytest-xdist's ``loadgroup``: a file is one group (its module-scoped
+    engines and servers start once), and every file that uses a session engine joins one group.
+    Without ``-n`` the marks do nothing."""
+    by_file: dict[str, bool] = {}
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        by_file[path] = by_file.get(path, False) or any(f in item.fixturenames for f in SESSION_ENGINES)
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group("session-engines" if by_file[path] else path))

@@ -83,6 +83,43 @@ FEATURES = {
 
 
 # ---- the host ---------------------------------------------------------------------------------
+#: overrides :func:`engine_memory_share` on CPU (the tests set it: many small engines at once)
+CPU_MEMORY_SHARE_ENV = "SKYRL_NUMERICS_CPU_MEMORY_SHARE"
+
+
+def on_gpu() -> bool:
+    """Whether torch sees a CUDA device (engines then run vLLM's GPU build)."""
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # pragma: no cover - a broken torch install: treat as CPU
+        return False
+
+
+def engine_memory_share() -> float:
+    """``gpu_memory_utilization`` of a vLLM engine started here when the caller names none:
+    0.5 of the device on a GPU, :func:`cpu_memory_share` on CPU."""
+    return 0.5 if on_gpu() else cpu_memory_share()
+
+
+def cpu_memory_share() -> float:
+    """0.1, or ``$SKYRL_NUMERICS_CPU_MEMORY_SHARE``: vLLM CPU reserves ``share × total RAM`` for
+    the worker, and its KV cache is that minus the worker's RSS after loading
+    (``doctor/engine_memory.py``); a tiny model needs far less than 0.1 of a 24 GiB host."""
+    raw = os.environ.get(CPU_MEMORY_SHARE_ENV, "").strip()
+    if not raw:
+        return 0.1
+    try:
+        share = float(raw)
+    except ValueError:
+        share = float("nan")
+    if not 0.0 < share <= 1.0:
+        raise InputError(f"${CPU_MEMORY_SHARE_ENV}={raw!r}: expected a share of RAM in (0, 1]",
+                         field=CPU_MEMORY_SHARE_ENV)
+    return share
+
+
 def _cpuinfo() -> tuple[str, set]:
     """(CPU model name, flags) from /proc/cpuinfo's first processor (Linux; else ("", set()))."""
     model, flags = "", set()

@@ -216,3 +216,23 @@ def test_qat_check_says_which_formats_this_host_serves(no_caps, tmp_path, capsys
     assert "serving int4_g32 on this host's vLLM CPU (_C): yes" in capsys.readouterr().out
     assert main(["qat-check", str(tmp_path / "ct_nvfp4")]) == 0
     assert "no NVFP4 linear kernel on CPU (any build)" in capsys.readouterr().out
+
+
+def test_engine_memory_share_reads_the_environment_and_refuses_a_bad_value(monkeypatch):
+    """The share of RAM an engine started without a memory setting reserves on CPU: 0.1, or
+    $SKYRL_NUMERICS_CPU_MEMORY_SHARE; what serve and VLLMGenerator pass as gpu_memory_utilization."""
+    from skyrl_numerics.engine.server import serve_command
+    from skyrl_numerics.models import build_tiny_model
+
+    monkeypatch.delenv(host.CPU_MEMORY_SHARE_ENV, raising=False)
+    assert host.cpu_memory_share() == 0.1
+    monkeypatch.setenv(host.CPU_MEMORY_SHARE_ENV, "0.25")
+    assert host.cpu_memory_share() == 0.25
+    if not host.on_gpu():
+        argv = serve_command(build_tiny_model("qwen3_moe"))
+        assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.25"
+    for bad in ("0", "1.5", "-0.1", "nan", "a tenth"):
+        monkeypatch.setenv(host.CPU_MEMORY_SHARE_ENV, bad)
+        with pytest.raises(InputError, match=host.CPU_MEMORY_SHARE_ENV) as e:
+            host.cpu_memory_share()
+        assert e.value.field == host.CPU_MEMORY_SHARE_ENV

@@ -11,6 +11,13 @@ import pytest
 
 from skyrl_numerics.cli import main
 
+
+@pytest.fixture(autouse=True)
+def _default_engine_share(monkeypatch):
+    """These tests model the engines' default share of RAM (0.1): without the suite's smaller one
+    (tests/conftest.py)."""
+    monkeypatch.delenv("SKYRL_NUMERICS_CPU_MEMORY_SHARE", raising=False)
+
 pytest.importorskip("vllm")  # the architecture check reads vLLM's model registry (no engine)
 
 

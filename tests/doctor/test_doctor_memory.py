@@ -12,6 +12,13 @@ import pytest
 
 from skyrl_numerics.doctor import trainer_memory as tm
 
+
+@pytest.fixture(autouse=True)
+def _default_engine_share(monkeypatch):
+    """These tests model the engines' default share of RAM (0.1): without the suite's smaller one
+    (tests/conftest.py)."""
+    monkeypatch.delenv("SKYRL_NUMERICS_CPU_MEMORY_SHARE", raising=False)
+
 GiB = 1 << 30
 
 

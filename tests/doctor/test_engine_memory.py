@@ -13,6 +13,13 @@ from hypothesis import given, settings, strategies as st
 from skyrl_numerics.doctor import engine_memory as em
 from skyrl_numerics.errors import InputError
 
+
+@pytest.fixture(autouse=True)
+def _default_engine_share(monkeypatch):
+    """These tests model the engines' default share of RAM (0.1): without the suite's smaller one
+    (tests/conftest.py)."""
+    monkeypatch.delenv("SKYRL_NUMERICS_CPU_MEMORY_SHARE", raising=False)
+
 GiB = 1 << 30
 QWEN3 = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
              num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_hidden_layers=2,

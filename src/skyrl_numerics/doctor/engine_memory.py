@@ -46,6 +46,7 @@ import os
 from dataclasses import dataclass, field
 
 from skyrl_numerics.errors import InputError
+from skyrl_numerics.host import cpu_memory_share
 from .trainer_memory import copy_name, trainer_key
 
 GiB = 1 << 30
@@ -53,7 +54,6 @@ KV_SAFETY = 1.25                  # S: blocks beyond the exact need (rounding, a
 ENGINE_OVERHEAD = int(1.25 * GiB)  # EngineCore + worker processes, beside weights and KV
 WORKER_OVERHEAD = int(0.75 * GiB)  # the worker's own RSS before its weights (vLLM's share check)
 HEADROOM = int(0.5 * GiB)         # kept free beside everything planned (the doctor's own arrays)
-DEFAULT_SHARE = 0.1               # VLLMGenerator's gpu_memory_utilization on CPU
 # the invariant engine and trainer hold their weights as stored (bf16), no fp32 copy (issue 26,
 # item 1); raise this if a family keeps extra copies
 INVARIANT_WEIGHT_FACTOR = 1.1
@@ -223,8 +223,10 @@ def user_sets_memory(engine_args: dict, env=None) -> str | None:
 
 
 def default_share_holds(need: EngineNeed, total: int, free: int,
-                        share: float = DEFAULT_SHARE) -> bool:
-    """Does vLLM CPU's ``gpu_memory_utilization=share`` hold this engine (module docstring)?"""
+                        share: float | None = None) -> bool:
+    """Does vLLM CPU's ``gpu_memory_utilization=share`` (default: the engines' own,
+    ``host.cpu_memory_share()``) hold this engine (module docstring)?"""
+    share = cpu_memory_share() if share is None else share
     return share * total <= free and share * total - need.weights - WORKER_OVERHEAD >= need.kv
 
 
@@ -240,9 +242,10 @@ def engine_settings(needs: list, engine_args: dict, *, total: int, free: int,
     return {"kv_cache_memory_bytes": max(n.kv for n in needs)}
 
 
-def footprint(need: EngineNeed, settings: dict, total: int, share: float = DEFAULT_SHARE) -> int:
+def footprint(need: EngineNeed, settings: dict, total: int, share: float | None = None) -> int:
     """Bytes an engine takes with ``settings``: its need, or at least the default share (the
     worker fills its KV cache up to ``share × total``) plus the EngineCore process."""
+    share = cpu_memory_share() if share is None else share
     if settings.get("kv_cache_memory_bytes"):
         return need.total
     return max(need.total, int(share * total) + ENGINE_OVERHEAD - WORKER_OVERHEAD)

@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from skyrl_numerics.host import cpu_memory_share
+
 
 def engine_kinds(spec) -> tuple[bool, bool]:
     """``(in_place, own)`` of a scenario: its weights loaded into the shared engine in place;
@@ -147,7 +149,7 @@ def room_for_engine(ckpt) -> bool:
     """True on CPU when the measured available RAM holds one more engine beside everything
     running now: the largest engine of the run as :mod:`skyrl_numerics.doctor.engine_memory` sizes it
     (``ckpt.memory_plan``, set by the doctor's memory plan) plus ``HEADROOM``; without a plan,
-    ``gpu_memory_utilization`` (0.1) of RAM + twice the weights + 1.5 GiB, twice. False on GPU
+    the engines' ``gpu_memory_utilization`` share of RAM (``host.cpu_memory_share()``) + twice the weights + 1.5 GiB, twice. False on GPU
     (engines there share the device's memory by ``gpu_memory_utilization``) and when psutil is
     missing."""
     try:
@@ -165,5 +167,5 @@ def room_for_engine(ckpt) -> bool:
 
         return vm.available >= plan.prefetch_bytes + HEADROOM
     weights = int(getattr(ckpt, "weight_bytes", 0) or 0)
-    one = 0.1 * vm.total + 2 * weights + 1.5 * (1 << 30)
+    one = cpu_memory_share() * vm.total + 2 * weights + 1.5 * (1 << 30)
     return vm.available > 2 * one

@@ -21,20 +21,12 @@ from typing import Any, Sequence
 import numpy as np
 
 from skyrl_numerics.errors import InputError
+from skyrl_numerics.host import engine_memory_share, on_gpu
 from skyrl_numerics.rollout import Rollout
 
 from .assemble import Request, Samples, assemble_rollout, check_generate
 
 WORKER_EXTENSION = "skyrl_numerics.engine.vllm_ext.SkyrlWorkerExtension"
-
-
-def _on_gpu() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:  # pragma: no cover
-        return False
 
 
 @dataclass(frozen=True)
@@ -115,8 +107,8 @@ class VLLMGenerator:
         import vllm
 
         if gpu_memory_utilization is None:
-            # On CPU vLLM reserves this share of RAM for the KV cache.
-            gpu_memory_utilization = 0.5 if _on_gpu() else 0.1
+            # On CPU vLLM reserves this share of RAM for the worker and its KV cache.
+            gpu_memory_utilization = engine_memory_share()
         self.model_dir = str(model_dir)
         self.batch_invariant = batch_invariant
         if batch_invariant:
@@ -141,7 +133,7 @@ class VLLMGenerator:
         self.numerics = numerics
         # GPU vLLM returns routed experts itself (V2 model runner); vLLM CPU does not, so there
         # the worker extension captures them (engine/vllm_ext.py).
-        self.native_routes = bool(capture_routes) and _on_gpu() and not batch_invariant
+        self.native_routes = bool(capture_routes) and on_gpu() and not batch_invariant
         if self.native_routes:
             engine_kwargs["enable_return_routed_experts"] = True
         # route capture + in-place weight loading live in one worker extension
@@ -164,7 +156,7 @@ class VLLMGenerator:
             # the engine core refused to start a second engine: the same line here
             raise InputError(SPAWN_REIMPORT_MESSAGE) from None
         self.startup_s = time.perf_counter() - t0
-        device = "gpu" if _on_gpu() else "cpu"
+        device = "gpu" if on_gpu() else "cpu"
         self.info = EngineInfo(name=f"vllm ({device})", version=vllm.__version__)
         self.dtype = dtype
         self.max_model_len = max_model_len

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Sequence
 
 from skyrl_numerics.errors import InputError
+from skyrl_numerics.host import engine_memory_share
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 WORKER_EXTENSION = "skyrl_numerics.engine.vllm_ext.SkyrlWorkerExtension"
@@ -84,15 +85,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _on_gpu() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:  # pragma: no cover
-        return False
-
-
 def serve_command(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8000,
                   batch_invariant: bool = False, kv_cache=None, numerics=None,
                   max_model_len: int = 1024, dtype: str = "bfloat16", max_logprobs: int = 64,
@@ -104,7 +96,7 @@ def serve_command(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port
         raise InputError(f"{model_dir} has no config.json (not a checkpoint directory)",
                          field="model_dir")
     if gpu_memory_utilization is None:
-        gpu_memory_utilization = 0.5 if _on_gpu() else 0.1
+        gpu_memory_utilization = engine_memory_share()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--host", host, "--port", str(port), "--skip-tokenizer-init", "--dtype", dtype,
             "--max-model-len", str(max_model_len),
