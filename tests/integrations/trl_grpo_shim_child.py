@@ -52,17 +52,22 @@ def _tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t2", unk_token="t1")
 
 
+def _reward(completions, **kw):
+    """A reward that varies, so GRPO's advantages are not all 0."""
+    return [float(len(c)) for c in completions]
+
+
 def make_trainer(out_dir: str, *, bf16: bool = False, gc: bool = False, compile: bool = False,
-                 aux: bool = False) -> GRPOTrainer:
+                 aux: bool = False, cls=GRPOTrainer, rollout_func=None, max_completion_length: int = C) -> GRPOTrainer:
     """``aux``: keep the model's MoE load-balancing loss (TRL adds ``router_aux_loss_coef`` = the
     config's 0.001 times it to the loss); off, ``router_aux_loss_coef=0``."""
     model = load_hf_model(build_tiny_model("qwen3_moe"), dtype="float32").train()
     args = GRPOConfig(output_dir=out_dir, use_cpu=True, bf16=bf16, gradient_checkpointing=gc,
                       torch_compile=compile, router_aux_loss_coef=None if aux else 0.0, report_to="none", per_device_train_batch_size=4,
-                      num_generations=2, max_completion_length=C, logging_steps=1, save_strategy="no")
+                      num_generations=2, max_completion_length=max_completion_length, logging_steps=1, save_strategy="no")
     data = Dataset.from_dict({"prompt": ["t5 t6 t7"] * 4})
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-                          args=args, train_dataset=data, processing_class=_tokenizer())
+    trainer = cls(model=model, reward_funcs=_reward, args=args, train_dataset=data,
+                  processing_class=_tokenizer(), rollout_func=rollout_func)
     trainer.current_gradient_accumulation_steps = 1      # (set by Trainer's loop, which is not run)
     return trainer
 

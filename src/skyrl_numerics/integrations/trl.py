@@ -27,12 +27,23 @@
    (a missing ``clip_min`` is no lower bound: ``lo=0``; a missing ``clip_max`` none above: ``inf``).
 
 3. **Our corrections and gap metrics in TRL's loss** (:func:`apply_to_batch`): what a
-   ``GRPOTrainer`` subclass calls on the batch its ``_generate_and_score_completions`` returns. TRL
-   multiplies the per-token loss by ``batch["importance_sampling_ratio"]`` and divides by
-   ``completion_mask * batch["tool_mask"]``; this puts a :class:`~skyrl_numerics.correction.Correction`'s
-   weights in the first and its keep mask into the second (so rejected tokens leave the
-   denominator, our convention), and returns ``measure``'s gap summary and the correction's
-   metrics as flat ``{name: float}`` to log.
+   ``GRPOTrainer`` subclass calls on the batch its ``_generate_and_score_completions`` returns. TRL's
+   ``_compute_loss`` multiplies the per-token loss by ``batch["importance_sampling_ratio"]``, masks
+   it with ``completion_mask * batch["tool_mask"]`` and divides by that mask's sum (per sequence for
+   "grpo", per batch for "bnpo") or by ``batch["num_items_in_batch"]`` ("dapo", its default; the
+   token count of the whole generation batch over every process). This puts a
+   :class:`~skyrl_numerics.correction.Correction`'s weights in the first and its ``mask`` in the
+   second and third (so tokens the correction rejects leave every denominator, our convention; a
+   correction combined with ``denominator="valid"`` keeps them, TRL's), and returns
+   ``measure``'s gap summary and the correction's metrics as flat ``{name: float}`` to log::
+
+       class CorrectedGRPOTrainer(GRPOTrainer):
+           def _generate_and_score_completions(self, inputs):
+               batch = super()._generate_and_score_completions(inputs)
+               done = apply_to_batch(self, batch, lambda a, b, m: C.masked_is(a, b, m, lo=0.5, hi=2.0))
+               for k, v in done.metrics.items():
+                   self._metrics["train" if self.model.training else "eval"][k].append(v)
+               return batch
 """
 from __future__ import annotations
 
@@ -117,12 +128,13 @@ def _loss_mask(batch: dict) -> torch.Tensor:
     return mask if batch.get("tool_mask") is None else mask * batch["tool_mask"]
 
 
-def apply_to_batch(batch: dict, make) -> BatchCorrection:
-    """Replace TRL's vLLM IS ratio in ``batch`` (what ``_generate_and_score_completions`` returned,
-    changed in place) by ``make(trainer_logprobs, rollout_logprobs, mask) -> Correction`` (module
-    doc, point 3). Needs the two logprob tensors TRL keeps when ``use_vllm`` and
+def apply_to_batch(trainer, batch: dict, make) -> BatchCorrection:
+    """Replace TRL's vLLM IS ratio in ``batch`` (what ``trainer._generate_and_score_completions``
+    returned, changed in place) by ``make(trainer_logprobs, rollout_logprobs, mask) -> Correction``
+    (module doc, point 3). Needs the two logprob tensors TRL keeps when ``use_vllm`` and
     ``vllm_importance_sampling_correction`` are on: ``old_per_token_logps`` (the trainer's) and
-    ``sampling_per_token_logps`` (vLLM's)."""
+    ``sampling_per_token_logps`` (vLLM's). ``trainer.accelerator.gather`` sums the new token count
+    over the processes, as TRL counted the old one."""
     for key in ("old_per_token_logps", "sampling_per_token_logps", "completion_mask"):
         if batch.get(key) is None:
             raise InputError("missing: TRL keeps it only with use_vllm=True and "
@@ -139,6 +151,8 @@ def apply_to_batch(batch: dict, make) -> BatchCorrection:
     batch["importance_sampling_ratio"] = torch.as_tensor(c.weights, device=train.device).to(train.dtype)
     old_tool = batch.get("tool_mask")
     batch["tool_mask"] = keep.to(mask.dtype) if old_tool is None else old_tool * keep.to(old_tool.dtype)
+    kept = _loss_mask(batch).sum()
+    batch["num_items_in_batch"] = trainer.accelerator.gather(kept).sum()
     gap = measure(train, roll, mask.bool()).summary()
     metrics = {f"gap/{k}": float(v) for k, v in gap.items() if isinstance(v, (int, float))}
     metrics.update({f"correction/{k}": float(v) for k, v in c.metrics.items()})
