@@ -48,6 +48,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -55,8 +56,9 @@ import torch
 from skyrl_numerics import correction as C
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.gap import measure
+from skyrl_numerics.kernels import batch_invariant_mode
 
-__all__ = ["add_position_ids", "positions_from_mask", "TRL_IS_MODES", "trl_importance_sampling",
+__all__ = ["add_position_ids", "positions_from_mask", "invariant", "TRL_IS_MODES", "trl_importance_sampling",
            "BatchCorrection", "apply_to_batch"]
 
 
@@ -87,6 +89,21 @@ def add_position_ids(model: torch.nn.Module):
         raise InputError(f"expected a torch.nn.Module (the trainer's model), got {type(model).__name__}",
                          field="model")
     return model.register_forward_pre_hook(_hook, with_kwargs=True)
+
+
+@contextmanager
+def invariant(trainer, *, strict: bool | None = None):
+    """``with invariant(trainer): trainer.train()``: :func:`add_position_ids` on ``trainer.model``
+    (and ``trainer.ref_model`` when there is one) inside ``batch_invariant_mode(strict=strict)``;
+    both undone on exit. ``strict=None``: the mode's default (``SKYRL_NUMERICS_MODE_STRICT``)."""
+    models = [m for m in (trainer.model, getattr(trainer, "ref_model", None)) if m is not None]
+    handles = [add_position_ids(m) for m in models]
+    try:
+        with batch_invariant_mode(strict=strict):
+            yield trainer
+    finally:
+        for h in handles:
+            h.remove()
 
 
 #: TRL's ``vllm_importance_sampling_mode`` values (module doc, point 2)
