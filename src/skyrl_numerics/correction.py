@@ -565,6 +565,9 @@ def _check_combine(corrections, order) -> _Batch:
         if order == "trl" and c.name not in TRL_PARTS:
             raise InputError(f"{c.name} has no TRL 1.16 counterpart (order='trl' runs {sorted(TRL_PARTS)})",
                              field="corrections", index=i)
+        if order == "skyrl_exact" and (c._params or {}).get("floor") is not None:
+            raise InputError(f"{c.name}(floor=) has no SkyRL 0.4 counterpart (order='skyrl_exact')",
+                             field="corrections", index=i)
         if order not in ("verl", "trl") and c._recipe is None:
             raise InputError(f"{c.name} cannot be re-run on a new mask (order={order!r})",
                              field="corrections", index=i)

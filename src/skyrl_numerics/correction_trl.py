@@ -34,7 +34,9 @@ def trl_sequence_ratio(a, b, m):
 
 def _inside(r, lo, hi):
     """``not (r < lo or r > hi)``, a missing bound open (TRL: ``-inf`` / ``inf``)."""
-    out = ~(r < lo) if lo is not None else r == r
+    import torch
+
+    out = ~(r < lo) if lo is not None else torch.ones_like(r, dtype=torch.bool)
     return out & ~(r > hi) if hi is not None else out
 
 
@@ -45,7 +47,7 @@ def _clamp(r, p):
 
 
 def _trl_token_tis(a, b, m, p):
-    return _clamp(trl_token_ratio(a, b, m), p), _inside(a, None, None)
+    return _clamp(trl_token_ratio(a, b, m), p), _inside(a, None, None)     # (keeps every token)
 
 
 def _trl_sequence_tis(a, b, m, p):

@@ -444,6 +444,9 @@ def test_floor_clips_from_below_and_is_checked():
     assert e.value.field == "bounds"
     with pytest.raises(InputError):
         C.sequence_tis(tr, ro, floor=-1.0)
+    with pytest.raises(InputError, match="SkyRL") as e:
+        C.combine(C.token_tis(tr, ro, cap=2.0, floor=0.5), order="skyrl_exact")
+    assert (e.value.field, e.value.index) == ("corrections", 0)
 
 
 def test_lo_zero_is_no_lower_bound():
