@@ -11,11 +11,12 @@ Notation per valid token t of sequence i: ``d_t = log π_train − log π_rollou
 tokens. All bounds are inclusive, all comparisons are done on logs (no overflow). Only the
 differences ``d_t`` are used, so the inputs need not be <= 0 (shifted logprobs or log-ratios
 against 0 work); they must be finite real arrays of the same shape (NaN, inf, complex, bool,
-scalars and non-integer ``cu_seqlens`` are refused), bounds and caps numbers > 0.
+scalars and non-integer ``cu_seqlens`` are refused), bounds and caps numbers > 0 (a lower bound
+``lo=0`` of a mask is no lower bound; ``inf`` caps and upper bounds are none).
 
 ==================  ========================================================================
-``token_tis``       w_t = min(r_t, C)                                    (truncated IS)
-``sequence_tis``    w_t = min(Π r, C) = min(exp(S_i), C) on every token of sequence i
+``token_tis``       w_t = min(r_t, C)   (with ``floor=F``: max(min(r_t, C), F))   (truncated IS)
+``sequence_tis``    w_t = min(Π r, C) = min(exp(S_i), C) on every token of sequence i (``floor=``: as above)
 ``geometric_mask``  keep sequence i iff lo ≤ exp(S_i / L_i) ≤ hi         (geo-mean ratio)
 ``product_mask``    keep sequence i iff lo ≤ exp(S_i) ≤ hi               (sequence RS)
 ``outlier_veto``    drop sequence i iff some token has r_t < lo or r_t > hi
@@ -32,12 +33,14 @@ parts as SkyRL does: veto → token mask → TIS → sequence mask, each re-comp
 left by the previous step; ``order="skyrl_exact"`` does the same in SkyRL 0.4.0's own arithmetic
 (float32 ratios ``exp(clamp(d, −20, 20))``, bounds compared on ratios), bitwise equal to its
 ``compute_off_policy_correction``; ``order="verl"`` computes every part on the original mask
-(verl's rollout correction) and then multiplies / ANDs. Clipped weights are exactly C (``min(r, C)``
+(verl's rollout correction) and then multiplies / ANDs; ``order="trl"`` does the same in TRL
+1.16's arithmetic (``correction_trl.py``). ``combine(..., denominator="valid")`` is TRL's loss
+denominator: rejected tokens get weight 0 and stay in ``mask``, so ``Σ mask`` still counts them. Clipped weights are exactly C (``min(r, C)``
 in float64; a float32 output is never rounded above C).
 
 Metrics (floats): ``n_tokens`` / ``n_seqs`` (valid tokens, sequences with ≥ 1 valid token),
 ``frac_tokens_masked`` (valid tokens removed), ``frac_seqs_masked`` (sequences left with no
-kept token), ``frac_tokens_clipped`` (valid tokens whose weight was truncated below r),
+kept token), ``frac_tokens_clipped`` (valid tokens whose weight was truncated below r, or raised to a floor),
 ``frac_seqs_clipped`` (sequence TIS), ``mean_weight`` (over kept tokens; NaN if none),
 ``mean_ratio`` (mean r over valid tokens).
 """
@@ -50,6 +53,7 @@ import numpy as np
 
 from skyrl_numerics.gap.layout import FIELDS, is_torch
 from skyrl_numerics.correction_skyrl import SKYRL_PARTS
+from skyrl_numerics.correction_trl import TRL_PARTS
 from skyrl_numerics.errors import InputError
 
 __all__ = ["Correction", "token_tis", "sequence_tis", "geometric_mask", "product_mask",
@@ -295,10 +299,33 @@ def _bounds(lo, hi):
     if hi is None:
         raise InputError("upper bound is required", field="bounds")
     lhi = _log_bound(hi)
-    llo = -lhi if lo is None else _log_bound(lo)
+    llo = -lhi if lo is None else -math.inf if _is_zero(lo) else _log_bound(lo)
     if llo > lhi:
         raise InputError(f"lower bound {lo!r} > upper bound {hi!r}", field="bounds")
     return llo, lhi
+
+
+def _is_zero(x) -> bool:
+    """A lower bound of 0 (a number, not ``False``): no lower bound, ``ln 0 = -inf``."""
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) and x == 0
+
+
+def _floor(floor, cap: float):
+    """A lower clip F of a truncation (``None``: none): a number > 0 and ≤ C."""
+    if floor is None:
+        return None
+    _log_bound(floor)
+    if floor > cap:
+        raise InputError(f"floor {floor!r} > cap {cap!r}", field="bounds")
+    return float(floor)
+
+
+def _clip(w, cap: float, floor):
+    """``max(min(w, C), F)`` (``torch.clamp``'s order) and the clipped mask (w outside [F, C])."""
+    import torch
+
+    out = torch.clamp(w, min=floor, max=cap)
+    return out, (w > cap) if floor is None else (w > cap) | (w < floor)
 
 
 def _ratio_bounds(lo, hi) -> dict:
@@ -328,23 +355,29 @@ def _ones(b):
     return torch.ones_like(b.d)
 
 
-def token_tis(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, cap: float = 2.0) -> Correction:
-    """Token truncated IS: ``w_t = min(r_t, C)`` (never above C); nothing masked. (SkyRL ML4 recipe: C = 2.)"""
+def token_tis(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, cap: float = 2.0,
+              floor: float | None = None) -> Correction:
+    """Token truncated IS: ``w_t = min(r_t, C)`` (never above C); nothing masked. (SkyRL ML4 recipe: C = 2.)
+    ``floor=F`` (≤ C) clips from below too, ``w_t = max(min(r_t, C), F)`` (TRL's ``clip_min``)."""
     import torch
 
     b = _Batch(trainer_logprobs, rollout_logprobs, mask, cu_seqlens)
     c = _cap(cap)
+    f = _floor(floor, c)
 
     def compute(b):
-        r = torch.exp(b.d)
-        return _capped(r, c), b.valid, r > c, {}
-    return _run("token_tis", b, compute, cap=c, params={"cap": c})
+        w, clipped = _clip(torch.exp(b.d), c, f)
+        return w, b.valid, clipped, {}
+    return _run("token_tis", b, compute, cap=c, params={"cap": c, "floor": f})
 
 
-def sequence_tis(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, cap: float = 5.0) -> Correction:
-    """Sequence truncated IS: ``w_i = min(Π_t r_t, C) = min(exp(S_i), C)`` on all tokens of i."""
+def sequence_tis(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, cap: float = 5.0,
+                 floor: float | None = None) -> Correction:
+    """Sequence truncated IS: ``w_i = min(Π_t r_t, C) = min(exp(S_i), C)`` on all tokens of i;
+    ``floor=F`` (≤ C): ``max(min(exp(S_i), C), F)`` (TRL's ``clip_min``)."""
     b = _Batch(trainer_logprobs, rollout_logprobs, mask, cu_seqlens)
     c = _cap(cap)
+    f = _floor(floor, c)
 
     def compute(b):
         import torch
@@ -352,11 +385,12 @@ def sequence_tis(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=No
         with torch.no_grad():
             ps = torch.exp(_seq_sum(b))            # may be inf: min(inf, C) = C
         has = b.valid.any(dim=1)
-        clipped_seq = (ps > c) & has
-        w = _capped(ps, c)[:, None].expand_as(b.d)
+        ws, clipped_seq = _clip(ps, c, f)
+        clipped_seq = clipped_seq & has
+        w = ws[:, None].expand_as(b.d)
         n_seq = max(int(has.sum()), 1)
         return w, b.valid, clipped_seq[:, None].expand_as(b.d), {"frac_seqs_clipped": int(clipped_seq.sum()) / n_seq}
-    return _run("sequence_tis", b, compute, cap=c, params={"cap": c})
+    return _run("sequence_tis", b, compute, cap=c, params={"cap": c, "floor": f})
 
 
 def geometric_mask(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None, lo: float | None = None,
@@ -449,9 +483,11 @@ def masked_is(trainer_logprobs, rollout_logprobs, mask=None, *, cu_seqlens=None,
     return _run("masked_is", b, compute, cap=c, params={**_ratio_bounds(lo, hi), "cap": c})
 
 
-ORDERS = ("skyrl", "verl", "skyrl_exact")
+ORDERS = ("skyrl", "verl", "skyrl_exact", "trl")
+DENOMINATORS = ("kept", "valid")
 
-def combine(*corrections: Correction, order: str = "skyrl") -> Correction:
+
+def combine(*corrections: Correction, order: str = "skyrl", denominator: str = "kept") -> Correction:
     """Chain corrections computed on the same batch: weights multiply, masks AND.
 
     ``order="skyrl"`` (default): SkyRL's pipeline. The parts run in the order veto
@@ -471,6 +507,16 @@ def combine(*corrections: Correction, order: str = "skyrl") -> Correction:
     ``order="verl"``: verl's rollout correction. Every part is computed on the original mask
     (as passed), then weights multiply and masks AND.
 
+    ``order="trl"``: as "verl", each part in TRL 1.16's arithmetic (``correction_trl.py``:
+    ``exp((a − b)·m)`` and ``Σ (a − b)·m`` in the input's dtype, ``clamp(r, F, C)``, bounds
+    compared on ratios), bitwise equal to ``GRPOTrainer``'s ``importance_sampling_ratio``; the
+    parts TRL has: ``token_tis``, ``sequence_tis``, ``masked_is``, ``token_mask``, ``product_mask``.
+
+    ``denominator="kept"`` (default): ``mask`` is the tokens kept, so ``Σ mask`` counts only them.
+    ``denominator="valid"`` (TRL's loss): weights are 0 on rejected tokens and ``mask`` is the input
+    mask, so ``Σ loss_weights · ℓ / Σ mask`` keeps rejected tokens in the denominator; the metrics
+    still count what was rejected.
+
     Metrics: the combined ones (same definitions; ``frac_tokens_clipped`` is left out) plus, but
     under "skyrl_exact", each part's metrics prefixed ``<name>/`` (under "skyrl", the re-computed
     part's).
@@ -478,7 +524,11 @@ def combine(*corrections: Correction, order: str = "skyrl") -> Correction:
     import torch
 
     batch = _check_combine(corrections, order)
-    if order == "verl":
+    if denominator not in DENOMINATORS:
+        raise InputError(f"denominator {denominator!r}, expected one of {DENOMINATORS}", field="denominator")
+    if order == "trl":
+        w, keep, parts = _combine_trl(corrections, batch)
+    elif order == "verl":
         parts = list(corrections)
         _, w, keep = parts[0]._state
         for c in parts[1:]:
@@ -491,6 +541,9 @@ def combine(*corrections: Correction, order: str = "skyrl") -> Correction:
     del metrics["frac_tokens_clipped"]
     metrics.update({f"{c.name}/{k}": v for c in parts for k, v in c.metrics.items()})
     name = "+".join(c.name for c in (parts or sorted(corrections, key=_stage)))
+    if denominator == "valid":
+        w = torch.where(keep, w, torch.zeros((), dtype=w.dtype, device=w.device))
+        return Correction(name, batch.out(w), batch.out(batch.valid), metrics, _state=(batch, w, batch.valid))
     return Correction(name, batch.out(w), batch.out(keep), metrics, _state=(batch, w, keep))
 
 
@@ -509,7 +562,13 @@ def _check_combine(corrections, order) -> _Batch:
     for i, c in enumerate(corrections):
         if not isinstance(c, Correction) or c._state is None:
             raise InputError(f"expected a Correction, got {type(c).__name__}", field="corrections", index=i)
-        if order != "verl" and c._recipe is None:
+        if order == "trl" and c.name not in TRL_PARTS:
+            raise InputError(f"{c.name} has no TRL 1.16 counterpart (order='trl' runs {sorted(TRL_PARTS)})",
+                             field="corrections", index=i)
+        if order == "skyrl_exact" and (c._params or {}).get("floor") is not None:
+            raise InputError(f"{c.name}(floor=) has no SkyRL 0.4 counterpart (order='skyrl_exact')",
+                             field="corrections", index=i)
+        if order not in ("verl", "trl") and c._recipe is None:
             raise InputError(f"{c.name} cannot be re-run on a new mask (order={order!r})",
                              field="corrections", index=i)
     batch = corrections[0]._state[0]
@@ -533,6 +592,20 @@ def _combine_skyrl(corrections, batch):
         _, pw, pk = part._state
         w, keep = w * pw, keep & pk
     return w, keep, parts
+
+
+def _combine_trl(corrections, batch):
+    """TRL's arithmetic (``TRL_PARTS``), every part on the input mask; weights multiply, masks AND."""
+    import torch
+
+    a, b = batch.padded_inputs()
+    m = batch.valid.to(a.dtype)
+    w, keep = torch.ones_like(a), batch.valid
+    for c in corrections:
+        pw, pk = TRL_PARTS[c.name](a, b, m, c._params)
+        w = w * pw.expand_as(a)
+        keep = keep & pk.expand_as(keep)
+    return w.to(torch.float64), keep, []
 
 
 def _combine_skyrl_exact(corrections, batch):

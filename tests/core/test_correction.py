@@ -430,3 +430,45 @@ def test_outlier_veto_refuses_lo_above_hi():
     x = torch.tensor([-1.0, -2.0])
     with pytest.raises(InputError, match="lower bound"):
         C.outlier_veto(x, x, lo=3.0, hi=2.0)
+
+
+# -- TRL's options: lower clip, lo=0, order="trl", denominator="valid" ----------------------------
+def test_floor_clips_from_below_and_is_checked():
+    tr, ro = torch.log(torch.tensor([[3.0, 0.6, 0.2]])), torch.zeros(1, 3)
+    t = C.token_tis(tr, ro, cap=2.0, floor=0.5)
+    assert t.weights.tolist() == [[2.0, pytest.approx(0.6), 0.5]] and t.metrics["frac_tokens_clipped"] == 2 / 3
+    s = C.sequence_tis(tr, ro, cap=5.0, floor=0.5)                # Π r = 0.36 -> 0.5
+    assert s.weights.tolist() == [[0.5, 0.5, 0.5]] and s.metrics["frac_seqs_clipped"] == 1.0
+    with pytest.raises(InputError, match="floor") as e:
+        C.token_tis(tr, ro, cap=2.0, floor=3.0)
+    assert e.value.field == "bounds"
+    with pytest.raises(InputError):
+        C.sequence_tis(tr, ro, floor=-1.0)
+    with pytest.raises(InputError, match="SkyRL") as e:
+        C.combine(C.token_tis(tr, ro, cap=2.0, floor=0.5), order="skyrl_exact")
+    assert (e.value.field, e.value.index) == ("corrections", 0)
+
+
+def test_lo_zero_is_no_lower_bound():
+    tr, ro = torch.log(torch.tensor([[1e-30, 1.0, 5.0]], dtype=torch.float64)), torch.zeros(1, 3, dtype=torch.float64)
+    assert C.masked_is(tr, ro, lo=0, hi=2.0).mask.tolist() == [[True, True, False]]
+    assert C.token_mask(tr, ro, lo=0.0, hi=float("inf")).mask.tolist() == [[True, True, True]]
+
+
+def test_combine_trl_and_the_valid_denominator():
+    tr, ro = torch.log(torch.tensor([[3.0, 0.6, 1.5], [0.25, 1.2, 1.0]])), torch.zeros(2, 3)
+    m = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    kept = C.combine(C.masked_is(tr, ro, m, lo=0.5, hi=2.0, cap=float("inf")), order="trl")
+    valid = C.combine(C.masked_is(tr, ro, m, lo=0.5, hi=2.0, cap=float("inf")), order="trl", denominator="valid")
+    assert kept.mask.tolist() == [[False, True, True], [False, True, False]]
+    assert valid.mask.tolist() == m.bool().tolist()                 # rejected tokens stay in Σ mask
+    assert torch.equal(valid.weights, kept.loss_weights) and valid.weights[0, 0] == 0
+    assert valid.metrics["frac_tokens_masked"] == kept.metrics["frac_tokens_masked"] == 2 / 5
+    seq = C.combine(C.sequence_tis(tr, ro, m, cap=float("inf")), C.product_mask(tr, ro, m, lo=0.5, hi=3.0), order="trl")
+    assert seq.mask.tolist() == [[True] * 3, [False] * 3]           # Π r = 2.7 (float32: 2.7000003), 0.3
+    with pytest.raises(InputError, match="TRL") as e:
+        C.combine(C.token_tis(tr, ro, m), C.geometric_mask(tr, ro, m), order="trl")
+    assert (e.value.field, e.value.index) == ("corrections", 1)
+    with pytest.raises(InputError) as e:
+        C.combine(C.token_tis(tr, ro, m), denominator="tokens")
+    assert e.value.field == "denominator"

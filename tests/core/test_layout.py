@@ -104,9 +104,9 @@ def test_hypothesis_is_derandomized_under_ci():
 
 # Packages from the bottom up: each imports only packages before it in this list (README, Layout).
 LAYERS = ["errors", "atomic", "paths", "hashing", "patching", "host", "safetensors_header",
-          "hf_config", "kernels", "quant", "replay", "gap", "correction_skyrl", "correction", "rollout",
-          "models",
-          "invariant", "sync", "engine", "trainer", "doctor", "cli"]
+          "hf_config", "kernels", "quant", "replay", "gap", "correction_skyrl", "correction_trl", "correction",
+          "rollout", "models",
+          "invariant", "sync", "engine", "trainer", "doctor", "cli", "integrations"]
 
 
 def test_packages_import_only_the_layers_below_them():
