@@ -39,6 +39,7 @@ def sk(skyrl):
     import importlib
 
     return SimpleNamespace(ric=skyrl(RIC), trace=skyrl("backends.skyrl_train.utils.routed_experts"),
+                           support=skyrl("backends.skyrl_train.utils.sample_support"),
                            integ=importlib.import_module("skyrl_numerics.integrations.skyrl"))
 
 
@@ -116,7 +117,7 @@ def test_r3_and_supports_through_skyrl_v1_generate_equal_our_capture(sk, skyrl_s
     assert PackedRoutes.from_vllm(routes, E, prompt_lens=[7] * 3, response_lens=[6] * 3,
                                   moe_layers=MOE_LAYERS) == ref.routes
     sup = out["rollout_sample_support"]
-    assert all(s.dtype == np.int32 and s.shape[1] >= TOP_K for s in sup)
+    assert all(s.dtype == np.int32 and s.shape == (6, 2 * TOP_K) for s in sup)   # K fixed per top_k
     got = [support_from_skyrl(s, VOCAB) for s in sup]
     assert PackedSupport.from_sets([g.row(t) for g in got for t in range(g.num_tokens)], VOCAB) == ref.support
     # rank order: highest processed logprob first (vLLM's ranks, as SkyRL's own server sends them);
@@ -133,18 +134,25 @@ def test_r3_and_supports_through_skyrl_v1_generate_equal_our_capture(sk, skyrl_s
     for tr, p, r, a in zip(traces, prompts, resp, routes):
         tr.record_generation(prompt_token_count=len(p), generated_token_count=len(r), routed_experts=a)
     p2 = [p + r + [11, 12, 13] for p, r in zip(prompts, resp)]
-    c2 = client(sk, skyrl_server, tokenizer, enable_return_routed_experts=True)
-    sp2 = {"temperature": 1.0, "max_tokens": 5, "seed": 4, "logprobs": 0, "ignore_eos": True}
-    out2 = run(c2, lambda: c2.generate({"prompt_token_ids": p2, "sampling_params": sp2,
-                                        "routed_experts_prompt_starts": [t.prompt_start for t in traces]}))
-    full = []
-    for tr, p, r, a in zip(traces, p2, out2["response_ids"], out2["rollout_expert_indices"]):
+    sp2 = {**sp, "max_tokens": 5, "seed": 4}
+    out2 = run(c, lambda: c.generate({"prompt_token_ids": p2, "sampling_params": sp2, "return_sample_support": True,
+                                      "routed_experts_prompt_starts": [t.prompt_start for t in traces]}))
+    full, supports = [], []
+    for tr, p, r, a, s1, s2 in zip(traces, p2, out2["response_ids"], out2["rollout_expert_indices"], sup,
+                                   out2["rollout_sample_support"]):
         tr.record_generation(prompt_token_count=len(p), generated_token_count=len(r), routed_experts=a)
         full.append(tr.finalize(token_count=len(p) + len(r), loss_mask=[0] * len(p) + [1] * len(r)))
-    ref2 = ours.generate(p2, temperature=1.0, max_tokens=5, seeds=[4] * 3, capture_routes=True)
+        st = sk.support.SampleSupportTrace()      # SkyRL's multi-turn support trace: one width per trajectory
+        st.append(s1, expected_rows=6)
+        st.append_padding(3)
+        st.append(s2, expected_rows=5)
+        supports.append(st.finalize(token_count=14, extra_rows=0)[9:])
+    ref2 = ours.generate(p2, temperature=1.0, top_k=TOP_K, max_tokens=5, seeds=[4] * 3, capture_routes=True,
+                         capture_support=True)
     assert out2["response_ids"] == [ref2.response(i).tolist() for i in range(3)]
     assert PackedRoutes.from_vllm(full, E, prompt_lens=[len(p) for p in p2], response_lens=[5] * 3,
                                   moe_layers=MOE_LAYERS) == ref2.routes
+    assert PackedSupport.from_sets([r[r >= 0] for s in supports for r in s], VOCAB) == ref2.support
 
 
 def test_pause_and_resume_through_skyrls_client(sk, skyrl_server, tokenizer):

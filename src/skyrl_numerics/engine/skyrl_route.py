@@ -25,8 +25,11 @@ and LoRA resolution, validation, cache salt, scheduling), unchanged; this route 
   ``temperature > 0``): the request asks for ``min(2 top_k + 1, max_logprobs)`` processed top
   logprobs (``assemble.logprobs_for_support``, what ``RemoteGenerator`` asks for); each token's
   support is the ids at a finite logprob, checked to end inside what came back
-  (``PackedSupport.from_topk_logprobs``), sent in rank order; ``logprobs.content`` keeps only the
-  sampled token's logprob (vLLM's JSON floor ``-9999.0`` for a non-finite one, as SkyRL's server).
+  (``PackedSupport.from_topk_logprobs``), sent in rank order, ``K = min(2 top_k + 1, max_logprobs)
+  - 1`` columns (the most a checked row can hold; fixed per ``top_k``, as SkyRL's multi-turn trace
+  needs; SkyRL's own server sends ``top_k`` columns and drops ids tied with the k-th logit);
+  ``logprobs.content`` keeps only the sampled token's logprob (vLLM's JSON floor ``-9999.0`` for a
+  non-finite one, as SkyRL's server).
 
 A malformed body is answered 400 in vLLM's error shape (``{"error": {"message", "param"}}``, the
 ``param`` naming the field, e.g. ``token_ids`` or ``sampling_params.top_k``); a support that did not
@@ -126,7 +129,7 @@ def skyrl_choice(choice, call: SkyrlCall, num_experts: int) -> dict:
         if content is None:
             raise InputError("the server returned no logprobs to read the support from",
                              field=SUPPORT_FIELD)
-        support = pack_support(_support_rows(content, call.n_logprobs), width=call.top_k)
+        support = pack_support(_support_rows(content, call.n_logprobs), width=call.n_logprobs - 1)
     return {"token_ids": list(choice.token_ids or []), "finish_reason": choice.finish_reason,
             "logprobs": None if content is None else {"content": [{"logprob": c.logprob} for c in content]},
             ROUTES_FIELD: routes, SUPPORT_FIELD: support}

@@ -19,9 +19,10 @@ as they are (any integer dtype).
 
 Supports (field ``rollout_sample_support``): ``[tokens, K]`` int32, row ``t`` the ids the sampler kept for
 response token ``t`` in **rank order** (highest processed logprob first), then ``-1`` padding (trailing
-only). SkyRL's own server sets ``K = top_k``; ours takes ``K = max(top_k, longest support)`` because vLLM's
-top-k keeps every id tied with the k-th logit (:func:`support_array`). :func:`support_from_skyrl` reads
-such an array back as a :class:`PackedSupport` (ids sorted per row).
+only). SkyRL's own server sets ``K = top_k`` and reads only ``top_k`` logprobs, cutting off ids tied with
+the k-th logit, which vLLM's top-k keeps; our server sends every kept id with a ``K`` fixed per ``top_k``
+(``engine/skyrl_route.py``; SkyRL's multi-turn trace refuses a width that changes between calls).
+:func:`support_from_skyrl` reads such an array back as a :class:`PackedSupport` (ids sorted per row).
 """
 from __future__ import annotations
 
@@ -61,13 +62,17 @@ def routes_to_skyrl(routes: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=canonical_route_dtype(int(a.max(initial=0))))
 
 
-def support_array(rows: Sequence[Sequence[int]], width: int = 0) -> np.ndarray:
+def support_array(rows: Sequence[Sequence[int]], width: int | None = None) -> np.ndarray:
     """SkyRL's ``[tokens, K]`` int32 support: row ``t`` = ``rows[t]`` in the given (rank) order, padded with
-    ``-1`` to ``K = max(width, longest row)``. Ids must be >= 0 and distinct within a row."""
-    K = max([int(width)] + [len(r) for r in rows])
+    ``-1`` to ``K = width`` (default: the longest row; a longer row is refused). Ids must be >= 0 and
+    distinct within a row."""
+    K = max([len(r) for r in rows], default=0) if width is None else int(width)
     out = np.full((len(rows), K), SUPPORT_PADDING, dtype=np.int32)
     for t, r in enumerate(rows):
         ids = np.asarray(r, dtype=np.int64)
+        if ids.size > K:
+            raise InputError(f"row {t} holds {ids.size} ids, more than the width {K}", field=SUPPORT_FIELD,
+                             index=t)
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= 1 << 31):
             raise InputError(f"token id outside [0, 2**31) in row {t}", field=SUPPORT_FIELD, index=t)
         if np.unique(ids).size != ids.size:
@@ -152,7 +157,7 @@ def pack_routes(routes: np.ndarray) -> dict:
     return pack_envelope(routes_to_skyrl(routes), ROUTE_DTYPES, ROUTES_FIELD)
 
 
-def pack_support(rows: Sequence[Sequence[int]], width: int = 0) -> dict:
+def pack_support(rows: Sequence[Sequence[int]], width: int | None = None) -> dict:
     """The ``rollout_sample_support`` envelope of one choice (:func:`support_array`)."""
     return pack_envelope(support_array(rows, width), SUPPORT_DTYPES, SUPPORT_FIELD)
 
