@@ -214,6 +214,7 @@ MALFORMED = [
       "sampling_params": {"top_k": 8, "temperature": 0.0}}, "sampling_params.temperature"),
     ({"token_ids": [1, 2], "sampling_params": [1]}, "sampling_params"),
     ({"token_ids": [1, 2], "stream": True}, "stream"),
+    ({"token_ids": [1, 2], "sampling_params": {"max_tokens": 0}}, "sampling_params.max_tokens"),
 ]
 
 

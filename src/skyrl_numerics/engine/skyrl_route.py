@@ -51,6 +51,7 @@ from pydantic import ValidationError
 from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+from vllm.exceptions import VLLMValidationError
 
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.replay import PackedSupport, decode_vllm_routes
@@ -105,6 +106,10 @@ class SkyrlCall:
             err = e.errors()[0]
             where = ".".join(str(p) for p in err["loc"]) or "body"
             raise InputError(err["msg"], field=where) from None
+        except VLLMValidationError as e:   # SamplingParams' own checks and the cache salt's
+            p = e.parameter
+            where = p if p in GenerateRequest.model_fields else f"sampling_params.{p}" if p else "sampling_params"
+            raise InputError(e.args[0] if e.args else str(e), field=where) from None
         return cls(request, support, top_k, n)
 
 
