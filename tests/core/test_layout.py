@@ -106,7 +106,7 @@ def test_hypothesis_is_derandomized_under_ci():
 LAYERS = ["errors", "atomic", "paths", "hashing", "patching", "host", "safetensors_header",
           "hf_config", "kernels", "quant", "replay", "gap", "correction_skyrl", "correction_trl", "correction",
           "rollout", "models",
-          "invariant", "sync", "engine", "trainer", "doctor", "cli", "integrations"]
+          "invariant", "sync", "engine", "trainer", "doctor", "integrations", "cli"]
 
 
 def test_packages_import_only_the_layers_below_them():

@@ -51,3 +51,18 @@ def trl_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (folder, env.get("PYTHONPATH")) if p)
     return env
+
+
+SKYRL_API_KEY = "skyrl-serve-test-key"
+
+
+@pytest.fixture(scope="module")
+def skyrl_server(qwen_moe_dir, tmp_path_factory):
+    """One ``skyrl-numerics serve``-equivalent server (``VLLMServer``: our plugin, routes captured,
+    ``--enable-scale-out``) on the tiny Qwen3-MoE, batch-invariant and keyed with
+    :data:`SKYRL_API_KEY`, for SkyRL's own clients (``test_skyrl_serve.py``)."""
+    from skyrl_numerics.engine.server import VLLMServer
+
+    log = tmp_path_factory.mktemp("skyrl_serve") / "vllm.log"
+    with VLLMServer(qwen_moe_dir, api_key=SKYRL_API_KEY, batch_invariant=True, log_path=log) as srv:
+        yield srv

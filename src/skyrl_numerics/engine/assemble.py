@@ -62,11 +62,17 @@ def check_request(prompts, *, vocab_size: int, max_model_len: int, max_logprobs:
     if in_engine and temperature <= 0:
         raise InputError("capture_support needs temperature > 0 (greedy sampling has no "
                          "support set)", field="temperature")
-    # More entries than top_k: vLLM's top-k keeps every token tied with the k-th logit (bf16
-    # logits tie often), so the support can exceed k. At least one returned entry must come
-    # back at -inf, proving the support ended inside what was returned.
-    n_logprobs = min(2 * top_k + 1, max_logprobs) if capture_support and not in_engine else 0
+    n_logprobs = logprobs_for_support(top_k, max_logprobs) if capture_support and not in_engine else 0
     return in_engine, n_logprobs
+
+
+def logprobs_for_support(top_k: int, max_logprobs: int) -> int:
+    """How many processed logprobs per token to request so a top-k support can be read from them:
+    ``min(2 top_k + 1, max_logprobs)``. More entries than ``top_k``: vLLM's top-k keeps every token
+    tied with the k-th logit (bf16 logits tie often), so the support can exceed k. At least one
+    returned entry must come back at ``-inf``, proving the support ended inside what was returned
+    (``PackedSupport.from_topk_logprobs(..., requested=n)`` checks it)."""
+    return min(2 * top_k + 1, max_logprobs)
 
 
 def check_route_starts(route_starts, prompts) -> list[int] | None:

@@ -10,7 +10,7 @@ the server themselves)::
         --host 127.0.0.1 --port P --skip-tokenizer-init --dtype bfloat16 --enforce-eager \\
         --logprobs-mode processed_logprobs --max-logprobs 64 --return-tokens-as-token-ids \\
         --worker-extension-cls skyrl_numerics.engine.vllm_ext.SkyrlWorkerExtension \\
-        --weight-transfer-config '{"backend": "skyrl_delta"}' \\
+        --weight-transfer-config '{"backend": "skyrl_delta"}' --enable-scale-out \\
         [--hf-overrides '{"architectures": [...], ...}']     # --batch-invariant (+ --kv-cache)
         [--enable-return-routed-experts]                     # MoE: routes in vLLM's own field
         [--return-sampling-mask]                             # --sampling-mask
@@ -19,6 +19,10 @@ the server themselves)::
 * dev mode for the RL routes (``/init_weight_transfer_engine`` ... ``/pause`` ``/resume``);
   our plugin puts them behind ``--api-key`` (``vllm_patches.py``);
 * the ``skyrl_delta`` backend (``engine/transfer_backend.py``);
+* ``--enable-scale-out``: vLLM's token-in/token-out ``/inference/v1/generate`` (what SkyRL's
+  ``RemoteInferenceClient`` and ``--return-sampling-mask`` use; vLLM 0.32 answers 403 without
+  it), behind ``--api-key`` (vLLM guards ``/inference``); our plugin adds SkyRL's
+  ``/skyrl/v1/generate`` (``skyrl_route.py``);
 * ``--batch-invariant``: the invariant architecture of the checkpoint's family via
   ``--hf-overrides`` (``vllm_invariant_model.engine_overrides``), optionally with its KV format.
 
@@ -104,7 +108,7 @@ def serve_command(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port
             "--logprobs-mode", "processed_logprobs", "--max-logprobs", str(max_logprobs),
             "--return-tokens-as-token-ids", "--worker-extension-cls", WORKER_EXTENSION,
             "--weight-transfer-config", json.dumps({"backend": "skyrl_delta"}),
-            "--disable-uvicorn-access-log"]
+            "--enable-scale-out", "--disable-uvicorn-access-log"]
     with open(Path(model_dir) / "config.json") as f:
         hf_cfg = json.load(f)
     if batch_invariant:

@@ -30,7 +30,17 @@ Class and module patches (:func:`install`)
     of the nccl backend left the weights on the meta device). While installed, every control
     route (:data:`CONTROL_ROUTES`) needs the key too; ``/health``, ``/ping``, ``/version``,
     ``/metrics`` and ``/load`` stay open for probes. Without ``--api-key`` nothing is checked,
-    as before (``skyrl-numerics serve`` refuses a non-loopback address without one).
+    as before (``skyrl-numerics serve`` refuses a non-loopback address without one). Our own
+    data-plane routes outside vLLM's prefixes (:data:`DATA_ROUTES`: SkyRL's ``/skyrl/v1/generate``)
+    need it as well.
+``vllm.plugins.load_endpoint_plugins``
+    vLLM's endpoint plugins (``vllm.endpoint_plugins`` entry points, allowlisted by
+    ``VLLM_PLUGINS``) are its interface for adding HTTP routes. The wrapper returns vLLM's own list
+    plus :class:`~skyrl_numerics.engine.skyrl_route.SkyrlEndpoints` (for servers that support the
+    ``generate`` task), which attaches SkyRL 0.4's ``POST /skyrl/v1/generate`` to servers started
+    with our worker extension only (SkyRL's own servers add their own route);
+    ``attach_endpoint_plugins`` / ``init_endpoint_plugins_state`` then wire it as any plugin.
+    Setting ``VLLM_PLUGINS`` is not needed (it would also filter the general plugins).
 ``vllm.v1.engine.async_llm.AsyncLLM.finish_weight_update``
     vLLM does not reset the prefix cache after a weight update, so a later request sharing a
     prefix would attend to KV computed with the old weights. The wrapper runs the original and
@@ -102,7 +112,7 @@ import torch
 from ..patching import PatchSet, live, patch, restore
 
 __all__ = ["install", "uninstall", "installed", "patched", "patches", "CONTROL_ROUTES",
-           "OPEN_ROUTES", "INSTANCE_PATCHES", "patch_instance", "instance_patches", "wrap_sampler",
+           "DATA_ROUTES", "OPEN_ROUTES", "INSTANCE_PATCHES", "patch_instance", "instance_patches", "wrap_sampler",
            "wrap_sampler_logits", "rowwise_mla_rope"]
 
 OPEN_ROUTES = ("/health", "/ping", "/version", "/metrics", "/load")
@@ -115,11 +125,33 @@ CONTROL_ROUTES = (
     "/wake_up", "/weight_", "/classify", "/score", "/rerank", "/pooling", "/invocations",
     "/generative_scoring", "/openapi.json", "/docs", "/redoc",
 )
+# data-plane routes of ours outside vLLM's guarded prefixes (SkyRL's generate: skyrl_route.py)
+DATA_ROUTES = ("/skyrl",)
 
 def _guard_control_routes() -> None:
     from vllm.entrypoints.serve.middleware import authenticate
 
-    _SET.set(authenticate, "GUARDED_PREFIX", tuple(authenticate.GUARDED_PREFIX) + CONTROL_ROUTES)
+    _SET.set(authenticate, "GUARDED_PREFIX",
+             tuple(authenticate.GUARDED_PREFIX) + CONTROL_ROUTES + DATA_ROUTES)
+
+
+def _skyrl_endpoints() -> None:
+    import vllm.plugins as plugins
+
+    original = plugins.load_endpoint_plugins
+
+    @functools.wraps(original)
+    def load_endpoint_plugins(supported_tasks=None):
+        from .skyrl_route import SkyrlEndpoints
+
+        found = list(original(supported_tasks))
+        ours = SkyrlEndpoints()
+        if supported_tasks is not None and set(ours.required_tasks) & set(supported_tasks):
+            found.append(ours)
+        return found
+
+    load_endpoint_plugins.skyrl_original = original
+    _SET.set(plugins, "load_endpoint_plugins", load_endpoint_plugins)
 
 
 def _reset_prefix_cache_after_update() -> None:
@@ -226,8 +258,8 @@ def _cpu_runner_aux_outputs() -> None:
     _SET.set(CPUModelRunner, "sample_tokens", sample_tokens)
 
 
-_PATCHES = (_guard_control_routes, _reset_prefix_cache_after_update, _relax_v2_checks_on_cpu,
-            _cpu_runner_aux_outputs)
+_PATCHES = (_guard_control_routes, _skyrl_endpoints, _reset_prefix_cache_after_update,
+            _relax_v2_checks_on_cpu, _cpu_runner_aux_outputs)
 
 
 def _apply() -> None:

@@ -1,2 +1,3 @@
-"""Thin adapters for RL frameworks' own trainers (one module per framework; each imports nothing of
-its framework at module level). docs/integrations.md."""
+"""Thin adapters for the RL frameworks' own released code, one module per framework
+(docs/integrations.md). Import the module you use: ``integrations.trl`` imports nothing of TRL at
+module level; ``integrations.skyrl`` imports ``skyrl``. Nothing else in the package imports them."""

@@ -1,0 +1,65 @@
+"""``engine/skyrl_route.py`` without a server: the endpoint plugin our patch hands vLLM attaches
+``/skyrl/v1/generate`` only to servers started with our worker extension (SkyRL's own servers add their
+own route) and only for the ``generate`` task; the body checks name the field."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+
+def test_the_plugin_is_loaded_for_generate_and_attached_to_our_servers_only():
+    import vllm.plugins as plugins
+    from fastapi import FastAPI
+
+    from skyrl_numerics.engine import vllm_patches
+    from skyrl_numerics.engine.server import WORKER_EXTENSION
+    from skyrl_numerics.engine.skyrl_route import SKYRL_GENERATE, SkyrlEndpoints
+
+    with vllm_patches.patched():
+        assert [type(p) for p in plugins.load_endpoint_plugins(("generate",))] == [SkyrlEndpoints]
+        assert plugins.load_endpoint_plugins(("embed",)) == []
+        assert plugins.load_endpoint_plugins(None) == []
+    for ext, attached in ((WORKER_EXTENSION, True), ("skyrl.backends.other.Extension", False), (None, False)):
+        app = FastAPI()
+        app.state.args = SimpleNamespace(worker_extension_cls=ext)
+        SkyrlEndpoints().attach_router(app)
+        assert any(getattr(r, "path", None) == SKYRL_GENERATE for r in app.routes) is attached, ext
+
+
+@pytest.mark.parametrize("body,field", [
+    ([], "body"),
+    ({"token_ids": [1], "return_sample_support": 1}, "return_sample_support"),
+    ({"token_ids": [1], "return_sample_support": True, "sampling_params": {"top_k": True}},
+     "sampling_params.top_k"),
+    ({"token_ids": [1], "return_sample_support": True, "sampling_params": {"top_k": 8, "temperature": "1"}},
+     "sampling_params.temperature"),
+    ({"token_ids": [-1]}, "token_ids"),
+    ({"token_ids": [1], "cache_salt": ""}, "cache_salt"),
+    ({"token_ids": [1], "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+    ({"token_ids": [1], "sampling_params": {"max_tokens": 0}}, "sampling_params.max_tokens"),
+    ({"token_ids": [1], "sampling_params": {"top_k": -5}}, "sampling_params"),
+])
+def test_bad_bodies_name_the_field(body, field):
+    from skyrl_numerics.engine.skyrl_route import SkyrlCall
+    from skyrl_numerics.errors import InputError
+
+    with pytest.raises(InputError) as e:
+        SkyrlCall.parse(body, max_logprobs=64)
+    assert e.value.field == field, str(e.value)
+
+
+def test_a_support_request_asks_for_2k_plus_1_logprobs():
+    from skyrl_numerics.engine.skyrl_route import SkyrlCall
+
+    call = SkyrlCall.parse({"token_ids": [3, 4], "return_sample_support": True, "model": "m",
+                            "sampling_params": {"top_k": 16, "logprobs": 0, "seed": 1}}, max_logprobs=64)
+    assert call.support and call.n_logprobs == 33 and call.request.sampling_params.logprobs == 33
+    assert call.request.sampling_params.seed == 1 and call.request.token_ids == [3, 4]
+    capped = SkyrlCall.parse({"token_ids": [3], "return_sample_support": True,
+                              "sampling_params": {"top_k": 40}}, max_logprobs=64)
+    assert capped.n_logprobs == 64
+    plain = SkyrlCall.parse({"token_ids": [3], "sampling_params": {"logprobs": 0}}, max_logprobs=64)
+    assert not plain.support and plain.request.sampling_params.logprobs == 0
