@@ -32,7 +32,7 @@ def test_one_ulp_anywhere_is_named_by_step_sequence_and_token(lens, data):
     with pytest.raises(InputError) as e:
         check_bitwise(planted, r, step=4)
     assert (e.value.row, e.value.index, e.value.field) == (seq, tok, "rollout_logprobs")
-    assert f"step 4: bitwise config" in str(e.value) and f"sequence {seq} token {tok}" in str(e.value)
+    assert "step 4: bitwise config" in str(e.value) and f"sequence {seq} token {tok}" in str(e.value)
 
 
 def test_signed_zero_differs_and_observation_tokens_are_skipped():
