@@ -1,5 +1,6 @@
 """What exactness costs per RL step: ``plain``, ``aligned`` and ``bitwise`` from the same weights in
-one run of the loop (``trainer/loop.py``), each step split into its four times — generate, old
+one run of this script (``trainer/loop.py``'s ``run_loop`` per configuration, each from the
+checkpoint, the engines reset to it), each step split into its four times — generate, old
 logprobs (the trainer's recompute), train (forward + backward + optimizer), sync (publish + the
 engine's in-place update).
 
@@ -10,10 +11,11 @@ mean of each time over the measured steps (step 0 left out: first-call warm-up, 
 every bitwise run recomputes), the step total, its ratio to ``plain``, and the saving.
 
     .venv/bin/python benchmarks/step_cost.py                     # the tiny Qwen3-MoE
-    .venv/bin/python benchmarks/step_cost.py --real-dims --layers 1 --vocab 8192 --steps 3
+    .venv/bin/python benchmarks/step_cost.py --real-dims --layers 1 --vocab 8192 --experts 16 --steps 3
         # Qwen3-MoE-30B-A3B's layer (benchmarks/real_dims.py: hidden 2048, 32 q / 4 kv heads of
-        # 128, 64 experts top-8 of width 768) with fewer layers and a smaller vocabulary, so that
-        # the fp32 trainers (master weights + AdamW: ~16-24 B per parameter) fit a 24 GB host
+        # 128, experts top-8 of width 768: each token's work as in the real layer) with one layer,
+        # a smaller vocabulary and 16 of its 64 experts, so that the fp32 trainers (master weights
+        # + AdamW + gradients: ~16-24 B per parameter) fit what a shared 24 GB host has free
 
 ``--json PATH`` also writes every row and the summary. Ratios are within this run (same weights,
 same prompts and seeds per step, the configurations one after the other on one host).
@@ -75,7 +77,7 @@ def checkpoint(a) -> Path:
     from real_dims import CONFIGS     # (benchmarks/real_dims.py, beside this script)
 
     return build_tiny_model("qwen3_moe", **{**CONFIGS["qwen3_moe"], "num_hidden_layers": a.layers,
-                                           "vocab_size": a.vocab})
+                                           "vocab_size": a.vocab, "num_experts": a.experts})
 
 
 def configs(every: int) -> list:
@@ -84,6 +86,15 @@ def configs(every: int) -> list:
     bw = CONFIGS["bitwise"]
     return [CONFIGS["plain"], CONFIGS["aligned"], dataclasses.replace(bw, recompute_old_every=every),
             dataclasses.replace(bw, name="bitwise_recompute", recompute_old_every=1)]
+
+
+def close_stock_engine(model) -> None:
+    """Shut the process-wide stock engine the plain / aligned runs used (the loop leaves cached
+    engines running): a 24 GB host does not hold it beside the invariant engine and trainer at
+    real dims."""
+    from skyrl_numerics.engine.generator import get_generator
+
+    get_generator(str(model), capture_routes=True).close()
 
 
 def summarize(history: dict, skip: int) -> dict:
@@ -131,6 +142,9 @@ def main() -> None:
     ap.add_argument("--real-dims", action="store_true", help="Qwen3-MoE-30B-A3B layer dims (real_dims.py)")
     ap.add_argument("--layers", type=int, default=1, help="--real-dims: decoder layers")
     ap.add_argument("--vocab", type=int, default=8192, help="--real-dims: vocabulary (the real one: 151936)")
+    ap.add_argument("--experts", type=int, default=64,
+                    help="--real-dims: routed experts (the real 64; fewer keep each token's work — "
+                         "top-8 of width 768 — and shrink what the optimizer and the sync carry)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--samples", type=int, default=4)
@@ -149,9 +163,18 @@ def main() -> None:
     settings = LoopSettings(steps=a.steps, prompts_per_step=a.prompts, samples_per_prompt=a.samples,
                             max_tokens=a.max_tokens, measure_grad=False)
     t0 = time.perf_counter()
-    res = run_loop(LoopRun(str(model), configs(a.every), settings, progress=False))
+    history: dict = {}
+    stock_open = True
+    for cfg in configs(a.every):     # one loop run per configuration: each one's rows kept at once
+        if cfg.bitwise and stock_open:
+            close_stock_engine(model)     # its memory, before the invariant engine and trainer
+            stock_open = False
+        history.update(run_loop(LoopRun(str(model), [cfg], settings, progress=False)).history)
+        if a.json:
+            Path(a.json).write_text(json.dumps({"args": vars(a), "partial": True, "history": history,
+                                                "cpu": CPU}, indent=1, default=str))
     wall = time.perf_counter() - t0
-    summ = summarize(res.history, skip=1)
+    summ = summarize(history, skip=1)
     sav = saving(summ, a.every)
     h = host_info()
     flags = " ".join(f for f, on in h["isa_flags"].items() if on)
@@ -170,7 +193,7 @@ def main() -> None:
         + f"; the skip saves {sav['cpu_old_logprobs_saved_s']:.2f} CPU s/step")
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "host": h, "model": str(model), "wall_s": wall,
-                                            "summary": summ, "saving": sav, "history": res.history, "cpu": CPU},
+                                            "summary": summ, "saving": sav, "history": history, "cpu": CPU},
                                            indent=1, default=str))
 
 
