@@ -159,3 +159,11 @@ def test_placements_that_cannot_run_are_refused_before_anything_starts(fakes, kw
     with pytest.raises(InputError) as e:
         run_loop(str(fakes), [CONFIGS["plain"]], _settings(), progress=False, **kw)
     assert e.value.field == field and CALLS == []
+
+
+def test_train_cli_refuses_a_recompute_period_below_one_before_any_engine(tmp_path, capsys):
+    from skyrl_numerics.cli import main
+
+    assert main(["train", "--recompute-old-every", "0", "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "field 'recompute_old_every'" in err and len(err.splitlines()) == 1, err
