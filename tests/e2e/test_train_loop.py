@@ -2,11 +2,17 @@
 running engine, with and without Ray actors."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from skyrl_numerics.cli import main
+from skyrl_numerics.errors import InputError
+from skyrl_numerics.invariant.base import InvariantCausalLM
+from skyrl_numerics.trainer import loop_actors
+from skyrl_numerics.trainer.loop import CONFIGS, ConfigRun, LoopRun, LoopSettings, run_loop
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -107,3 +113,70 @@ def test_train_multi_turn(tmp_path, vllm_qwen, vllm_qwen_invariant):
     for r in res["history"]["aligned"]:
         assert r["gap_mean_abs"] < 0.05 and r["grad_cos_onpolicy"] > 0.99, r
     assert (out / "train.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ---- bitwise: the engine's logprobs are the old logprobs, the recompute sampled and checked ------
+def _bitwise_run(model_dir, tmp_path, every: int, steps: int):
+    cfg = dataclasses.replace(CONFIGS["bitwise"], recompute_old_every=every)
+    settings = LoopSettings(steps=steps, prompts_per_step=2, samples_per_prompt=4, max_tokens=8,
+                            measure_grad=False)
+    return run_loop(LoopRun(str(model_dir), [cfg], settings, work_dir=tmp_path / "w", progress=False))
+
+
+def test_bitwise_skips_the_old_logprob_forward_between_checked_steps(qwen_moe_dir, vllm_qwen_invariant,
+                                                                     monkeypatch, tmp_path):
+    """recompute_old_every=2 over 3 steps: steps 0 and 2 recompute (and pass the bitwise check),
+    step 1 does not — the trainer runs one invariant forward fewer there (counted: calls of the
+    invariant model's packed forward, the one every trainer-side logprob goes through)."""
+    forwards, per_step = [0], []
+    packed = InvariantCausalLM.packed_hidden
+
+    def counted(self, seqs):
+        forwards[0] += 1
+        return packed(self, seqs)
+
+    one_step = ConfigRun.one_step
+
+    def step_counted(self, step, ro_ref):
+        before = forwards[0]
+        row = one_step(self, step, ro_ref)
+        per_step.append(forwards[0] - before)
+        return row
+
+    monkeypatch.setattr(InvariantCausalLM, "packed_hidden", counted)
+    monkeypatch.setattr(ConfigRun, "one_step", step_counted)
+    rows = _bitwise_run(qwen_moe_dir, tmp_path, every=2, steps=3).history["bitwise"]
+    assert [r["old_logprobs_recomputed"] for r in rows] == [True, False, True]
+    assert per_step[0] == per_step[2] == 2 * per_step[1] > 0, per_step     # recompute + update vs update
+    for r in rows:   # checked bitwise on 0 and 2; step 1's gap is the update forward's, also 0
+        assert r["gap_max_abs"] == 0.0 and r["gap_frac_bitwise_equal"] == 1.0, r
+        assert r["time_old_logprobs_s"] >= 0 and r["time_train_s"] > 0 and 0 < r["sync_payload_bytes"]
+    assert rows[1]["time_old_logprobs_s"] < 0.1 * rows[0]["time_old_logprobs_s"], rows
+
+
+def test_bitwise_check_names_a_one_ulp_engine_difference(qwen_moe_dir, vllm_qwen_invariant, monkeypatch,
+                                                         tmp_path):
+    """One engine logprob moved by one ulp at step 1 (checked every step): the loop stops with the
+    project's error naming step 1, the sequence and the token, before that step's update."""
+    planted = {}
+
+    class OneUlpOff(loop_actors.GeneratorWorker):
+        calls = 0
+
+        def generate(self, prompts, **sampling):
+            ro = super().generate(prompts, **sampling)
+            if OneUlpOff.calls == 1:
+                seq = 5
+                tok = min(2, int(ro.response_lens[seq]) - 1)
+                at = int(ro.response_cu[seq]) + tok
+                ro.rollout_logprobs[at] = np.nextafter(ro.rollout_logprobs[at], np.float32(0))
+                planted.update(seq=seq, tok=tok)
+            OneUlpOff.calls += 1
+            return ro
+
+    monkeypatch.setattr(loop_actors, "GeneratorWorker", OneUlpOff)
+    with pytest.raises(InputError) as e:
+        _bitwise_run(qwen_moe_dir, tmp_path, every=1, steps=2)
+    assert (e.value.row, e.value.index, e.value.field) == (planted["seq"], planted["tok"], "rollout_logprobs")
+    assert f"step 1: bitwise config, the recomputed trainer logprob of sequence {planted['seq']} " \
+           f"token {planted['tok']}" in str(e.value)

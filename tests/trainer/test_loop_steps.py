@@ -3,6 +3,7 @@ trainer): the order of generate / logprobs / step / publish / sync per step, the
 ``off_policy``, the history row's keys (``train.json``'s schema) and the settings record."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -56,10 +57,16 @@ class FakeTrainer:
 
     def logprobs(self, rollout):
         CALLS.append(("logprobs",))
-        return rollout.rollout_logprobs - 0.01
+        # bitwise: the engine's numbers bit for bit, as the invariant trainer computes them
+        return rollout.rollout_logprobs.copy() if self.config.bitwise else rollout.rollout_logprobs - 0.01
+
+    def last_logprobs(self):
+        CALLS.append(("last_logprobs",))
+        return self.last_rollout.rollout_logprobs.copy()
 
     def step(self, rollout, rewards, old):
         CALLS.append(("step",))
+        self.last_rollout, self.last_old = rollout, old
         return {"loss": 0.5, "clipfrac": 0.0, "entropy": 1.0, "correction/mean_weight": 1.0}
 
     def publish(self, full=False):
@@ -82,12 +89,12 @@ def fakes(monkeypatch, tmp_path):
 
 ROW_KEYS = ["step", "reward", "rollout_lag", "gap_mean_abs", "gap_max_abs", "gap_frac_bitwise_equal", "gap_F2",
             "gap_kl_k3", "loss", "clipfrac", "entropy", "correction/mean_weight", "sync_version",
-            "sync_payload_bytes", "sync_raw_bytes", "engine_update_s", "time_generate_s", "time_train_s",
-            "time_sync_s", "tis_clip_frac"]
+            "sync_payload_bytes", "sync_raw_bytes", "engine_update_s", "time_generate_s", "time_old_logprobs_s",
+            "time_train_s", "time_sync_s", "tis_clip_frac", "old_logprobs_recomputed"]
 
 
 def _settings(**kw):
-    return LoopSettings(steps=3, prompts_per_step=2, samples_per_prompt=2, measure_grad=False, **kw)
+    return LoopSettings(**{"steps": 3, "prompts_per_step": 2, "samples_per_prompt": 2, "measure_grad": False, **kw})
 
 
 def test_one_step_is_generate_logprobs_train_publish_sync(fakes):
@@ -123,6 +130,27 @@ def test_the_old_keyword_spelling_builds_the_same_run(fakes):
     assert strip(a.history["plain"]) == strip(b.history["plain"]) and a.settings == b.settings
 
 
+def test_bitwise_uses_the_engines_logprobs_and_recomputes_every_k_steps(fakes):
+    """bitwise: no trainer recompute except at steps 0, K, 2K (the old logprobs given to the
+    update are the engine's every step); the gap comes from the update's forward when skipped."""
+    cfg = dataclasses.replace(CONFIGS["bitwise"], recompute_old_every=2)
+    res = run_loop(LoopRun(str(fakes), [cfg], _settings(steps=5), work_dir=fakes / "w", progress=False))
+    rows = res.history["bitwise"]
+    assert [r["old_logprobs_recomputed"] for r in rows] == [True, False, True, False, True]
+    per_step = " ".join(c[0] for c in CALLS if c[0] in ("generate", "logprobs", "step", "last_logprobs"))
+    assert per_step.split("generate ")[1:] == ["logprobs step ", "step last_logprobs "] * 2 + ["logprobs step"]
+    assert all(r["gap_max_abs"] == 0.0 and r["time_old_logprobs_s"] >= 0.0 for r in rows)
+    assert res.settings["configs"][0]["recompute_old_every"] == 2
+    # the other configurations recompute every step (test_one_step_... above: aligned)
+
+
+@pytest.mark.parametrize("every", [0, -3, 1.5])
+def test_recompute_period_must_be_a_positive_integer(every):
+    with pytest.raises(InputError) as e:
+        dataclasses.replace(CONFIGS["bitwise"], recompute_old_every=every)
+    assert e.value.field == "recompute_old_every"
+
+
 @pytest.mark.parametrize("kw, field", [
     (dict(tp=2), "tp"), (dict(backend="jax"), "backend"), (dict(dp=0), "dp"),
     (dict(replicas=2, server="http://x"), "replicas"), (dict(dp=2, server="http://x"), "server"),
@@ -131,3 +159,11 @@ def test_placements_that_cannot_run_are_refused_before_anything_starts(fakes, kw
     with pytest.raises(InputError) as e:
         run_loop(str(fakes), [CONFIGS["plain"]], _settings(), progress=False, **kw)
     assert e.value.field == field and CALLS == []
+
+
+def test_train_cli_refuses_a_recompute_period_below_one_before_any_engine(tmp_path, capsys):
+    from skyrl_numerics.cli import main
+
+    assert main(["train", "--recompute-old-every", "0", "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "field 'recompute_old_every'" in err and len(err.splitlines()) == 1, err

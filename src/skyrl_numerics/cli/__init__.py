@@ -431,6 +431,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "done); engine/multiturn.py)")
     t.add_argument("--no-grad", action="store_true",
                    help="skip the gradient comparison against the exact on-policy gradient")
+    t.add_argument("--recompute-old-every", type=int, default=None, metavar="K",
+                   help="bitwise config: the old logprobs are the engine's (no second forward); "
+                        "every K steps and at step 0 the trainer recomputes them and they must "
+                        "match bit for bit (default 10; 1: every step)")
     t.add_argument("--steps", type=int, default=5)
     t.add_argument("--prompts", type=int, default=4)
     t.add_argument("--samples", type=int, default=None,

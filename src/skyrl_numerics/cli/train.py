@@ -109,15 +109,19 @@ def checkpoint(args) -> str:
 
 def loop_configs(args, recipe, names, model_dir) -> list:
     """The named configurations (``--kv-cache`` on the bitwise one), or the recipe's, its plan
-    built for the checkpoint and checked before any engine starts."""
+    built for the checkpoint and checked before any engine starts; ``--recompute-old-every`` on
+    each (the bitwise ones use it)."""
     if recipe is not None:
         from skyrl_numerics.trainer.seed_recipes import loop_configs as recipe_configs
 
-        return recipe_configs(recipe, model_dir, names)
-    from skyrl_numerics.trainer.loop import CONFIGS
+        cfgs = recipe_configs(recipe, model_dir, names)
+    else:
+        from skyrl_numerics.trainer.loop import CONFIGS
 
-    return [dataclasses.replace(CONFIGS[n], kv_cache=args.kv_cache) if args.kv_cache and CONFIGS[n].bitwise
-            else CONFIGS[n] for n in names]
+        cfgs = [dataclasses.replace(CONFIGS[n], kv_cache=args.kv_cache) if args.kv_cache and CONFIGS[n].bitwise
+                else CONFIGS[n] for n in names]
+    every = getattr(args, "recompute_old_every", None)
+    return cfgs if every is None else [dataclasses.replace(c, recompute_old_every=every) for c in cfgs]
 
 
 def loop_settings(args, recipe):
@@ -184,7 +188,7 @@ def table(args, recipe, res):
     for col in (("config", "step", "reward", "mean |Δ|", "max |Δ|", "bitwise =", "F(2)", "KL k3",
                  "grad cos", "grad rel.err", "clipfrac", "sync kB (zstd XOR)", "engine update s")
                 + (("max |Δ| by turn",) if turns else ())
-                + (("TIS clip", "gen / train / sync s") if recipe else ())):
+                + (("TIS clip", "gen / old lp / train / sync s") if recipe else ())):
         t.add_column(col, justify="right")
     fmt = lambda r, k, f: format(r[k], f) if k in r else "-"  # noqa: E731
     for name, rows in res.history.items():
@@ -198,6 +202,7 @@ def table(args, recipe, res):
                       *(([" ".join(f"{x:.1e}" for x in r.get("gap_per_turn_max_abs", []))])
                         if turns else []),
                       *([fmt(r, "tis_clip_frac", ".2%"),
-                         f"{r['time_generate_s']:.1f} / {r['time_train_s']:.1f} / {r['time_sync_s']:.2f}"]
+                         f"{r['time_generate_s']:.1f} / {r['time_old_logprobs_s']:.1f} / {r['time_train_s']:.1f}"
+                         f" / {r['time_sync_s']:.2f}"]
                         if recipe else []))
     return t

@@ -112,7 +112,9 @@ class InvariantTrainer:
     """PPO/GRPO steps through the invariant forward (see the module doc).
 
     ``step`` returns the FSDP trainer's metric names (loss, clipfrac, entropy, ...) and keeps the
-    step's gradient (before clipping) in ``last_grads`` by HF name."""
+    step's gradient (before clipping) in ``last_grads`` by HF name and its forward's logprobs
+    (before the optimizer step: the old policy's, bit for bit those of :meth:`logprobs`) in
+    ``last_logprobs``."""
 
     def __init__(self, model_dir, config: TrainerConfig | None = None, *, kv_cache=None,
                  numerics=None):
@@ -127,6 +129,7 @@ class InvariantTrainer:
                                            eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
         self.use_support, self.grad_clip = cfg.use_support, cfg.grad_clip
         self.last_grads: dict[str, torch.Tensor] = {}
+        self.last_logprobs: np.ndarray | None = None
         self.global_step = 0
 
     @torch.no_grad()
@@ -153,8 +156,14 @@ class InvariantTrainer:
         whole = SimpleNamespace(token_index=np.arange(rollout.num_response_tokens, dtype=np.int64),
                                 cu_seqlens=np.asarray(rollout.response_cu, dtype=np.int64))
         return ppo_update(rollout, rewards, self.config, micro_batches=[whole],
-                          forward=lambda _mb: sequence_logprobs(self.model, rollout, use_support=self.use_support),
+                          forward=lambda _mb: self._forward(rollout),
                           update=self._update, old_logprobs=old_logprobs, context=self._grads_on)
+
+    def _forward(self, rollout: Rollout):
+        """The update's differentiable forward; its logprobs kept (detached) in ``last_logprobs``."""
+        lp, ent = sequence_logprobs(self.model, rollout, use_support=self.use_support)
+        self.last_logprobs = lp.detach().numpy().copy()
+        return lp, ent
 
     @contextlib.contextmanager
     def _grads_on(self):

@@ -5,16 +5,22 @@ One step of one configuration::
     rollout  = generator.generate(prompts, n=G)            # real vLLM; routes + support captured
     rewards  = task.reward(rollout)                        # verifiable: no model involved
     old_lp   = trainer.logprobs(rollout)                   # with this config's alignment pieces
-    gap      = measure(old_lp, rollout.rollout_logprobs)   # mean |Δ|, F(2), KL k3 per step
+                                                           # (bitwise: the engine's, checked)
     metrics  = trainer.step(rollout, rewards, old_logprobs=old_lp)   # GRPO, PPO-clip, correction
+    gap      = measure(old_lp, rollout.rollout_logprobs)   # mean |Δ|, F(2), KL k3 per step
     manifest = publisher.publish(bf16 weights)             # XOR delta vs the last version, zstd
     receiver.sync(); update_vllm_weights(engine, ...)      # in place, no restart
+
+Each step's row times the four parts: ``time_generate_s``, ``time_old_logprobs_s`` (the
+recompute), ``time_train_s`` (the update: forward + backward + optimizer) and ``time_sync_s``
+(publish + the engine's in-place update); the on-policy reference gradient is in none of them.
 
 A run is a :class:`LoopRun` (the configurations, :class:`LoopSettings`, :class:`LoopPlacement`,
 the task); :func:`run_loop` composes named steps: :func:`prepare` (defaults, every refusal),
 :class:`~skyrl_numerics.trainer.loop_actors.LoopActors` (the engines, trainers and on-policy
 references), :class:`ConfigRun` per configuration (per step ``collect`` -> ``old_logprobs`` ->
-``reference_gradient`` -> the trainer's ``step`` -> ``sync`` -> :func:`record`), :func:`result`.
+``reference_gradient`` -> the trainer's ``step`` -> ``trainer_logprobs`` -> ``gap`` -> ``sync`` ->
+:func:`record`), :func:`result`.
 Generator and trainer are ``workers.GeneratorWorker`` / ``workers.TrainerWorker``; with
 ``use_ray`` they run as Ray actors on a local cluster and rollouts travel through the object store
 (numpy arrays and packed routes come back as views of the shared buffer, not copies).
@@ -22,8 +28,12 @@ Generator and trainer are ``workers.GeneratorWorker`` / ``workers.TrainerWorker`
 Configurations (``plain``, ``aligned``, ``bitwise``) run one after the other from the same
 initial weights (the engine is reset by a full-snapshot sync), so their reward and gap curves
 compare directly. ``bitwise`` is true on-policy RL: the invariant engine samples, the invariant
-trainer (:class:`~skyrl_numerics.trainer.invariant_trainer.InvariantTrainer`) recomputes the same
-logprobs bit for bit, updates, and syncs the new bf16 weights back.
+trainer (:class:`~skyrl_numerics.trainer.invariant_trainer.InvariantTrainer`) computes the same
+logprobs bit for bit, updates, and syncs the new bf16 weights back. Its old logprobs are the
+engine's, without a second forward; every ``recompute_old_every`` steps (and at step 0) the
+trainer recomputes them and they must match bit for bit, and every step the update's own forward
+must (:mod:`~skyrl_numerics.trainer.old_logprobs`; a difference raises naming step, sequence and
+token). The row's ``old_logprobs_recomputed`` says which steps recomputed.
 
 With ``measure_grad`` every step also reports ``grad_cos_onpolicy`` / ``grad_relerr_onpolicy``:
 the cosine and relative error of the configuration's gradient (before clipping) against the exact
@@ -54,6 +64,8 @@ from skyrl_numerics.trainer.config import TrainerConfig
 from skyrl_numerics.trainer.invariant_trainer import compare_gradients
 from skyrl_numerics.trainer.loop_actors import LoopActors, check_in_place_sync
 from skyrl_numerics.trainer.loop_report import step_metrics
+from skyrl_numerics.trainer.old_logprobs import (RECOMPUTE_OLD_EVERY, check_bitwise, engine_old_logprobs,
+                                                 recompute_due)
 from skyrl_numerics.trainer.megatron.model import check_parallel_config
 
 
@@ -99,6 +111,15 @@ class LoopConfig:
     # trainer fake-quantizes (apply_qat) and carries LoRA on its linears
     recipe: str | None = None
     numerics: NumericsPlan | None = None
+    # bitwise: the engine's logprobs are the old logprobs (no second forward); every this many
+    # steps, and at step 0, the trainer recomputes them and they must match bit for bit
+    # (trainer/old_logprobs.py). The other configurations recompute every step.
+    recompute_old_every: int = RECOMPUTE_OLD_EVERY
+
+    def __post_init__(self):
+        if not (isinstance(self.recompute_old_every, int) and self.recompute_old_every >= 1):
+            raise InputError(f"recompute_old_every must be an integer >= 1, got {self.recompute_old_every!r}",
+                             field="recompute_old_every")
 
     @property
     def invariant_engine(self) -> bool:
@@ -309,20 +330,27 @@ class ConfigRun:
             self.launch_s += time.perf_counter() - t
 
     def one_step(self, step: int, ro_ref) -> dict:
+        """Generate -> old logprobs -> (on-policy reference, not timed) -> update -> sync; the
+        four times are ``(generate, old logprobs, update, sync)``."""
         rollout, t_gen = self.collect(ro_ref)
         rewards = self.run.task.reward(rollout)
+        t_old = time.perf_counter()
+        old, recomputed = self.old_logprobs(step, ro_ref, rollout)
+        t_old = time.perf_counter() - t_old
+        ref_grad = self.reference_gradient(rollout, rewards)   # before the update
         t_train = time.perf_counter()
-        old, gap = self.old_logprobs(ro_ref, rollout)
-        ref_grad, t_ref = self.reference_gradient(rollout, rewards)   # before the update, not timed
         metrics = self.a.ask(self.trn, "step", self.wire(ro_ref, rollout), rewards, old)
-        t_train = time.perf_counter() - t_train - t_ref
+        t_train = time.perf_counter() - t_train
+        trainer_lp = self.trainer_logprobs(step, rollout, recomputed)
+        gap = self.gap(trainer_lp, rollout)
         t_sync = time.perf_counter()
         if ref_grad is not None:
             metrics = {**metrics, **compare_gradients(self.a.ask(self.trn, "last_grads"), ref_grad)}
         pub, syn = self.sync()
         t_sync = time.perf_counter() - t_sync
-        return record(self.cfg, step, self.s, rewards, gap, metrics, pub, syn, (t_gen, t_train, t_sync),
-                      old, rollout)
+        row = record(self.cfg, step, self.s, rewards, gap, metrics, pub, syn, (t_gen, t_old, t_train, t_sync),
+                     trainer_lp, rollout)
+        return {**row, "old_logprobs_recomputed": recomputed is not None}
 
     def wire(self, ro_ref, rollout):
         """What a trainer call carries: the rollout's object-store reference under Ray."""
@@ -336,20 +364,41 @@ class ConfigRun:
         self.launch_s = 0.0
         return rollout, t_gen
 
-    def old_logprobs(self, ro_ref, rollout: Rollout):
-        """The trainer's logprobs before the update and their gap to the engine's (model tokens)."""
-        old = self.a.ask(self.trn, "logprobs", self.wire(ro_ref, rollout))
+    def old_logprobs(self, step: int, ro_ref, rollout: Rollout):
+        """``(old, recomputed)``: the update's old logprobs, and the trainer's recompute (None
+        when skipped). ``bitwise``: the engine's logprobs, the recompute only when due and
+        checked bit for bit against them (trainer/old_logprobs.py); otherwise the recompute."""
+        bitwise = self.cfg.bitwise
+        if bitwise and not recompute_due(step, self.cfg.recompute_old_every):
+            return engine_old_logprobs(rollout), None
+        recomputed = self.a.ask(self.trn, "logprobs", self.wire(ro_ref, rollout))
+        if not bitwise:
+            return recomputed, recomputed
+        check_bitwise(recomputed, rollout, step)
+        return engine_old_logprobs(rollout), recomputed
+
+    def trainer_logprobs(self, step: int, rollout: Rollout, recomputed):
+        """The trainer's logprobs the step's gap is measured with: the recompute, else
+        (``bitwise``, recompute skipped) the update's own forward before the optimizer step,
+        checked bit for bit against the engine's as well (free: no extra forward)."""
+        if recomputed is not None:
+            return recomputed
+        forward = self.a.ask(self.trn, "last_logprobs")
+        check_bitwise(forward, rollout, step, what="update forward's")
+        return forward
+
+    @staticmethod
+    def gap(trainer_lp, rollout: Rollout):
+        """The trainer–engine gap of the step (model tokens)."""
         turn_kw = {"mask": rollout.loss_mask, "turns": rollout.turns} if rollout.is_multi_turn else {}
-        return old, measure(old, rollout.rollout_logprobs, cu_seqlens=rollout.response_cu, **turn_kw)
+        return measure(trainer_lp, rollout.rollout_logprobs, cu_seqlens=rollout.response_cu, **turn_kw)
 
     def reference_gradient(self, rollout: Rollout, rewards):
-        """The exact on-policy gradient at the served weights (``measure_grad``) and its time."""
+        """The exact on-policy gradient at the served weights (``measure_grad``), else None."""
         if not self.s.measure_grad:
-            return None, 0.0
-        t = time.perf_counter()
+            return None
         served = self.a.ask(self.trn, "served_state")
-        grad = self.a.reference_for(self.cfg).gradient(served, rollout, rewards, use_support=self.s.truncated)
-        return grad, time.perf_counter() - t
+        return self.a.reference_for(self.cfg).gradient(served, rollout, rewards, use_support=self.s.truncated)
 
     def sync(self) -> tuple[dict, dict]:
         """Publish the new weights; the engine applies them in place."""
@@ -359,10 +408,12 @@ class ConfigRun:
 
 
 def record(cfg: LoopConfig, step: int, s: LoopSettings, rewards, gap, m: dict, pub: dict, syn: dict,
-           times: tuple, old, rollout: Rollout) -> dict:
-    """One step's row of ``train.json``'s history."""
+           times: tuple, trainer_lp, rollout: Rollout) -> dict:
+    """One step's row of ``train.json``'s history. ``times``: seconds spent generating, getting
+    the old logprobs (the trainer's recompute; ~0 on a bitwise step that skips it), in the update
+    (forward + backward + optimizer) and syncing the weights."""
     summ = gap.summary()
-    t_gen, t_train, t_sync = times
+    t_gen, t_old, t_train, t_sync = times
     return {"step": step, "reward": float(rewards.mean()),
             "rollout_lag": s.off_policy if step else 0,
             "gap_mean_abs": summ["mean_abs"], "gap_max_abs": summ["max_abs"],
@@ -377,10 +428,10 @@ def record(cfg: LoopConfig, step: int, s: LoopSettings, rewards, gap, m: dict, p
             **({"sync_rank_payload_bytes": pub["rank_payload_bytes"],
                 "engine_bytes_read": sum(syn["engine_bytes_read"].values())}
                if "sharded" in pub else {}),
-            "time_generate_s": t_gen, "time_train_s": t_train,
+            "time_generate_s": t_gen, "time_old_logprobs_s": t_old, "time_train_s": t_train,
             "time_sync_s": t_sync,
             **({"sync_full_model_bytes": pub["full_model_bytes"]} if "full_model_bytes" in pub else {}),
-            **step_metrics(cfg, old, rollout, gap)}
+            **step_metrics(cfg, trainer_lp, rollout, gap)}
 
 
 def result(run: LoopRun, history: dict, actors: LoopActors) -> LoopResult:

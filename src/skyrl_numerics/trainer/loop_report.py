@@ -62,10 +62,28 @@ def _replica_metrics(rollout: Rollout, trainer_lp) -> dict:
     return out
 
 
+#: a step's four times (``train.json``) and their labels in the time panel
+STEP_TIMES = (("time_generate_s", "generate"), ("time_old_logprobs_s", "old logprobs"),
+              ("time_train_s", "train (fwd+bwd+opt)"), ("time_sync_s", "sync"))
+
+
+def _time_bars(ax, i: int, name: str, rows: list, n_configs: int, col: str) -> None:
+    """Configuration ``i``'s step times as stacked bars beside the others' (one shade per part)."""
+    w = 0.8 / max(n_configs, 1)
+    x = np.asarray([r["step"] for r in rows], float) + (i - (n_configs - 1) / 2) * w
+    bottom = np.zeros(len(rows))
+    for j, (k, lab) in enumerate(STEP_TIMES):
+        v = np.asarray([r.get(k, 0.0) for r in rows])
+        ax.bar(x, v, w, bottom=bottom, color=col, alpha=1.0 - 0.22 * j, label=f"{name} {lab}",
+               edgecolor="k", linewidth=0.3, hatch=("", "//", "", "..")[j])
+        bottom += v
+
+
 def write_loop_plot(path, result) -> None:
     """Reward and mean |Δ| per step, one line per configuration; with the gradient comparison
-    its cosine and relative error; with a recipe (or any TIS / time figures) also the TIS clip
-    fraction, the bytes synced per step (against a full sync) and the step time split."""
+    its cosine and relative error; with a recipe (or any TIS figures) also the TIS clip fraction
+    and the bytes synced per step (against a full sync); with the step times (every run since
+    they exist) the step time split into generate / old logprobs / train / sync."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -76,8 +94,9 @@ def write_loop_plot(path, result) -> None:
     rows_all = [r for rows in result.history.values() for r in rows]
     has_grad = any("grad_cos_onpolicy" in r for r in rows_all)
     has_recipe = any("tis_clip_frac" in r for r in rows_all)
+    has_time = any("time_train_s" in r for r in rows_all)
     panels = ["reward", "gap"] + (["cos", "relerr"] if has_grad else []) \
-        + (["tis", "bytes", "time"] if has_recipe else [])
+        + (["tis", "bytes"] if has_recipe else []) + (["time"] if has_time else [])
     ncol = min(len(panels), 4)
     nrow = -(-len(panels) // ncol)
     fig, axes = plt.subplots(nrow, ncol, figsize=(5.2 * ncol, 4 * nrow), squeeze=False)
@@ -103,15 +122,8 @@ def write_loop_plot(path, result) -> None:
                              label=f"{name} raw")
             ax["bytes"].plot(steps, [r["sync_payload_bytes"] for r in rows], marker="x", ls="--",
                              color=col, label=f"{name} sent (zstd XOR)")
-            w = 0.8 / max(len(result.history), 1)
-            x = np.asarray(steps, float) + (i - (len(result.history) - 1) / 2) * w
-            bottom = np.zeros(len(rows))
-            for j, (k, lab) in enumerate((("time_generate_s", "generate"), ("time_train_s", "train"),
-                                          ("time_sync_s", "sync"))):
-                v = np.asarray([r.get(k, 0.0) for r in rows])
-                ax["time"].bar(x, v, w, bottom=bottom, color=col, alpha=1.0 - 0.3 * j,
-                               label=f"{name} {lab}", edgecolor="k", linewidth=0.3)
-                bottom += v
+        if has_time:
+            _time_bars(ax["time"], i, name, rows, len(result.history), col)
     full = [r["sync_full_model_bytes"] for r in rows_all if "sync_full_model_bytes" in r]
     if has_recipe and full:
         ax["bytes"].axhline(full[0], color="k", ls=":", label="full sync (bf16)")
@@ -121,7 +133,7 @@ def write_loop_plot(path, result) -> None:
               "relerr": ("|g - g*| / |g*|", f"relative gradient error (0 drawn at {floor:g})", True),
               "tis": ("share of tokens", "token-TIS clip fraction (ratio > cap)", False),
               "bytes": ("bytes", "weights synced per step", True),
-              "time": ("seconds", "step time: generate / train / sync", False)}
+              "time": ("seconds", "step time: generate / old logprobs / train / sync", False)}
     for k, a in ax.items():
         ylab, title, log = titles[k]
         a.set_xlabel("step"); a.set_ylabel(ylab); a.set_title(title)

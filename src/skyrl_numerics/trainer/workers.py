@@ -312,6 +312,10 @@ class TrainerWorker:
     def logprobs(self, rollout: Rollout) -> np.ndarray:
         return self.trainer.logprobs(rollout)
 
+    def last_logprobs(self) -> np.ndarray:
+        """(The invariant trainer) the last update's forward logprobs, before its optimizer step."""
+        return self.trainer.last_logprobs
+
     def host_info(self) -> dict:
         """Where the trainer runs (a Ray actor may sit on another machine): host.host_info."""
         from skyrl_numerics.host import host_info
