@@ -8,6 +8,7 @@ import dataclasses
 import json
 
 import pytest
+from contract_child import child_process_fields
 from hypothesis import given, strategies as st
 
 from skyrl_numerics.errors import ContractMismatch, InputError
@@ -131,21 +132,6 @@ def test_the_native_kernels_switched_off_change_kernel_build_alone(invariant):
     here = invariant()
     there = dataclasses.replace(here, **child_process_fields(SKYRL_NUMERICS_NATIVE="0"))
     assert [d[0] for d in here.diff(there)] == ["kernel_build"]   # ISA, versions: the same
-
-
-def child_process_fields(**env) -> dict:
-    """:func:`contract.process_fields` (kernels, ISA, versions) of a fresh Python process with
-    ``env`` set."""
-    import os
-    import subprocess
-    import sys
-
-    code = ("import json\nfrom skyrl_numerics.invariant import contract\n"
-            "print('FIELDS ' + json.dumps(contract.process_fields()))\n")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env={**os.environ, **env}, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    return json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("FIELDS "))[7:])
 
 
 def test_the_op_table_names_every_overridden_op():

@@ -136,7 +136,8 @@ class ContractMixin:
             mc, cc = self.vllm_config.model_config, self.vllm_config.cache_config
             quant = mc.quantization
             out = contract.of_hf(mc.hf_config.to_dict(), forward="vllm", dtype=mc.dtype,
-                                 kv_format=json.dumps({"format": str(cc.cache_dtype)}),
+                                 kv_format=json.dumps({"format": str(cc.cache_dtype)},
+                                                      separators=(",", ":")),
                                  kernel_build=f"vllm {loaded_vllm_build() or 'unknown'}"
                                  + (f"; quantization {quant}" if quant else ""))
         return json.loads(json.dumps(out.to_dict()))   # plain JSON types (msgpack reply)
