@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 from rich.progress import Progress
 
-from skyrl_numerics.errors import InputError
+from skyrl_numerics.errors import ContractMismatch, InputError
 from skyrl_numerics.gap import measure
 from skyrl_numerics.host import host_report
 from skyrl_numerics.invariant.numerics import NumericsPlan
@@ -291,7 +291,11 @@ class ConfigRun:
         a.meet(self.trn, self.gen)
         # the execution contracts, before the engine takes this configuration's weights
         self.contract = ContractWatch(self.cfg.name, a.ask(self.trn, "contract"), refuse=self.cfg.bitwise)
-        self.contract.compare(a.ask(self.gen, "contract"), "before the first step")
+        try:
+            self.contract.compare(a.ask(self.gen, "contract"), "before the first step")
+        except ContractMismatch:
+            a.release(self.trn)
+            raise
         sharded = a.ask(self.trn, "sharded_info")   # a multi-rank trainer's store, else None
         a.ask(self.gen, "attach", self.sync_dir, *([sharded] if sharded else []))
         rows: list[dict] = []
