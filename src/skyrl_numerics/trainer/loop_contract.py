@@ -26,6 +26,7 @@ class ContractWatch:
         self.diff: list = []
         self.checks = 0
         self.engine_changed_at: list[str] = []
+        self.differed_at: dict[str, list[str]] = {}
 
     def compare(self, engine: dict, when: str) -> None:
         """Compare the engine's contract now (``when``: ``"before the first step"``,
@@ -35,15 +36,19 @@ class ContractWatch:
             self.engine_changed_at.append(when)
         self.engine, self.checks = eng, self.checks + 1
         self.diff = self.trainer.diff(eng)
+        if self.diff:
+            self.differed_at[when] = [d[0] for d in self.diff]
         if self.diff and self.refuse:
             raise ContractMismatch(self.diff, what=f"config {self.name!r}, {when}")
 
     def record(self) -> dict:
-        """What ``train.json`` keeps: both contracts (fields + fingerprint), whether they are
-        equal, the differing fields, how many checks ran, whether a difference refuses."""
+        """What ``train.json`` keeps: both contracts as last compared (fields + fingerprint),
+        whether they were equal, their differing fields (``diff``), how many checks ran, whether
+        a difference refuses, the checks at which the engine's contract changed and the fields
+        that differed at each check that found a difference (``differed_at``)."""
         return {"trainer": self.trainer.to_dict(),
                 "engine": self.engine.to_dict() if self.engine is not None else None,
                 "equal": self.engine is not None and not self.diff,
                 "diff": [{"field": f, "trainer": a, "engine": b} for f, a, b in self.diff],
                 "checks": self.checks, "refuses": self.refuse,
-                "engine_changed_at": self.engine_changed_at}
+                "engine_changed_at": self.engine_changed_at, "differed_at": self.differed_at}
