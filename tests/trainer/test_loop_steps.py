@@ -49,7 +49,10 @@ class FakeGenerator:
 
     def contract(self):
         CALLS.append(("contract", self.version))
-        return ENGINE_CONTRACTS.get(self.version + 1, CONTRACT)
+        got = ENGINE_CONTRACTS.get(self.version + 1, CONTRACT)
+        if isinstance(got, Exception):    # an engine that cannot report (a server without the route)
+            raise got
+        return got
 
 
 class FakeTrainer:
@@ -142,6 +145,18 @@ def test_contracts_are_recorded_and_a_bitwise_config_refuses_a_changed_engine(fa
         run_loop(str(fakes), [CONFIGS["bitwise"]], _settings(), work_dir=fakes / "c", progress=False)
     assert e.value.fields == ["kv_format"]
     assert ("sync", 1) in CALLS and ("sync", 2) not in CALLS     # version 2 never applied
+
+
+def test_an_engine_without_a_contract_is_recorded_or_refused(fakes):
+    ENGINE_CONTRACTS[1] = InputError("http://x/skyrl_contract: HTTP 404", field="contract")
+    res = run_loop(str(fakes), [CONFIGS["plain"]], _settings(), work_dir=fakes / "a", progress=False)
+    rec = res.contracts["plain"]
+    # (the stand-in answers version 0's request before the first step and at sync 1)
+    assert list(rec["unavailable_at"]) == ["before the first step", "at sync 1"] and rec["checks"] == 2
+    with pytest.raises(InputError, match="field 'contract': config 'bitwise', before the first step: "
+                                         "the engine reported no execution contract") as e:
+        run_loop(str(fakes), [CONFIGS["bitwise"]], _settings(), work_dir=fakes / "b", progress=False)
+    assert not isinstance(e.value, ContractMismatch)
 
 
 def test_off_policy_samples_the_next_rollout_before_the_sync(fakes):

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 from rich.progress import Progress
 
-from skyrl_numerics.errors import ContractMismatch, InputError
+from skyrl_numerics.errors import InputError
 from skyrl_numerics.gap import measure
 from skyrl_numerics.host import host_report
 from skyrl_numerics.invariant.numerics import NumericsPlan
@@ -292,8 +292,8 @@ class ConfigRun:
         # the execution contracts, before the engine takes this configuration's weights
         self.contract = ContractWatch(self.cfg.name, a.ask(self.trn, "contract"), refuse=self.cfg.bitwise)
         try:
-            self.contract.compare(a.ask(self.gen, "contract"), "before the first step")
-        except ContractMismatch:
+            self.check_contract("before the first step")
+        except InputError:     # ContractMismatch, or no contract for a bitwise configuration
             a.release(self.trn)
             raise
         sharded = a.ask(self.trn, "sharded_info")   # a multi-rank trainer's store, else None
@@ -345,6 +345,15 @@ class ConfigRun:
         return record(self.cfg, step, self.s, rewards, gap, metrics, pub, syn, (t_gen, t_train, t_sync),
                       old, rollout)
 
+    def check_contract(self, when: str) -> None:
+        """Compare the engine's execution contract now with the trainer's (loop_contract.py)."""
+        try:
+            got = self.a.ask(self.gen, "contract")
+        except Exception as e:   # recorded for a configuration that does not refuse
+            self.contract.unavailable(f"{type(e).__name__}: {' '.join(str(e).split())[:200]}", when)
+            return
+        self.contract.compare(got, when)
+
     def wire(self, ro_ref, rollout):
         """What a trainer call carries: the rollout's object-store reference under Ray."""
         return ro_ref if self.a.use_ray else rollout
@@ -376,7 +385,7 @@ class ConfigRun:
         """Publish the new weights; the engine applies them in place."""
         pub = self.a.ask(self.trn, "publish")
         # the engine's contract again before it takes the new version (bitwise: refused on a change)
-        self.contract.compare(self.a.ask(self.gen, "contract"), f"at sync {pub['version']}")
+        self.check_contract(f"at sync {pub['version']}")
         syn = self.a.ask(self.gen, "sync", *([pub["sharded"]] if pub.get("sharded") else []))
         return pub, syn
 

@@ -11,7 +11,7 @@ record the difference and go on. ``train.json`` → ``contracts`` → configurat
 """
 from __future__ import annotations
 
-from skyrl_numerics.errors import ContractMismatch
+from skyrl_numerics.errors import ContractMismatch, InputError
 from skyrl_numerics.invariant.contract import ExecutionContract
 
 
@@ -27,6 +27,7 @@ class ContractWatch:
         self.checks = 0
         self.engine_changed_at: list[str] = []
         self.differed_at: dict[str, list[str]] = {}
+        self.unavailable_at: dict[str, str] = {}
 
     def compare(self, engine: dict, when: str) -> None:
         """Compare the engine's contract now (``when``: ``"before the first step"``,
@@ -41,6 +42,15 @@ class ContractWatch:
         if self.diff and self.refuse:
             raise ContractMismatch(self.diff, what=f"config {self.name!r}, {when}")
 
+    def unavailable(self, why: str, when: str) -> None:
+        """The engine could not report its contract (e.g. a server without our route): recorded
+        (``unavailable``) for a configuration that does not refuse; a bitwise one cannot run
+        unchecked and is refused naming ``contract``."""
+        if self.refuse:
+            raise InputError(f"config {self.name!r}, {when}: the engine reported no execution "
+                             f"contract ({why}); a bitwise run needs it", field="contract")
+        self.unavailable_at[when] = why
+
     def record(self) -> dict:
         """What ``train.json`` keeps: both contracts as last compared (fields + fingerprint),
         whether they were equal, their differing fields (``diff``), how many checks ran, whether
@@ -51,4 +61,5 @@ class ContractWatch:
                 "equal": self.engine is not None and not self.diff,
                 "diff": [{"field": f, "trainer": a, "engine": b} for f, a, b in self.diff],
                 "checks": self.checks, "refuses": self.refuse,
-                "engine_changed_at": self.engine_changed_at, "differed_at": self.differed_at}
+                "engine_changed_at": self.engine_changed_at, "differed_at": self.differed_at,
+                **({"unavailable_at": self.unavailable_at} if self.unavailable_at else {})}
