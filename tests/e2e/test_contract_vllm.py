@@ -118,3 +118,12 @@ def test_the_doctors_bitwise_rows_compare_before_running(vllm_qwen_invariant, qw
     assert refused["_contract"]["refuses"] is True
     assert recorded["status"] == "measured" and recorded["_contract"]["refuses"] is False
     assert np.isfinite(out[2].report.summary()["mean_abs"])
+
+
+def test_the_invariant_mla_engine_reports_the_trainers_contract(vllm_deepseek_invariant,
+                                                                deepseek_v3_dir):
+    """DeepSeek-V3 (absorbed MLA, YaRN RoPE, the model type overridden for vLLM): the worker's
+    config digest (its dims and RoPE from vLLM's config) equals the trainer's."""
+    engine = vllm_deepseek_invariant.contract()
+    trainer = C.of_model(_trainer(deepseek_v3_dir))
+    assert engine.diff(trainer) == [] and engine.family == "DeepseekV3ForCausalLM"
