@@ -2,7 +2,9 @@
 
 Every check in the library that rejects user data raises :class:`InputError` with the place
 (``row``, ``field``, ``index``; ``turn`` for a multi-turn trajectory's token) and what was expected
-vs what was found. Three more, not about input: :class:`NotEnoughMemory` (a step that would not
+vs what was found. :class:`ContractMismatch` (an InputError) refuses a bitwise run whose trainer and engine would
+compute other numbers, naming each differing field of the execution contract. Three more, not
+about input: :class:`NotEnoughMemory` (a step that would not
 fit), :class:`PatchError` (a refused monkeypatch, ``patching.py``) and :class:`NotInvariant` (what
 ``kernels.batch_invariant_mode`` cannot make batch-invariant, named instead of run silently).
 """
@@ -68,3 +70,24 @@ class NotInvariant(RuntimeError):
     def __init__(self, op: str, why: str):
         self.op, self.why = op, why
         super().__init__(f"batch_invariant_mode: {op}: {why}")
+
+
+class ContractMismatch(InputError):
+    """Trainer and engine would not compute the same bits: their execution contracts
+    (``invariant/contract.py``) differ. ``diff``: ``[(field, trainer's, engine's)]``; ``fields``:
+    the differing field names; ``what``: where the check ran. One line naming every field (long
+    values cut to 80 characters)."""
+
+    def __init__(self, diff, *, what: str = ""):
+        self.diff = [tuple(d) for d in diff]
+        self.fields = [d[0] for d in self.diff]
+        self.what = what
+
+        def cut(v) -> str:
+            s = repr(v)
+            return s if len(s) <= 80 else s[:77] + "..."
+
+        parts = "; ".join(f"{f} {cut(a)} vs {cut(b)}" for f, a, b in self.diff)
+        super().__init__(f"execution contract{f' ({what})' if what else ''}: trainer vs engine "
+                         f"differ in {parts}: a bitwise run needs both sides to compute the same "
+                         "numbers", field=",".join(self.fields))

@@ -105,6 +105,10 @@ def test_doctor_batch_invariant_row(tmp_path, vllm_qwen_invariant):
     assert rep["full distribution bitwise ="] == "100%"
     assert rep["logits_digest"]["frac_bitwise"] == 1.0 and rep["logits_digest"]["positions"] == 96
     assert rep["logits_digest"]["first_mismatch"] is None
+    # the execution contracts, compared before the row ran (the engine's from its worker)
+    c = rep["contract"]
+    assert c["diff"] == [] and c["refuses"] and c["engine"]["forward"] == "invariant"
+    assert c["trainer"]["fingerprint"] == c["engine"]["fingerprint"]
 
 
 def test_doctor_multi_turn_rows(tmp_path, vllm_qwen, vllm_qwen_invariant):

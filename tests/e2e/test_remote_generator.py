@@ -81,6 +81,50 @@ def test_the_invariant_trainer_reproduces_the_server_bit_for_bit(served, qwen_mo
                           ro.rollout_logprobs.view(np.uint32))
 
 
+def test_the_server_reports_the_contract_its_worker_computes(served, vllm_qwen_invariant,
+                                                             qwen_moe_dir):
+    """``GET /skyrl_contract`` (the worker's ``skyrl_contract``): the same contract as the
+    in-process invariant engine's and the invariant trainer's, one fingerprint."""
+    import requests
+
+    from skyrl_numerics.engine.remote import RemoteGenerator
+    from skyrl_numerics.invariant import contract as C, from_checkpoint
+
+    url, _, _ = served
+    got = RemoteGenerator(url).contract()
+    assert got == vllm_qwen_invariant.contract() == C.of_model(from_checkpoint(qwen_moe_dir))
+    raw = requests.get(url + "/skyrl_contract", timeout=30).json()
+    assert len(raw["workers"]) == 1 and raw["contract"]["fingerprint"] == got.fingerprint()
+
+
+def test_a_bitwise_loop_whose_trainer_runs_another_kernel_build_is_refused(served, qwen_moe_dir,
+                                                                           tmp_path):
+    """The trainer as a Ray actor whose process runs without the compiled C kernels
+    (``SKYRL_NUMERICS_NATIVE=0``), the server's worker with them: the bitwise loop is refused
+    naming ``kernel_build`` before the first step; the server keeps its weights."""
+    import ray
+    import requests
+
+    from skyrl_numerics.errors import ContractMismatch
+    from skyrl_numerics.trainer.loop import CONFIGS, LoopSettings, run_loop
+
+    url, _, _ = served
+    version = requests.get(url + "/weight_info", timeout=10).json()["weight_version"]
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"SKYRL_NUMERICS_NATIVE": "0"}})
+    try:
+        with pytest.raises(ContractMismatch) as e:
+            run_loop(str(qwen_moe_dir), [CONFIGS["bitwise"]],
+                     LoopSettings(steps=1, prompts_per_step=1, samples_per_prompt=1, max_tokens=4,
+                                  measure_grad=False),
+                     server=url, use_ray=True, work_dir=tmp_path, progress=False)
+    finally:
+        ray.shutdown()
+    assert e.value.fields == ["kernel_build"]
+    assert "config 'bitwise', before the first step" in str(e.value)
+    assert requests.get(url + "/weight_info", timeout=10).json()["weight_version"] == version
+
+
 def test_bad_requests_and_servers(served):
     from skyrl_numerics.engine.remote import RemoteGenerator
 
@@ -134,6 +178,9 @@ def test_doctor_against_the_server(served, qwen_moe_dir, tmp_path):
     assert rep[rows[1]]["distribution"]["frac_bitwise"] == 1.0
     assert rep[rows[1]]["distribution"]["positions"] == 48
     assert rep[rows[1]]["top-20 dist. bitwise ="] == "100%"
+    # both execution contracts recorded, compared before the row ran: one fingerprint
+    c = rep[rows[1]]["contract"]
+    assert c["diff"] == [] and c["refuses"] and c["trainer"]["fingerprint"] == c["engine"]["fingerprint"]
     # the full-row digest is hashed in an in-process engine's worker: a server sends none
     assert "full distribution bitwise =" not in rep[rows[1]] and "logits_digest" not in rep[rows[1]]
     assert rep[rows[0]]["status"] == "measured" and rep[rows[0]]["summary"]["n_tokens"] == 48
@@ -183,6 +230,11 @@ def test_the_bitwise_loop_against_the_server_stays_exact(served, qwen_moe_dir, t
         assert rows[0]["gap_max_abs"] == 0.0 and rows[1]["rollout_lag"] == 1
         assert rows[1]["gap_max_abs"] > 0.0
     assert [r["sync_version"] for r in rows] == [1, 2] and rows[0]["sync_payload_bytes"] > 0
+    # the contracts compared before the first step and at both syncs, equal every time
+    c = res.contracts["bitwise"]
+    assert c["equal"] and c["checks"] == 3 and c["refuses"] and c["engine_changed_at"] == []
+    assert c["trainer"]["fingerprint"] == c["engine"]["fingerprint"]
+    assert res.to_dict()["contracts"] == res.contracts
     assert requests.get(url + "/weight_info", timeout=10).json()["weight_version"] == "2"
     assert requests.get(url + "/is_paused", timeout=10).json()["is_paused"] is False
     with pytest.raises(InputError, match="needs a stock server"):

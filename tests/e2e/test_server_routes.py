@@ -155,6 +155,8 @@ def test_uninstall_restores_every_patched_object():
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
+    import vllm.entrypoints.serve as serve
+
     from skyrl_numerics.engine import vllm_patches
 
     depth = 0
@@ -165,7 +167,8 @@ def test_uninstall_restores_every_patched_object():
         targets = [(authenticate, "GUARDED_PREFIX"), (plugins, "load_endpoint_plugins"),
                    (AsyncLLM, "finish_weight_update"),
                    (VllmConfig, "_verify_aux_output_compatibility"),
-                   (VllmConfig, "_verify_sampling_replay_config")]
+                   (VllmConfig, "_verify_sampling_replay_config"),
+                   (serve, "register_vllm_dev_api_routers")]
         if current_platform.is_cpu():     # the runner patches exist on the CPU platform only
             targets += [(CPUModelRunner, "execute_model"), (CPUModelRunner, "sample_tokens")]
         before = {(id(o), n): getattr(o, n) for o, n in targets}

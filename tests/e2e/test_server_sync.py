@@ -113,9 +113,30 @@ def test_control_routes_need_the_api_key(server):
                 assert r.status_code == 401, (method, path, r.status_code, r.text[:200])
             checked += 1
     assert checked >= 30
-    for path in ("/start_weight_update", "/update_weights", "/pause", "/collective_rpc"):
+    for path in ("/start_weight_update", "/update_weights", "/pause", "/collective_rpc",
+                 "/skyrl_contract"):
         assert path in spec["paths"]
     assert requests.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_the_contract_route_needs_the_key_and_names_the_stock_forward(server, model_dir):
+    """``GET /skyrl_contract`` on a stock server with a key: refused without it (the client's
+    InputError names the key), and with it the stock worker's contract, which a bitwise trainer
+    refuses naming ``forward`` first."""
+    from skyrl_numerics.engine.remote import RemoteGenerator
+    from skyrl_numerics.errors import ContractMismatch, InputError
+    from skyrl_numerics.invariant import contract as C, from_checkpoint
+
+    assert requests.get(server.url + "/skyrl_contract", timeout=10).status_code == 401
+    remote = RemoteGenerator(server.url, api_key=API_KEY)
+    got = remote.contract()
+    assert got.forward == "vllm" and got.family == "Qwen3MoeForCausalLM" and got.numerics == "none"
+    remote.api_key, remote._headers = None, {}
+    with pytest.raises(InputError, match="field 'api_key'"):
+        remote.contract()
+    with pytest.raises(ContractMismatch) as e:
+        C.check(C.of_model(from_checkpoint(model_dir)), got)
+    assert e.value.fields[0] == "forward"
 
 
 # ---- updates through vLLM's own client -------------------------------------------------------

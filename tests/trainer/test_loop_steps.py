@@ -9,12 +9,16 @@ import json
 import numpy as np
 import pytest
 
-from skyrl_numerics.errors import InputError
+from skyrl_numerics.errors import ContractMismatch, InputError
+from skyrl_numerics.invariant import contract as C
 from skyrl_numerics.rollout import Rollout
 from skyrl_numerics.trainer import loop_actors
 from skyrl_numerics.trainer.loop import CONFIGS, LoopPlacement, LoopRun, LoopSettings, run_loop
 
 CALLS: list = []
+# the execution contract both stand-ins report (a real one, of the stand-in config)
+CONTRACT = C.of_hf({"architectures": ["Qwen3MoeForCausalLM"]}, dtype="bfloat16").to_dict()
+ENGINE_CONTRACTS: dict = {}    # sync version -> the contract the engine reports at that sync
 
 
 class FakeGenerator:
@@ -43,6 +47,13 @@ class FakeGenerator:
     def engine_host(self):
         return {"isa": "test"}
 
+    def contract(self):
+        CALLS.append(("contract", self.version))
+        got = ENGINE_CONTRACTS.get(self.version + 1, CONTRACT)
+        if isinstance(got, Exception):    # an engine that cannot report (a server without the route)
+            raise got
+        return got
+
 
 class FakeTrainer:
     def __init__(self, model_dir, config, sync_dir, snapshot_every, backend="fsdp"):
@@ -51,6 +62,9 @@ class FakeTrainer:
 
     def host_info(self):
         return {"isa": "test"}
+
+    def contract(self):
+        return CONTRACT
 
     def sharded_info(self):
         return None
@@ -83,6 +97,7 @@ def fakes(monkeypatch, tmp_path):
     monkeypatch.setattr(loop_actors, "GeneratorWorker", FakeGenerator)
     monkeypatch.setattr(loop_actors, "TrainerWorker", FakeTrainer)
     CALLS.clear()
+    ENGINE_CONTRACTS.clear()
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3MoeForCausalLM"]}))
     return tmp_path
 
@@ -103,13 +118,51 @@ def test_one_step_is_generate_logprobs_train_publish_sync(fakes):
     assert [list(r) for r in rows] == [ROW_KEYS] * 3            # train.json's history schema
     assert [r["rollout_lag"] for r in rows] == [0, 0, 0] and [r["sync_version"] for r in rows] == [1, 2, 3]
     kinds = [c[0] for c in CALLS]
-    assert kinds == (["attach"] + ["generate", "logprobs", "step", "publish", "sync"] * 3 + ["close", "restore"])
+    # the engine's contract before it takes the configuration's weights and before every sync
+    assert kinds == (["contract", "attach"] + ["generate", "logprobs", "step", "publish", "contract", "sync"] * 3
+                     + ["close", "restore"])
     # on-policy: step s samples with the weights of version s (after s syncs)
     assert [c[2] for c in CALLS if c[0] == "generate"] == [0, 1, 2]
     s = res.settings
     assert s["steps"] == 3 and s["backend"] == "fsdp" and s["task"] == {"limit": 64}
     assert s["configs"][0]["name"] == "aligned" and s["configs"][0]["trainer"]["correction"] == "token_tis"
     json.dumps(res.to_dict())
+
+
+def test_contracts_are_recorded_and_a_bitwise_config_refuses_a_changed_engine(fakes):
+    """Equal contracts: recorded with the number of checks. An engine whose contract changes at
+    sync 2 (its KV format) is recorded for ``plain`` and refused for ``bitwise`` before it
+    takes version 2, naming the field."""
+    other = C.ExecutionContract.from_dict(CONTRACT)
+    other = dataclasses.replace(other, kv_format='{"format":"fp8","k_scale":1.0,"v_scale":1.0}')
+    res = run_loop(str(fakes), [CONFIGS["plain"]], _settings(), work_dir=fakes / "a", progress=False)
+    rec = res.to_dict()["contracts"]["plain"]
+    assert rec["equal"] and rec["checks"] == 4 and not rec["refuses"]
+    assert rec["trainer"]["fingerprint"] == rec["engine"]["fingerprint"] == CONTRACT["fingerprint"]
+    ENGINE_CONTRACTS[2] = ENGINE_CONTRACTS[3] = other.to_dict()
+    res = run_loop(str(fakes), [CONFIGS["plain"]], _settings(), work_dir=fakes / "b", progress=False)
+    rec = res.contracts["plain"]
+    assert [d["field"] for d in rec["diff"]] == ["kv_format"] and rec["engine_changed_at"] == ["at sync 2"]
+    assert rec["differed_at"] == {"at sync 2": ["kv_format"], "at sync 3": ["kv_format"]}
+    assert not rec["equal"] and rec["checks"] == 4
+    CALLS.clear()
+    with pytest.raises(ContractMismatch, match="config 'bitwise', at sync 2\\): trainer vs engine differ "
+                                               "in kv_format ") as e:
+        run_loop(str(fakes), [CONFIGS["bitwise"]], _settings(), work_dir=fakes / "c", progress=False)
+    assert e.value.fields == ["kv_format"]
+    assert ("sync", 1) in CALLS and ("sync", 2) not in CALLS     # version 2 never applied
+
+
+def test_an_engine_without_a_contract_is_recorded_or_refused(fakes):
+    ENGINE_CONTRACTS[1] = InputError("http://x/skyrl_contract: HTTP 404", field="contract")
+    res = run_loop(str(fakes), [CONFIGS["plain"]], _settings(), work_dir=fakes / "a", progress=False)
+    rec = res.contracts["plain"]
+    # (the stand-in answers version 0's request before the first step and at sync 1)
+    assert list(rec["unavailable_at"]) == ["before the first step", "at sync 1"] and rec["checks"] == 2
+    with pytest.raises(InputError, match="field 'contract': config 'bitwise', before the first step: "
+                                         "the engine reported no execution contract") as e:
+        run_loop(str(fakes), [CONFIGS["bitwise"]], _settings(), work_dir=fakes / "b", progress=False)
+    assert not isinstance(e.value, ContractMismatch)
 
 
 def test_off_policy_samples_the_next_rollout_before_the_sync(fakes):

@@ -174,7 +174,8 @@ def _cmd_doctor(args) -> int:
         if not elog.verbose:
             wrote.append(elog.keep(out / "vllm.log"))
         console.print("wrote " + ", ".join(plain(p) for p in wrote))
-    failed = [r.name for r in res.rows if str(r.extra.get("status", "")).startswith("failed")]
+    failed = [r.name for r in res.rows
+              if str(r.extra.get("status", "")).startswith(("failed", "refused"))]
     return 1 if failed else 0
 
 

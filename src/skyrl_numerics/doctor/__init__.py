@@ -25,7 +25,7 @@ from skyrl_numerics.doctor.engine_memory import (plan_for_doctor, release_engine
                                                  scoring_needs_the_engines_memory)
 from skyrl_numerics.doctor.model_check import inspect_checkpoint
 from skyrl_numerics.engine import generator as engine_generator
-from skyrl_numerics.errors import NotEnoughMemory
+from skyrl_numerics.errors import ContractMismatch, NotEnoughMemory
 from skyrl_numerics.host import host_info, host_report, vllm_capabilities, vllm_version
 from skyrl_numerics.models import build_tiny_model
 from skyrl_numerics.rollout import Rollout
@@ -65,6 +65,7 @@ class DoctorResult:
                       **({"logits_digest": r.extra["_logits_digest"]}
                          if "_logits_digest" in r.extra else {}),
                       **({"cause": r.extra["_cause"]} if "_cause" in r.extra else {}),
+                      **({"contract": r.extra["_contract"]} if "_contract" in r.extra else {}),
                       "summary": r.report.summary(), "report": r.report.to_dict()}
                      for r in self.rows],
         }
@@ -176,11 +177,20 @@ def _measured_row(row: Row, ctx: DoctorContext, ro: Rollout, lp: np.ndarray, bes
         except Exception as e:
             LOG.exception("doctor: row %r logits digest check failed", row.name)
             extra[DIGEST_KEY] = f"failed: {one_line(e)}"
+    extra.update(_contract_extra(row, ctx, {row.scenario: ro}))
     if beside_start.get(row.scenario):
         extra["_vLLM tok/s mark"] = ("†", "sampled while the next engine started in the "
                                     "background (SKYRL_NUMERICS_DOCTOR_PREFETCH=0: "
                                     "throughput without it)")
     return ReportRow(row.name, report, np.abs(lp - ro.rollout_logprobs)[ro.model_mask], extra)
+
+
+def _contract_extra(row: Row, ctx: DoctorContext, rollouts: dict) -> dict:
+    """``{"_contract": ...}`` for a row that compares execution contracts (report.json's row
+    ``contract``: both sides, their difference); ``{}`` otherwise."""
+    contract, ro = getattr(row.compute, "contract", None), rollouts.get(row.scenario)
+    got = contract(ctx, ro) if contract is not None and ro is not None else None
+    return {"_contract": got} if got else {}
 
 
 CAUSE_KEY = "cause closed (mean |Δ|)"   # the report column of a row's ``closes``
@@ -231,13 +241,16 @@ def score_rows(selected: list, ctx: DoctorContext, rollouts: dict, skipped: dict
             except NotEnoughMemory as e:   # measured before loading its copy: nothing ran
                 LOG.warning("doctor: row %r skipped: %s", row.name, e)
                 status = f"skipped: {e}"
+            except ContractMismatch as e:  # the trainer's forward did not run
+                LOG.warning("doctor: row %r refused: %s", row.name, e)
+                status = f"refused: {e}"
             except Exception as e:
                 LOG.exception("doctor: row %r failed", row.name)
                 status = f"failed: {one_line(e)}"
         if status is not None:
             results[i] = ReportRow(row.name, SkippedReport(status), np.zeros(0, np.float32),
                                    {"scenario": row.scenario, "note": row.note,
-                                    "status": status})
+                                    "status": status, **_contract_extra(row, ctx, rollouts)})
         else:
             results[i], lps[i] = _measured_row(row, ctx, ro, lp, beside_start), lp
         if i in frees and release_copy(ctx._models, frees[i]):
@@ -319,6 +332,19 @@ def _doctor_inputs(family: str, rows, seed: int, model_dir, ekw: dict, dtype, ch
     if check is not None:  # before skip_reason, which may load the HF model
         prompts = check(ckpt, selected) or prompts
     return ctx, selected, prompts
+
+
+def engine_contract(engine) -> dict | None:
+    """The execution contract the engine's worker reports (``to_dict``), ``{"error": why}`` when
+    it cannot, None for an engine without the method (a stand-in)."""
+    ask = getattr(engine, "contract", None)
+    if ask is None:
+        return None
+    try:
+        return ask().to_dict()
+    except Exception as e:   # the bitwise rows then run without the check, saying so
+        LOG.warning("doctor: the engine reported no execution contract: %s", one_line(e))
+        return {"error": one_line(e)}
 
 
 def _host_report(hosts: list) -> dict:
@@ -436,12 +462,15 @@ class DoctorRun:
     def _sample(self, engine, sc: str, spec: Scenario) -> None:
         """Warm the engine up (so tokens/s compares engines), then sample the scenario."""
         self.hosts.append(getattr(engine, "engine_host", None))
+        contract = engine_contract(engine)
         engine.generate([[2, 3]], max_tokens=2)
         sc_prompts = self.prompts or make_prompts(self.n_prompts, self.prompt_len,
                                                   engine.vocab_size, self.seed)
         self.beside_start[sc] = self.starts.busy()
         self.rollouts[sc] = spec.sample(engine, sc_prompts, max_tokens=self.max_tokens,
                                         seed=self.seed)
+        if contract is not None:    # what the engine's worker ran (its rows compare it)
+            self.rollouts[sc].meta["engine_contract"] = contract
         self.beside_start[sc] |= self.starts.busy()
 
     def engine_info(self):

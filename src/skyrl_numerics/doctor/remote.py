@@ -51,7 +51,7 @@ def run_doctor_remote(url: str, model_dir: str | Path, *, api_key: str | None = 
     from rich.progress import Progress
 
     from skyrl_numerics.doctor import (GENERIC_FAMILIES, ROWS, SCENARIOS, DoctorContext,
-                                       DoctorResult, one_line, make_prompts, score_rows,
+                                       DoctorResult, engine_contract, one_line, make_prompts, score_rows,
                                        skip_reason)
     from skyrl_numerics.errors import InputError
     from skyrl_numerics.host import host_info, host_report, vllm_capabilities
@@ -81,6 +81,7 @@ def run_doctor_remote(url: str, model_dir: str | Path, *, api_key: str | None = 
     scenarios = list(dict.fromkeys(r.scenario for r in selected if skipped[r.name] is None))
     log = logging.getLogger("skyrl_numerics.doctor")
     rollouts, failed, no_routes = {}, {}, None
+    contract = engine_contract(remote)    # the server's worker's: the bitwise rows compare it
     with Progress(disable=not progress, transient=True) as prog:
         task = prog.add_task("sampling", total=len(scenarios) + len(selected))
         for sc in scenarios:
@@ -91,6 +92,8 @@ def run_doctor_remote(url: str, model_dir: str | Path, *, api_key: str | None = 
                 # sends no such field, so the remote scenario goes without it
                 rollouts[sc] = SCENARIOS[sc].sample(remote, sc_prompts, max_tokens=max_tokens,
                                                     seed=seed, without=("logits_digest",))
+                if contract is not None:
+                    rollouts[sc].meta["engine_contract"] = contract
                 if rollouts[sc].routes is None and ckpt.is_moe:
                     no_routes = ("the server sent no routed_experts (start it with "
                                  "--enable-return-routed-experts)")

@@ -13,6 +13,7 @@ from typing import Callable
 import numpy as np
 
 from skyrl_numerics.doctor.engine_memory import make_room_for
+from skyrl_numerics.errors import ContractMismatch
 from skyrl_numerics.rollout import Rollout
 
 FULL = dict(temperature=1.0, top_p=1.0, top_k=0)
@@ -222,11 +223,28 @@ register_row(Row("multi-turn: + R3 (routes from turn deltas)", "multi-turn tool 
                  note="each position's routes shipped once (RouteTrace), replayed in the trainer"))
 
 
-def _invariant_trainer(kv_cache: str | None = None, plan_of: str | None = None):
+def _invariant_trainer(kv_cache: str | None = None, plan_of: str | None = None, *,
+                       bitwise: bool = True):
     """The family's invariant forward in the trainer; ``kv_cache``: the cache format it simulates
     (the engine's, for a bitwise row; ``None`` against an FP8 engine shows that cause's size);
-    ``plan_of``: a serving scenario whose numerics plan (:func:`serving_plan`) it computes."""
+    ``plan_of``: a serving scenario whose numerics plan (:func:`serving_plan`) it computes.
+    ``bitwise``: the row expects every token equal, so it compares the trainer's execution
+    contract with the one the engine reported (``rollout.meta["engine_contract"]``) before it
+    runs and refuses a difference (:class:`~skyrl_numerics.errors.ContractMismatch`); otherwise
+    the contracts are only recorded."""
     key = ("invariant", kv_cache) if plan_of is None else ("invariant", kv_cache, plan_of)
+
+    def contract(ctx: DoctorContext, rollout: Rollout) -> dict | None:
+        """Both contracts and their difference (report.json's row ``contract``); None when the
+        engine reported none."""
+        from skyrl_numerics.invariant.contract import ExecutionContract, of_model
+
+        engine = rollout.meta.get("engine_contract")
+        if key not in ctx._models or not isinstance(engine, dict) or "error" in engine:
+            return None if engine is None else {"engine": engine}
+        trainer, theirs = of_model(ctx._models[key]), ExecutionContract.from_dict(engine, source="engine")
+        return {"trainer": trainer.to_dict(), "engine": theirs.to_dict(), "refuses": bitwise,
+                "diff": [{"field": f, "trainer": a, "engine": b} for f, a, b in trainer.diff(theirs)]}
 
     def compute(ctx: DoctorContext, rollout: Rollout) -> np.ndarray:
         from skyrl_numerics.invariant import from_checkpoint
@@ -240,6 +258,10 @@ def _invariant_trainer(kv_cache: str | None = None, plan_of: str | None = None):
 
                 plan = NumericsPlan.from_json(serving_plan(plan_of, ctx.model_dir))
             ctx._models[key] = from_checkpoint(ctx.model_dir, kv_cache=kv_cache, numerics=plan)
+        got = contract(ctx, rollout)
+        if bitwise and got and got.get("diff"):    # before the trainer's forward runs
+            raise ContractMismatch([(d["field"], d["trainer"], d["engine"]) for d in got["diff"]],
+                                   what="doctor, before the trainer's forward")
         return invariant_trainer_logprobs(ctx._models[key], rollout).logprobs
 
     def distribution(ctx: DoctorContext, rollout: Rollout) -> dict:
@@ -255,7 +277,7 @@ def _invariant_trainer(kv_cache: str | None = None, plan_of: str | None = None):
 
         return invariant_logits_digest(ctx._models[key], rollout)
     compute.distribution, compute.trainer = distribution, key
-    compute.logits_digest = logits_digest
+    compute.logits_digest, compute.contract = logits_digest, contract
     return compute
 
 
@@ -265,7 +287,7 @@ register_row(Row("+ batch-invariant (trainer and vLLM)", "batch-invariant", _inv
 register_row(Row("multi-turn: batch-invariant (trainer and vLLM)", "multi-turn, batch-invariant",
                  _invariant_trainer(), note="every model token of every turn bitwise equal"))
 register_row(Row("FP8 KV engine: trainer without KV simulation", "batch-invariant, FP8 KV",
-                 _invariant_trainer(None),
+                 _invariant_trainer(None, bitwise=False),
                  note="invariant engine with an FP8 cache, invariant trainer attending over "
                       "unquantized K/V: the size of the FP8-KV cause alone"))
 register_row(Row("+ batch-invariant, FP8 KV (trainer simulates the cache)", "batch-invariant, FP8 KV",

@@ -22,6 +22,7 @@ import numpy as np
 
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.host import engine_memory_share, on_gpu
+from skyrl_numerics.invariant.contract import ExecutionContract
 from skyrl_numerics.rollout import Rollout
 
 from .assemble import Request, Samples, assemble_rollout, check_generate
@@ -183,6 +184,12 @@ class VLLMGenerator:
             return self.llm.collective_rpc("skyrl_host_info")[0]
         except Exception as e:   # informational: never fails the engine
             return {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"}
+
+    def contract(self) -> ExecutionContract:
+        """The execution contract of what the engine's worker runs, computed in the worker
+        (``skyrl_contract``, vllm_ext.py) each call: its model, plan, KV format, kernels, ISA."""
+        return ExecutionContract.from_dict(self.llm.collective_rpc("skyrl_contract")[0],
+                                           source="engine worker")
 
     # ---------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], *, temperature: float = 1.0,

@@ -28,11 +28,13 @@ from typing import Any, Sequence
 
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.hf_config import moe_layout
+from skyrl_numerics.invariant.contract import ExecutionContract
 from skyrl_numerics.replay import PackedRoutes, decode_vllm_routes
 from skyrl_numerics.rollout import Rollout
 
 from .assemble import Request, Samples, assemble_rollout, check_generate
 from .generator import EngineInfo
+from .vllm_patches import CONTRACT_ROUTE
 
 JSON_NEG_INF = -9999.0   # vLLM's OpenAI layer writes -inf logprobs as this
 
@@ -116,6 +118,20 @@ class RemoteGenerator:
             return r.json()["results"][0]
         except Exception as e:   # informational
             return {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"}
+
+    def contract(self) -> ExecutionContract:
+        """The execution contract the server's worker computes (``GET /skyrl_contract``, behind
+        the API key; ``engine/vllm_patches.py``), asked each call. A server without the route
+        (not started with our plugin in dev mode) is an InputError saying so."""
+        try:
+            got = self._get(CONTRACT_ROUTE)
+        except InputError:
+            raise
+        except Exception as e:
+            raise InputError(f"{self.url}{CONTRACT_ROUTE}: {type(e).__name__}: "
+                             f"{' '.join(str(e).split())[:200]} (a server started by "
+                             "skyrl-numerics serve answers it)", field="contract") from None
+        return ExecutionContract.from_dict(got.get("contract"), source=self.url + CONTRACT_ROUTE)
 
     def moe_layout(self) -> tuple[int, list[int]] | None:
         """``(num_experts, moe layer indices)`` from the checkpoint config, or ``None``."""
@@ -345,6 +361,16 @@ class RemoteGeneratorWorker:
 
     def engine_host(self) -> dict | None:
         return self.gen.engine_host
+
+    def contract(self) -> dict:
+        """Every replica's execution contract (``to_dict``); replicas that differ are refused
+        naming the fields (the first replica's stands for all)."""
+        from skyrl_numerics.invariant.contract import check
+
+        cs = [g.contract() for g in self.gens]
+        for g, c in zip(self.gens[1:], cs[1:]):
+            check(cs[0], c, what=f"replica {g.url} vs {self.gens[0].url}")
+        return cs[0].to_dict()
 
     def restore(self) -> None:
         """The server is the user's: it keeps the last weights it was sent."""

@@ -1,6 +1,7 @@
 """The one worker-side extension of the vLLM engine (:class:`SkyrlWorkerExtension`), composed here
 from small mixins by concern — in-place weights (:class:`WeightsMixin`), which kernels run the
-layers, parameter digests and the host report (:class:`KernelsMixin`), the capture of the experts
+layers, parameter digests and the host report (:class:`KernelsMixin`), the execution contract
+of what the worker runs (:class:`ContractMixin`), the capture of the experts
 each MoE router chose (R3, :class:`RoutesMixin`), of the support the sampler kept
 (:class:`SupportsMixin`) and of a digest of every sampled position's logits row
 (:class:`DigestsMixin`) — plus the two diagnostic engines of the DeepSeek-V3 attribution, the same
@@ -21,7 +22,7 @@ from .sharded_worker import ShardedSyncWorker
 from .vllm_patches import wrap_sampler, wrap_sampler_logits
 
 __all__ = ["SkyrlWorkerExtension", "MLAScheduleExtension", "MLARopeFixExtension", "WeightsMixin",
-           "KernelsMixin", "RoutesMixin", "SupportsMixin", "DigestsMixin"]
+           "KernelsMixin", "ContractMixin", "RoutesMixin", "SupportsMixin", "DigestsMixin"]
 
 
 def _request_amx_permission() -> bool:
@@ -111,6 +112,35 @@ class KernelsMixin:
         # plain JSON types only: vLLM's msgpack reply cannot carry e.g. a TorchVersion, and a
         # reply it cannot encode is never answered (the caller would wait forever)
         return json.loads(json.dumps(host_info()))
+
+
+class ContractMixin:
+    """The execution contract of what this worker runs (``invariant/contract.py``), computed
+    here, in the worker: its model, its plan, its KV format, its kernels, its ISA."""
+
+    def skyrl_contract(self) -> dict:
+        """:meth:`ExecutionContract.to_dict` of this worker's forward: the batch-invariant model's
+        (:func:`~skyrl_numerics.invariant.contract.of_model` on the model's ``core``), else the
+        stock vLLM model's (its HF config, dtype, quantization, ``cache_dtype`` and kernel
+        library: :func:`~skyrl_numerics.invariant.contract.of_hf`)."""
+        import json
+
+        from skyrl_numerics.host import loaded_vllm_build
+        from skyrl_numerics.invariant import contract
+
+        model = self.model_runner.get_model()
+        core = getattr(model, "core", None)
+        if core is not None and hasattr(core, "kv"):
+            out = contract.of_model(core)
+        else:
+            mc, cc = self.vllm_config.model_config, self.vllm_config.cache_config
+            quant = mc.quantization
+            out = contract.of_hf(mc.hf_config.to_dict(), forward="vllm", dtype=mc.dtype,
+                                 kv_format=json.dumps({"format": str(cc.cache_dtype)},
+                                                      separators=(",", ":")),
+                                 kernel_build=f"vllm {loaded_vllm_build() or 'unknown'}"
+                                 + (f"; quantization {quant}" if quant else ""))
+        return json.loads(json.dumps(out.to_dict()))   # plain JSON types (msgpack reply)
 
 
 class RoutesMixin:
@@ -244,12 +274,12 @@ class DigestsMixin:
 
 # ---- the extensions: the mixins composed ------------------------------------------------------
 
-class SkyrlWorkerExtension(WeightsMixin, ShardedSyncWorker, KernelsMixin, RoutesMixin, SupportsMixin,
-                           DigestsMixin):
+class SkyrlWorkerExtension(WeightsMixin, ShardedSyncWorker, KernelsMixin, ContractMixin, RoutesMixin,
+                           SupportsMixin, DigestsMixin):
     """The one worker extension (``WORKER_EXTENSION`` of ``generator.py`` / ``server.py`` /
     ``sync/vllm.py``): in-place weight loading (``skyrl_load_weights``, the load path of
     ``sync/vllm.py``; ``skyrl_shard_*``, the sharded transfer of ``sync/sharded.py``), which kernels
-    run the layers, parameter digests, the host report, route capture, support capture and
+    run the layers, parameter digests, the host report, the execution contract, route capture, support capture and
     logits digests."""
 
 

@@ -75,6 +75,14 @@ Class and module patches (:func:`install`)
     only call the originals. (vLLM CPU turns async scheduling off; an ``AsyncModelRunnerOutput``
     would be passed through without the outputs.)
 
+``vllm.entrypoints.serve.register_vllm_dev_api_routers``
+    vLLM attaches its development routes (``VLLM_SERVER_DEV_MODE=1``: ``/collective_rpc``,
+    ``/server_info``, ...) with this function, looked up by name when the app is built. The
+    wrapper runs it and then attaches one route of ours, ``GET /skyrl_contract``: the execution
+    contract the engine's worker computes (``collective_rpc("skyrl_contract")``, vllm_ext.py;
+    ``invariant/contract.py``), read by ``RemoteGenerator.contract()``. It is a control route
+    (``/skyrl_`` in :data:`CONTROL_ROUTES`): behind ``--api-key`` like the others.
+
 Instance patches (:func:`patch_instance`, keys of :data:`INSTANCE_PATCHES`)
 ---------------------------------------------------------------------------
 
@@ -108,11 +116,14 @@ import contextlib
 import functools
 
 import torch
+from fastapi import Request
+from fastapi.responses import JSONResponse
 
 from ..patching import PatchSet, live, patch, restore
 
-__all__ = ["install", "uninstall", "installed", "patched", "patches", "CONTROL_ROUTES",
-           "DATA_ROUTES", "OPEN_ROUTES", "INSTANCE_PATCHES", "patch_instance", "instance_patches", "wrap_sampler",
+__all__ = ["install", "uninstall", "installed", "patched", "patches", "CONTROL_ROUTES", "CONTRACT_ROUTE",
+           "DATA_ROUTES", "OPEN_ROUTES", "INSTANCE_PATCHES", "patch_instance", "instance_patches",
+           "wrap_sampler",
            "wrap_sampler_logits", "rowwise_mla_rope"]
 
 OPEN_ROUTES = ("/health", "/ping", "/version", "/metrics", "/load")
@@ -123,10 +134,11 @@ CONTROL_ROUTES = (
     "/resume", "/scale_elastic_ep", "/server_info", "/shutdown_weight_transfer_engine", "/sleep",
     "/start_", "/stop_profile", "/tokenize", "/detokenize", "/tokenizer_info", "/update_",
     "/wake_up", "/weight_", "/classify", "/score", "/rerank", "/pooling", "/invocations",
-    "/generative_scoring", "/openapi.json", "/docs", "/redoc",
+    "/generative_scoring", "/openapi.json", "/docs", "/redoc", "/skyrl_",
 )
 # data-plane routes of ours outside vLLM's guarded prefixes (SkyRL's generate: skyrl_route.py)
 DATA_ROUTES = ("/skyrl",)
+CONTRACT_ROUTE = "/skyrl_contract"
 
 def _guard_control_routes() -> None:
     from vllm.entrypoints.serve.middleware import authenticate
@@ -167,6 +179,26 @@ def _reset_prefix_cache_after_update() -> None:
 
     finish_weight_update.skyrl_original = original
     _SET.set(AsyncLLM, "finish_weight_update", finish_weight_update)
+
+
+def _contract_route() -> None:
+    import vllm.entrypoints.serve as serve
+
+    original = serve.register_vllm_dev_api_routers
+
+    @functools.wraps(original)
+    def register_vllm_dev_api_routers(app) -> None:
+        original(app)
+        app.add_api_route(CONTRACT_ROUTE, _contract_endpoint, methods=["GET"])
+
+    register_vllm_dev_api_routers.skyrl_original = original
+    _SET.set(serve, "register_vllm_dev_api_routers", register_vllm_dev_api_routers)
+
+
+async def _contract_endpoint(request: Request):
+    """``GET /skyrl_contract``: ``{"contract": worker 0's, "workers": every worker's}``."""
+    results = await request.app.state.engine_client.collective_rpc("skyrl_contract")
+    return JSONResponse({"contract": results[0], "workers": list(results)})
 
 
 def _on_cpu() -> bool:
@@ -259,7 +291,7 @@ def _cpu_runner_aux_outputs() -> None:
 
 
 _PATCHES = (_guard_control_routes, _skyrl_endpoints, _reset_prefix_cache_after_update,
-            _relax_v2_checks_on_cpu, _cpu_runner_aux_outputs)
+            _relax_v2_checks_on_cpu, _cpu_runner_aux_outputs, _contract_route)
 
 
 def _apply() -> None:

@@ -66,7 +66,7 @@ from ..errors import NotInvariant
 from ..patching import Refcount
 from . import cpu, cpu_sdpa
 from .mode_matmul import MatmulFamily
-from .mode_watch import Watch
+from .mode_watch import ROW_LOCAL, Watch
 
 _LIB: torch.library.Library | None = None
 _STANCE = None          # the compiler stance object while the mode is on (_eager_stance)
@@ -320,6 +320,24 @@ def registered_ops(device: str = "cpu") -> tuple[str, ...]:
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     return tuple(sorted(_CPU_KERNELS if device == "cpu" else _cuda_kernels()))
+
+
+def op_table(device: str = "cpu") -> dict[str, str]:
+    """What the mode runs, as names: ``{aten op: "module.qualname" of its kernel}`` for
+    ``device`` ("cpu" also lists the AutocastCPU entries as ``"AutocastCPU:<op>"``), plus
+    ``"row_local:<group>"`` -> the sorted ops :mod:`.mode_watch` lets run stock. The execution
+    contract (``invariant/contract.py``) hashes it: another table is another forward."""
+    table = _CPU_KERNELS if device == "cpu" else _cuda_kernels()
+    out = {op: _kernel_name(fn) for op, fn in table.items()}
+    if device == "cpu":
+        out.update({f"AutocastCPU:{op}": _kernel_name(fn) for op, fn in _AUTOCAST_CPU_KERNELS.items()})
+    out.update({f"row_local:{g}": ",".join(sorted(ops)) for g, ops in ROW_LOCAL.items()})
+    return out
+
+
+def _kernel_name(fn) -> str:
+    inner = getattr(fn, "func", fn)            # functools.partial
+    return f"{getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', type(inner).__name__)}"
 
 
 @torch.compiler.disable

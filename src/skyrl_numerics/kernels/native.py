@@ -193,5 +193,26 @@ def unavailable_reason() -> str | None:
                                                     if _mode() == "off" else None))
 
 
+def build_digest() -> dict:
+    """What this process's compiled kernels are, for the execution contract
+    (``invariant/contract.py``): ``state`` ("loaded", "off" or "unavailable: why"), the
+    ``sources`` digest (sha256 of every ``csrc`` file's name and bytes, 16 hex digits) and, when
+    loaded, the ``library`` file name (it hashes compiler, flags and CPU) and the ``binary``
+    digest of its bytes. Loads the library as the forward would (:func:`lib`); a library
+    already loaded is reported as loaded (the kernels keep calling it)."""
+    h = hashlib.sha256()
+    for src in _sources() + _headers():
+        h.update(src.name.encode() + b"\0" + src.read_bytes())
+    out = {"sources": h.hexdigest()[:16]}
+    loaded = lib()     # once loaded, the forward keeps using it whatever the environment says
+    if loaded is None:
+        out["state"] = "off" if _mode() == "off" else f"unavailable: {unavailable_reason()}"
+        return out
+    path = Path(loaded._name)
+    out.update(state="loaded", library=path.name,
+               binary=hashlib.sha256(path.read_bytes()).hexdigest()[:16])
+    return out
+
+
 if __name__ == "__main__":
     print(build())

@@ -25,6 +25,11 @@ Generator and trainer are ``workers.GeneratorWorker`` / ``workers.TrainerWorker`
 ``use_ray`` they run as Ray actors on a local cluster and rollouts travel through the object store
 (numpy arrays and packed routes come back as views of the shared buffer, not copies).
 
+Before a configuration's first step and at every weight sync (before the engine takes the new
+version) the trainer's and the engine's execution contracts are compared
+(:mod:`~skyrl_numerics.trainer.loop_contract`): a ``bitwise`` configuration refuses a difference
+naming the fields; every configuration records both in ``train.json`` → ``contracts``.
+
 Configurations (``plain``, ``aligned``, ``bitwise``) run one after the other from the same
 initial weights (the engine is reset by a full-snapshot sync), so their reward and gap curves
 compare directly. ``bitwise`` is true on-policy RL: the invariant engine samples, the invariant
@@ -63,6 +68,7 @@ from skyrl_numerics.rollout.prompts import make_prompts
 from skyrl_numerics.trainer.config import TrainerConfig
 from skyrl_numerics.trainer.invariant_trainer import compare_gradients
 from skyrl_numerics.trainer.loop_actors import LoopActors, check_in_place_sync
+from skyrl_numerics.trainer.loop_contract import ContractWatch
 from skyrl_numerics.trainer.loop_report import step_metrics
 from skyrl_numerics.trainer.old_logprobs import (RECOMPUTE_OLD_EVERY, check_bitwise, engine_old_logprobs,
                                                  recompute_due)
@@ -226,9 +232,12 @@ class LoopResult:
     history: dict[str, list[dict]]     # config name -> per-step metrics
     # host (the trainer's), engine_host, isa_mismatch, isa_warning (skyrl_numerics.host.host_report)
     host: dict = field(default_factory=dict)
+    # config name -> its execution contracts (loop_contract.ContractWatch.record)
+    contracts: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {"settings": self.settings, "history": self.history, **self.host}
+        return {"settings": self.settings, "history": self.history, **self.host,
+                "contracts": self.contracts}
 
 
 # ---- the loop --------------------------------------------------------------------------------
@@ -250,10 +259,15 @@ def run_loop(run, configs=None, settings: LoopSettings | None = None, *, task=No
     run = prepare(run)
     work = Path(run.work_dir or tempfile.mkdtemp(prefix="skyrl_loop_")).resolve()   # absolute: Ray
     history: dict[str, list[dict]] = {}
+    contracts: dict[str, dict] = {}
     with LoopActors(run) as actors, Progress(disable=not run.progress) as prog:
         for cfg in run.configs:
-            history[cfg.name] = ConfigRun(actors, run, cfg, work / f"sync-{cfg.name}").steps(prog)
-    return result(run, history, actors)
+            cr = ConfigRun(actors, run, cfg, work / f"sync-{cfg.name}")
+            history[cfg.name] = cr.steps(prog)
+            contracts[cfg.name] = cr.contract.record()
+    out = result(run, history, actors)
+    out.contracts = contracts
+    return out
 
 
 def prepare(run: LoopRun) -> LoopRun:
@@ -296,6 +310,13 @@ class ConfigRun:
         self.trn = a.trainer_for(self.cfg, self.sync_dir)
         self.gen = a.generator_for(self.cfg)
         a.meet(self.trn, self.gen)
+        # the execution contracts, before the engine takes this configuration's weights
+        self.contract = ContractWatch(self.cfg.name, a.ask(self.trn, "contract"), refuse=self.cfg.bitwise)
+        try:
+            self.check_contract("before the first step")
+        except InputError:     # ContractMismatch, or no contract for a bitwise configuration
+            a.release(self.trn)
+            raise
         sharded = a.ask(self.trn, "sharded_info")   # a multi-rank trainer's store, else None
         a.ask(self.gen, "attach", self.sync_dir, *([sharded] if sharded else []))
         rows: list[dict] = []
@@ -352,6 +373,15 @@ class ConfigRun:
                      trainer_lp, rollout)
         return {**row, "old_logprobs_recomputed": recomputed is not None}
 
+    def check_contract(self, when: str) -> None:
+        """Compare the engine's execution contract now with the trainer's (loop_contract.py)."""
+        try:
+            got = self.a.ask(self.gen, "contract")
+        except Exception as e:   # recorded for a configuration that does not refuse
+            self.contract.unavailable(f"{type(e).__name__}: {' '.join(str(e).split())[:200]}", when)
+            return
+        self.contract.compare(got, when)
+
     def wire(self, ro_ref, rollout):
         """What a trainer call carries: the rollout's object-store reference under Ray."""
         return ro_ref if self.a.use_ray else rollout
@@ -403,6 +433,8 @@ class ConfigRun:
     def sync(self) -> tuple[dict, dict]:
         """Publish the new weights; the engine applies them in place."""
         pub = self.a.ask(self.trn, "publish")
+        # the engine's contract again before it takes the new version (bitwise: refused on a change)
+        self.check_contract(f"at sync {pub['version']}")
         syn = self.a.ask(self.gen, "sync", *([pub["sharded"]] if pub.get("sharded") else []))
         return pub, syn
 

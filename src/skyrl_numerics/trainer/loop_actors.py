@@ -78,10 +78,11 @@ class LoopActors:
     # ---- calls: direct, or through Ray ------------------------------------------------------------
     def call(self, obj, name: str, *args, **kwargs):
         """``obj.name(...)``; a Ray actor's method is submitted (a group's methods block and return
-        values)."""
-        if self.use_ray and not isinstance(obj, TrainerGroup):
-            return getattr(obj, name).remote(*args, **kwargs)
-        return getattr(obj, name)(*args, **kwargs)
+        values; the server's client, ``RemoteGeneratorWorker``, is in this process either way)."""
+        method = getattr(obj, name)
+        if self.use_ray and hasattr(method, "remote"):
+            return method.remote(*args, **kwargs)
+        return method(*args, **kwargs)
 
     def get(self, ref):
         if not self.use_ray:
@@ -187,7 +188,8 @@ class LoopActors:
 
             for gen in self.gens.values():
                 self.ask(gen, "close")
-                ray.kill(gen)
+                if isinstance(gen, ray.actor.ActorHandle):   # not the server's client
+                    ray.kill(gen)
         else:   # the further replicas' engines are this run's own; the cached one stays
             for gen in self.gens.values():
                 if isinstance(gen, ReplicaGeneratorWorker):

@@ -131,6 +131,12 @@ class TrainerGroup:
     def host_info(self) -> dict:
         return self.hosts[0]
 
+    def contract(self) -> dict:
+        """Rank 0's execution contract (the group is never a bitwise trainer: recorded only)."""
+        import ray
+
+        return ray.get(self.ranks[0].call.remote("contract"))
+
     def sharded_info(self) -> dict:
         return self.info
 

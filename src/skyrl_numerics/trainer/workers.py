@@ -92,6 +92,10 @@ class GeneratorWorker:
         """The engine worker's host report, asked once at engine start (generator.py)."""
         return getattr(self.gen, "engine_host", None)
 
+    def contract(self) -> dict:
+        """The execution contract the engine's worker computes now (``to_dict``)."""
+        return self.gen.contract().to_dict()
+
 
 def _checkpoint_bf16_bytes(model_dir: str) -> int:
     """What a full weight sync sends raw: every checkpoint tensor, floating ones of 2 bytes or
@@ -175,6 +179,16 @@ class ReplicaGeneratorWorker:
     def engine_host(self) -> dict | None:
         return self.workers[0].engine_host()
 
+    def contract(self) -> dict:
+        """Every replica's execution contract; replicas that differ are refused naming the
+        fields (the first replica's stands for all)."""
+        from skyrl_numerics.invariant.contract import ExecutionContract, check
+
+        cs = [ExecutionContract.from_dict(w.contract()) for w in self.workers]
+        for i, c in enumerate(cs[1:], 1):
+            check(cs[0], c, what=f"engine replica {i} vs replica 0")
+        return cs[0].to_dict()
+
 
 class TrainerWorker:
     """Owns the policy (fp32 master weights), the optimizer and the delta publisher."""
@@ -188,6 +202,7 @@ class TrainerWorker:
         self.bitwise = config.bitwise
         self.megatron = backend == "megatron" and not config.bitwise
         self.recipe = config.numerics is not None and not config.bitwise
+        self.numerics, self.mode = config.numerics, config.trainer.batch_invariant
         self.trainer = self._build_trainer(config, tp, ep)
         # an FSDP2 rank of a data-parallel group: weights gathered to rank 0, which alone publishes
         self.fsdp_ranks = 1 if self.bitwise or self.megatron else self.trainer.world_size
@@ -321,6 +336,19 @@ class TrainerWorker:
         from skyrl_numerics.host import host_info
 
         return host_info()
+
+    def contract(self) -> dict:
+        """The execution contract of this trainer's forward (``to_dict``): the invariant model's
+        (bitwise), else the HF / megatron trainer's (its config, fp32, the recipe's plan, the
+        mode when ``batch_invariant``) — recorded, compared only for bitwise configurations."""
+        import json
+
+        from skyrl_numerics.invariant import contract
+
+        if self.bitwise:
+            return contract.of_model(self.trainer.model).to_dict()
+        cfg = json.loads((Path(self.model_dir) / "config.json").read_text())
+        return contract.of_hf(cfg, dtype="float32", numerics=self.numerics, mode=self.mode).to_dict()
 
     def close(self) -> None:
         """Release what the trainer holds process-wide (the megatron trainer's process group)."""
