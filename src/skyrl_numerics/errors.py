@@ -2,7 +2,8 @@
 
 Every check in the library that rejects user data raises :class:`InputError` with the place
 (``row``, ``field``, ``index``; ``turn`` for a multi-turn trajectory's token) and what was expected
-vs what was found. Three more, not about input: :class:`NotEnoughMemory` (a step that would not
+vs what was found (:class:`UnsupportedVersion`, one kind of it: a vLLM release outside the tested
+range). Three more, not about input: :class:`NotEnoughMemory` (a step that would not
 fit), :class:`PatchError` (a refused monkeypatch, ``patching.py``) and :class:`NotInvariant` (what
 ``kernels.batch_invariant_mode`` cannot make batch-invariant, named instead of run silently).
 """
@@ -68,3 +69,13 @@ class NotInvariant(RuntimeError):
     def __init__(self, op: str, why: str):
         self.op, self.why = op, why
         super().__init__(f"batch_invariant_mode: {op}: {why}")
+
+
+class UnsupportedVersion(InputError):
+    """A library release outside the range this project is tested with (``engine/vllm_versions``
+    for vLLM): one line naming the installed version and the supported range. An
+    :class:`InputError`, so the CLI prints that line and exits 2."""
+
+    def __init__(self, message: str, *, installed: str | None, supported: str):
+        self.installed, self.supported = installed, supported
+        super().__init__(message)
