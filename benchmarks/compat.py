@@ -169,7 +169,8 @@ def markdown(results: list[VersionResult], command: str) -> str:
         for p in r.pieces:
             res = "works" if p["ok"] else f"**fails**: {p['error']}"
             if p.get("note"):
-                res += f" ({p['note']})"
+                res += f": {p['note']}"
+            res = res.replace("|", "\\|")   # a table cell
             lines.append(f"| {r.version} | {p['piece']} | {res} | {p['seconds']} |")
         if r.check_error:
             lines.append(f"| {r.version} | (check script) | **fails**: {r.check_error} | |")
