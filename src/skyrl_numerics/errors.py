@@ -3,7 +3,8 @@
 Every check in the library that rejects user data raises :class:`InputError` with the place
 (``row``, ``field``, ``index``; ``turn`` for a multi-turn trajectory's token) and what was expected
 vs what was found. :class:`ContractMismatch` (an InputError) refuses a bitwise run whose trainer and engine would
-compute other numbers, naming each differing field of the execution contract. Three more, not
+compute other numbers, naming each differing field of the execution contract;
+:class:`UnsupportedVersion` (another) a vLLM release outside the tested range. Three more, not
 about input: :class:`NotEnoughMemory` (a step that would not
 fit), :class:`PatchError` (a refused monkeypatch, ``patching.py``) and :class:`NotInvariant` (what
 ``kernels.batch_invariant_mode`` cannot make batch-invariant, named instead of run silently).
@@ -91,3 +92,13 @@ class ContractMismatch(InputError):
         super().__init__(f"execution contract{f' ({what})' if what else ''}: trainer vs engine "
                          f"differ in {parts}: a bitwise run needs both sides to compute the same "
                          "numbers", field=",".join(self.fields))
+
+
+class UnsupportedVersion(InputError):
+    """A library release outside the range this project is tested with (``engine/vllm_versions``
+    for vLLM): one line naming the installed version and the supported range. An
+    :class:`InputError`, so the CLI prints that line and exits 2."""
+
+    def __init__(self, message: str, *, installed: str | None, supported: str):
+        self.installed, self.supported = installed, supported
+        super().__init__(message)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import numpy as np
 
 from .vllm_patches import wrap_sampler
+from .vllm_versions import returns_routed_experts
 
 
 class RouteStore:
@@ -414,7 +415,7 @@ class AuxOutputs:
         self.generation = 0
         self.spans: dict[str, tuple[int, int, int]] = {}
         self.active = False
-        if vc.aux_output_config.enable_return_routed_experts:
+        if returns_routed_experts(vc):
             self._start_routes()
         if getattr(vc.model_config, "return_sampling_mask", False):
             self.masks = SupportStore(runner)
@@ -422,7 +423,7 @@ class AuxOutputs:
 
     @classmethod
     def wanted(cls, vllm_config) -> bool:
-        return bool(vllm_config.aux_output_config.enable_return_routed_experts
+        return bool(returns_routed_experts(vllm_config)
                     or getattr(vllm_config.model_config, "return_sampling_mask", False))
 
     @classmethod

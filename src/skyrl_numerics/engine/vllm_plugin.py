@@ -6,11 +6,20 @@
 * registers the ``skyrl_delta`` weight-transfer backend (``engine/transfer_backend.py``);
 * installs the server-side patches of ``vllm_patches.py`` (control routes behind ``--api-key``,
   prefix cache reset after a weight update).
+
+First it checks the vLLM release (``vllm_versions.py``): outside the tested range it raises
+``UnsupportedVersion`` (one line) and patches nothing; vLLM runs general plugins unguarded, so
+the process stops there.
 """
 
 
 def register() -> None:
+    import vllm
     from vllm import ModelRegistry
+
+    from .vllm_versions import check_vllm_version
+
+    check_vllm_version(vllm.__version__, what="skyrl-numerics vLLM plugin")
 
     from skyrl_numerics.engine import transfer_backend as vllm_backend
 

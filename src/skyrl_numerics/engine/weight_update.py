@@ -67,18 +67,26 @@ def load_into_model(vllm_config, model, weights: Iterable[tuple[str, Any]], *, r
     many were loaded. The one load path of every in-place update (this module's worker extension
     and the ``skyrl_delta`` weight-transfer backend, ``sync/vllm_backend.py``).
 
-    vLLM's layerwise reload (``model_loader.reload.reload_weights``) maps the names onto fused
-    parameters and re-runs ``process_weights_after_loading``; on CPU the unquantized MoE kernels
-    are parked first (module docstring). The batch-invariant model holds its weights under
-    checkpoint names and copies them in place itself. ``reload``: the worker's own
-    ``reload_weights`` when called from one (default: vLLM's in-place reload under this config)."""
+    vLLM's layerwise reload (``model_loader.reload``) maps the names onto fused parameters and
+    re-runs ``process_weights_after_loading``; on CPU the unquantized MoE kernels are parked
+    first (module docstring). The batch-invariant model holds its weights under checkpoint names
+    and copies them in place itself. ``reload``: the worker's own ``reload_weights`` when called
+    from one. The default, under this config, is the checkpoint-format reload made of the
+    package's public functions — ``initialize_layerwise_reload(model)``,
+    ``model.load_weights(...)``, ``finalize_layerwise_reload(model, model_config)`` — the same in
+    vLLM 0.30 - 0.32 (0.32 wraps them in ``reload.inplace.reload_weights``, a module 0.30 and
+    0.31 do not have; their runners run the three calls inline)."""
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+    from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
+                                                         initialize_layerwise_reload)
 
     def default_reload(weights_iterator, is_checkpoint_format):
+        if not is_checkpoint_format:
+            raise ValueError("load_into_model loads checkpoint-format weights only")
         with set_current_vllm_config(vllm_config):
-            reload_weights(vllm_config, model, weights_iterator=weights_iterator,
-                           weights_path=None, is_checkpoint_format=is_checkpoint_format)
+            initialize_layerwise_reload(model)
+            model.load_weights(weights_iterator)
+            finalize_layerwise_reload(model, vllm_config.model_config)
 
     reload = reload or default_reload
     names: list[str] = []
