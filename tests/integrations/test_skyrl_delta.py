@@ -1,0 +1,247 @@
+"""SkyRL 0.4's checkpoint-delta weight sync and ours, both directions, with SkyRL's own code.
+
+Store level (no server): SkyRL's ``DeltaCheckpointPublisher`` writes, our ``SkyrlDeltaReceiver``
+applies (bitwise, against SkyRL's own ``LocalCheckpointStore``); our ``SkyrlLayoutPublisher``
+writes SkyRL's exact bytes and SkyRL's reader applies them; bad stores are refused naming the
+file, tensor and version, with nothing applied; a receiver that requires signatures refuses the
+format.
+
+Server level: ONE ``skyrl-numerics serve``-equivalent server for the module (:func:`delta_server`:
+``VLLMServer`` on 127.0.0.1 with ``--api-key``, the tiny Qwen3-MoE). No sync key: SkyRL's publisher
+cannot sign, so a server with one refuses SkyRL's stores at init — that refusal is checked at the
+receiver the backend uses (``test_a_sync_key_refuses_skyrls_unsigned_store``). SkyRL's unchanged
+``DeltaTrainerWeightTransferEngine`` and ``SkyrlWeightSyncClient`` sync it (the client's session is
+given the key: it sends no ``Authorization`` of its own). "Served weights" are checked by what the
+server computes (token ids, sampled and prompt logprobs of fixed seeded requests, bit for bit, as
+tests/e2e/test_server_sync.py does). Every server test leaves the server serving the checkpoint's
+own weights.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import requests
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+from skyrl_numerics.errors import InputError
+from skyrl_numerics.sync.skyrl_publisher import SkyrlLayoutPublisher
+from skyrl_numerics.sync.skyrl_receiver import SkyrlDeltaReceiver
+
+API_KEY = "delta-api-key"
+CHECKPOINT = "backends.skyrl_train.weight_sync.delta.checkpoint"
+
+
+# ---- store level ------------------------------------------------------------------------------
+def _base(tmp_path, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = {"model.a.weight": torch.randn(8, 16, generator=g).bfloat16(),
+         "model.b.bias": torch.randn(16, generator=g),
+         "model.c.weight": torch.randn(4, 8, generator=g).to(torch.float8_e4m3fn),
+         "model.d.weight": torch.randn(6, generator=g).bfloat16()}
+    base = tmp_path / "base"
+    base.mkdir()
+    save_file(w, str(base / "model.safetensors"))
+    return base, w
+
+
+def _steps(w, n=3):
+    """``n`` trainer versions: small moves of a and b, c every other step, d never."""
+    out = []
+    for i in range(n):
+        w = dict(w)
+        w["model.a.weight"] = (w["model.a.weight"].float() + 0.01 * (i + 1)).bfloat16()
+        w["model.b.bias"] = w["model.b.bias"] * 1.001
+        if i % 2 == 0:
+            w["model.c.weight"] = (w["model.c.weight"].float() * 1.25).to(torch.float8_e4m3fn)
+        out.append(w)
+    return out
+
+
+def _skyrl_publish(skyrl, base, root, staging, states):
+    pub = skyrl(CHECKPOINT).DeltaCheckpointPublisher(str(base), str(root), str(staging),
+                                                      publish_num_workers=1)
+    for s in states:
+        pub.publish(pub.create_delta_files(list(s.items())))
+
+
+def _bits(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def _same(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(_bits(a[k]), _bits(b[k])), k
+
+
+def test_skyrls_store_applies_bitwise(skyrl, tmp_path):
+    """SkyRL's publisher writes 3 versions; ours applies them one by one and all at once, equal to
+    the trainer's tensors and to SkyRL's own reader, bit for bit (fp8 and unchanged tensors too)."""
+    base, w = _base(tmp_path)
+    states = _steps(w)
+    _skyrl_publish(skyrl, base, tmp_path / "sync", tmp_path / "staging", states)
+    r = SkyrlDeltaReceiver(tmp_path / "sync", base)
+    for v, s in enumerate(states, 1):
+        p = r.commit(r.prepare(v))
+        assert r.version == v and p.manifests[0].version == v
+        _same(r.state, s)
+    assert "model.d.weight" not in p.manifests[0].changed      # unchanged: omitted by SkyRL
+    r2 = SkyrlDeltaReceiver(tmp_path / "sync", base)
+    assert r2.sync().version == 3 and r2.sync() is None
+    _same(r2.state, states[-1])
+    ref = skyrl(CHECKPOINT).LocalCheckpointStore(str(base), str(tmp_path / "local"))
+    ref.fetch(target_version=3, sync_dir=str(tmp_path / "sync"))
+    _same(load_file(str(tmp_path / "local" / "weights" / "model.safetensors")), r2.state)
+
+
+def test_our_publish_is_skyrls_bytes_and_skyrls_reader_applies_it(skyrl, tmp_path):
+    """Same trainer versions through SkyRL's publisher and ours: the same manifests and payload
+    bytes; SkyRL's LocalCheckpointStore applies ours to the trainer's tensors, bit for bit."""
+    base, w = _base(tmp_path)
+    states = _steps(w)
+    _skyrl_publish(skyrl, base, tmp_path / "theirs", tmp_path / "staging", states)
+    pub = SkyrlLayoutPublisher(tmp_path / "ours", base)
+    for s in states:
+        pub.publish(s)
+    for v in (1, 2, 3):
+        d = f"delta-{v:08d}"
+        assert (json.loads((tmp_path / "ours" / d / "manifest.json").read_text())
+                == json.loads((tmp_path / "theirs" / d / "manifest.json").read_text()))
+        name = "delta-rank00000-file000000.safetensors"
+        _same(load_file(str(tmp_path / "ours" / d / name)), load_file(str(tmp_path / "theirs" / d / name)))
+    for v in (1, 3):
+        ref = skyrl(CHECKPOINT).LocalCheckpointStore(str(base), str(tmp_path / f"local{v}"))
+        ref.fetch(target_version=v, sync_dir=str(tmp_path / "ours"))
+        _same(load_file(str(tmp_path / f"local{v}" / "weights" / "model.safetensors")),
+              states[v - 1])
+
+
+_DT = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
+
+
+@settings(max_examples=12)
+@given(st.data())
+def test_round_trip_any_bits_through_skyrls_reader(skyrl, tmp_path_factory, data):
+    """Arbitrary bit patterns (NaN payloads, -0.0, every fp8 code), sparse and empty updates: our
+    publisher -> SkyRL's reader and our receiver, both byte-exact."""
+    tmp = tmp_path_factory.mktemp("prop")
+    shapes = {f"t{i}": (data.draw(st.sampled_from(list(_DT))), data.draw(st.integers(1, 40)))
+              for i in range(data.draw(st.integers(1, 3)))}
+
+    def rand(dt, n):
+        raw = data.draw(st.binary(min_size=n * torch.empty((), dtype=_DT[dt]).element_size(),
+                                  max_size=n * torch.empty((), dtype=_DT[dt]).element_size()))
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(_DT[dt]).clone()
+
+    base = {k: rand(dt, n) for k, (dt, n) in shapes.items()}
+    (tmp / "base").mkdir()
+    save_file(base, str(tmp / "base" / "model.safetensors"))
+    pub = SkyrlLayoutPublisher(tmp / "sync", tmp / "base")
+    states, cur = [], dict(base)
+    for _ in range(data.draw(st.integers(1, 3))):
+        cur = {k: (rand(*shapes[k]) if data.draw(st.booleans()) else v) for k, v in cur.items()}
+        pub.publish(cur)
+        states.append(cur)
+    r = SkyrlDeltaReceiver(tmp / "sync", tmp / "base")
+    r.sync()
+    _same(r.state, states[-1])
+    ref = skyrl(CHECKPOINT).LocalCheckpointStore(str(tmp / "base"), str(tmp / "local"))
+    ref.fetch(target_version=len(states), sync_dir=str(tmp / "sync"))
+    ref.validate_ready(len(states))
+    # what SkyRL's engine loads: its mutable copy, or the base when no version changed a byte
+    folder = ref.weights_dir if ref.weights_dir.exists() else tmp / "base"
+    _same(load_file(str(folder / "model.safetensors")), states[-1])
+
+
+def test_a_sync_key_refuses_skyrls_unsigned_store(skyrl, tmp_path, monkeypatch):
+    base, w = _base(tmp_path)
+    _skyrl_publish(skyrl, base, tmp_path / "sync", tmp_path / "staging", _steps(w, 1))
+    with pytest.raises(InputError, match="no manifest digest or signature.*requires signed") as e:
+        SkyrlDeltaReceiver(tmp_path / "sync", base, key="k")
+    assert e.value.field == "signature"
+    monkeypatch.setenv("SKYRL_NUMERICS_SYNC_KEY", "k")   # the server's way: its environment
+    with pytest.raises(InputError, match="SKYRL_NUMERICS_SYNC_KEY"):
+        SkyrlDeltaReceiver(tmp_path / "sync", base)
+
+
+def test_our_receiver_names_skyrls_store_and_its_reader(skyrl, tmp_path):
+    from skyrl_numerics.sync.weight_sync import DeltaReceiver
+
+    base, w = _base(tmp_path)
+    _skyrl_publish(skyrl, base, tmp_path / "sync", tmp_path / "staging", _steps(w, 2))
+    with pytest.raises(InputError, match=r"SkyRL checkpoint-delta store .*2 version\(s\).*"
+                                         r"SkyrlDeltaReceiver") as e:
+        DeltaReceiver(tmp_path / "sync").sync()
+    assert e.value.field == "root"
+    with pytest.raises(InputError, match="no version under .*delta-%08d/manifest.json"):
+        SkyrlDeltaReceiver(tmp_path / "empty", base).sync()
+
+
+def _edit_manifest(root, v, fn):
+    p = root / f"delta-{v:08d}" / "manifest.json"
+    d = json.loads(p.read_text())
+    fn(d)
+    p.write_text(json.dumps(d))
+
+
+def _flip_payload(root, v):
+    p = root / f"delta-{v:08d}" / "delta-rank00000-file000000.safetensors"
+    b = bytearray(p.read_bytes())
+    b[-3] ^= 0x5A                      # inside the last tensor's compressed bytes
+    p.write_bytes(bytes(b))
+
+
+def _rename(d, new="model.zzz.weight"):
+    d["tensors"][0]["name"] = new
+
+
+def _reshape(d):
+    t = d["tensors"][0]                # model.a.weight bf16 [8, 16] -> [16, 8]: same byte count
+    t["shape"] = [16, 8]
+
+
+BAD = {
+    "unknown tensor": (lambda root: _edit_manifest(root, 2, _rename),
+                       r"delta-00000002/manifest.json.*version 2: unknown tensor 'model.zzz.weight'"),
+    "wrong shape": (lambda root: _edit_manifest(root, 2, _reshape),
+                    r"version 2, tensor 'model.a.weight', field 'shape': shape \[16, 8\], the model "
+                    r"holds \[8, 16\]"),
+    "corrupt payload": (lambda root: _flip_payload(root, 2),
+                        r"delta-00000002/delta-rank00000-file000000.safetensors.*version 2, tensor "
+                        r"'model\.\w\.(weight|bias)': (payload does not decode|checksum mismatch)"),
+    "version gap": (lambda root: shutil.rmtree(root / "delta-00000002"),
+                    r"version gap: delta-00000002/manifest.json is missing"),
+    "base_version": (lambda root: _edit_manifest(root, 2, lambda d: d.update(base_version=0)),
+                     r"delta-00000002/manifest.json.*base_version 0; SkyRL deltas chain"),
+    "unknown field": (lambda root: _edit_manifest(root, 2, lambda d: d.update(signature="x")),
+                      r"field 'signature': unknown field"),
+    "totals": (lambda root: _edit_manifest(root, 2, lambda d: d.update(total_compressed_num_bytes=1)),
+               r"total_compressed_num_bytes 1 is not the sum"),
+    "path traversal": (lambda root: _edit_manifest(root, 2, lambda d: d.update(payload_files=["../x"])),
+                       r"payload_files \['../x'\] is not a list of distinct"),
+    "byte count": (lambda root: _edit_manifest(
+        root, 2, lambda d: d["tensors"][0].update(uncompressed_num_bytes=7)),
+        r"field 'uncompressed_num_bytes': 7 does not match bfloat16\[8, 16\] \(256\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_skyrl_versions_are_refused_with_nothing_applied(skyrl, tmp_path, case):
+    base, w = _base(tmp_path)
+    states = _steps(w)
+    _skyrl_publish(skyrl, base, tmp_path / "sync", tmp_path / "staging", states)
+    r = SkyrlDeltaReceiver(tmp_path / "sync", base)
+    r.commit(r.prepare(1))
+    held = {k: v.clone() for k, v in r.state.items()}
+    spoil, match = BAD[case]
+    spoil(tmp_path / "sync")
+    with pytest.raises(InputError, match=match):
+        r.commit(r.prepare(3))
+    assert r.version == 1
+    _same(r.state, held)
