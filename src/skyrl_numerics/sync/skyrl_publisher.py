@@ -2,7 +2,8 @@
 receiver (``LocalCheckpointStore.fetch``, its vLLM ``delta`` backend) applies them.
 
 ``SkyrlLayoutPublisher(root, base)``: version 0 is the base checkpoint (the ``base_model_path`` the
-SkyRL receivers start from); each :meth:`publish` writes version ``v`` against ``v - 1``::
+SkyRL receivers start from; ``version=h`` continues a stream whose receivers hold ``base`` as
+version ``h``); each :meth:`publish` writes version ``v`` against ``v - 1``::
 
     payload(name)  = zstd_level1(b_v XOR b_{v-1})     only where the XOR is not all zero
     checksum(name) = xxh3_128(b_v).hexdigest()
@@ -32,16 +33,17 @@ from skyrl_numerics.sync.store import SyncStore
 class SkyrlLayoutPublisher:
     """Writes successive versions of a state dict as a SkyRL 0.4 checkpoint-delta store."""
 
-    def __init__(self, root: str | os.PathLike, base, *, max_file_bytes: int = 1 << 30,
-                 level: int = 1):
+    def __init__(self, root: str | os.PathLike, base, *, version: int = 0,
+                 max_file_bytes: int = 1 << 30, level: int = 1):
         self.store = SyncStore(root)
         if list_versions(self.store):
             raise InputError(f"{self.store.url} already holds SkyRL versions; a publisher starts "
-                             "from the base checkpoint at version 1 (use an empty sync_dir)",
-                             field="root")
+                             "from its base (use an empty sync_dir)", field="root")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise InputError(f"version {version!r} is not a non-negative integer", field="version")
         self._prev = {n: (dtype_name(t.dtype), tuple(t.shape), tensor_bytes(t.contiguous()).copy())
                       for n, t in load_checkpoint(base).items()}
-        self.version = 0
+        self.version = version    # what ``base`` is: 0, or the version receivers already hold
         self.max_file_bytes = int(max_file_bytes)
         self.zstd = Zstd(level)
         self.last_publish_s = 0.0
