@@ -148,6 +148,7 @@ def _set_agreement(a: np.ndarray, b: np.ndarray) -> float:
 # ---- patches ---------------------------------------------------------------------------------
 def test_uninstall_restores_every_patched_object():
     pytest.importorskip("vllm")
+    import vllm.plugins as vllm_plugins
     from vllm.config.vllm import VllmConfig
     from vllm.entrypoints.serve.middleware import authenticate
     from vllm.platforms import current_platform
@@ -163,7 +164,8 @@ def test_uninstall_restores_every_patched_object():
     try:
         targets = [(authenticate, "GUARDED_PREFIX"), (AsyncLLM, "finish_weight_update"),
                    (VllmConfig, "_verify_aux_output_compatibility"),
-                   (VllmConfig, "_verify_sampling_replay_config")]
+                   (VllmConfig, "_verify_sampling_replay_config"),
+                   (vllm_plugins, "load_endpoint_plugins")]
         if current_platform.is_cpu():     # the runner patches exist on the CPU platform only
             targets += [(CPUModelRunner, "execute_model"), (CPUModelRunner, "sample_tokens")]
         before = {(id(o), n): getattr(o, n) for o, n in targets}

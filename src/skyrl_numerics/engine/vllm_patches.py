@@ -37,6 +37,15 @@ Class and module patches (:func:`install`)
     then ``reset_prefix_cache()``; when requests are still running (``/pause?mode=keep``) it
     resets with ``reset_running_requests=True``: those requests are recomputed from their tokens
     on the new weights, so no token sampled after an update attends to old-weight KV.
+    A client that finishes without naming a ``weight_version`` (SkyRL's control-plane client never
+    names one) gets the version the ``skyrl_delta`` backend loaded recorded instead (the workers'
+    ``skyrl_applied_version``, when they agree), so ``/weight_info`` says what is served.
+``vllm.plugins.load_endpoint_plugins``
+    vLLM loads endpoint plugins (extra HTTP routes) only from entry points named in
+    ``$VLLM_PLUGINS``, and that variable also filters the general plugins (ours included). The
+    wrapper returns what vLLM loaded plus our :class:`~skyrl_numerics.engine.skyrl_routes.
+    SkyrlRoutes` (``POST /fetch_weights``, SkyRL's delta fetch step) when the server generates;
+    vLLM's own machinery attaches it. The route is a control route (behind ``--api-key``).
 ``vllm.config.vllm.VllmConfig._verify_aux_output_compatibility``
     vLLM fills ``routed_experts`` (``--enable-return-routed-experts``) only in Model Runner V2,
     which needs Triton on GPU, and refuses the flag otherwise ("AuxOutput Connector requires
@@ -112,6 +121,7 @@ CONTROL_ROUTES = (
     "/is_sleeping", "/kv_event_sources", "/pause", "/release_kv_cache_memory", "/reset_",
     "/resume", "/scale_elastic_ep", "/server_info", "/shutdown_weight_transfer_engine", "/sleep",
     "/start_", "/stop_profile", "/tokenize", "/detokenize", "/tokenizer_info", "/update_",
+    "/fetch_weights",
     "/wake_up", "/weight_", "/classify", "/score", "/rerank", "/pooling", "/invocations",
     "/generative_scoring", "/openapi.json", "/docs", "/redoc",
 )
@@ -130,11 +140,42 @@ def _reset_prefix_cache_after_update() -> None:
     @functools.wraps(original)
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
         await original(self, weight_version)
+        if weight_version is None:
+            await _record_applied_version(self)
         if not await self.reset_prefix_cache():
             await self.reset_prefix_cache(reset_running_requests=True)
 
     finish_weight_update.skyrl_original = original
     _SET.set(AsyncLLM, "finish_weight_update", finish_weight_update)
+
+
+async def _record_applied_version(llm) -> None:
+    """A client that finishes an update without naming its version (SkyRL's): record the version
+    the ``skyrl_delta`` backend loaded, when every worker loaded the same one."""
+    cfg = llm.vllm_config.weight_transfer_config
+    if cfg is None or getattr(cfg, "backend", None) != "skyrl_delta":
+        return
+    versions = set(await llm.collective_rpc("skyrl_applied_version"))
+    if len(versions) == 1 and None not in versions:
+        await llm.update_weight_version(str(versions.pop()))
+
+
+def _serve_skyrl_routes() -> None:
+    import vllm.plugins as plugins
+
+    from .skyrl_routes import SkyrlRoutes
+
+    original = plugins.load_endpoint_plugins
+
+    @functools.wraps(original)
+    def load_endpoint_plugins(supported_tasks=None):
+        found = original(supported_tasks)
+        if supported_tasks is not None and "generate" in supported_tasks:
+            found = list(found) + [SkyrlRoutes()]
+        return found
+
+    load_endpoint_plugins.skyrl_original = original
+    _SET.set(plugins, "load_endpoint_plugins", load_endpoint_plugins)
 
 
 def _on_cpu() -> bool:
@@ -227,7 +268,7 @@ def _cpu_runner_aux_outputs() -> None:
 
 
 _PATCHES = (_guard_control_routes, _reset_prefix_cache_after_update, _relax_v2_checks_on_cpu,
-            _cpu_runner_aux_outputs)
+            _cpu_runner_aux_outputs, _serve_skyrl_routes)
 
 
 def _apply() -> None:
