@@ -247,6 +247,24 @@ def test_bad_skyrl_versions_are_refused_with_nothing_applied(skyrl, tmp_path, ca
     _same(r.state, held)
 
 
+def test_fetch_weights_route_only_with_our_worker_extension():
+    """The route is attached where our worker method exists; on another server (SkyRL's own, with
+    its own /fetch_weights) it is not."""
+    from argparse import Namespace
+
+    from fastapi import FastAPI
+
+    from skyrl_numerics.engine.server import WORKER_EXTENSION
+    from skyrl_numerics.engine.skyrl_routes import SkyrlRoutes
+
+    for ext, attached in ((WORKER_EXTENSION, True), ("skyrl.backends.skyrl_train.inference_servers."
+                                                     "new_inference_worker_wrap.NewInferenceWorkerWrap", False)):
+        app = FastAPI()
+        app.state.args = Namespace(worker_extension_cls=ext)
+        SkyrlRoutes().attach_router(app)
+        assert ("/fetch_weights" in {r.path for r in app.routes}) == attached
+
+
 # ---- server level -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def delta_server(qwen_moe_dir, tmp_path_factory):

@@ -28,6 +28,8 @@ import re
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from .server import WORKER_EXTENSION
+
 router = APIRouter()
 # vLLM's wrapping of a worker's exception (v1/executor): keep the worker's own one-line reason
 _WORKER_ERROR = re.compile(r"Worker failed with error '(.*)', please check", re.S)
@@ -78,13 +80,17 @@ async def fetch_weights(raw_request: Request):
 
 
 class SkyrlRoutes:
-    """The endpoint plugin (vLLM's ``EndpointPlugin`` protocol) that serves :data:`router`."""
+    """The endpoint plugin (vLLM's ``EndpointPlugin`` protocol) that serves :data:`router` — on
+    servers started with our worker extension only (its ``skyrl_fetch_weights`` does the work; on
+    SkyRL's own servers, where our plugin may be installed too, SkyRL's route stays theirs)."""
 
     name = "skyrl_numerics_routes"
     required_tasks = ("generate",)
 
     def attach_router(self, app) -> None:
-        app.include_router(router)
+        args = getattr(app.state, "args", None)
+        if getattr(args, "worker_extension_cls", None) == WORKER_EXTENSION:
+            app.include_router(router)
 
     async def init_state(self, engine_client, state, args) -> None:
         return None
