@@ -26,7 +26,8 @@ def test_the_plugin_is_loaded_for_generate_and_attached_to_our_servers_only():
         app = FastAPI()
         app.state.args = SimpleNamespace(worker_extension_cls=ext)
         SkyrlEndpoints().attach_router(app)
-        assert any(getattr(r, "path", None) == SKYRL_GENERATE for r in app.routes) is attached, ext
+        paths = {getattr(r, "path", None) for r in app.routes}
+        assert (SKYRL_GENERATE in paths) is attached and ("/fetch_weights" in paths) is attached, ext
 
 
 @pytest.mark.parametrize("body,field", [

@@ -1,7 +1,7 @@
 """Our ``DeltaReceiver`` pointed at a store SkyRL 0.4.0's own ``DeltaCheckpointPublisher``
 (``weight_sync/delta/checkpoint.py``, run on CPU: no trainer, rank 0) wrote: it refuses with the
-layout it found and the one it expects, instead of applying 0 versions silently. (Reading SkyRL's
-store is not implemented.)"""
+layout it found and the one it expects, instead of applying 0 versions silently. (SkyRL's store is
+read by ``sync.skyrl_receiver.SkyrlDeltaReceiver``: tests/integrations/test_skyrl_delta.py.)"""
 from __future__ import annotations
 
 import json

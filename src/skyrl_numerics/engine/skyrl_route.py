@@ -60,6 +60,7 @@ from skyrl_numerics.replay.skyrl_wire import ROUTES_FIELD, SUPPORT_FIELD, pack_r
 from .assemble import logprobs_for_support
 from .remote import JSON_NEG_INF
 from .server import WORKER_EXTENSION
+from .skyrl_fetch import router as fetch_router
 
 SKYRL_GENERATE = "/skyrl/v1/generate"
 
@@ -172,7 +173,10 @@ async def skyrl_generate(raw_request: Request) -> Response:
 
 
 class SkyrlEndpoints:
-    """vLLM endpoint plugin (``vllm/plugins/endpoint_plugins/interface.py``) for :data:`SKYRL_GENERATE`."""
+    """vLLM endpoint plugin (``vllm/plugins/endpoint_plugins/interface.py``) for the routes SkyRL 0.4
+    calls and vLLM lacks: :data:`SKYRL_GENERATE` and ``POST /fetch_weights`` (``skyrl_fetch.py``) —
+    on servers started with our worker extension only (on SkyRL's own servers, where our plugin
+    may be installed too, SkyRL's routes stay theirs)."""
 
     name = "skyrl_numerics.skyrl_generate"
     required_tasks = ("generate",)
@@ -181,6 +185,7 @@ class SkyrlEndpoints:
         args = getattr(app.state, "args", None)
         if getattr(args, "worker_extension_cls", None) == WORKER_EXTENSION:
             app.add_api_route(SKYRL_GENERATE, skyrl_generate, methods=["POST"])
+            app.include_router(fetch_router)
 
     async def init_state(self, engine_client, state, args) -> None:
         """Nothing to set up: the route reads ``app.state`` per request."""

@@ -18,6 +18,13 @@ directory or fsspec URL serves any number of servers and vLLM's own clients
     init_info   {"store": "/path/or/fsspec-url", "weights_format": "native"}
     update_info {"version": 7}        (omitted: the newest version published)
 
+SkyRL 0.4's dicts are taken too (``engine/skyrl_delta_compat.py``): an init naming
+``base_model_path`` follows SkyRL's own checkpoint-delta store (``sync/skyrl_layout.py``) from
+version 0 = the served checkpoint; its updates are ``{"target_version", "sync_dir", ...}`` and its
+``/fetch_weights`` step (``engine/skyrl_fetch.py``) reads and verifies ahead of the update
+(:meth:`SkyrlDeltaEngine.fetch_weights`). A server with a sync key refuses that init: SkyRL's
+manifests carry no signature.
+
 Registration: :func:`register` (called by our ``vllm.general_plugins`` entry point in every vLLM
 process, and on import of this module for trainer processes) adds both sides to vLLM's factories.
 
@@ -31,7 +38,9 @@ Guarantees of the worker side (:class:`SkyrlDeltaEngine`):
   which fails the HTTP call with its one-line reason; the receiver's bytes are rolled back and the
   served weights are untouched, bit for bit.
 * Only whole blocks of changed tensors are loaded (vLLM reloads fused layers whole), through the
-  one load path :func:`~skyrl_numerics.engine.weight_update.load_into_model`.
+  one load path :func:`~skyrl_numerics.engine.weight_update.load_into_model` — every tensor of
+  the receiver when the model serves another receiver's weights (after a switch of store or of
+  dict family), so the served weights are always exactly one receiver's.
 * ``$SKYRL_NUMERICS_REQUIRE_SYNC_KEY=1`` (set by ``skyrl-numerics serve`` on a non-loopback address)
   refuses to initialize without a key, so every manifest must carry a valid HMAC.
 * The prefix cache is reset after ``finish_weight_update`` by the server-side patch in
@@ -61,7 +70,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from skyrl_numerics.engine.skyrl_delta_compat import (SkyrlInitInfo, SkyrlStream, SkyrlUpdateInfo,
+                                                      is_skyrl_init, parse_init, parse_update)
 from skyrl_numerics.errors import InputError
+from skyrl_numerics.sync.skyrl_receiver import SkyrlDeltaReceiver
 
 BACKEND = "skyrl_delta"
 REQUIRE_KEY_ENV = "SKYRL_NUMERICS_REQUIRE_SYNC_KEY"
@@ -117,7 +129,7 @@ def _typed(cls, d: Any, what: str):
         raise InputError(str(e), field=what) from None
 
 
-def _checkpoint_dir(model: str):
+def checkpoint_dir(model: str):
     """The local directory of what vLLM serves: the path itself, or a Hugging Face hub id's
     snapshot in the local cache (vLLM downloaded it there; nothing is fetched here)."""
     from pathlib import Path
@@ -145,7 +157,7 @@ def served_layout(model_dir: str) -> dict[str, Any]:
                  "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
                  "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
     out = {}
-    root = _checkpoint_dir(str(model_dir))
+    root = checkpoint_dir(str(model_dir))
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise InputError(f"{root} has no *.safetensors: skyrl_delta checks every snapshot "
@@ -176,14 +188,21 @@ class SkyrlDeltaEngine(WeightTransferEngine[SkyrlDeltaInitInfo, SkyrlDeltaUpdate
         self._receivers: dict[str, Any] = {}     # store -> its receiver (the held version)
         self._high_water: dict[str, int] = {}   # store -> highest version ever applied
         self.last_update: dict[str, Any] = {}
+        self.skyrl: SkyrlStream | None = None    # SkyRL's delta stream, when its init dict came
+        self._skyrl_streams: dict[str, SkyrlStream] = {}   # base checkpoint -> its stream
+        self._served_by = None   # the receiver whose weights the model serves (None: the checkpoint)
 
-    def parse_init_info(self, init_dict: dict[str, Any]) -> SkyrlDeltaInitInfo:
+    def parse_init_info(self, init_dict: dict[str, Any]):
+        if is_skyrl_init(init_dict):
+            return parse_init(init_dict)
         return _typed(SkyrlDeltaInitInfo, init_dict, "init_info")
 
-    def parse_update_info(self, update_dict: dict[str, Any]) -> SkyrlDeltaUpdateInfo:
+    def parse_update_info(self, update_dict: dict[str, Any]):
+        if self.skyrl is not None:
+            return parse_update(update_dict)
         return _typed(SkyrlDeltaUpdateInfo, update_dict, "update_info")
 
-    def init_transfer_engine(self, init_info: SkyrlDeltaInitInfo) -> None:
+    def init_transfer_engine(self, init_info) -> None:
         from skyrl_numerics.sync.serving import check_format
         from skyrl_numerics.sync.weight_sync import DeltaReceiver
 
@@ -191,6 +210,10 @@ class SkyrlDeltaEngine(WeightTransferEngine[SkyrlDeltaInitInfo, SkyrlDeltaUpdate
         if os.environ.get(REQUIRE_KEY_ENV) == "1" and not key:
             raise InputError(f"this server requires signed manifests but {KEY_ENV} is not set "
                              "in its environment", field="init_info")
+        if isinstance(init_info, SkyrlInitInfo):
+            self._init_skyrl(init_info, key)
+            return
+        self.skyrl = None
         check_format(init_info.weights_format, field="init_info.weights_format")
         held = self._receivers.get(init_info.store)
         if held is not None and held.weights_format == init_info.weights_format:
@@ -203,6 +226,36 @@ class SkyrlDeltaEngine(WeightTransferEngine[SkyrlDeltaInitInfo, SkyrlDeltaUpdate
                                       weights_format=init_info.weights_format)
         self.store = init_info.store
         self._receivers[init_info.store] = self.receiver
+
+    def _init_skyrl(self, info: SkyrlInitInfo, key) -> None:
+        """SkyRL's init dict: follow its store from version 0 = the served checkpoint (a stream
+        seen before keeps the version it holds)."""
+        from skyrl_numerics.invariant.numerics import engine_adapter_shapes
+
+        if engine_adapter_shapes(self.model_config.hf_config):
+            raise InputError("SkyRL's delta stream carries whole checkpoints; this engine serves "
+                             "LoRA adapters only", field="init_info")
+        served = os.path.realpath(checkpoint_dir(self.model_config.model))
+        base = os.path.realpath(checkpoint_dir(info.base_model_path))
+        if base != served:
+            raise InputError(f"base_model_path {info.base_model_path!r} ({base}) is not the "
+                             f"checkpoint this server serves ({served}): SkyRL's deltas apply to "
+                             "their base checkpoint only", field="init_info.base_model_path")
+        stream = self._skyrl_streams.get(base)
+        if stream is None:
+            stream = self._skyrl_streams[base] = SkyrlStream(info, base, key=key)
+        stream.info = info
+        self.skyrl, self.receiver, self.store = stream, None, None
+
+    def fetch_weights(self, target_version: int, sync_dir: str | None = None,
+                      uri: str | None = None) -> dict:
+        """SkyRL's fetch step (before its pause): read and verify the chain up to
+        ``target_version``; the served weights do not change."""
+        if self.skyrl is None:
+            raise InputError("fetch_weights is SkyRL's delta step: initialize with SkyRL's init "
+                             "dict ({'base_model_path': ..., 'local_checkpoint_dir': ...}) first",
+                             field="init_info")
+        return self.skyrl.fetch(target_version, sync_dir, uri)
 
     def _expected_layout(self) -> dict:
         """What a snapshot must hold: the served checkpoint's tensors, or — an invariant engine
@@ -217,7 +270,7 @@ class SkyrlDeltaEngine(WeightTransferEngine[SkyrlDeltaInitInfo, SkyrlDeltaUpdate
         return served_layout(self.model_config.model)
 
     def start_weight_update(self) -> None:
-        if self.receiver is None:
+        if self.receiver is None and self.skyrl is None:
             raise InputError("skyrl_delta is not initialized: call init_weight_transfer_engine "
                              "with {'store': ...} first", field="init_info")
 
@@ -254,19 +307,34 @@ class SkyrlDeltaEngine(WeightTransferEngine[SkyrlDeltaInitInfo, SkyrlDeltaUpdate
                                  field="base_version", source=manifest_path(v))
             v = m.base_version
 
-    def receive_weights(self, update_info: SkyrlDeltaUpdateInfo) -> None:
+    def receive_weights(self, update_info) -> None:
         import time
-
-        import numpy as np
-
-        from skyrl_numerics.sync.codec import tensor_bytes
-        from skyrl_numerics.engine.weight_update import (check_complete_blocks, expand_to_blocks,
-                                                         load_into_model)
 
         self.start_weight_update()
         t0 = time.perf_counter()
+        if isinstance(update_info, SkyrlUpdateInfo):
+            r = self.skyrl.receiver
+            p = self.skyrl.apply(update_info)
+            loaded = self._load(r, set(p.new_bytes), fresh=False)
+            self.last_update = {"version": r.version, "versions": [m.version for m in p.manifests],
+                                "format": "skyrl", "loaded": loaded, "payload_bytes": p.payload_nbytes,
+                                "seconds": time.perf_counter() - t0}
+            return
         r = self.receiver
-        chain = self._chain(update_info.version)
+        chain, changed, payload, held_version = self._apply_chain(r, update_info.version)
+        loaded = self._load(r, changed, fresh=held_version is None)
+        self._high_water[self.store] = r.version
+        self.last_update = {"version": r.version, "versions": chain, "format": "skyrl_numerics",
+                            "loaded": loaded,
+                            "payload_bytes": payload, "seconds": time.perf_counter() - t0}
+
+    def _apply_chain(self, r, target):
+        """Commit the chain up to ``target`` into our receiver ``r``, all or nothing."""
+        import numpy as np
+
+        from skyrl_numerics.sync.codec import tensor_bytes
+
+        chain = self._chain(target)
         held_version = r.version
         undo: dict[str, np.ndarray] = {}
         changed: set[str] = set()
@@ -288,13 +356,22 @@ class SkyrlDeltaEngine(WeightTransferEngine[SkyrlDeltaInitInfo, SkyrlDeltaUpdate
             if held_version is None:
                 r._tensors = {}   # a fresh receiver keeps nothing of a refused chain
             raise
+        return chain, changed, payload, held_version
+
+    def _load(self, r, changed: set, *, fresh: bool):
+        """Load the blocks of ``changed`` from receiver ``r`` into the model — all of ``r``'s
+        tensors when it is fresh or when the model serves another receiver's weights (a SkyRL
+        stream at version 0 holds the served checkpoint itself)."""
+        from skyrl_numerics.engine.weight_update import (check_complete_blocks, expand_to_blocks,
+                                                         load_into_model)
+
         state = r.state
-        names = expand_to_blocks(changed, state) if held_version is not None else list(state)
+        same = self._served_by is r or (self._served_by is None and isinstance(r, SkyrlDeltaReceiver))
+        names = expand_to_blocks(changed, state) if (same and not fresh) else list(state)
         check_complete_blocks(names, state)
         loaded = load_into_model(self.vllm_config, self.model, ((n, state[n]) for n in names))
-        self._high_water[self.store] = r.version
-        self.last_update = {"version": r.version, "versions": chain, "loaded": loaded,
-                            "payload_bytes": payload, "seconds": time.perf_counter() - t0}
+        self._served_by = r
+        return loaded
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # the base class ends with torch.accelerator.synchronize(), which has no CPU backend
@@ -303,7 +380,9 @@ class SkyrlDeltaEngine(WeightTransferEngine[SkyrlDeltaInitInfo, SkyrlDeltaUpdate
     def shutdown(self) -> None:
         self.receiver = None
         self.store = None
+        self.skyrl = None
         self._receivers.clear()
+        self._skyrl_streams.clear()
 
 
 # ---- trainer side ---------------------------------------------------------------------------

@@ -69,6 +69,22 @@ class WeightsMixin:
                             reload=self.reload_weights)  # the worker's: also resets LoRA/mm state
         return {"loaded": n, "seconds": time.perf_counter() - t0}
 
+    def skyrl_fetch_weights(self, target_version: int, sync_dir: str | None = None,
+                            uri: str | None = None) -> dict:
+        """SkyRL's ``fetch_weights`` step (route ``/fetch_weights``): the ``skyrl_delta`` backend
+        reads and verifies its store up to ``target_version``; the weights do not change yet."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None or not hasattr(engine, "fetch_weights"):
+            raise RuntimeError("fetch_weights needs the skyrl_delta weight-transfer backend "
+                               "(--weight-transfer-config '{\"backend\": \"skyrl_delta\"}')")
+        return engine.fetch_weights(target_version, sync_dir=sync_dir, uri=uri)
+
+    def skyrl_applied_version(self) -> int | None:
+        """The version the ``skyrl_delta`` backend last loaded (``None``: none, or another
+        backend); the server records it when a client finishes an update without naming one."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return (getattr(engine, "last_update", None) or {}).get("version")
+
 
 class KernelsMixin:
     """What runs the layers (``skyrl_linear_kernels``), parameter digests (for tests) and this

@@ -41,8 +41,10 @@ refused by name where it is asked for (``serve_command``: ``--sampling-mask``).
     vLLM's endpoint plugins (``vllm.endpoint_plugins`` entry points, allowlisted by
     ``VLLM_PLUGINS``) are its interface for adding HTTP routes. The wrapper returns vLLM's own list
     plus :class:`~skyrl_numerics.engine.skyrl_route.SkyrlEndpoints` (for servers that support the
-    ``generate`` task), which attaches SkyRL 0.4's ``POST /skyrl/v1/generate`` to servers started
-    with our worker extension only (SkyRL's own servers add their own route);
+    ``generate`` task), which attaches SkyRL 0.4's ``POST /skyrl/v1/generate`` and ``POST
+    /fetch_weights`` (its delta fetch step, a control route behind ``--api-key``;
+    ``skyrl_fetch.py``) to servers started with our worker extension only (SkyRL's own servers add
+    their own routes);
     ``attach_endpoint_plugins`` / ``init_endpoint_plugins_state`` then wire it as any plugin.
     Setting ``VLLM_PLUGINS`` is not needed (it would also filter the general plugins).
 ``vllm.v1.engine.async_llm.AsyncLLM.finish_weight_update``
@@ -51,6 +53,9 @@ refused by name where it is asked for (``serve_command``: ``--sampling-mask``).
     then ``reset_prefix_cache()``; when requests are still running (``/pause?mode=keep``) it
     resets with ``reset_running_requests=True``: those requests are recomputed from their tokens
     on the new weights, so no token sampled after an update attends to old-weight KV.
+    A client that finishes without naming a ``weight_version`` (SkyRL's control-plane client never
+    names one) gets the version the ``skyrl_delta`` backend loaded recorded instead (the workers'
+    ``skyrl_applied_version``, when they agree), so ``/weight_info`` says what is served.
 ``vllm.config.vllm.VllmConfig._verify_aux_output_compatibility`` (vLLM >= 0.31)
     vLLM fills ``routed_experts`` (``--enable-return-routed-experts``) only in Model Runner V2,
     which needs Triton on GPU, and refuses the flag otherwise ("AuxOutput Connector requires
@@ -138,6 +143,7 @@ CONTROL_ROUTES = (
     "/is_sleeping", "/kv_event_sources", "/pause", "/release_kv_cache_memory", "/reset_",
     "/resume", "/scale_elastic_ep", "/server_info", "/shutdown_weight_transfer_engine", "/sleep",
     "/start_", "/stop_profile", "/tokenize", "/detokenize", "/tokenizer_info", "/update_",
+    "/fetch_weights",
     "/wake_up", "/weight_", "/classify", "/score", "/rerank", "/pooling", "/invocations",
     "/generative_scoring", "/openapi.json", "/docs", "/redoc", "/skyrl_",
 )
@@ -179,6 +185,8 @@ def _reset_prefix_cache_after_update() -> None:
     @functools.wraps(original)
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
         await original(self, weight_version)
+        if weight_version is None:
+            await _record_applied_version(self)
         if not await self.reset_prefix_cache():
             await self.reset_prefix_cache(reset_running_requests=True)
 
@@ -204,6 +212,17 @@ async def _contract_endpoint(request: Request):
     """``GET /skyrl_contract``: ``{"contract": worker 0's, "workers": every worker's}``."""
     results = await request.app.state.engine_client.collective_rpc("skyrl_contract")
     return JSONResponse({"contract": results[0], "workers": list(results)})
+
+
+async def _record_applied_version(llm) -> None:
+    """A client that finishes an update without naming its version (SkyRL's): record the version
+    the ``skyrl_delta`` backend loaded, when every worker loaded the same one."""
+    cfg = llm.vllm_config.weight_transfer_config
+    if cfg is None or getattr(cfg, "backend", None) != "skyrl_delta":
+        return
+    versions = set(await llm.collective_rpc("skyrl_applied_version"))
+    if len(versions) == 1 and None not in versions:
+        await llm.update_weight_version(str(versions.pop()))
 
 
 def _on_cpu() -> bool:

@@ -311,7 +311,8 @@ def foreign_layout(store: SyncStore) -> str | None:
     skyrl = [n for n in names if _SKYRL_DELTA_RE.match(n) and store.exists(f"{n}/manifest.json")]
     if skyrl:
         return (f"a SkyRL checkpoint-delta store (delta-%08d/manifest.json, {len(skyrl)} version(s): "
-                f"{skyrl[0]}/manifest.json ...), which this receiver does not read")
+                f"{skyrl[0]}/manifest.json ...): read it with sync.skyrl_receiver.SkyrlDeltaReceiver("
+                "root, base=<its base checkpoint>)")
     if "versions" in names or "links" in names:
         return ("a skyrl-numerics sharded store (versions/<v:012d>.json + links/s<S>-d<D>/): read it with "
                 "sync.sharded.ShardedReceiver, or point a DeltaReceiver at one links/ folder")
