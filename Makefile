@@ -5,6 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+# make test: two pytest-xdist workers (the 2-core budget; tests/conftest.py keeps a file's tests, and
+# all users of the session engines, in one worker). TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: venv demo test test-fast bench compat clean
 
@@ -49,7 +52,7 @@ demo: $(STAMP)
 	$(BIN)/skyrl-numerics doctor --out artifacts/doctor
 
 test: $(STAMP)
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(BIN)/pytest -m "not vllm and not slow" $(PYTEST_ARGS)
