@@ -198,6 +198,10 @@ VARIANTS = {
                          "mscale": 1.0, "mscale_all_dim": 1.0},
         n_group=4, topk_group=2, num_experts_per_tok=3), 300),
     **{name: (*DENSE[name], 40) for name in DENSE},
+    # Llama 3.1's RoPE scaling, past a small original context (every frequency band in use)
+    "llama-llama3-rope": ("llama", dict(rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}), 200),
     # every other layer dense (decoder_sparse_step) beside an mlp_only layer
     "qwen3_moe-sparse-step": ("qwen3_moe", dict(decoder_sparse_step=2, mlp_only_layers=[3],
                                                 num_hidden_layers=4), 40),
