@@ -30,6 +30,7 @@ ALL = os.environ.get("SKYRL_NUMERICS_DENSE_ALL", "") == "1"
 CASES = {"qwen3": ("qwen3", {}, None), "llama": ("llama", {}, None),
          "qwen2": ("qwen2", {}, None), "mistral": ("mistral", {}, None),
          "qwen3_moe-dense": ("qwen3_moe", {"mlp_only_layers": [0], "num_hidden_layers": 3}, None),
+         "qwen3-tied": ("qwen3", {"tie_word_embeddings": True}, None),
          "qwen3-fp8": ("qwen3", {}, "fp8")}
 DEFAULT = ("qwen3", "llama")
 _OPT_IN = pytest.mark.skipif(not ALL, reason="one engine per case: set SKYRL_NUMERICS_DENSE_ALL=1")

@@ -29,11 +29,12 @@ pytestmark = pytest.mark.isa   # also run under each lower CPU capability (tests
 
 FORMATS = {"qwen3_moe": ["auto", "fp8"], "deepseek_v3": ["auto", "fp8", "fp8_ds_mla"],
            "qwen3": ["auto", "fp8"], "llama": ["auto"], "qwen2": ["auto"], "mistral": ["auto"],
-           "llama-bias": ["auto"], "qwen3_moe-dense": ["auto"]}
+           "llama-bias": ["auto"], "qwen3-tied": ["auto"], "qwen3_moe-dense": ["auto"]}
 CASES = [(f, k) for f, ks in FORMATS.items() for k in ks]
 # the dense decoders (family ``dense``) and Qwen3-MoE with dense layers: (builder family, overrides)
 DENSE = {"qwen3": ("qwen3", {}), "llama": ("llama", {}), "qwen2": ("qwen2", {}),
          "mistral": ("mistral", {}), "llama-bias": ("llama", {"attention_bias": True}),
+         "qwen3-tied": ("qwen3", {"tie_word_embeddings": True}),
          "qwen3_moe-dense": ("qwen3_moe", {"mlp_only_layers": [0], "num_hidden_layers": 3})}
 
 
@@ -398,7 +399,6 @@ BAD = [
     ("qwen2", {"use_sliding_window": True, "sliding_window": 256}, "use_sliding_window"),
     ("qwen3", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
     ("llama", {"mlp_bias": True}, "mlp_bias"),
-    ("qwen3", {"tie_word_embeddings": True}, "tie_word_embeddings"),
     ("llama", {"hidden_act": "gelu"}, "hidden_act"),
     ("qwen3_moe", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
      "rope_parameters.rope_type"),

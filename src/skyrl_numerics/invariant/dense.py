@@ -18,6 +18,9 @@ MistralForCausalLM     no           none                   ``sliding_window`` sh
                                                            ``max_position_embeddings``
 =====================  ===========  =====================  ===================================
 
+``tie_word_embeddings`` (Qwen3-0.6B..4B, Qwen2.5 up to 3B, Llama-3.2): the lm-head is the
+embedding parameter itself (:meth:`~.base.InvariantCausalLM.add_decoder_weights`).
+
 Mistral's sliding window: the invariant attention is full causal attention, which equals the
 windowed one as long as no sequence is longer than the window; a window shorter than the
 context the checkpoint declares (``max_position_embeddings``) is refused naming
@@ -57,6 +60,7 @@ class Dims:
     layers: int
     inter: int
     eps: float
+    tied: bool               # tie_word_embeddings: the lm-head is the embedding matrix
 
     @classmethod
     def from_config(cls, c) -> "Dims":
@@ -64,12 +68,11 @@ class Dims:
                 getattr(c, "hidden_act", None), "only a SwiGLU (silu) MLP")
         require(not getattr(c, "mlp_bias", False), "mlp_bias", True,
                 "MLP biases are not implemented")
-        require(not getattr(c, "tie_word_embeddings", False), "tie_word_embeddings", True,
-                "a tied lm-head is not implemented")
         require(not getattr(c, "num_experts", None), "num_experts", getattr(c, "num_experts", None),
                 "a dense family has no routed experts")
         return cls(vocab=c.vocab_size, hidden=c.hidden_size, layers=c.num_hidden_layers,
-                   inter=c.intermediate_size, eps=c.rms_norm_eps)
+                   inter=c.intermediate_size, eps=c.rms_norm_eps,
+                   tied=bool(getattr(c, "tie_word_embeddings", False)))
 
 
 def variant_of(c) -> Variant:
@@ -101,7 +104,7 @@ class InvariantDense(GQAttention, InvariantCausalLM):
                  kv_cache=None, rope=None):
         super().__init__(dtype)
         self.dims = d = dims
-        self.add_decoder_weights()
+        self.add_decoder_weights(tied=d.tied)
         self.init_attention(attn, dtype, kv_cache, rope)
         for i in range(d.layers):
             p = f"model.layers.{i}.mlp."
