@@ -23,7 +23,6 @@ def _reasons(ctx):
 
 @pytest.fixture(scope="module")
 def dense_dir(tmp_path_factory):
-    import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     d = tmp_path_factory.mktemp("dense") / "llama"
