@@ -15,6 +15,11 @@ whose logprobs equal the trainer's bitwise for each engine.
         [--forward-times] [--engine-args '{"kv_cache_memory_bytes": 1073741824}']
         [--peak-rss]   # each engine's peak RSS (its worker process), from /proc
         [--real-dims]  # the real-dims checkpoint of benchmarks/real_dims.py (issue 26)
+        [--sequential] # one engine alive at a time (a shared host): each engine's rounds run
+                       # back to back, then it closes before the next starts
+
+``--family`` is any family of ``skyrl_numerics.models`` (the dense ``qwen3``, ``llama``,
+``qwen2``, ``mistral`` too).
 
 One invariant engine per ``--kv-cache`` format (the trainer simulates the same format).
 
@@ -51,19 +56,17 @@ def main() -> None:
                     help="JSON object of extra engine arguments for every engine (both kinds)")
     ap.add_argument("--peak-rss", action="store_true",
                     help="report each engine's worker peak RSS (VmHWM) in GiB")
+    ap.add_argument("--sequential", action="store_true",
+                    help="one engine alive at a time: its rounds back to back, then closed")
     args = ap.parse_args()
     if args.forward_times or args.peak_rss:
         import os
 
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"   # (to send _install_timer, _peak_rss)
 
-    import numpy as np
-
     from skyrl_numerics.rollout.prompts import make_prompts
-    from skyrl_numerics.models import build_tiny_model, load_hf_model
-    from skyrl_numerics.trainer import VLLMGenerator, trainer_logprobs
-    from skyrl_numerics.invariant import from_checkpoint
-    from skyrl_numerics.trainer.logprobs import invariant_trainer_logprobs
+    from skyrl_numerics.models import build_tiny_model
+    from skyrl_numerics.trainer import VLLMGenerator
 
     if args.real_dims:
         from real_dims import CONFIGS     # (benchmarks/real_dims.py, beside this script)
@@ -77,35 +80,67 @@ def main() -> None:
         (f"invariant-{kv}", {"batch_invariant": True, **({} if kv == "auto" else {"kv_cache": kv})})
         for kv in args.kv_cache.split(",")]
     gens = {}
-    for name, kw in variants:
+    rates: dict[str, list[float]] = {name: [] for name, _ in variants}
+    last = {}
+
+    def start(name, kw):
         gens[name] = VLLMGenerator(model_dir, **kw, **json.loads(args.engine_args))
         gens[name].generate([[2, 3]], max_tokens=2)
         if args.forward_times:
             gens[name].llm.collective_rpc(_install_timer, args=(args.prompts,))
-    rates: dict[str, list[float]] = {name: [] for name, _ in variants}
-    last = {}
-    for r in range(args.repeats):
-        for name, _ in variants:
-            time.sleep(args.pause)
-            t0 = time.perf_counter()
-            last[name] = gens[name].generate(prompts, max_tokens=args.max_tokens, seed=r)
-            rates[name].append(last[name].num_response_tokens / (time.perf_counter() - t0))
+
+    def round_of(name, r):
+        time.sleep(args.pause)
+        t0 = time.perf_counter()
+        last[name] = gens[name].generate(prompts, max_tokens=args.max_tokens, seed=r)
+        rates[name].append(last[name].num_response_tokens / (time.perf_counter() - t0))
+
     for name, kw in variants:
-        ro = last[name]
-        if name == "stock":
-            lp = trainer_logprobs(load_hf_model(model_dir), ro).logprobs
+        if args.sequential:          # measured (and summarized below) one engine at a time
+            start(name, kw)
+            for r in range(args.repeats):
+                round_of(name, r)
+            _summarize(args, name, kw, gens, last, rates, results, model_dir)
         else:
-            lp = invariant_trainer_logprobs(from_checkpoint(model_dir, kv_cache=kw.get("kv_cache")),
-                                            ro).logprobs
-        results[name] = {"tokens_per_s": max(rates[name]), "tokens_per_s_rounds": rates[name],
-                         "frac_bitwise_equal": float(np.mean(lp == ro.rollout_logprobs)),
-                         "mean_abs_gap": float(np.mean(np.abs(lp - ro.rollout_logprobs)))}
-        if args.peak_rss:
-            results[name]["worker_peak_rss_gib"] = gens[name].llm.collective_rpc(_peak_rss)[0]
-        if args.forward_times:
-            results[name]["worker_ms"] = _timing_summary(
-                gens[name].llm.collective_rpc(_fetch_timer)[0], args.prompts)
-        gens[name].close()
+            start(name, kw)
+    for r in range(args.repeats if not args.sequential else 0):
+        for name, _ in variants:
+            round_of(name, r)
+    for name, kw in variants if not args.sequential else ():
+        _summarize(args, name, kw, gens, last, rates, results, model_dir)
+    _ratios(args, variants, rates, results)
+    print(json.dumps(results, indent=2))
+
+
+def _summarize(args, name, kw, gens, last, rates, results, model_dir) -> None:
+    """One engine's figures (tok/s, bitwise fraction against its trainer), then it closes."""
+    import numpy as np
+
+    from skyrl_numerics.invariant import from_checkpoint
+    from skyrl_numerics.models import load_hf_model
+    from skyrl_numerics.trainer import trainer_logprobs
+    from skyrl_numerics.trainer.logprobs import invariant_trainer_logprobs
+
+    ro = last[name]
+    if name == "stock":
+        lp = trainer_logprobs(load_hf_model(model_dir), ro).logprobs
+    else:
+        lp = invariant_trainer_logprobs(from_checkpoint(model_dir, kv_cache=kw.get("kv_cache")),
+                                        ro).logprobs
+    results[name] = {"tokens_per_s": max(rates[name]), "tokens_per_s_rounds": rates[name],
+                     "frac_bitwise_equal": float(np.mean(lp == ro.rollout_logprobs)),
+                     "mean_abs_gap": float(np.mean(np.abs(lp - ro.rollout_logprobs)))}
+    if args.peak_rss:
+        results[name]["worker_peak_rss_gib"] = gens[name].llm.collective_rpc(_peak_rss)[0]
+    if args.forward_times:
+        results[name]["worker_ms"] = _timing_summary(
+            gens[name].llm.collective_rpc(_fetch_timer)[0], args.prompts)
+    gens[name].close()
+
+
+def _ratios(args, variants, rates, results) -> None:
+    import numpy as np
+
     for name, _ in variants[1:]:
         results[f"ratio_{name}_over_stock"] = (results[name]["tokens_per_s"]
                                                / results["stock"]["tokens_per_s"])
@@ -116,7 +151,6 @@ def main() -> None:
                 results[f"{what}_ratio_stock_over_{name}"] = (
                     results["stock"]["worker_ms"][f"{what}_median"]
                     / results[name]["worker_ms"][f"{what}_median"])
-    print(json.dumps(results, indent=2))
 
 
 def _install_timer(worker, tokens: int) -> int:

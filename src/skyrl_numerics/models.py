@@ -1,6 +1,6 @@
 """Tiny seeded random-weight HF checkpoints, built on disk (no downloads), cached by config hash.
 
-Three families cover the routing styles that matter for trainer/engine alignment:
+Three MoE families cover the routing styles that matter for trainer/engine alignment:
 
 - ``qwen3_moe``   Qwen3-MoE: GQA attention (head_dim 64 — vLLM CPU attention needs 64), softmax
                   top-k routing over several experts.
@@ -10,6 +10,9 @@ Three families cover the routing styles that matter for trainer/engine alignment
 - ``mixtral``     Mixtral: GQA attention, every layer an MoE (``num_local_experts``), softmax over
                   all experts then top-k renormalized in fp32; no shared expert, no norm on q/k.
                   Its experts are stored as ``block_sparse_moe.experts.<e>.w1/w2/w3``.
+
+and four dense decoders (GQA, one SwiGLU MLP per layer): ``qwen3`` (q/k RMSNorm), ``llama``,
+``qwen2`` (q/k/v biases) and ``mistral`` (a sliding window at least as long as the context).
 
 ``build_tiny_model(family, seed=..., dtype=..., **overrides) -> Path`` returns a directory with
 ``config.json`` + ``model.safetensors`` that both HF transformers and vLLM load. The directory name
@@ -30,7 +33,14 @@ from .hashing import json_key
 # Bump when the way checkpoints are produced changes, so stale caches are not reused.
 _FORMAT_VERSION = 1
 
-FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral")
+FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral", "qwen3", "llama", "qwen2", "mistral")
+
+# the dense decoders (one SwiGLU MLP per layer, GQA, head_dim 64): what differs is in the
+# modeling code (Qwen3 q/k RMSNorm, Qwen2 q/k/v biases, Mistral's sliding window)
+_DENSE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+              max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=10000.0,
+              tie_word_embeddings=False, initializer_range=0.05, bos_token_id=0, eos_token_id=1)
 
 _BASE: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(
@@ -115,6 +125,12 @@ _BASE: dict[str, dict[str, Any]] = {
         bos_token_id=0,
         eos_token_id=1,
     ),
+    "qwen3": dict(_DENSE, architectures=["Qwen3ForCausalLM"], attention_bias=False),
+    "llama": dict(_DENSE, architectures=["LlamaForCausalLM"], attention_bias=False, mlp_bias=False),
+    # Qwen2's q/k/v projections always carry biases (o_proj none)
+    "qwen2": dict(_DENSE, architectures=["Qwen2ForCausalLM"]),
+    # the window covers max_model_len: the sliding mask never cuts (a shorter one is refused)
+    "mistral": dict(_DENSE, architectures=["MistralForCausalLM"], sliding_window=4096),
 }
 
 
@@ -152,7 +168,8 @@ def build_tiny_model(family: str = "qwen3_moe", *, seed: int = 0, dtype: str = "
 
     Weights come from the model's own initializer under ``torch.manual_seed(seed)``, then are cast
     to ``dtype``. The router's ``e_score_correction_bias`` (DeepSeek-V3) is set to small seeded
-    values so the bias path is exercised rather than all zeros.
+    values so the bias path is exercised rather than all zeros; so are projection biases (Qwen2's
+    q/k/v, Llama's ``attention_bias``), which HF's initializer zeroes.
     """
     import torch
 
@@ -174,6 +191,8 @@ def build_tiny_model(family: str = "qwen3_moe", *, seed: int = 0, dtype: str = "
             for name, p in model.named_parameters():
                 if name.endswith("e_score_correction_bias"):
                     p.copy_(torch.randn_like(p) * 0.01)
+                elif name.endswith(".bias"):     # projection biases: HF zeroes them
+                    p.copy_(torch.randn_like(p) * 0.05)
             for name, b in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     b.copy_(torch.randn_like(b) * 0.01)

@@ -59,3 +59,23 @@ def test_deepseek_v3_shape(deepseek_v3_dir):
 def test_unknown_family():
     with pytest.raises(ValueError, match="unknown model family"):
         tiny_config("llama")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2", "mistral"])
+def test_dense_shapes_and_projection_biases(family):
+    """The dense decoders load in HF; Qwen2's q/k/v biases are seeded non-zero (HF's initializer
+    zeroes them: a forward that dropped them would go unnoticed), Mistral's window covers its
+    context."""
+    d = build_tiny_model(family)
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["model_type"] == family and cfg["head_dim"] == 64
+    m = load_hf_model(d)
+    attn = m.model.layers[0].self_attn
+    if family == "qwen2":
+        assert all(getattr(attn, f"{n}_proj").bias.abs().min() > 0 for n in "qkv")
+        assert attn.o_proj.bias is None
+    else:
+        assert attn.q_proj.bias is None
+    if family == "mistral":
+        assert cfg["sliding_window"] >= cfg["max_position_embeddings"]
+    assert torch.isfinite(m(torch.tensor([[3, 4, 5, 6]])).logits).all()

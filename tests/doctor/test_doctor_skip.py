@@ -23,7 +23,6 @@ def _reasons(ctx):
 
 @pytest.fixture(scope="module")
 def dense_dir(tmp_path_factory):
-    import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     d = tmp_path_factory.mktemp("dense") / "llama"
@@ -42,8 +41,9 @@ def test_dense_model_skips_moe_rows(dense_dir):
                  "top-p 0.95 only: + support replay + R3"):
         assert why[name].startswith("dense model: no MoE router"), (name, why[name])
     assert why["nvfp4 experts: + fake-quant matched"].startswith("dense model")
-    assert "no batch-invariant family" in why["+ batch-invariant (trainer and vLLM)"]
-    assert "LlamaForCausalLM" in why["+ batch-invariant (trainer and vLLM)"]
+    # the dense family runs it; its engine is asked for no routes (a dense model has no router)
+    assert why["+ batch-invariant (trainer and vLLM)"] is None
+    assert "capture_routes" not in doctor.SCENARIOS["batch-invariant"].engine_for(dense_dir)
 
 
 def test_tiny_qwen3_moe_runs_every_generic_row(qwen_moe_dir):

@@ -27,13 +27,31 @@ from skyrl_numerics.invariant.blocks import Rope, UnsupportedConfig, sigmoid_gro
 
 pytestmark = pytest.mark.isa   # also run under each lower CPU capability (tests/test_isa_matrix.py)
 
-FORMATS = {"qwen3_moe": ["auto", "fp8"], "deepseek_v3": ["auto", "fp8", "fp8_ds_mla"]}
+FORMATS = {"qwen3_moe": ["auto", "fp8"], "deepseek_v3": ["auto", "fp8", "fp8_ds_mla"],
+           "qwen3": ["auto", "fp8"], "llama": ["auto"], "qwen2": ["auto"], "mistral": ["auto"],
+           "llama-bias": ["auto"], "qwen3-tied": ["auto"], "qwen3_moe-dense": ["auto"]}
 CASES = [(f, k) for f, ks in FORMATS.items() for k in ks]
+# the dense decoders (family ``dense``) and Qwen3-MoE with dense layers: (builder family, overrides)
+DENSE = {"qwen3": ("qwen3", {}), "llama": ("llama", {}), "qwen2": ("qwen2", {}),
+         "mistral": ("mistral", {}), "llama-bias": ("llama", {"attention_bias": True}),
+         "qwen3-tied": ("qwen3", {"tie_word_embeddings": True}),
+         "qwen3_moe-dense": ("qwen3_moe", {"mlp_only_layers": [0], "num_hidden_layers": 3})}
+
+
+class _Dirs(dict):
+    """Checkpoint directories by case name, the dense ones built on first use."""
+
+    def __missing__(self, name):
+        from skyrl_numerics.models import build_tiny_model
+
+        family, over = DENSE[name]
+        self[name] = build_tiny_model(family, **over)
+        return self[name]
 
 
 @pytest.fixture(scope="module")
 def ckpt(request, qwen_moe_dir, deepseek_v3_dir):
-    return {"qwen3_moe": qwen_moe_dir, "deepseek_v3": deepseek_v3_dir}
+    return _Dirs({"qwen3_moe": qwen_moe_dir, "deepseek_v3": deepseek_v3_dir})
 
 
 _MODELS: dict = {}
@@ -180,6 +198,14 @@ VARIANTS = {
                          "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1,
                          "mscale": 1.0, "mscale_all_dim": 1.0},
         n_group=4, topk_group=2, num_experts_per_tok=3), 300),
+    **{name: (*DENSE[name], 40) for name in DENSE},
+    # Llama 3.1's RoPE scaling, past a small original context (every frequency band in use)
+    "llama-llama3-rope": ("llama", dict(rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}), 200),
+    # every other layer dense (decoder_sparse_step) beside an mlp_only layer
+    "qwen3_moe-sparse-step": ("qwen3_moe", dict(decoder_sparse_step=2, mlp_only_layers=[3],
+                                                num_hidden_layers=4), 40),
 }
 
 
@@ -199,6 +225,46 @@ def test_fp32_forward_matches_hf_transformers(ckpt, variant):
         ours = m.logits(m.sequence_hidden(ids))
         ref = hf(ids[None]).logits[0]
     assert (ours - ref).abs().max().item() < 1e-3
+
+
+def _bf16_ulp(x: float) -> float:
+    """bfloat16's unit in the last place at magnitude ``x`` (8 significand bits)."""
+    import math
+
+    return 2.0 ** (math.floor(math.log2(x)) - 7)
+
+
+@pytest.mark.parametrize("name", list(DENSE))
+def test_bf16_forward_is_hf_stock_within_bf16_ulps(ckpt, name):
+    """The bf16 invariant forward (what engine and trainer run) against HF transformers' stock
+    forward of the same checkpoint: both measured against HF in fp32 on the same bf16 weights,
+    ours within 4 bf16 ulps at the logits' magnitude (measured 0.9-1.5 ulps for the dense
+    models) or within twice the stock bf16 forward's own error (Qwen3-MoE with dense layers:
+    ours 7.6 ulps, stock 15.4: a near-tie router flips either way)."""
+    d = ckpt[name]
+    m = from_checkpoint(d)
+    ids = _ids(64, 0)
+    with torch.no_grad():
+        ours = m.logits(m.sequence_hidden(ids)).float()
+        ref = load_hf_model(d, dtype="float32")(ids[None]).logits[0]
+        stock = load_hf_model(d)(ids[None]).logits[0].float()
+    ulp = _bf16_ulp(ref.abs().max().item())
+    err, stock_err = (ours - ref).abs().max().item(), (stock - ref).abs().max().item()
+    assert stock_err > 0 and err <= max(4 * ulp, 2 * stock_err), (name, err / ulp, stock_err / ulp)
+
+
+def test_dense_models_have_no_routes_and_qwen3_moe_numbers_its_moe_layers(ckpt):
+    """Routes are numbered over the routed layers (vLLM's convention): Qwen3-MoE with a dense
+    layer 0 of 3 records 2 layers; a dense model refuses route capture naming the field."""
+    from skyrl_numerics.rollout import Rollout
+
+    ro = Rollout.from_lists(prompts=[[3, 4, 5]], responses=[[6, 7]], logprobs=[[-1.0, -1.0]])
+    tl = invariant_trainer_logprobs(_model(ckpt, "qwen3_moe-dense", "auto"), ro,
+                                    return_routes=True)
+    assert tl.routes.num_layers == 2 and list(tl.routes.seq_lens) == [4]
+    with pytest.raises(InputError) as e:
+        invariant_trainer_logprobs(_model(ckpt, "qwen3", "auto"), ro, return_routes=True)
+    assert e.value.field == "capture_routes"
 
 
 def test_gptj_rope_matches_hf_interleaved():
@@ -324,11 +390,16 @@ BAD = [
     ("deepseek_v3", {"n_group": 3}, "n_group"),
     ("deepseek_v3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}},
      "rope_parameters.rope_type"),
-    ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers"),
     ("deepseek_v3", {"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quant_method"),
     ("deepseek_v3", {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
                                              "activation_scheme": "static"}}, "activation_scheme"),
     ("qwen3_moe", {"attention_bias": True}, "attention_bias"),
+    # Mistral-7B-v0.1's window (4096 < 32768): full attention would differ past the window
+    ("mistral", {"sliding_window": 4096, "max_position_embeddings": 32768}, "sliding_window"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 256}, "use_sliding_window"),
+    ("qwen3", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ("llama", {"mlp_bias": True}, "mlp_bias"),
+    ("llama", {"hidden_act": "gelu"}, "hidden_act"),
     ("qwen3_moe", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
      "rope_parameters.rope_type"),
 ]

@@ -43,7 +43,7 @@ def test_prefill_then_decode_equals_full_prefill(model):
 def test_attend_one_sequence_is_the_family_attention(model):
     """The K/V helper kept for callers computes what ``attn_core`` computes on the cache row."""
     g = torch.Generator().manual_seed(0)
-    d = model.dims
+    d = model.attn_dims       # (heads, kv_heads, head_dim: the shared GQA attention's, gqa.py)
     q = torch.randn(9, d.heads, d.head_dim, generator=g).bfloat16()
     k = torch.randn(9, d.kv_heads, d.head_dim, generator=g).bfloat16()
     v = torch.randn(9, d.kv_heads, d.head_dim, generator=g).bfloat16()

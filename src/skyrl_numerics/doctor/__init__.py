@@ -112,8 +112,7 @@ def skip_reason(row: Row, ctx: DoctorContext, *, load: bool = True) -> str | Non
             return "dense model: no MoE experts to serve quantized"
         if not info.has_experts_named():
             return "no per-expert weights named *.mlp.experts.<e>.<proj>.weight to fake-quantize"
-    if getattr(row.compute, "uses_routes", False) or (spec.engine.get("capture_routes")
-                                                       and not info.is_moe):
+    if getattr(row.compute, "uses_routes", False):
         if not info.is_moe:
             return "dense model: no MoE router (R3 needs routed experts)"
         from skyrl_numerics.replay.hf_replay import find_routers

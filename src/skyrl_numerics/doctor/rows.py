@@ -6,6 +6,7 @@ importable from :mod:`skyrl_numerics.doctor` too.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -14,6 +15,7 @@ import numpy as np
 
 from skyrl_numerics.doctor.engine_memory import make_room_for
 from skyrl_numerics.errors import ContractMismatch
+from skyrl_numerics.hf_config import moe_layout
 from skyrl_numerics.rollout import Rollout
 
 FULL = dict(temperature=1.0, top_p=1.0, top_k=0)
@@ -46,8 +48,14 @@ class Scenario:
 
     def engine_for(self, model_dir) -> dict:
         """``engine`` for the checkpoint at ``model_dir``: a value that depends on the model (a
-        callable of the checkpoint dir, e.g. a numerics plan built for its linears) resolved."""
-        return {k: (v(Path(model_dir)) if callable(v) else v) for k, v in self.engine.items()}
+        callable of the checkpoint dir, e.g. a numerics plan built for its linears) resolved;
+        ``capture_routes`` dropped for a dense checkpoint (no router: nothing to capture, and
+        its rows that need routes are skipped naming that)."""
+        out = {k: (v(Path(model_dir)) if callable(v) else v) for k, v in self.engine.items()}
+        if out.get("capture_routes") and moe_layout(json.loads(
+                (Path(model_dir) / "config.json").read_text())) is None:
+            del out["capture_routes"]
+        return out
 
     def sample(self, engine, prompts, *, max_tokens: int, seed: int, without: tuple = ()):
         """The scenario's rollout from ``engine`` (an in-process generator or a server client);

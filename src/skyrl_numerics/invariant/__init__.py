@@ -1,6 +1,7 @@
 """The batch-invariant forward that the trainer and vLLM both run: shared blocks (``blocks``),
 the KV-cache row formats (``kv_format``), the family contract (``base``) and one short module
-per family. The registry maps a checkpoint's HF architecture to its family.
+per family (the dense decoders share ``dense``; attention shared by GQA families in
+``gqa``). The registry maps a checkpoint's HF architecture to its family.
 
 Adding a family (about a page): subclass :class:`~.base.InvariantCausalLM` in ``<family>.py``
 with its parameters under the HF names, ``forward_tokens`` built from :mod:`.blocks`,
@@ -20,6 +21,9 @@ FAMILIES = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "skyrl_numerics.invariant.qwen3_moe:InvariantQwen3Moe"),
     "DeepseekV3ForCausalLM": ("deepseek_v3",
                               "skyrl_numerics.invariant.deepseek_v3:InvariantDeepseekV3"),
+    **{arch: ("dense", "skyrl_numerics.invariant.dense:InvariantDense")
+       for arch in ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM",
+                    "MistralForCausalLM")},
 }
 
 

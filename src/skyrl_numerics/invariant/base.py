@@ -113,6 +113,7 @@ class InvariantCausalLM(nn.Module):
         self._packed: dict = {}            # HF weight name -> QTensor (frozen, served packed)
         self._packed_shapes: dict = {}
         self._adapters: list[str] = []     # LoRA tensor names, in creation order
+        self._alias: dict[str, str] = {}   # a tied lm-head: "lm_head.weight" -> the embeddings
 
     # ---- weights --------------------------------------------------------------------------
     def add(self, name: str, *shape: int, dtype: torch.dtype | None = None) -> None:
@@ -121,19 +122,26 @@ class InvariantCausalLM(nn.Module):
                                         requires_grad=False)
         self._names[name] = key
 
-    def add_decoder_weights(self) -> None:
+    def add_decoder_weights(self, tied: bool = False) -> None:
         """The weights :meth:`forward_tokens` itself uses: embeddings, final norm, lm-head and
-        each layer's two RMSNorms (``self.dims``: vocab, hidden, layers)."""
+        each layer's two RMSNorms (``self.dims``: vocab, hidden, layers). ``tied``
+        (``tie_word_embeddings``): the lm-head is the embedding matrix itself — one parameter
+        under ``model.embed_tokens.weight``; ``w("lm_head.weight")`` reads it, and a checkpoint's
+        own ``lm_head.weight`` is skipped on load, as vLLM skips it."""
         d = self.dims
         self.add("model.embed_tokens.weight", d.vocab, d.hidden)
         self.add("model.norm.weight", d.hidden)
-        self.add("lm_head.weight", d.vocab, d.hidden)
+        if tied:
+            self._alias["lm_head.weight"] = "model.embed_tokens.weight"
+        else:
+            self.add("lm_head.weight", d.vocab, d.hidden)
         for i in range(d.layers):
             self.add(f"model.layers.{i}.input_layernorm.weight", d.hidden)
             self.add(f"model.layers.{i}.post_attention_layernorm.weight", d.hidden)
 
     def w(self, name: str) -> torch.Tensor:
         """The weight under an HF name (a packed one decoded: see :meth:`served_weight`)."""
+        name = self._alias.get(name, name)
         if name in self._packed:
             return self.served_weight(name)
         return self.params[self._names[name]]
@@ -276,8 +284,9 @@ class InvariantCausalLM(nn.Module):
         return model.eval()
 
     def ignored_weight(self, name: str) -> bool:
-        """Checkpoint tensors the engine does not run either (e.g. MTP draft layers)."""
-        return False
+        """Checkpoint tensors the engine does not run either (e.g. MTP draft layers; a tied
+        lm-head's copy)."""
+        return name in self._alias
 
     # ---- to be provided by the family -----------------------------------------------------
     kv = None   # KVFormat

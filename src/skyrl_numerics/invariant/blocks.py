@@ -14,7 +14,8 @@ not depend on which other tokens share the call, nor on prefill vs decode:
                                                               x[2i+1] c_i + x[2i] s_i)
 
   with ``c_i = cos(p * f_i) * m``, ``s_i = sin(p * f_i) * m``; default RoPE has
-  ``f_i = theta^(-2i/d)`` and ``m = 1``. DeepSeek YaRN (``rope_type="yarn"``) blends the
+  ``f_i = theta^(-2i/d)`` and ``m = 1``; Llama 3.1 (``rope_type="llama3"``) rescales the low
+  frequencies (:func:`llama3_inv_freq`). DeepSeek YaRN (``rope_type="yarn"``) blends the
   extrapolated ``f_i`` with the interpolated ``f_i / factor`` by a linear ramp over the dims
   between the correction bounds ``floor/ceil(d * ln(L0 / (2 pi beta)) / (2 ln theta))`` for
   ``beta = beta_fast, beta_slow``: ``f_i = f_i/factor * (1 - mask_i) + f_i * mask_i``,
@@ -184,6 +185,21 @@ def yarn_mscale(scale: float, mscale: float) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
+def llama3_inv_freq(inv: torch.Tensor, rp: dict) -> torch.Tensor:
+    """Llama 3.1's frequency scaling (``rope_type="llama3"``): with wavelength
+    ``w_i = 2 pi / f_i``, ``L0 = original_max_position_embeddings``, ``lo = L0 / low_freq_factor``,
+    ``hi = L0 / high_freq_factor``: ``f_i`` kept where ``w_i < hi``, ``f_i / factor`` where
+    ``w_i > lo``, and between them ``(1 - s) f_i / factor + s f_i`` with
+    ``s = (L0 / w_i - low_freq_factor) / (high_freq_factor - low_freq_factor)``."""
+    factor, lo_f, hi_f = float(rp["factor"]), float(rp["low_freq_factor"]), float(rp["high_freq_factor"])
+    l0 = float(rp["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    out = torch.where(wavelen > l0 / lo_f, inv / factor, inv)
+    smooth = (l0 / wavelen - lo_f) / (hi_f - lo_f)
+    medium = ~(wavelen < l0 / hi_f) & ~(wavelen > l0 / lo_f)
+    return torch.where(medium, (1 - smooth) * out / factor + smooth * out, out)
+
+
 @dataclass(frozen=True)
 class Rope:
     """Rotary embedding of ``dim`` dims: ``inv_freq`` (fp32, ``dim/2``), cos/sin multiplier
@@ -201,8 +217,10 @@ class Rope:
         base = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
         if kind == "default":
             return cls(dim, 1.0 / base, 1.0, style)
+        if kind == "llama3":
+            return cls(dim, llama3_inv_freq(1.0 / base, rp), 1.0, style)
         require(kind == "yarn", "rope_parameters.rope_type", kind,
-                "the invariant forward implements 'default' and DeepSeek 'yarn' RoPE only")
+                "the invariant forward implements 'default', 'llama3' and DeepSeek 'yarn' RoPE only")
         factor = float(rp["factor"])
         l0 = float(rp.get("original_max_position_embeddings",
                           getattr(c, "max_position_embeddings", 4096)))

@@ -174,7 +174,7 @@ class InvariantDeepseekV3(InvariantCausalLM):
     def ignored_weight(self, name: str) -> bool:
         # MTP draft layers (num_nextn_predict_layers) sit after the decoder; vLLM skips them too.
         parts = name.split(".")
-        return (len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isascii()
+        return super().ignored_weight(name) or (len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isascii()
                 and parts[2].isdigit() and int(parts[2]) >= self.dims.layers)
 
     def route_info(self) -> dict:
