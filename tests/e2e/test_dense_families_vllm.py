@@ -132,3 +132,23 @@ def test_vllm_runs_the_invariant_model_of_every_architecture(case):
         over["skyrl_kv_cache"]), pack=True)
     loaded = core.load_named(iter_checkpoint_tensors(d))
     assert loaded == set(core.hf_names())
+
+
+def test_train_bitwise_on_a_dense_model_is_exact_every_step(tmp_path):
+    """``skyrl-numerics train --model DIR --configs bitwise`` on the tiny dense Qwen3 (its own
+    engine, in the CLI's process): the engine is asked for no routes (a dense model has no router),
+    and every step's gap is 0 with the execution contracts equal."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "train"
+    proc = subprocess.run([sys.executable, "-m", "skyrl_numerics.cli", "train", "--model", _model_dir("qwen3"),
+                           "--configs", "bitwise", "--steps", "2", "--prompts", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = json.loads((out / "train.json").read_text())
+    steps = rec["history"]["bitwise"]
+    assert len(steps) == 2
+    for s in steps:
+        assert s["gap_max_abs"] == 0.0 and s["gap_frac_bitwise_equal"] == 1.0, s
+    assert rec["contracts"]["bitwise"]["equal"] is True

@@ -7,13 +7,21 @@ classes; the loop makes them Ray actors with ``use_ray``, and ``rank_group.Train
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
 
+from skyrl_numerics.hf_config import moe_layout
 from skyrl_numerics.rollout import Rollout
 
 from .published import plain_names, published_trainer_kwargs
+
+
+def has_routers(model_dir) -> bool:
+    """Whether the checkpoint's ``config.json`` describes an MoE model (``hf_config.moe_layout``)."""
+    with open(Path(model_dir) / "config.json") as f:
+        return moe_layout(json.load(f)) is not None
 
 
 class GeneratorWorker:
@@ -31,8 +39,10 @@ class GeneratorWorker:
             # as JSON: what vLLM's worker processes receive, and the engine cache's key
             kw["numerics"] = numerics.to_json()
         self.initial_adapters = _initial_adapters(model_dir, numerics)
-        # the process-wide cached engine, or (a further replica) an engine of its own
-        self.gen = (VLLMGenerator if own_engine else get_generator)(model_dir, capture_routes=True, **kw)
+        # the process-wide cached engine, or (a further replica) an engine of its own; routes are
+        # captured where the model has routers (a dense model has none to capture)
+        self.gen = (VLLMGenerator if own_engine else get_generator)(
+            model_dir, capture_routes=has_routers(model_dir), **kw)
         self.own_engine = own_engine
         self.receiver = None
 
