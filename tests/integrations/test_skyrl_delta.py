@@ -310,11 +310,14 @@ def served_version(srv) -> int:
 
 
 def skyrl_client(skyrl, srv, key=API_KEY):
-    """SkyRL's own control-plane client; its session carries the key (it sends none itself)."""
-    client = skyrl("backends.skyrl_train.weight_sync.control_plane").SkyrlWeightSyncClient([srv.url])
+    """SkyRL's own control-plane client: keyed through ``integrations.skyrl.KeyedWeightSyncClient``
+    (SkyRL's class; it sends no key itself), or SkyRL's plain one for ``key=None``."""
     if key:
-        client._session.headers["Authorization"] = f"Bearer {key}"
-    return client
+        skyrl("backends.skyrl_train.weight_sync.control_plane")     # skyrl importable from here on
+        from skyrl_numerics.integrations.skyrl import KeyedWeightSyncClient
+
+        return KeyedWeightSyncClient([srv.url], api_key=key)
+    return skyrl("backends.skyrl_train.weight_sync.control_plane").SkyrlWeightSyncClient([srv.url])
 
 
 def skyrl_init(srv, tmp):

@@ -109,3 +109,19 @@ def test_bad_arrays_are_refused_by_both(skyrl):
         unpack_routes(i16)
     with pytest.raises(InputError, match="bytes"):
         unpack_routes({"data": "AAAA", "shape": [1, 1, 2], "dtype": "uint8"})
+
+
+def test_keyed_weight_sync_client_sends_the_key_and_never_shows_it(skyrl, monkeypatch):
+    """SkyRL's SkyrlWeightSyncClient as integrations.skyrl.KeyedWeightSyncClient: its one session
+    carries the bearer key (argument or $VLLM_API_KEY), repr hides it, no key is refused."""
+    skyrl("backends.skyrl_train.weight_sync.control_plane")
+    from skyrl_numerics.integrations.skyrl import KeyedWeightSyncClient
+
+    c = KeyedWeightSyncClient(["http://127.0.0.1:9"], api_key="s3cret")
+    assert c._session.headers["Authorization"] == "Bearer s3cret" and "s3cret" not in repr(c)
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert KeyedWeightSyncClient(["http://127.0.0.1:9"])._session.headers["Authorization"] == "Bearer from-env"
+    monkeypatch.delenv("VLLM_API_KEY")
+    with pytest.raises(InputError, match="API key") as e:
+        KeyedWeightSyncClient(["http://127.0.0.1:9"])
+    assert e.value.field == "api_key"

@@ -16,8 +16,16 @@ when SkyRL pickles it to another process. In a SkyRL experiment, override its ho
         def get_inference_client(self):
             return keyed_client(super().get_inference_client())   # key: $VLLM_API_KEY
 
-Not covered: SkyRL's blocking ``SkyrlWeightSyncClient`` (weight-sync control plane), which its
-trainer engine builds internally.
+SkyRL's blocking weight-sync control plane, ``SkyrlWeightSyncClient`` (``/init_weight_transfer_engine``,
+``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``, ``/fetch_weights``; its
+delta trainer engine takes it as ``client=``), posts through one ``requests.Session`` it owns:
+:class:`KeyedWeightSyncClient` is that class whose session sends the key::
+
+    client = KeyedWeightSyncClient([server_url])                         # key: $VLLM_API_KEY
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=client)
+
+Both classes reach into one private attribute of SkyRL 0.4.0 (the session's maker / the session):
+pinned to that release, like the tests that run them (tests/integrations).
 """
 from __future__ import annotations
 
@@ -28,10 +36,11 @@ from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import
     RemoteGenerateClient,
     RemoteInferenceClient,
 )
+from skyrl.backends.skyrl_train.weight_sync.control_plane import SkyrlWeightSyncClient
 
 from skyrl_numerics.errors import InputError
 
-__all__ = ["KeyedGenerateClient", "KeyedRemoteInferenceClient", "keyed_client"]
+__all__ = ["KeyedGenerateClient", "KeyedRemoteInferenceClient", "KeyedWeightSyncClient", "keyed_client"]
 
 
 def _bearer(api_key: str) -> str:
@@ -82,3 +91,23 @@ def keyed_client(client: RemoteInferenceClient, api_key: str | None = None
             if f.init and f.name not in ("_generate_client", "_gen_sem", "_detok_sem", "_sem_loop",
                                           "api_key")}
     return KeyedRemoteInferenceClient(**kept, api_key=key)
+
+
+def _key_or_env(api_key: str | None) -> str:
+    key = api_key if api_key is not None else os.environ.get("VLLM_API_KEY", "")
+    if not isinstance(key, str) or not key:
+        raise InputError("an API key is needed (pass api_key= or set VLLM_API_KEY)", field="api_key")
+    return key
+
+
+class KeyedWeightSyncClient(SkyrlWeightSyncClient):
+    """SkyRL's ``SkyrlWeightSyncClient`` whose every call sends ``Authorization: Bearer <key>``
+    (``api_key``, default ``$VLLM_API_KEY``); the other arguments are SkyRL's own (module doc)."""
+
+    def __init__(self, server_urls, *args, api_key: str | None = None, **kw):
+        key = _key_or_env(api_key)
+        super().__init__(server_urls, *args, **kw)
+        self._session.headers["Authorization"] = _bearer(key)
+
+    def __repr__(self) -> str:          # never the key
+        return f"KeyedWeightSyncClient({self._urls!r})"
