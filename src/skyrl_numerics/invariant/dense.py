@@ -35,7 +35,7 @@ import torch
 from skyrl_numerics.errors import InputError
 
 from .base import InvariantCausalLM
-from .blocks import Rope, require, swiglu_mlp
+from .blocks import require, swiglu_mlp
 from .gqa import AttnDims, GQAttention
 
 
@@ -116,10 +116,7 @@ class InvariantDense(GQAttention, InvariantCausalLM):
     def config_parts(cls, cfg, dtype: torch.dtype = torch.bfloat16, kv_cache=None) -> dict:
         """Constructor arguments from an HF config; raises on what the family cannot reproduce
         (without allocating any weights)."""
-        dims, attn = Dims.from_config(cfg), attention_dims(cfg)
-        attn.kv_format(dtype, kv_cache)
-        return dict(dims=dims, attn=attn, dtype=dtype, kv_cache=kv_cache,
-                    rope=Rope.from_config(cfg, attn.head_dim, "neox"))
+        return cls.gqa_parts(cfg, Dims.from_config(cfg), attention_dims(cfg), dtype, kv_cache)
 
     def route_info(self) -> dict:
         """A dense model has no routers: no routes to capture."""

@@ -62,6 +62,14 @@ class GQAttention:
 
     attn_dims: AttnDims
 
+    @staticmethod
+    def gqa_parts(cfg, dims, attn: AttnDims, dtype: torch.dtype, kv_cache) -> dict:
+        """A GQA family's constructor arguments: ``dims`` and ``attn`` as the family reads them,
+        the KV format checked against ``dtype``, NeoX-style RoPE from the config."""
+        attn.kv_format(dtype, kv_cache)
+        return dict(dims=dims, attn=attn, dtype=dtype, kv_cache=kv_cache,
+                    rope=Rope.from_config(cfg, attn.head_dim, "neox"))
+
     def init_attention(self, a: AttnDims, dtype: torch.dtype, kv_cache, rope: Rope | None,
                        rope_theta: float = 10000.0) -> None:
         """Sets ``attn_dims``, ``rope``, ``scale``, ``kv`` and adds every layer's attention

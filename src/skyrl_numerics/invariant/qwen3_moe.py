@@ -21,7 +21,7 @@ from skyrl_numerics.hf_config import moe_dims
 from skyrl_numerics.kernels import attention as inv_attention
 
 from .base import InvariantCausalLM
-from .blocks import Rope, linear, require, routed_experts, softmax_topk, swiglu_mlp
+from .blocks import linear, require, routed_experts, softmax_topk, swiglu_mlp
 from .gqa import AttnDims, GQAttention
 
 
@@ -98,10 +98,7 @@ class InvariantQwen3Moe(GQAttention, InvariantCausalLM):
     def config_parts(cls, cfg, dtype: torch.dtype = torch.bfloat16, kv_cache=None) -> dict:
         """Constructor arguments from an HF config; raises on what the family cannot reproduce
         (without allocating any weights)."""
-        dims, attn = Dims.from_config(cfg), attention_dims(cfg)
-        attn.kv_format(dtype, kv_cache)
-        return dict(dims=dims, attn=attn, dtype=dtype, kv_cache=kv_cache,
-                    rope=Rope.from_config(cfg, attn.head_dim, "neox"))
+        return cls.gqa_parts(cfg, Dims.from_config(cfg), attention_dims(cfg), dtype, kv_cache)
 
     def route_info(self) -> dict:
         return {"layers": len(self.dims.moe_layers), "k": self.dims.top_k,
