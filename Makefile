@@ -52,7 +52,7 @@ demo: $(STAMP)
 	$(BIN)/skyrl-numerics doctor --out artifacts/doctor
 
 test: $(STAMP)
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(BIN)/pytest -m "not vllm and not slow" $(PYTEST_ARGS)

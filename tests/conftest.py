@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -172,21 +173,32 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{s:8.1f}s  {100 * s / total:5.1f}%  {path}")
 
 
-# ---- two workers (``make test`` runs ``pytest -n 2 --dist loadgroup``, pytest-xdist) ----------
-#: the session engines above; every test file that uses one runs in the same worker, so each is
-#: started once per run, not once per worker (three engines hold ~3 GB of RAM each)
+# ---- two workers (``make test`` runs ``pytest -n 2 --dist loadfile``, pytest-xdist) ------------
+#: the session engines above (~2 GB of RAM each): every test file that names one runs in one worker,
+#: so each starts once per run, not once per worker
 SESSION_ENGINES = ("vllm_qwen", "vllm_qwen_invariant", "vllm_deepseek_invariant")
+_ENGINE_USER = re.compile(r"\b(" + "|".join(SESSION_ENGINES) + r")\b")
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """Group the tests for pytest-xdist's ``loadgroup``: a file is one group (its module-scoped
-    engines and servers start once), and every file that uses a session engine joins one group.
-    Without ``-n`` the marks do nothing."""
-    by_file: dict[str, bool] = {}
-    for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        by_file[path] = by_file.get(path, False) or any(f in item.fixturenames for f in SESSION_ENGINES)
-    for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group("session-engines" if by_file[path] else path))
+def session_engine_files(root: Path = REPO / "tests") -> frozenset:
+    """Test files (paths relative to the repo, as in node ids) whose source names a session engine."""
+    return frozenset(str(p.relative_to(REPO)) for p in root.rglob("test_*.py")
+                     if _ENGINE_USER.search(p.read_text()))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with one change: the files that use a session engine are one unit. (xdist
+    3.8's ``loadgroup`` marks do not reach its scheduler under pytest 9: it renames ``item._nodeid``,
+    which pytest 9's ``nodeid`` no longer reads.) Other ``--dist`` modes are xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    engine_files = session_engine_files()
+
+    class FilesAndEngineUsers(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "session engines" if path in engine_files else path
+
+    return FilesAndEngineUsers(config, log)
