@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -222,16 +223,19 @@ def test_gap_report_files_are_written_together_or_not_at_all(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("engine", ["[/bold]", "[red]x[/red]", "\ud800", "a\\[b]", "$x", "cost $5 $"])
-def test_gap_prints_engine_names_and_paths_verbatim(tmp_path, engine, capsys):
+def test_gap_prints_engine_names_and_paths_verbatim(tmp_path, engine, capsys, monkeypatch):
     """A name or path from the user's data is printed as text: rich markup in it is not
-    interpreted (``[/bold]`` used to crash the table, ``[bold]`` to vanish), a lone surrogate becomes an escape."""
+    interpreted (``[/bold]`` used to crash the table, ``[bold]`` to vanish), a lone surrogate becomes an escape.
+    Relative paths: the table title wraps at the table's width, and a long temp path (an xdist
+    worker's) would wrap it inside the name."""
+    monkeypatch.chdir(tmp_path)
     rng = np.random.default_rng(1)
     lp = [(-rng.random(4)).astype(np.float32)]
-    d = tmp_path / "run[bold]x"
+    d = Path("run[bold]x")
     d.mkdir()
     f = Rollout.from_lists([[1, 2]], [[3, 4, 5, 6]], lp, trainer_logprobs=lp,
                            engine=engine).save(d / "dump.jsonl")
-    out = tmp_path / "o[red]y"
+    out = Path("o[red]y")
     assert main(["gap", str(f), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     shown = engine.encode("utf-8", "backslashreplace").decode()

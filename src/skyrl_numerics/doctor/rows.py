@@ -231,6 +231,17 @@ register_row(Row("multi-turn: + R3 (routes from turn deltas)", "multi-turn tool 
                  note="each position's routes shipped once (RouteTrace), replayed in the trainer"))
 
 
+def engine_dtype(rollout: Rollout):
+    """The torch dtype the engine ran (its execution contract's ``dtype``: e.g. a float32 user
+    checkpoint served in float32), so the invariant trainer computes in the same one; None (the
+    family's bf16) when the engine reported none."""
+    import torch
+
+    name = (rollout.meta.get("engine_contract") or {}).get("dtype")
+    dt = getattr(torch, name, None) if isinstance(name, str) else None
+    return dt if isinstance(dt, torch.dtype) else None
+
+
 def _invariant_trainer(kv_cache: str | None = None, plan_of: str | None = None, *,
                        bitwise: bool = True):
     """The family's invariant forward in the trainer; ``kv_cache``: the cache format it simulates
@@ -265,7 +276,8 @@ def _invariant_trainer(kv_cache: str | None = None, plan_of: str | None = None, 
                 from skyrl_numerics.invariant.numerics import NumericsPlan
 
                 plan = NumericsPlan.from_json(serving_plan(plan_of, ctx.model_dir))
-            ctx._models[key] = from_checkpoint(ctx.model_dir, kv_cache=kv_cache, numerics=plan)
+            ctx._models[key] = from_checkpoint(ctx.model_dir, kv_cache=kv_cache, numerics=plan,
+                                               dtype=engine_dtype(rollout))
         got = contract(ctx, rollout)
         if bitwise and got and got.get("diff"):    # before the trainer's forward runs
             raise ContractMismatch([(d["field"], d["trainer"], d["engine"]) for d in got["diff"]],

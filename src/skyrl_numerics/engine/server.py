@@ -54,6 +54,8 @@ from skyrl_numerics.host import engine_memory_share, on_gpu, vllm_version
 from .vllm_versions import check_vllm_version
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+#: the line vLLM 0.32's engine core dies with when its start-up handshake waited over 10 s
+HANDSHAKE_TIMEOUT = "assert addresses.coordinator_input is not None"
 WORKER_EXTENSION = "skyrl_numerics.engine.vllm_ext.SkyrlWorkerExtension"
 
 
@@ -190,6 +192,21 @@ class VLLMServer:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def start(self, timeout: float = 300.0, progress=None) -> "VLLMServer":
+        """Start the server and wait until ``/health`` answers. Once, a start that died of
+        :data:`HANDSHAKE_TIMEOUT` is started again (vLLM 0.32's engine core waits 10 s for its
+        input socket's handshake, then asserts a DP coordinator that a single engine does not
+        have: seen on a 2-core host at load ~20, never on an idle one)."""
+        try:
+            return self._start(timeout, progress)
+        except RuntimeError as e:
+            if HANDSHAKE_TIMEOUT not in self.tail(400):
+                raise
+            print(f"vllm serve: the engine core's handshake timed out under load; starting again "
+                  f"({' '.join(str(e).split())[:120]})", file=sys.stderr)
+            self.stop()            # the first attempt's reaper and any process left of it
+            return self._start(timeout, progress)
+
+    def _start(self, timeout: float, progress) -> "VLLMServer":
         import urllib.request
 
         log = open(self.log_path, "ab")

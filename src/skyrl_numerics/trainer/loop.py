@@ -397,12 +397,16 @@ class ConfigRun:
     def old_logprobs(self, step: int, ro_ref, rollout: Rollout):
         """``(old, recomputed)``: the update's old logprobs, and the trainer's recompute (None
         when skipped). ``bitwise``: the engine's logprobs, the recompute only when due and
-        checked bit for bit against them (trainer/old_logprobs.py); otherwise the recompute."""
+        checked bit for bit against them (trainer/old_logprobs.py); otherwise the recompute.
+        A lagged rollout (``off_policy``, after step 0: sampled one version behind the trainer's
+        weights) is recomputed and not checked, as in every other configuration: the engine's
+        logprobs are then not the trainer's (the gap of that step measures the lag)."""
         bitwise = self.cfg.bitwise
-        if bitwise and not recompute_due(step, self.cfg.recompute_old_every):
+        lagged = bool(self.s.off_policy) and step > 0
+        if bitwise and not lagged and not recompute_due(step, self.cfg.recompute_old_every):
             return engine_old_logprobs(rollout), None
         recomputed = self.a.ask(self.trn, "logprobs", self.wire(ro_ref, rollout))
-        if not bitwise:
+        if not bitwise or lagged:
             return recomputed, recomputed
         check_bitwise(recomputed, rollout, step)
         return engine_old_logprobs(rollout), recomputed
