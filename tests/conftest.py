@@ -1,6 +1,7 @@
 """Shared fixtures: tiny checkpoints (built once, cached by config hash) and one vLLM engine per session."""
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -155,6 +156,10 @@ def _strict_batch_invariant_mode(monkeypatch):
 
 # ---- where the suite's time goes: seconds per test file (setup + call + teardown) -------------
 _FILE_SECONDS: dict[str, float] = {}
+#: seconds per test file measured in a fresh-clone ``make test`` (two workers, this repo's CI host);
+#: the scheduler below starts the longest units first. ``make test`` rewrites
+#: ``.cache/test_file_seconds.json`` after each run: copy it here when the suite's shape changes.
+FILE_SECONDS_PATH = REPO / "tests" / "file_seconds.json"
 
 
 def pytest_runtest_logreport(report):
@@ -164,13 +169,19 @@ def pytest_runtest_logreport(report):
 
 def pytest_terminal_summary(terminalreporter):
     """The 15 test files that took longest, beside ``--durations`` (the slowest single phases):
-    the suite's budget is spent per file (module engines and servers), so that is where to look."""
+    the suite's budget is spent per file (module engines and servers), so that is where to look.
+    The whole table goes to ``.cache/test_file_seconds.json`` (the source of ``file_seconds.json``)."""
     if not _FILE_SECONDS:
         return
     total = sum(_FILE_SECONDS.values())
     terminalreporter.write_sep("=", f"slowest 15 test files ({total:.0f} s in all tests)")
     for path, s in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:15]:
         terminalreporter.write_line(f"{s:8.1f}s  {100 * s / total:5.1f}%  {path}")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    out = REPO / ".cache" / "test_file_seconds.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({k: round(v, 1) for k, v in sorted(_FILE_SECONDS.items())}, indent=1))
 
 
 # ---- two workers (``make test`` runs ``pytest -n 2 --dist loadfile``, pytest-xdist) ------------
@@ -178,6 +189,10 @@ def pytest_terminal_summary(terminalreporter):
 #: so each starts once per run, not once per worker
 SESSION_ENGINES = ("vllm_qwen", "vllm_qwen_invariant", "vllm_deepseek_invariant")
 _ENGINE_USER = re.compile(r"\b(" + "|".join(SESSION_ENGINES) + r")\b")
+#: the unit of all session-engine users
+ENGINE_UNIT = "session engines"
+#: a test file not in ``file_seconds.json`` is expected to take this long per test
+UNKNOWN_SECONDS_PER_TEST = 1.0
 
 
 def session_engine_files(root: Path = REPO / "tests") -> frozenset:
@@ -186,19 +201,49 @@ def session_engine_files(root: Path = REPO / "tests") -> frozenset:
                      if _ENGINE_USER.search(p.read_text()))
 
 
+def unit_seconds(units: dict, file_seconds: dict, engine_files: frozenset) -> dict:
+    """Expected seconds of each work unit (``{unit: {nodeid: done}}``): the measured seconds of its
+    files, or ``UNKNOWN_SECONDS_PER_TEST`` per test for a file never measured."""
+    out = {}
+    for unit, nodeids in units.items():
+        files = sorted(engine_files) if unit == ENGINE_UNIT else [unit]
+        counts = {}
+        for nodeid in nodeids:
+            path = nodeid.split("::", 1)[0]
+            counts[path] = counts.get(path, 0) + 1
+        out[unit] = sum(file_seconds.get(f, UNKNOWN_SECONDS_PER_TEST * counts.get(f, 0))
+                        for f in files)
+    return out
+
+
 def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadfile`` with one change: the files that use a session engine are one unit. (xdist
-    3.8's ``loadgroup`` marks do not reach its scheduler under pytest 9: it renames ``item._nodeid``,
-    which pytest 9's ``nodeid`` no longer reads.) Other ``--dist`` modes are xdist's own."""
+    """``--dist loadfile`` with two changes: the files that use a session engine are one unit (xdist
+    3.8's ``loadgroup`` marks do not reach its scheduler under pytest 9: it renames
+    ``item._nodeid``, which pytest 9's ``nodeid`` no longer reads), and the units go out longest
+    first by ``file_seconds.json`` (longest-processing-time order: a long file drawn last would
+    leave one worker idle while the other finishes it). Other ``--dist`` modes are xdist's own."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     engine_files = session_engine_files()
+    file_seconds = (json.loads(FILE_SECONDS_PATH.read_text())
+                    if FILE_SECONDS_PATH.exists() else {})
 
     class FilesAndEngineUsers(LoadScopeScheduling):
+        _longest_first = False
+
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return "session engines" if path in engine_files else path
+            return ENGINE_UNIT if path in engine_files else path
+
+        def _assign_work_unit(self, node) -> None:
+            if not self._longest_first:   # the queue is complete before the first assignment
+                seconds = unit_seconds(self.workqueue, file_seconds, engine_files)
+                ordered = sorted(self.workqueue.items(), key=lambda kv: -seconds[kv[0]])
+                self.workqueue.clear()
+                self.workqueue.update(ordered)
+                self._longest_first = True
+            super()._assign_work_unit(node)
 
     return FilesAndEngineUsers(config, log)
