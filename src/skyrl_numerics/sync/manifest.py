@@ -20,7 +20,8 @@ from typing import Any
 
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.hashing import DIGEST_ALGOS
-from skyrl_numerics.sync.codec import digest, dtype_from_name, verify
+from skyrl_numerics.sync.codec import digest, verify
+from skyrl_numerics.sync.entry_fields import MAX_TENSOR_BYTES, EntryFields, is_int
 from skyrl_numerics.sync.serving import NATIVE, WEIGHTS_FORMATS
 from skyrl_numerics.sync.store import SyncStore
 
@@ -30,8 +31,6 @@ _MANIFEST_RE = re.compile(r"^(\d{12})\.json$")
 CHECKSUM_ALGOS = DIGEST_ALGOS
 KEY_ENV = "SKYRL_NUMERICS_SYNC_KEY"
 SIGNATURE_ALGO = "hmac-sha256"
-MAX_TENSOR_BYTES = 1 << 40    # refuse absurd sizes before allocating anything
-MAX_DIMS = 32
 MAX_TENSORS = 1 << 20
 _TOP_KEYS = ("version", "base_version", "tensors", "codec", "level", "filters", "created_unix",
              "format", "format_version", "manifest_digest", "signature", "weights_format")
@@ -75,10 +74,6 @@ def seal(d: dict, key=None) -> dict:
     if k is not None:
         d["signature"] = manifest_signature(d, k)
     return d
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_checksum(x) -> bool:
@@ -165,7 +160,7 @@ class Manifest:
             raise bad(f"not valid JSON ({what})") from None
         if not isinstance(d, dict):
             raise bad("manifest is not a JSON object")
-        if d.get("format") != FORMAT or not _is_int(d.get("format_version")) or d["format_version"] != FORMAT_VERSION:
+        if d.get("format") != FORMAT or not is_int(d.get("format_version")) or d["format_version"] != FORMAT_VERSION:
             raise bad(f"format {d.get('format')!r} v{d.get('format_version')!r}, expected "
                       f"{FORMAT!r} v{FORMAT_VERSION}", field="format")
         for k in d:
@@ -187,14 +182,14 @@ class Manifest:
         elif "signature" in d and not isinstance(d["signature"], str):
             raise bad("signature is not a string", field="signature")
         v, b = d.get("version"), d.get("base_version")
-        if not _is_int(v) or not 0 <= v < 1 << 62:
+        if not is_int(v) or not 0 <= v < 1 << 62:
             raise bad(f"version {v!r} is not a non-negative integer", field="version")
-        if b is not None and (not _is_int(b) or not 0 <= b < v):
+        if b is not None and (not is_int(b) or not 0 <= b < v):
             raise bad(f"version {v}: base_version {b!r} is not an integer in [0, {v})", field="base_version")
         if d.get("codec") != "zstd":
             raise bad(f"version {v}: codec {d.get('codec')!r}, expected 'zstd'", field="codec")
         level = d.get("level", 1)
-        if not _is_int(level) or not -131072 <= level <= 22:
+        if not is_int(level) or not -131072 <= level <= 22:
             raise bad(f"version {v}: level {level!r} is not a zstd level", field="level")
         created = d.get("created_unix", 0.0)
         if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created):
@@ -232,36 +227,10 @@ _PAYLOAD_RE = re.compile(r"^payloads/(\d{12})/\d{6}\.zst$")
 
 
 def _parse_entry(t: Any, i: int, source: str, *, delta: bool, version: int) -> TensorEntry:
-    if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
-        raise InputError(f"version {version}: entry {i} has no non-empty string 'name'", field="tensors",
-                         index=i, source=source)
-    name = t["name"]
-
-    def bad(key, msg):
-        return InputError(f"version {version}, tensor {name!r}, field '{key}': {msg}", field=name,
-                          index=i, source=source)
-
-    for key in _ENTRY_KEYS:
-        if key not in t:
-            raise bad(key, "missing field")
-    for key in t:
-        if key not in _ENTRY_KEYS:
-            raise bad(key, "unknown field")
-    if not isinstance(t["dtype"], str):
-        raise bad("dtype", f"{t['dtype']!r} is not a string")
-    dt = dtype_from_name(t["dtype"])
-    if dt is None:
-        raise bad("dtype", f"unknown dtype {t['dtype']!r}")
-    shape = t["shape"]
-    if (not isinstance(shape, list) or len(shape) > MAX_DIMS
-            or not all(_is_int(s) and 0 <= s <= MAX_TENSOR_BYTES for s in shape)):
-        raise bad("shape", f"{shape!r} is not a list of at most {MAX_DIMS} non-negative integers")
-    nbytes = t["nbytes"]
-    expect = math.prod(shape) * dtype_itemsize(dt)          # Python ints: no overflow
-    if not _is_int(nbytes) or nbytes != expect:
-        raise bad("nbytes", f"nbytes {nbytes!r} does not match {t['dtype']}{list(shape)} ({expect})")
-    if expect > MAX_TENSOR_BYTES:
-        raise bad("nbytes", f"{expect} bytes is more than the {MAX_TENSOR_BYTES} allowed")
+    e = EntryFields.of(t, i, version, source, _ENTRY_KEYS)
+    name, bad = e.name, e.bad
+    shape = e.shape()
+    nbytes = e.nbytes("nbytes", e.dtype(), shape)
     if not _is_checksum(t["checksum"]):
         raise bad("checksum", f"checksum {t['checksum']!r} is not one of {'/'.join(CHECKSUM_ALGOS)}:<hex>")
     payload, pn, pc = t["payload"], t["payload_nbytes"], t["payload_checksum"]
@@ -274,7 +243,7 @@ def _parse_entry(t: Any, i: int, source: str, *, delta: bool, version: int) -> T
         m = _PAYLOAD_RE.match(payload) if isinstance(payload, str) else None
         if m is None or int(m.group(1)) != version:
             raise bad("payload", f"{payload!r} is not payloads/{version:012d}/<index>.zst")
-        if not _is_int(pn) or not 0 < pn <= MAX_TENSOR_BYTES:
+        if not is_int(pn) or not 0 < pn <= MAX_TENSOR_BYTES:
             raise bad("payload_nbytes", f"{pn!r} is not a positive integer <= {MAX_TENSOR_BYTES}")
         if not _is_checksum(pc):
             raise bad("payload_checksum", f"payload_checksum {pc!r} is not one of {'/'.join(CHECKSUM_ALGOS)}:<hex>")
@@ -347,7 +316,3 @@ def verify_payload(buf, checksum: str, name: str, src: str) -> bool:
                          "xxhash package (pip install xxhash)", field=name, source=src) from None
 
 
-def dtype_itemsize(dtype) -> int:
-    import torch
-
-    return torch.empty((), dtype=dtype).element_size()

@@ -36,13 +36,12 @@ decoding). A receiver that requires signed manifests therefore refuses this form
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import asdict, dataclass
 
 from skyrl_numerics.errors import InputError
-from skyrl_numerics.sync.codec import dtype_from_name
-from skyrl_numerics.sync.manifest import MAX_TENSOR_BYTES, MAX_TENSORS, dtype_itemsize
+from skyrl_numerics.sync.entry_fields import MAX_TENSOR_BYTES, EntryFields, is_int
+from skyrl_numerics.sync.manifest import MAX_TENSORS
 from skyrl_numerics.sync.store import SyncStore
 
 MANIFEST = "manifest.json"
@@ -117,10 +116,6 @@ class SkyrlManifest:
                            "payload_files": list(self.payload_files)}).encode()
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _load_json(data: bytes, bad):
     try:
         d = json.loads(data)
@@ -147,9 +142,9 @@ def parse_manifest(data: bytes, version: int) -> SkyrlManifest:
         if k not in d:
             raise bad("missing field", field=k)
     v, b = d["version"], d["base_version"]
-    if not _is_int(v) or v != version:
+    if not is_int(v) or v != version:
         raise bad(f"version {v!r}, but the folder is {version_dir(version)}", field="version")
-    if not _is_int(b) or b != v - 1:
+    if not is_int(b) or b != v - 1:
         raise bad(f"version {v}: base_version {b!r}; SkyRL deltas chain v - 1 -> v", field="base_version")
     files = d["payload_files"]
     if (not isinstance(files, list) or len(set(map(str, files))) != len(files)
@@ -169,39 +164,18 @@ def parse_manifest(data: bytes, version: int) -> SkyrlManifest:
     m = SkyrlManifest(version=v, base_version=b, tensors=tuple(entries), payload_files=tuple(files))
     for key, total in (("total_uncompressed_num_bytes", m.raw_nbytes),
                        ("total_compressed_num_bytes", m.payload_nbytes)):
-        if not _is_int(d[key]) or d[key] != total:
+        if not is_int(d[key]) or d[key] != total:
             raise bad(f"version {v}: {key} {d[key]!r} is not the sum over the tensors ({total})", field=key)
     return m
 
 
 def _parse_entry(t, i: int, version: int, src: str, files: set) -> SkyrlEntry:
-    if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
-        raise InputError(f"version {version}: entry {i} has no non-empty string 'name'",
-                         field="tensors", index=i, source=src)
-    name = t["name"]
-
-    def bad(key, msg):
-        return InputError(f"version {version}, tensor {name!r}, field '{key}': {msg}", field=name,
-                          index=i, source=src)
-
-    for key in t:
-        if key not in _ENTRY_KEYS:
-            raise bad(key, "unknown field")
-    for key in _ENTRY_KEYS:
-        if key not in t:
-            raise bad(key, "missing field")
-    dt = dtype_from_name(t["dtype"]) if isinstance(t["dtype"], str) else None
-    if dt is None:
-        raise bad("dtype", f"unknown dtype {t['dtype']!r}")
-    shape = t["shape"]
-    if not isinstance(shape, list) or len(shape) > 32 or not all(_is_int(s) and s >= 0 for s in shape):
-        raise bad("shape", f"{shape!r} is not a list of at most 32 non-negative integers")
-    n = t["uncompressed_num_bytes"]
-    expect = math.prod(shape) * dtype_itemsize(dt)
-    if not _is_int(n) or n != expect or n > MAX_TENSOR_BYTES:
-        raise bad("uncompressed_num_bytes", f"{n!r} does not match {t['dtype']}{shape} ({expect})")
+    e = EntryFields.of(t, i, version, src, _ENTRY_KEYS)
+    name, bad = e.name, e.bad
+    shape = e.shape()
+    n = e.nbytes("uncompressed_num_bytes", e.dtype(), shape)
     c = t["compressed_num_bytes"]
-    if not _is_int(c) or not 0 < c <= MAX_TENSOR_BYTES:
+    if not is_int(c) or not 0 < c <= MAX_TENSOR_BYTES:
         raise bad("compressed_num_bytes", f"{c!r} is not a positive integer")
     if t["payload_file"] not in files:
         raise bad("payload_file", f"{t['payload_file']!r} is not one of the version's payload_files")

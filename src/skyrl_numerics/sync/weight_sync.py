@@ -48,8 +48,9 @@ from skyrl_numerics.sync.codec import (DIGEST, Scratch, Zstd, digest, dtype_from
                                        xor_bytes)
 from skyrl_numerics.sync.serving import (NATIVE, check_format, check_serving_tensors, make_selector,
                                          serving_state)
-from skyrl_numerics.sync.manifest import (CHECKSUM_ALGOS, Manifest, TensorEntry, dtype_itemsize,
-                                          list_versions, manifest_path, payload_dir, read_manifest,
+from skyrl_numerics.sync.entry_fields import dtype_itemsize
+from skyrl_numerics.sync.manifest import (CHECKSUM_ALGOS, Manifest, TensorEntry, list_versions,
+                                          manifest_path, payload_dir, read_manifest,
                                           readable_versions, signing_key, verify_payload)
 from skyrl_numerics.sync.store import SyncStore
 
