@@ -114,11 +114,26 @@ class SkyrlCall:
         return cls(request, support, top_k, n)
 
 
+def candidate_id(e) -> int:
+    """The token id of one top-logprob candidate. vLLM 0.32 sends ``GenerateLogProb(token_id,
+    logprob, rank)``; 0.30 and 0.31 send OpenAI's ``ChatCompletionLogProb(token, logprob)`` whose
+    ``token`` is the placeholder ``"token_id:<id>"`` (their ``serve_tokens`` writes it so, with or
+    without a tokenizer) and no rank, so the support is then ordered by logprob, ties by id."""
+    tid = getattr(e, "token_id", None)
+    if tid is not None:
+        return int(tid)
+    prefix, _, digits = str(getattr(e, "token", "")).partition("token_id:")
+    if prefix or not digits.isdigit():
+        raise InputError(f"a top logprob's token {getattr(e, 'token', None)!r} is not "
+                         f"'token_id:<id>' (vLLM 0.30/0.31's placeholder)", field="logprobs")
+    return int(digits)
+
+
 def _support_rows(content, n_logprobs: int) -> list[list[int]]:
     """Each token's support in rank order, from its processed top logprobs (``-9999.0``: ``-inf``),
     after checking it ended inside what was returned."""
-    tops = [[(e.token_id, -math.inf if e.logprob == JSON_NEG_INF else e.logprob, e.rank)
-             for e in c.top_logprobs] for c in content]
+    tops = [[(candidate_id(e), -math.inf if e.logprob == JSON_NEG_INF else e.logprob,
+              getattr(e, "rank", None)) for e in c.top_logprobs] for c in content]
     PackedSupport.from_topk_logprobs([{t: lp for t, lp, _ in top} for top in tops], requested=n_logprobs)
     return [[t for t, lp, _ in sorted(top, key=lambda e: (e[2] is None, e[2] or 0, -e[1], e[0]))
              if lp != -math.inf] for top in tops]
