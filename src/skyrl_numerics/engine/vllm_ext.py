@@ -177,8 +177,8 @@ class RoutesMixin:
             # ids the trainer's invariant forward computes
             info = core.route_info()
             store = RouteStore(self.model_runner, info["layers"], info["k"], info["num_experts"])
-            core.route_hook = store.capture
-            self._skyrl_routes, self._skyrl_route_unhook = store, lambda: setattr(core, "route_hook", None)
+            prev, core.route_hook = core.route_hook, store.capture
+            self._skyrl_routes, self._skyrl_route_unhook = store, lambda: setattr(core, "route_hook", prev)
             return {"layers": store.L, "k": store.k, "num_experts": store.num_experts,
                     "layer_ids": list(range(store.L)), "invariant": True}
 

@@ -34,6 +34,8 @@ from torch import nn
 
 from skyrl_numerics.invariant import FAMILIES, family_class
 
+from .capture import moe_layer_ids
+
 SLOT_HEAD = 64
 # HF architecture -> the architecture name vLLM knows our invariant model by
 ARCHS = {hf: f"SkyrlInvariant{hf}" for hf in FAMILIES}
@@ -82,6 +84,22 @@ def engine_overrides(hf_config: dict, kv_cache=None, numerics=None, model_dir=No
     return over
 
 
+class RouteTap(nn.Module):
+    """One MoE layer of our model as vLLM's ``RoutedExpertsCaptureSource`` (a protocol: a module
+    with ``layer_id`` and ``capture_fn``). vLLM 0.30's V1 runner serves
+    ``--enable-return-routed-experts`` by binding its capturer to such modules and to its own
+    ``MoERunner`` routers (``bind_routed_experts_capturer``), and refuses to start when it finds
+    neither ("No supported MoE router found for routed-experts capture"): our routers are not its
+    ``MoERunner``, so each MoE layer gets a tap its capturer binds to. (vLLM 0.31 and later fill
+    ``routed_experts`` on CPU through ``capture.AuxOutputs``, which sets the model's
+    ``route_hook`` itself.)"""
+
+    def __init__(self, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.capture_fn = None
+
+
 class _SkyrlInvariantForCausalLM(nn.Module):
     skyrl_invariant = True   # in-place weight updates go through load_weights (sync/vllm.py)
     def __init__(self, *, vllm_config, prefix: str = ""):
@@ -102,6 +120,11 @@ class _SkyrlInvariantForCausalLM(nn.Module):
         self.kv = self.core.kv
         self.block_size = vllm_config.cache_config.block_size
         self.layers = self.core.dims.layers
+        layer_ids = moe_layer_ids(self.core)
+        if layer_ids is not None:
+            self.route_taps = nn.ModuleList(RouteTap(i) for i in layer_ids)
+            self.core.route_hook = self._tap
+
         self._step_plan = None
         self._slot_views: dict[int, tuple] = {}   # layer -> (cache identity, its slot view)
         item = torch.finfo(vllm_config.model_config.dtype).bits // 8
@@ -111,6 +134,11 @@ class _SkyrlInvariantForCausalLM(nn.Module):
                       cache_config=vllm_config.cache_config,
                       prefix=f"model.layers.{i}.self_attn.attn")
             for i in range(self.layers)])
+
+    def _tap(self, moe_layer: int, ids: torch.Tensor) -> None:
+        fn = self.route_taps[moe_layer].capture_fn
+        if fn is not None:
+            fn(ids)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.core.embed(input_ids)
