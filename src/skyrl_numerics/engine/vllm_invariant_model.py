@@ -245,6 +245,7 @@ def _make(hf_arch: str):
 
 SkyrlInvariantQwen3MoeForCausalLM = _make("Qwen3MoeForCausalLM")
 SkyrlInvariantDeepseekV3ForCausalLM = _make("DeepseekV3ForCausalLM")
+SkyrlInvariantDeepseekV32ForCausalLM = _make("DeepseekV32ForCausalLM")
 SkyrlInvariantQwen3ForCausalLM = _make("Qwen3ForCausalLM")
 SkyrlInvariantLlamaForCausalLM = _make("LlamaForCausalLM")
 SkyrlInvariantQwen2ForCausalLM = _make("Qwen2ForCausalLM")

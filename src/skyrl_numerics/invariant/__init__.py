@@ -21,6 +21,8 @@ FAMILIES = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "skyrl_numerics.invariant.qwen3_moe:InvariantQwen3Moe"),
     "DeepseekV3ForCausalLM": ("deepseek_v3",
                               "skyrl_numerics.invariant.deepseek_v3:InvariantDeepseekV3"),
+    "DeepseekV32ForCausalLM": ("deepseek_v32",
+                               "skyrl_numerics.invariant.deepseek_v32:InvariantDeepseekV32"),
     **{arch: ("dense", "skyrl_numerics.invariant.dense:InvariantDense")
        for arch in ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM",
                     "MistralForCausalLM")},
