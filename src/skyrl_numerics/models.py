@@ -33,7 +33,8 @@ from .hashing import json_key
 # Bump when the way checkpoints are produced changes, so stale caches are not reused.
 _FORMAT_VERSION = 1
 
-FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral", "qwen3", "llama", "qwen2", "mistral")
+FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral", "qwen3", "llama", "qwen2", "mistral",
+            "deepseek_v32", "qwen3_next", "nemotron_h")
 
 # the dense decoders (one SwiGLU MLP per layer, GQA, head_dim 64): what differs is in the
 # modeling code (Qwen3 q/k RMSNorm, Qwen2 q/k/v biases, Mistral's sliding window)
@@ -235,6 +236,9 @@ def build_tiny_model(family: str = "qwen3_moe", *, seed: int = 0, dtype: str = "
             saved = json.load(f)
         saved["torch_dtype"] = dtype
         saved["dtype"] = dtype
+        # Nemotron-H derives num_hidden_layers from its layer types and does not save it;
+        # NVIDIA's own config.json carries it (and vLLM, the doctor read it)
+        saved.setdefault("num_hidden_layers", hf_cfg.num_hidden_layers)
         with open(tmp / "config.json", "w") as f:
             json.dump(saved, f, indent=2, sort_keys=True)
         (tmp / "skyrl_numerics.json").write_text(json.dumps(

@@ -32,7 +32,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from skyrl_numerics.invariant import FAMILIES, family_class
+from skyrl_numerics.invariant import FAMILIES, family_class, unsupported_message
 
 SLOT_HEAD = 64
 # HF architecture -> the architecture name vLLM knows our invariant model by
@@ -57,8 +57,8 @@ def engine_overrides(hf_config: dict, kv_cache=None, numerics=None, model_dir=No
 
     archs = hf_config.get("architectures") or []
     if len(archs) != 1 or archs[0] not in ARCHS:
-        raise InputError(f"no batch-invariant family for architectures {archs} "
-                         f"(supported: {sorted(ARCHS)})", field="architectures")
+        raise InputError(unsupported_message(archs[0] if len(archs) == 1 else archs),
+                         field="architectures")
     from skyrl_numerics.invariant import vendor_plan
 
     quant = vendor_plan.vendor_quant_config(model_dir, hf_config)

@@ -32,10 +32,19 @@ FAMILIES = {
 def family_class(architecture: str):
     """The invariant class for an HF architecture name; an error naming it when unsupported."""
     if architecture not in FAMILIES:
-        raise InputError(f"no batch-invariant family for architecture {architecture!r} "
-                         f"(supported: {sorted(FAMILIES)})", field="architectures")
+        raise InputError(unsupported_message(architecture), field="architectures")
     mod, cls = FAMILIES[architecture][1].split(":")
     return getattr(importlib.import_module(mod), cls)
+
+
+def unsupported_message(architecture) -> str:
+    """The one-line refusal for an architecture without a family: what is missing where it is
+    known (:mod:`.blocked`), else the supported list."""
+    from .blocked import blocked_reason
+
+    why = blocked_reason(architecture) if isinstance(architecture, str) else None
+    return (f"no batch-invariant family for architecture {architecture!r}: "
+            + (why or f"supported: {sorted(FAMILIES)}"))
 
 
 def architecture_of(cfg) -> str:
