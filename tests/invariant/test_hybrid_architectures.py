@@ -153,3 +153,45 @@ def test_deepseek_v32_configs_it_cannot_reproduce_are_refused(over, kv, field):
     with pytest.raises(UnsupportedConfig) as e:
         engine_overrides(cfg, kv)
     assert e.value.field == field
+
+
+# ---- DeepSeek-V3.2 on stock vLLM CPU: refused before the engine starts ---------------------
+_SPARSE = "NotImplementedError: Sparse Attention is not supported on CPU"
+
+
+@pytest.fixture(scope="module")
+def v32_dir():
+    return build_tiny_model("deepseek_v32")
+
+
+def test_stock_generator_and_serve_refuse_deepseek_v32_on_cpu(v32_dir, capsys):
+    pytest.importorskip("vllm")
+    from skyrl_numerics.cli import main
+    from skyrl_numerics.host import on_gpu
+    from skyrl_numerics.trainer import VLLMGenerator
+
+    if on_gpu():
+        pytest.skip("GPU vLLM has sparse attention backends for DeepSeek-V3.2")
+    with pytest.raises(InputError, match=_SPARSE) as e:
+        VLLMGenerator(v32_dir)
+    assert e.value.field == "architectures" and "DeepseekV32ForCausalLM" in str(e.value)
+    assert main(["serve", str(v32_dir), "--print-command"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and _SPARSE in err[0], err
+    # the batch-invariant model runs it: its serve command is built
+    assert main(["serve", str(v32_dir), "--batch-invariant", "--print-command"]) == 0
+    assert "SkyrlInvariantDeepseekV32ForCausalLM" in capsys.readouterr().out
+
+
+def test_doctor_skips_deepseek_v32_stock_rows_with_vllms_error(v32_dir, tmp_path):
+    from skyrl_numerics.cli import main
+    from skyrl_numerics.host import on_gpu
+
+    if on_gpu():
+        pytest.skip("GPU vLLM has sparse attention backends for DeepSeek-V3.2")
+    row, out = "baseline: HF trainer, bf16", tmp_path / "out"
+    assert main(["doctor", "--model", str(v32_dir), "--prompts", "2", "--max-tokens", "4",
+                 "--out", str(out), "--no-progress", "--row", row]) == 0
+    status = {r["name"]: r["status"] for r in
+              json.loads((out / "report.json").read_text())["rows"]}[row]
+    assert status.startswith("skipped: stock vLLM") and _SPARSE in status, status
