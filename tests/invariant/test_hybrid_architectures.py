@@ -14,6 +14,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.invariant import from_checkpoint
@@ -139,6 +141,33 @@ def test_deepseek_v32_bf16_forward_is_prefix_and_packing_invariant():
         packed = m.packed_hidden([ids[:25], ids])
     assert torch.equal(full[:25], pre) and torch.equal(packed[:25], pre)
     assert torch.equal(packed[25:], full)
+
+
+@pytest.fixture(scope="module")
+def v32_bf16():
+    return from_checkpoint(build_tiny_model("deepseek_v32"))
+
+
+@settings(max_examples=12)
+@given(lens=st.lists(st.integers(1, 40), min_size=2, max_size=4), sq=st.integers(1, 3),
+       seed=st.integers(0, 2 ** 16))
+def test_deepseek_v32_sparse_attention_of_a_request_is_its_bits_alone_in_any_padded_batch(
+        v32_bf16, lens, sq, seed):
+    """attn_core over a right-padded batch of requests (the engine's decode / chunk groups:
+    ``kv_lens``, padding rows of garbage) gives each request the bits it has alone: the
+    indexer's choice and the attention over the chosen rows never see the other requests."""
+    m = v32_bf16
+    d, ix = m.dims, m.index
+    g = torch.Generator().manual_seed(seed)
+    lens = [max(n, sq) for n in lens]
+    L = max(lens)
+    W = d.heads * (d.kv_lora_rank + d.rope) + ix.heads * ix.head_dim + ix.heads
+    q = torch.randn(len(lens), sq, 1, W, generator=g).bfloat16()
+    rows = torch.randn(len(lens), L, m.kv.width, generator=g).bfloat16()
+    batch = m.attn_core(0, q, rows, torch.tensor(lens))
+    for b, n in enumerate(lens):
+        alone = m.attn_core(0, q[b:b + 1], rows[b:b + 1, :n], None)
+        assert torch.equal(batch[b], alone[0]), (b, n, lens)
 
 
 @pytest.mark.parametrize("over, kv, field", [
