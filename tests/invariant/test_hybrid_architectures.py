@@ -190,6 +190,19 @@ def test_deepseek_v32_sparse_attention_of_a_request_is_its_bits_alone_in_any_pad
         assert torch.equal(batch[b], alone[0]), (b, n, lens)
 
 
+def test_deepseek_v32_contract_covers_the_indexer(v32_bf16):
+    """The execution contract's config digest includes the indexer's dims: a trainer with
+    another index_topk than the engine's is a named mismatch, not a silent one."""
+    import dataclasses
+
+    from skyrl_numerics.invariant import contract
+
+    other = from_checkpoint(build_tiny_model("deepseek_v32"))
+    assert contract.of_model(other) == contract.of_model(v32_bf16)
+    other.index = dataclasses.replace(other.index, topk=32)
+    assert [f for f, _, _ in contract.of_model(other).diff(contract.of_model(v32_bf16))] == ["config"]
+
+
 @pytest.mark.parametrize("over, kv, field", [
     ({}, "fp8", "kv_cache"),
     ({"q_lora_rank": None}, None, "q_lora_rank"),
