@@ -13,6 +13,9 @@ Three MoE families cover the routing styles that matter for trainer/engine align
 
 and four dense decoders (GQA, one SwiGLU MLP per layer): ``qwen3`` (q/k RMSNorm), ``llama``,
 ``qwen2`` (q/k/v biases) and ``mistral`` (a sliding window at least as long as the context).
+Issue 38's hardest three: ``deepseek_v32`` (DeepSeek-V3 + the DSA indexer, ``index_topk`` 16),
+``qwen3_next`` (Gated DeltaNet + gated full attention, MoE) and ``nemotron_h`` (Mamba-2 +
+attention + MLP layers).
 
 ``build_tiny_model(family, seed=..., dtype=..., **overrides) -> Path`` returns a directory with
 ``config.json`` + ``model.safetensors`` that both HF transformers and vLLM load. The directory name
