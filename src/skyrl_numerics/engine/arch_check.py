@@ -5,7 +5,15 @@ from __future__ import annotations
 import dataclasses
 
 from skyrl_numerics.errors import InputError
-from skyrl_numerics.host import vllm_version
+from skyrl_numerics.host import on_gpu, vllm_version
+
+# architectures in vLLM's registry that its CPU build cannot start, with vLLM's own error
+CPU_STOCK_BLOCKED = {
+    "DeepseekV32ForCausalLM": (
+        "its MLA layer asks for a sparse attention backend and vllm/platforms/cpu.py "
+        "(get_attn_backend_cls) raises NotImplementedError: Sparse Attention is not supported on "
+        "CPU; the batch-invariant path runs it (family deepseek_v32)"),
+}
 
 
 def check_vllm_architecture(arch: str, engine_args: dict, src: str = "") -> None:
@@ -24,3 +32,22 @@ def check_vllm_architecture(arch: str, engine_args: dict, src: str = "") -> None
         raise InputError(f"architecture {arch!r} is not one vLLM {vllm_version()} can run (not in "
                          "its model registry; --engine-arg model_impl=\"transformers\" tries vLLM's "
                          "Transformers backend)", source=src or None, field="architectures")
+
+
+def stock_blocked_reason(arch: str) -> str | None:
+    """Why stock vLLM on this host cannot run ``arch`` (one line), or None."""
+    if arch not in CPU_STOCK_BLOCKED or on_gpu():
+        return None
+    return f"stock vLLM {vllm_version()} on CPU cannot run {arch}: {CPU_STOCK_BLOCKED[arch]}"
+
+
+def check_stock_architecture(hf_config: dict, engine_args: dict | None = None,
+                             src: str = "") -> None:
+    """InputError before a stock engine starts on a checkpoint this host's vLLM cannot run
+    (:data:`CPU_STOCK_BLOCKED`); vLLM's Transformers backend is not judged here."""
+    if (engine_args or {}).get("model_impl") == "transformers":
+        return
+    archs = hf_config.get("architectures") or []
+    why = stock_blocked_reason(archs[0]) if len(archs) == 1 else None
+    if why:
+        raise InputError(why, source=src or None, field="architectures")

@@ -128,7 +128,14 @@ class VLLMGenerator:
                 hf_cfg = json.load(f)
             engine_kwargs.setdefault("hf_overrides", {}).update(
                 engine_overrides(hf_cfg, kv_cache, numerics, model_dir=self.model_dir))
-        elif kv_cache is not None or numerics is not None:
+        elif kv_cache is None and numerics is None:
+            import json
+
+            from .arch_check import check_stock_architecture
+
+            with open(os.path.join(self.model_dir, "config.json")) as f:
+                check_stock_architecture(json.load(f), engine_kwargs, src=self.model_dir)
+        else:
             raise ValueError("kv_cache= / numerics= select the invariant model's cache format and "
                              "serving numerics; they need batch_invariant=True (for vLLM's own "
                              "FP8 cache pass kv_cache_dtype)")

@@ -120,7 +120,11 @@ def serve_command(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port
 
         argv += ["--hf-overrides", json.dumps(engine_overrides(hf_cfg, kv_cache, numerics,
                                                               model_dir=model_dir))]
-    elif kv_cache is not None or numerics is not None:
+    elif kv_cache is None and numerics is None:
+        from .arch_check import check_stock_architecture
+
+        check_stock_architecture(hf_cfg, src=str(model_dir))
+    else:
         raise InputError("--kv-cache / --recipe select the invariant model's cache format and "
                          "serving numerics; they need --batch-invariant (for vLLM's own FP8 cache "
                          "pass --kv-cache-dtype after --)", field="kv_cache" if kv_cache else "recipe")

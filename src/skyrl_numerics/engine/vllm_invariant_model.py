@@ -32,7 +32,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from skyrl_numerics.invariant import FAMILIES, family_class
+from skyrl_numerics.invariant import FAMILIES, family_class, unsupported_message
 
 from .capture import moe_layer_ids
 
@@ -59,8 +59,8 @@ def engine_overrides(hf_config: dict, kv_cache=None, numerics=None, model_dir=No
 
     archs = hf_config.get("architectures") or []
     if len(archs) != 1 or archs[0] not in ARCHS:
-        raise InputError(f"no batch-invariant family for architectures {archs} "
-                         f"(supported: {sorted(ARCHS)})", field="architectures")
+        raise InputError(unsupported_message(archs[0] if len(archs) == 1 else archs),
+                         field="architectures")
     from skyrl_numerics.invariant import vendor_plan
 
     quant = vendor_plan.vendor_quant_config(model_dir, hf_config)
@@ -273,6 +273,7 @@ def _make(hf_arch: str):
 
 SkyrlInvariantQwen3MoeForCausalLM = _make("Qwen3MoeForCausalLM")
 SkyrlInvariantDeepseekV3ForCausalLM = _make("DeepseekV3ForCausalLM")
+SkyrlInvariantDeepseekV32ForCausalLM = _make("DeepseekV32ForCausalLM")
 SkyrlInvariantQwen3ForCausalLM = _make("Qwen3ForCausalLM")
 SkyrlInvariantLlamaForCausalLM = _make("LlamaForCausalLM")
 SkyrlInvariantQwen2ForCausalLM = _make("Qwen2ForCausalLM")

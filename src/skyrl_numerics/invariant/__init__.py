@@ -21,6 +21,8 @@ FAMILIES = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "skyrl_numerics.invariant.qwen3_moe:InvariantQwen3Moe"),
     "DeepseekV3ForCausalLM": ("deepseek_v3",
                               "skyrl_numerics.invariant.deepseek_v3:InvariantDeepseekV3"),
+    "DeepseekV32ForCausalLM": ("deepseek_v32",
+                               "skyrl_numerics.invariant.deepseek_v32:InvariantDeepseekV32"),
     **{arch: ("dense", "skyrl_numerics.invariant.dense:InvariantDense")
        for arch in ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM",
                     "MistralForCausalLM")},
@@ -30,10 +32,19 @@ FAMILIES = {
 def family_class(architecture: str):
     """The invariant class for an HF architecture name; an error naming it when unsupported."""
     if architecture not in FAMILIES:
-        raise InputError(f"no batch-invariant family for architecture {architecture!r} "
-                         f"(supported: {sorted(FAMILIES)})", field="architectures")
+        raise InputError(unsupported_message(architecture), field="architectures")
     mod, cls = FAMILIES[architecture][1].split(":")
     return getattr(importlib.import_module(mod), cls)
+
+
+def unsupported_message(architecture) -> str:
+    """The one-line refusal for an architecture without a family: what is missing where it is
+    known (:mod:`.blocked`), else the supported list."""
+    from .blocked import blocked_reason
+
+    why = blocked_reason(architecture) if isinstance(architecture, str) else None
+    return (f"no batch-invariant family for architecture {architecture!r}: "
+            + (why or f"supported: {sorted(FAMILIES)}"))
 
 
 def architecture_of(cfg) -> str:

@@ -214,6 +214,8 @@ def of_model(model) -> ExecutionContract:
     or the one a vLLM worker runs (``engine/vllm_ext.py``)."""
     numerics, lora = _plan_fields(model.numerics)
     config = {"dims": canonical(model.dims), "rope": canonical(getattr(model, "rope", None))}
+    if getattr(model, "index", None) is not None:      # DSA's indexer (deepseek_v32)
+        config["index"] = canonical(model.index)
     return ExecutionContract(
         forward="invariant", family=family_of(model), config=json_key(config),
         dtype=str(model.dtype).removeprefix("torch."), numerics=numerics, lora=lora,
