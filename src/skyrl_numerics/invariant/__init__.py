@@ -21,6 +21,7 @@ FAMILIES = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "skyrl_numerics.invariant.qwen3_moe:InvariantQwen3Moe"),
     "DeepseekV3ForCausalLM": ("deepseek_v3",
                               "skyrl_numerics.invariant.deepseek_v3:InvariantDeepseekV3"),
+    "GptOssForCausalLM": ("gpt_oss", "skyrl_numerics.invariant.gpt_oss:InvariantGptOss"),
     **{arch: ("dense", "skyrl_numerics.invariant.dense:InvariantDense")
        for arch in ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM",
                     "MistralForCausalLM")},
