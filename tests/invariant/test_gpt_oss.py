@@ -5,7 +5,8 @@
   biased router, the clamped SwiGLU over the interleaved gate/up layout) within 1e-5; in bf16
   no farther from HF fp32 than HF's own bf16 forward (twice its error at most);
 - what the engine runs equals the trainer bit for bit: a paged, chunked, token-by-token
-  forward over rows read back from a slot store (gathered, or in place through the slots),
+  forward over rows read back from a slot store (gathered, or in place through the slots;
+  bf16 and FP8 cache rows),
   requests of equal query counts batched with ``kv_lens``, against the full-sequence forward;
   packed trainer batches against each sequence alone; the grouped experts against the
   per-expert loop; the autograd forward against the no-grad one;
@@ -133,8 +134,12 @@ def _decode(model, seqs, chunks, paged_read):
     return [torch.cat(o) for o in out]
 
 
-@pytest.mark.parametrize("paged_read", [False, True])
-def test_paged_chunked_decode_equals_the_trainer_forward(model, paged_read):
+@pytest.mark.parametrize("kv,paged_read", [("auto", False), ("auto", True), ("fp8", False)])
+def test_paged_chunked_decode_equals_the_trainer_forward(bf16_dir, model, kv, paged_read):
+    """Also with an FP8 cache (rows stored as E4M3 bytes; the trainer sends its rows through
+    the same format)."""
+    if kv != "auto":
+        model = from_checkpoint(bf16_dir, kv_cache=kv)
     seqs = [_ids(n, 10 + n) for n in (70, 45, 50)]   # past the window of 32
     chunks = [[(0, 0, 20), (1, 0, 7)], [(1, 7, 30), (2, 0, 13), (0, 20, 1)], [(2, 13, 30)]]
     with torch.no_grad():
