@@ -4,11 +4,13 @@ router and experts, clamped SwiGLU, YaRN) served out of tree with continuous bat
 prefill (a 64-token step budget) and prefix-cache hits, against the invariant trainer's packed
 forwards: every sampled token's logprob, every route of both MoE layers and every full logits
 row (digest). The prompts outrun the window, so the sliding layers really cut. One engine for
-the file (~1-3 min to start on the shared 2-core host). Nothing is mocked.
+the file by default (~1-3 min to start on the shared 2-core host); the FP8-cache engine is
+opt-in (``SKYRL_NUMERICS_DENSE_ALL=1``). Nothing is mocked.
 """
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -21,15 +23,21 @@ from skyrl_numerics.trainer.logprobs import invariant_trainer_logprobs
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def engine():
+# the FP8 cache's engine is opt-in (one more engine): SKYRL_NUMERICS_DENSE_ALL=1, as the dense cases
+_OPT_IN = pytest.mark.skipif(os.environ.get("SKYRL_NUMERICS_DENSE_ALL", "") != "1",
+                             reason="one engine per case: set SKYRL_NUMERICS_DENSE_ALL=1")
+
+
+@pytest.fixture(scope="module", params=["auto", pytest.param("fp8", marks=_OPT_IN)])
+def engine(request):
     pytest.importorskip("vllm")
     from skyrl_numerics.models import build_tiny_model
     from skyrl_numerics.trainer import VLLMGenerator
 
-    d = build_tiny_model("gpt_oss")
-    gen = VLLMGenerator(d, batch_invariant=True, max_num_batched_tokens=64, capture_routes=True)
-    yield d, gen
+    d, kv = build_tiny_model("gpt_oss"), request.param
+    gen = VLLMGenerator(d, batch_invariant=True, max_num_batched_tokens=64, capture_routes=True,
+                        kv_cache=None if kv == "auto" else kv)
+    yield d, kv, gen
     gen.close()
 
 
@@ -40,7 +48,7 @@ def _assert_bitwise(tl, ro, what):
 
 
 def test_every_token_route_and_row_bitwise_under_chunked_prefill_and_prefix_hits(engine):
-    d, gen = engine
+    d, kv, gen = engine
     shared = make_prompts(1, 150, gen.vocab_size, seed=61)[0]       # > 64: prefilled in chunks
     # seed=None: vLLM CPU 0.32 cannot combine per-request seeds with chunked prefill
     gen.generate([shared + [5, 6]], max_tokens=2, seed=None)         # warms the prefix cache
@@ -50,19 +58,22 @@ def test_every_token_route_and_row_bitwise_under_chunked_prefill_and_prefix_hits
     ro = gen.generate(prompts, max_tokens=40, seed=None, temperature=0.8, logits_digest=True)
     assert min(ro.meta["num_cached_tokens"][:3]) >= 128, ro.meta["num_cached_tokens"]
     assert ro.routes is not None and ro.routes.num_layers == 2
-    model = from_checkpoint(d)
+    model = from_checkpoint(d, kv_cache=None if kv == "auto" else kv)
     for bs in (1, 4, 10):
         tl = invariant_trainer_logprobs(model, ro, batch_size=bs, return_routes=True)
         _assert_bitwise(tl, ro, f"gpt_oss trainer batch {bs}")
         assert tl.routes == ro.routes
     digest = invariant_logits_digest(model, ro, batch_size=4)
     assert digest["frac_bitwise"] == 1.0 and digest["positions"] == ro.num_response_tokens, digest
+    if kv != "auto":   # the FP8 cache is really in effect: a trainer without it is off
+        plain = invariant_trainer_logprobs(from_checkpoint(d), ro, batch_size=10)
+        assert (plain.logprobs != ro.rollout_logprobs).mean() > 0.2
 
 
 def test_a_prompt_has_the_same_bits_at_any_engine_batch(engine):
     """Greedy (vLLM CPU 0.32 refuses per-request seeds beside chunked prefill): a 40-token prompt
     (past the window) alone and among 7 others gives the same tokens and logprob bits."""
-    d, gen = engine
+    d, kv, gen = engine
     prompts = make_prompts(8, 40, gen.vocab_size, seed=65)
     together = gen.generate(prompts, max_tokens=24, seed=None, temperature=0.0)
     alone = gen.generate(prompts[5:6], max_tokens=24, seed=None, temperature=0.0)

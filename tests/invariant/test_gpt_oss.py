@@ -168,8 +168,8 @@ def test_grouped_experts_are_the_per_expert_loop(model, T):
     w = torch.softmax(torch.randn(T, 2, generator=g), -1)
     with torch.no_grad():
         mats = model.expert_mats(0)
-        grouped = model._grouped(x, ids, w, mats, biases)
-        looped = model._looped(x, ids, w, mats, biases)
+        grouped = model.grouped_experts(x, ids, w, mats, biases)
+        looped = model.looped_experts(x, ids, w, mats, biases)
     assert torch.equal(grouped, looped)
 
 

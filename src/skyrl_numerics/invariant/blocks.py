@@ -278,6 +278,10 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return _elementwise(torch.nn.functional.silu, x)
 
 
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return _elementwise(torch.sigmoid, x)
+
+
 # ---- routers --------------------------------------------------------------------------------
 def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool):
     """Softmax over experts in fp32, top-k per token; ``(weights fp32, ids)``."""

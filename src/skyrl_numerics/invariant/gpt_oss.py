@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from .base import InvariantCausalLM
-from .blocks import UnsupportedConfig, _elementwise, linear, require
+from .blocks import UnsupportedConfig, linear, require, sigmoid
 from .gqa import AttnDims, GQAttention
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -90,7 +90,7 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
     per element, rounded once to ``gate.dtype`` (HF ``GptOssExperts._apply_gate``)."""
     g = gate.float().clamp(max=limit)
     u = up.float().clamp(min=-limit, max=limit)
-    return ((u + 1) * (g * _elementwise(torch.sigmoid, g * alpha))).to(gate.dtype)
+    return ((u + 1) * (g * sigmoid(g * alpha))).to(gate.dtype)
 
 
 class InvariantGptOss(GQAttention, InvariantCausalLM):
@@ -183,8 +183,8 @@ class InvariantGptOss(GQAttention, InvariantCausalLM):
         mats = self.expert_mats(i)
         grad = torch.is_grad_enabled() and (x.requires_grad or mats[0][0].requires_grad)
         if x.device.type == "cpu" and x.dtype == torch.bfloat16 and not grad:
-            return self._grouped(x, ids, w, mats, biases)
-        return self._looped(x, ids, w, mats, biases)
+            return self.grouped_experts(x, ids, w, mats, biases)
+        return self.looped_experts(x, ids, w, mats, biases)
 
     def _expert_rows(self, xe, mats, biases, e):
         """One expert's output rows (the bf16 ``y`` of the module doc)."""
@@ -193,7 +193,7 @@ class InvariantGptOss(GQAttention, InvariantCausalLM):
                            self.dims.limit)
         return linear(a, wd) + bd[e]
 
-    def _looped(self, x, ids, w, mats, biases) -> torch.Tensor:
+    def looped_experts(self, x, ids, w, mats, biases) -> torch.Tensor:
         from skyrl_numerics.kernels.cpu_moe import weighted_slot_sum
 
         T, k = ids.shape
@@ -203,8 +203,8 @@ class InvariantGptOss(GQAttention, InvariantCausalLM):
             out[tok, slot] = self._expert_rows(x[tok], mats, biases, e)
         return weighted_slot_sum(out, w, x.dtype)
 
-    def _grouped(self, x, ids, w, mats, biases) -> torch.Tensor:
-        """:meth:`_looped` with every projection one grouped bf16 GEMM call (the pairs sorted by
+    def grouped_experts(self, x, ids, w, mats, biases) -> torch.Tensor:
+        """:meth:`looped_experts` with every projection one grouped bf16 GEMM call (the pairs sorted by
         expert, as :func:`.blocks._grouped_expert_rows`): each row is its expert's GEMM row, so
         the same bits (tested)."""
         from skyrl_numerics.kernels import cpu_gemm_bf16, cpu_moe
