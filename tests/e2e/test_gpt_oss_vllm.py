@@ -143,3 +143,26 @@ def test_doctor_stock_rows_and_r3_on_gpt_oss(tmp_path):
     assert both["mean_abs"] < 0.2 * full["mean_abs"]
     bi = s["+ batch-invariant (trainer and vLLM)"]
     assert bi["frac_bitwise_equal"] == 1.0 and bi["max_abs"] == 0.0
+
+
+@_OPT_IN
+def test_train_bitwise_on_gpt_oss_is_exact_every_step(tmp_path):
+    """``skyrl-numerics train --model DIR --configs bitwise`` on the tiny GPT-OSS (its own engine,
+    opt-in): after each delta weight sync the engine's logprobs are the trainer's, Δ = 0 (run
+    2026-12-05: 2 steps, 100 %, contracts equal)."""
+    import subprocess
+    import sys
+
+    from skyrl_numerics.models import build_tiny_model
+
+    out = tmp_path / "train"
+    proc = subprocess.run([sys.executable, "-m", "skyrl_numerics.cli", "train", "--model",
+                           str(build_tiny_model("gpt_oss")), "--configs", "bitwise", "--steps", "2",
+                           "--prompts", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = json.loads((out / "train.json").read_text())
+    steps = rec["history"]["bitwise"]
+    assert len(steps) == 2
+    assert all(s["gap_max_abs"] == 0.0 and s["gap_frac_bitwise_equal"] == 1.0 for s in steps), steps
+    assert rec["contracts"]["bitwise"]["equal"] is True

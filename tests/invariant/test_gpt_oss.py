@@ -217,3 +217,22 @@ def test_unreproducible_config_is_refused_naming_the_field(over, field):
     with pytest.raises(UnsupportedConfig) as e:
         engine_overrides(json.loads(json.dumps(cfg)))
     assert e.value.field == field
+
+
+def test_a_weight_update_in_place_reaches_the_expert_copies(bf16_dir):
+    """The engine's in-place weight sync (``load_named``) bumps the HF tensors' versions: the
+    de-interleaved expert copies are rebuilt, so the forward is a freshly loaded model's."""
+    from skyrl_numerics.invariant.base import iter_checkpoint_tensors
+
+    m = from_checkpoint(bf16_dir)
+    ids = _ids(20, 6)
+    with torch.no_grad():
+        before = m.sequence_hidden(ids)
+        new = {n: (t.float() * 1.5).to(t.dtype) for n, t in iter_checkpoint_tensors(bf16_dir)
+               if n.endswith("experts.gate_up_proj") or n.endswith("experts.down_proj")}
+        m.load_named(new.items())
+        after = m.sequence_hidden(ids)
+        fresh = from_checkpoint(bf16_dir)
+        fresh.load_named(new.items())
+        assert not torch.equal(after, before)
+        assert torch.equal(after, fresh.sequence_hidden(ids))
