@@ -209,6 +209,7 @@ def test_routes_are_the_top_k_router_logits_of_every_layer(model):
     ({"quantization_config": {"quant_method": "mxfp4"}}, "quant_method"),
     ({"tie_word_embeddings": True}, "tie_word_embeddings"),
     ({"layer_types": ["chunked_attention", "full_attention"]}, "layer_types"),
+    ({"layer_types": None}, "layer_types"),
 ])
 def test_unreproducible_config_is_refused_naming_the_field(over, field):
     from skyrl_numerics.engine.vllm_invariant_model import engine_overrides

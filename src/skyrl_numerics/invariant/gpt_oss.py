@@ -23,7 +23,9 @@ a copy of the experts) or as views (autograd): the same products, so the same bi
 
 Refused (``UnsupportedConfig`` naming the field): MXFP4 / other quantized checkpoints
 (``quantization_config``: dequantize to bf16 first), a tied lm-head, layer types other than
-``sliding_attention`` / ``full_attention``, and a device other than CPU (the sink and window
+``sliding_attention`` / ``full_attention`` or a ``sliding_window`` without ``layer_types``
+(HF's saved configs always list them; vLLM would window every layer's cache without them: it
+keeps whole sequences only when some layer is full), and a device other than CPU (the sink and window
 are in the CPU attention kernel only).
 """
 from __future__ import annotations
@@ -61,8 +63,11 @@ class Dims:
         require(not getattr(c, "tie_word_embeddings", False), "tie_word_embeddings", True,
                 "a tied lm-head is not implemented")
         n = c.num_hidden_layers
-        types = list(getattr(c, "layer_types", None)
-                     or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)])
+        types = list(getattr(c, "layer_types", None) or [])
+        # (without layer_types vLLM would window every layer's cache, the full ones included)
+        require(bool(types) or not getattr(c, "sliding_window", None), "layer_types", None,
+                "a sliding_window needs the layer_types that say which layers it applies to")
+        types = types or ["full_attention"] * n
         require(len(types) == n and set(types) <= set(LAYER_TYPES), "layer_types", types,
                 f"one of {LAYER_TYPES} per layer")
         window = getattr(c, "sliding_window", None)
