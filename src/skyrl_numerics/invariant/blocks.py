@@ -18,7 +18,8 @@ not depend on which other tokens share the call, nor on prefill vs decode:
   frequencies (:func:`llama3_inv_freq`). DeepSeek YaRN (``rope_type="yarn"``) blends the
   extrapolated ``f_i`` with the interpolated ``f_i / factor`` by a linear ramp over the dims
   between the correction bounds ``floor/ceil(d * ln(L0 / (2 pi beta)) / (2 ln theta))`` for
-  ``beta = beta_fast, beta_slow`` (without floor/ceil under ``truncate=False``, GPT-OSS): ``f_i = f_i/factor * (1 - mask_i) + f_i * mask_i``,
+  ``beta = beta_fast, beta_slow`` (without floor/ceil under ``truncate=False``, GPT-OSS):
+  ``f_i = f_i/factor * (1 - mask_i) + f_i * mask_i``,
   ``mask_i = 1 - clamp((i - low) / (high - low), 0, 1)``, and scales cos/sin by
   ``m = mscale(factor, mscale) / mscale(factor, mscale_all_dim) * attention_factor``
   where ``mscale(s, a) = 0.1 a ln s + 1`` (1 for s <= 1);
