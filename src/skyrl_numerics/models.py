@@ -37,7 +37,7 @@ from .hashing import json_key
 _FORMAT_VERSION = 1
 
 FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral", "qwen3", "llama", "qwen2", "mistral",
-            "deepseek_v32", "qwen3_next", "nemotron_h")
+            "deepseek_v32", "qwen3_next", "nemotron_h", "gpt_oss")
 
 # the dense decoders (one SwiGLU MLP per layer, GQA, head_dim 64): what differs is in the
 # modeling code (Qwen3 q/k RMSNorm, Qwen2 q/k/v biases, Mistral's sliding window)
@@ -157,6 +157,21 @@ _BASE: dict[str, dict[str, Any]] = {
     "qwen2": dict(_DENSE, architectures=["Qwen2ForCausalLM"]),
     # the window covers max_model_len: the sliding mask never cuts (a shorter one is refused)
     "mistral": dict(_DENSE, architectures=["MistralForCausalLM"], sliding_window=4096),
+    # GPT-OSS: attention sinks, sliding-window layers alternating with full ones (a window of 32
+    # that the tests' prompts outrun), biased q/k/v/o, biased experts with the clamped SwiGLU,
+    # a biased router (top-k of the logits, softmax over the chosen k), YaRN (factor 32 as
+    # gpt-oss-20b, over an original context of 32 so that 32 · 32 = max_position_embeddings)
+    "gpt_oss": dict(
+        architectures=["GptOssForCausalLM"], vocab_size=512, hidden_size=128,
+        intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, num_local_experts=8, num_experts_per_tok=2, sliding_window=32,
+        layer_types=["sliding_attention", "full_attention"], attention_bias=True,
+        swiglu_alpha=1.702, swiglu_limit=7.0, max_position_embeddings=1024, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 32},
+        router_aux_loss_coef=0.0, output_router_logits=False, tie_word_embeddings=False,
+        initializer_range=0.05, bos_token_id=0, eos_token_id=1),
 }
 
 # DeepSeek-V3.2: DeepSeek-V3's MLA + MoE with DSA, a lightning indexer that keeps the index_topk

@@ -23,6 +23,7 @@ FAMILIES = {
                               "skyrl_numerics.invariant.deepseek_v3:InvariantDeepseekV3"),
     "DeepseekV32ForCausalLM": ("deepseek_v32",
                                "skyrl_numerics.invariant.deepseek_v32:InvariantDeepseekV32"),
+    "GptOssForCausalLM": ("gpt_oss", "skyrl_numerics.invariant.gpt_oss:InvariantGptOss"),
     **{arch: ("dense", "skyrl_numerics.invariant.dense:InvariantDense")
        for arch in ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM",
                     "MistralForCausalLM")},

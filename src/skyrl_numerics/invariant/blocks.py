@@ -18,7 +18,8 @@ not depend on which other tokens share the call, nor on prefill vs decode:
   frequencies (:func:`llama3_inv_freq`). DeepSeek YaRN (``rope_type="yarn"``) blends the
   extrapolated ``f_i`` with the interpolated ``f_i / factor`` by a linear ramp over the dims
   between the correction bounds ``floor/ceil(d * ln(L0 / (2 pi beta)) / (2 ln theta))`` for
-  ``beta = beta_fast, beta_slow``: ``f_i = f_i/factor * (1 - mask_i) + f_i * mask_i``,
+  ``beta = beta_fast, beta_slow`` (without floor/ceil under ``truncate=False``, GPT-OSS):
+  ``f_i = f_i/factor * (1 - mask_i) + f_i * mask_i``,
   ``mask_i = 1 - clamp((i - low) / (high - low), 0, 1)``, and scales cos/sin by
   ``m = mscale(factor, mscale) / mscale(factor, mscale_all_dim) * attention_factor``
   where ``mscale(s, a) = 0.1 a ln s + 1`` (1 for s <= 1);
@@ -229,8 +230,10 @@ class Rope:
 
         def corr_dim(rot):
             return dim * math.log(l0 / (rot * 2 * math.pi)) / (2 * math.log(theta))
-        low = max(math.floor(corr_dim(bf)), 0)
-        high = min(math.ceil(corr_dim(bs)), dim - 1)
+        low, high = corr_dim(bf), corr_dim(bs)
+        if rp.get("truncate", True):     # GPT-OSS: truncate=False keeps the bounds fractional
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001
         ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
@@ -274,6 +277,10 @@ def _elementwise(fn, x: torch.Tensor) -> torch.Tensor:
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     return _elementwise(torch.nn.functional.silu, x)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return _elementwise(torch.sigmoid, x)
 
 
 # ---- routers --------------------------------------------------------------------------------

@@ -56,9 +56,11 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6):
 
 
 def attention(q, k, v, causal: bool = True, scale: float | None = None, block_n: int = 64,
-              kv_lens: torch.Tensor | None = None):
+              kv_lens: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+              window: int | None = None):
     """Causal (GQA) attention, one fused fixed-order kernel per row that the trainer and the
     engine share: :func:`skyrl_numerics.kernels.cpu_attention.attention` (its module doc writes
     the arithmetic out). Token-by-token decode over a KV cache equals full prefill bit for bit,
-    and a right-padded batch (``kv_lens``) gives every sequence the bits it gets alone."""
-    return cpu_attention.attention(q, k, v, causal, scale, block_n, kv_lens)
+    and a right-padded batch (``kv_lens``) gives every sequence the bits it gets alone.
+    ``sinks`` (per-head logits), ``window`` (sliding window): GPT-OSS's attention."""
+    return cpu_attention.attention(q, k, v, causal, scale, block_n, kv_lens, sinks, window)

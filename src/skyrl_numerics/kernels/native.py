@@ -143,7 +143,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.skyrl_attention_fwd
     fn.restype = i32
     fn.argtypes = ([vp, i32, i64, i64, i64] * 3 + [vp, i64, vp, i32, vp]
-                   + [i32] * 7 + [f32, i32, i64, i64])
+                   + [i32] * 7 + [f32, i32, i64, i64, vp, i64])
     fn = lib.skyrl_rms_norm_fwd
     fn.restype = i32
     fn.argtypes = [vp, i32, i64, vp, i32, i64, vp, i32, vp, i64, i64, i32, f32]

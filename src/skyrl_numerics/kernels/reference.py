@@ -100,10 +100,13 @@ def mean_dim(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-              scale: float | None = None) -> torch.Tensor:
+              scale: float | None = None, sinks: torch.Tensor | None = None,
+              window: int | None = None) -> torch.Tensor:
     """q (B, H, Sq, D), k/v (B, Hkv, Skv, D), H a multiple of Hkv (grouped-query attention).
 
     Query i sits at key position ``Skv - Sq + i`` (prefill: Sq == Skv; decode: Sq == 1).
+    ``sinks (H,)``: a logit per head joining the softmax denominator (a key with a zero value,
+    GPT-OSS); ``window``: the query at ``pos`` sees keys ``pos - window < j <= pos``.
     """
     B, H, Sq, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
@@ -115,4 +118,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         qpos = torch.arange(Skv - Sq, Skv, device=q.device).unsqueeze(-1)
         kpos = torch.arange(Skv, device=q.device).unsqueeze(0)
         s = s.masked_fill(kpos > qpos, float("-inf"))
+        if window:
+            s = s.masked_fill(kpos <= qpos - int(window), float("-inf"))
+    if sinks is not None:
+        sk = sinks.to(_F64).view(1, H, 1, 1).expand(B, H, Sq, 1)
+        p = torch.softmax(torch.cat([s, sk], dim=-1), dim=-1)[..., :-1]
+        return (p @ vv).to(q.dtype)
     return (torch.softmax(s, dim=-1) @ vv).to(q.dtype)

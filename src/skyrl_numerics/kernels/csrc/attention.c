@@ -5,7 +5,10 @@
  * in the same order, so its results are bitwise equal to this file's). In short, per query row
  * (sequence b, head h, query i, at key position kv_len[b] - Sq + i):
  *
- *   keys 0 .. n-1 (n = position + 1 when causal, else kv_len[b]), in blocks of block_n
+ *   keys lo .. n-1 (n = position + 1 when causal, else kv_len[b]; lo = 0, or with a sliding
+ *   window W: max(0, n - W)), in blocks of block_n aligned at key 0 (a block's keys before lo
+ *   are skipped: an exact no-op)
+ *   m = -inf, l = +0 (with an attention sink s_h of the row's head: m = s_h, l = 1), acc = +0
  *   s_j   = dot8(q, k_j) * scale                      (dot8: 8 lanes, then a fixed fold)
  *   m'    = max(m, max_j s_j);  m* = 0 if m' is +-inf else m'
  *   alpha = exp_s(m - m*);  p_j = exp_s(s_j - m*)     (exp_s: the polynomial below)
@@ -81,6 +84,9 @@ static const float *kv_rows(const void *t, int dtype, int64_t sb, int64_t sh, in
  * r / g of head r % g). A pair's keys and values are read (bfloat16: converted, exactly) once
  * into float32 rows; its query rows then go in tiles of TILE that share those loads, with the
  * TILE dot products of a key interleaved (a row's arithmetic is its own either way).
+ * sinks: NULL, or H float32 logits (one per query head) that join every row's softmax
+ * denominator as a key with a zero value, taken first (m = sinks[h], l = 1). window: 0, or
+ * the sliding window W (a row sees its last W keys: lo = max(0, n - W)).
  * Returns 0; -1 on a size this build cannot take (block_n > MAX_BLOCK, D or Dv > MAX_D,
  * H not a multiple of Hkv); -2 when memory for the converted rows is not available. */
 int skyrl_attention_fwd(const void *q, int q_dtype, int64_t q_sb, int64_t q_sh, int64_t q_ss,
@@ -89,8 +95,10 @@ int skyrl_attention_fwd(const void *q, int q_dtype, int64_t q_sb, int64_t q_sh, 
                         const int64_t *rows, int64_t rows_ld,
                         void *out, int out_dtype, const int64_t *kv_lens,
                         int B, int H, int Hkv, int Sq, int D, int Dv, int causal, float scale,
-                        int block_n, int64_t pair_lo, int64_t pair_hi) {
-    if (block_n < 1 || block_n > MAX_BLOCK || D > MAX_D || Dv > MAX_D || Hkv < 1 || H % Hkv)
+                        int block_n, int64_t pair_lo, int64_t pair_hi, const float *sinks,
+                        int64_t window) {
+    if (block_n < 1 || block_n > MAX_BLOCK || D > MAX_D || Dv > MAX_D || Hkv < 1 || H % Hkv
+        || window < 0)
         return -1;
     (void)B;
     const int g = H / Hkv;
@@ -98,7 +106,7 @@ int skyrl_attention_fwd(const void *q, int q_dtype, int64_t q_sb, int64_t q_sh, 
     float qf[TILE][MAX_D], acc[TILE][MAX_D];
     float s[TILE][MAX_BLOCK];
     float m[TILE], l[TILE];
-    int64_t nk[TILE];
+    int64_t nk[TILE], lo[TILE];
     int64_t orow[TILE];
     float *kbuf = NULL, *vbuf = NULL;
     int64_t cap = 0;
@@ -122,11 +130,12 @@ int skyrl_attention_fwd(const void *q, int q_dtype, int64_t q_sb, int64_t q_sh, 
         V = kv_rows(v, v_dtype, v_sb, v_sh, v_ss, rb, b, hk, L, Dv, vbuf, &vsd);
         for (int64_t r0 = 0; r0 < R; r0 += TILE) {
             const int nt = (int)((R - r0) < TILE ? (R - r0) : TILE);
-            int64_t nmax = 0;
+            int64_t nmax = 0, lmin = INT64_MAX;
             for (int t = 0; t < TILE; t++) {
                 if (t >= nt) {       /* spare rows of the last tile: computed, never stored */
                     memcpy(qf[t], qf[0], (size_t)D * 4);
                     nk[t] = 0;
+                    lo[t] = 0;
                     continue;
                 }
                 const int64_t r = r0 + t, i = r / g;
@@ -134,28 +143,32 @@ int skyrl_attention_fwd(const void *q, int q_dtype, int64_t q_sb, int64_t q_sh, 
                 int64_t n = causal ? (L - Sq + i + 1) : L;
                 nk[t] = n > L ? L : n;
                 if (nk[t] > nmax) nmax = nk[t];
+                lo[t] = (window > 0 && nk[t] > window) ? nk[t] - window : 0;
+                if (lo[t] < lmin) lmin = lo[t];
                 orow[t] = (((int64_t)b * H + h) * Sq + i) * Dv;
                 load_row(qf[t], q, b * q_sb + h * q_sh + i * q_ss, q_dtype, D);
-                m[t] = -INFINITY;
-                l[t] = 0.f;
+                m[t] = sinks ? sinks[h] : -INFINITY;
+                l[t] = sinks ? 1.f : 0.f;
                 for (int d = 0; d < Dv; d++) acc[t][d] = 0.f;
             }
-            for (int64_t j0 = 0; j0 < nmax; j0 += block_n) {
+            if (lmin == INT64_MAX) lmin = 0;
+            for (int64_t j0 = lmin - lmin % block_n; j0 < nmax; j0 += block_n) {
                 const int cnt = (int)((nmax - j0) < block_n ? (nmax - j0) : block_n);
-                int cr[TILE];                              /* this block's keys per row */
+                int cr[TILE], ca[TILE];                    /* this block's keys per row: ca .. cr-1 */
                 for (int t = 0; t < TILE; t++) {
-                    int64_t c = nk[t] - j0;
+                    int64_t c = nk[t] - j0, a = lo[t] - j0;
                     cr[t] = c <= 0 ? 0 : (c < cnt ? (int)c : cnt);
+                    ca[t] = a <= 0 ? 0 : (a < cr[t] ? (int)a : cr[t]);
                 }
                 if (nt <= 1) scores_1(s, qf, K, ksd, j0, cnt, D, scale);
                 else if (nt <= 2) scores_2(s, qf, K, ksd, j0, cnt, D, scale);
                 else if (nt <= 4) scores_4(s, qf, K, ksd, j0, cnt, D, scale);
                 else scores_8(s, qf, K, ksd, j0, cnt, D, scale);
                 for (int t = 0; t < nt; t++) {
-                    const int c = cr[t];
-                    if (c == 0) continue;           /* past this row's keys: an exact no-op */
+                    const int c = cr[t], a0 = ca[t];
+                    if (c == a0) continue;  /* none of this row's keys: an exact no-op */
                     float bm = -INFINITY;
-                    for (int j = 0; j < c; j++) {
+                    for (int j = a0; j < c; j++) {
                         const float sj = s[t][j];
                         bm = (bm != bm) ? bm : ((sj != sj || sj > bm) ? sj : bm);
                     }
@@ -163,9 +176,9 @@ int skyrl_attention_fwd(const void *q, int q_dtype, int64_t q_sb, int64_t q_sh, 
                     const float ms = (mn == INFINITY || mn == -INFINITY) ? 0.f : mn;
                     const float alpha = exp_s(m[t] - ms);
                     float *p = s[t];
-                    for (int j = 0; j < c; j++) p[j] = exp_s(p[j] - ms);
+                    for (int j = a0; j < c; j++) p[j] = exp_s(p[j] - ms);
                     float ls = 0.f;
-                    for (int j = 0; j < c; j++) ls = ls + p[j];
+                    for (int j = a0; j < c; j++) ls = ls + p[j];
                     l[t] = l[t] * alpha + ls;
                     m[t] = mn;
                     /* acc_d = acc_d * alpha + (((+0 + p_0 v_0d) + p_1 v_1d) + ...), a chunk of
@@ -175,12 +188,12 @@ int skyrl_attention_fwd(const void *q, int q_dtype, int64_t q_sb, int64_t q_sh, 
                         const int w = (Dv - d0) < 32 ? (Dv - d0) : 32;
                         float pv[32];
                         for (int d = 0; d < 32; d++) pv[d] = 0.f;
-                        const float *vr = V + (j0) * vsd + d0;
+                        const float *vr = V + (j0 + a0) * vsd + d0;
                         if (w == 32) {
-                            for (int j = 0; j < c; j++, vr += vsd)
+                            for (int j = a0; j < c; j++, vr += vsd)
                                 for (int d = 0; d < 32; d++) pv[d] = pv[d] + p[j] * vr[d];
                         } else {
-                            for (int j = 0; j < c; j++, vr += vsd)
+                            for (int j = a0; j < c; j++, vr += vsd)
                                 for (int d = 0; d < w; d++) pv[d] = pv[d] + p[j] * vr[d];
                         }
                         for (int d = 0; d < w; d++) ar[d0 + d] = ar[d0 + d] * alpha + pv[d];
@@ -189,7 +202,7 @@ int skyrl_attention_fwd(const void *q, int q_dtype, int64_t q_sb, int64_t q_sh, 
             }
             for (int t = 0; t < nt; t++) {
                 float *a = acc[t];
-                if (nk[t] <= 0) {
+                if (nk[t] <= lo[t] && !sinks) {
                     for (int d = 0; d < Dv; d++) a[d] = 0.f;
                 } else {
                     for (int d = 0; d < Dv; d++) a[d] = a[d] / l[t];
