@@ -8,10 +8,10 @@ computes the logits of the sampled positions only; a trainer, of every position)
   float32 bytes: equal digests, equal bits);
 - ``max|x|`` and ``mean`` of each side (from each row's ``max|x|`` and sum);
 - with kept tensors (``keep_tensors``): ``max|Δ|`` over the aligned elements, ``ulps``: the
-  largest distance in units in the last place **at bf16** (both values rounded to bf16, then
-  ``|ord(a) - ord(b)|`` with ``ord`` the bf16 bit pattern as a sign-magnitude integer — so a
-  float32 router logit that differs below bf16's resolution counts 0 ulps although its bits
-  differ), and ``elements ≠``: the share of elements whose float32 values differ. Without kept
+  largest ``|a - b|`` in units in the last place **at bf16** of the larger of the two
+  magnitudes (:func:`bf16_ulps`; a float32 router logit that differs below bf16's resolution
+  counts a fraction of one), and ``elements ≠``: the share of elements whose float32 values
+  differ. Without kept
   tensors ``max|Δ|`` is not known; ``Δ max|x|`` (the largest difference of the rows' ``max|x|``)
   stands in for its size.
 
@@ -77,7 +77,7 @@ class ModuleDiff:
     mean_b: float | None = None
     delta_max_abs: float | None = None
     max_abs_delta: float | None = None   # kept tensors only
-    max_ulps_bf16: int | None = None
+    max_ulps_bf16: float | None = None
     frac_elements_differing: float | None = None
 
     @property
@@ -86,15 +86,16 @@ class ModuleDiff:
 
 
 def bf16_ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Distance in bf16 ulps of ``a`` and ``b`` (float32), both rounded to bf16 first (see the
-    module)."""
-    import torch
-
-    def ordered(x):
-        u = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(torch.bfloat16)
-        u = u.view(torch.int16).numpy().astype(np.int32) & 0xFFFF
-        return np.where(u & 0x8000, -(u & 0x7FFF), u)
-    return np.abs(ordered(a) - ordered(b))
+    """``|a - b|`` in units of the bf16 ulp of the larger magnitude: ``ulp(x) = 2**(e - 7)`` for
+    ``2**e <= |x| < 2**(e+1)`` (bf16 keeps 8 significant bits), floored at bf16's smallest
+    normal's ulp ``2**-133``. Two neighbouring bf16 values are 1 ulp apart; a float32 difference
+    below bf16's resolution is a fraction of one."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    big = np.maximum(np.abs(a), np.abs(b))
+    with np.errstate(divide="ignore"):
+        e = np.floor(np.log2(np.where(big > 0, big, 1.0)))
+    ulp = np.exp2(np.maximum(e, -126.0) - 7.0)   # 2**-133 at and below the smallest normal
+    return np.abs(a - b) / ulp
 
 
 def _aligned(ma: ModuleRows, mb: ModuleRows):
@@ -138,7 +139,8 @@ def compare_module(name: str, ma: ModuleRows, mb: ModuleRows) -> ModuleDiff:
         ra, rb = np.concatenate([t[0] for t in tens]), np.concatenate([t[1] for t in tens])
         with np.errstate(invalid="ignore"):
             d.max_abs_delta = float(np.nanmax(np.abs(ra - rb))) if ra.size else 0.0
-        d.max_ulps_bf16 = int(bf16_ulps(ra, rb).max()) if ra.size else 0
+        with np.errstate(invalid="ignore"):
+            d.max_ulps_bf16 = float(np.nanmax(bf16_ulps(ra, rb))) if ra.size else 0.0
         same = (ra == rb) | (np.isnan(ra) & np.isnan(rb))
         d.frac_elements_differing = float(1.0 - same.mean()) if ra.size else 0.0
     return d
@@ -202,7 +204,7 @@ def table_rows(cmp: TraceComparison) -> list[list[str]]:
         mark = " ← first" if m is first else ""
         rows.append([m.name + mark, f"{m.rows_differing}/{m.rows}", _g(m.max_abs_a),
                      _g(m.max_abs_b), _g(m.delta_max_abs), _g(m.max_abs_delta),
-                     _g(m.max_ulps_bf16, "{}"), _g(m.frac_elements_differing, "{:.1%}")])
+                     _g(m.max_ulps_bf16, "{:.3g}"), _g(m.frac_elements_differing, "{:.1%}")])
     return rows
 
 
