@@ -223,14 +223,17 @@ def run_trace(model_dir, sides="hf,vllm", *, per_op: bool = False, n_prompts: in
     return res
 
 
-def planted(value) -> Any:
-    """``value`` (a float tensor) with its first element moved one ulp up
-    (``torch.nextafter`` towards +inf), in place; returns the old element — for tests and demos
-    of the tracer naming a planted change."""
+def planted(value, index: int | None = None):
+    """Move one element of ``value`` (a float tensor, e.g. a layer's weight) one ulp away from
+    zero (``torch.nextafter``), in place — for tests and demos of the tracer naming a planted
+    change. ``index`` (flat): which element; default the largest in magnitude (whose ulp, and so
+    whose effect on the layer's output, is largest). Returns ``(index, old value)`` to put back
+    with ``value.view(-1)[index] = old``."""
     import torch
 
     flat = value.data.view(-1)
-    old = flat[0].clone()
-    flat[0] = torch.nextafter(old, torch.tensor(float("inf"), dtype=old.dtype))
-    return old
-
+    i = int(flat.float().abs().argmax()) if index is None else int(index)
+    old = flat[i].clone()
+    away = torch.tensor(float("inf") if old >= 0 else float("-inf"), dtype=old.dtype)
+    flat[i] = torch.nextafter(old, away)
+    return i, old
