@@ -80,7 +80,8 @@ def main() -> None:
     if a.engine:
         from skyrl_numerics.engine.generator import VLLMGenerator
 
-        gen = VLLMGenerator(d)
+        # a small KV cache (the traced tokens only): vLLM CPU checks the free RAM against it
+        gen = VLLMGenerator(d, kv_cache_memory_bytes=256 << 20, max_model_len=256)
         try:
             ref, _ = trace_side(Side("hf", "hf", hf), d, seqs, per_op=True)
             eng, _ = trace_side(Side("vllm", model=gen), d, seqs, per_op=True)
