@@ -75,43 +75,34 @@ def parse_sides(spec) -> list[Side]:
     return sides
 
 
-def _num_layers(cfg) -> int:
-    return int(cfg.num_hidden_layers)
-
-
 def _trainer_trace(side: Side, model, sequences: list, per_op: bool, keep: bool) -> Trace:
-    """An HF or invariant model's trace: one sequence per forward, hooks on the model."""
+    """An HF or invariant model's trace: one sequence per forward, hooks on the model
+    (``hf-mode``: the forwards under :func:`~skyrl_numerics.kernels.batch_invariant_mode`)."""
+    import contextlib
+
     import torch
 
     rec = TraceRecorder(keep)
     if side.kind == "invariant":
-        unhook = hook_invariant(model, rec.record, per_op)
-        cfg = model.dims
-        layers = int(cfg.layers)
+        unhook, layers = hook_invariant(model, rec.record, per_op), int(model.dims.layers)
     else:
         unhook = hook_modules(model, "hf", model.config, rec.record, per_op)
-        layers = _num_layers(model.config)
-    mode = None
+        layers = int(model.config.num_hidden_layers)
+    mode = contextlib.nullcontext()
     if side.kind == "hf-mode":
         from skyrl_numerics.kernels import batch_invariant_mode
 
         mode = batch_invariant_mode()
     t0 = time.perf_counter()
     try:
-        with torch.no_grad():
-            if mode is not None:
-                mode.__enter__()
-            try:
-                for i, seq in enumerate(sequences):
-                    rec.layout = RowLayout.sequence(i, len(seq))
-                    ids = torch.tensor(seq, dtype=torch.long)
-                    if side.kind == "invariant":
-                        model.logits(model.sequence_hidden(ids))
-                    else:
-                        model(input_ids=ids[None], use_cache=False)
-            finally:
-                if mode is not None:
-                    mode.__exit__(None, None, None)
+        with torch.no_grad(), mode:
+            for i, seq in enumerate(sequences):
+                rec.layout = RowLayout.sequence(i, len(seq))
+                ids = torch.tensor(seq, dtype=torch.long)
+                if side.kind == "invariant":
+                    model.logits(model.sequence_hidden(ids))
+                else:
+                    model(input_ids=ids[None], use_cache=False)
     finally:
         unhook()
     forward_s = time.perf_counter() - t0
