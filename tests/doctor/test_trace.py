@@ -39,12 +39,19 @@ def test_a_one_ulp_o_proj_change_is_named_as_its_layer_and_op(hf_models, family,
     try:
         assert bf16_ulps(w.data.view(-1)[i:i + 1].float().numpy(),
                          old[None].float().numpy())[0] == 1      # one ulp moved
-        per_layer = run_trace(d, [Side("hf", "hf", a), Side("hf", "planted", b)])
         per_op = run_trace(d, [Side("hf", "hf", a), Side("hf", "planted", b)], per_op=True,
                            keep_tensors=True)
+        # the default (per layer) names the layer; once per family is enough
+        per_layer = run_trace(d, [Side("hf", "hf", a), Side("hf", "planted", b)]) if layer else None
     finally:
         w.data.view(-1)[i] = old
-    assert per_layer.first.name == f"L{layer}.layer"
+    if per_layer is not None:
+        assert per_layer.first.name == f"L{layer}.layer"
+        assert [m.name for m in per_layer.comparison.modules] == ["embed", "L0.layer",
+                                                                   "L1.layer", "norm", "logits"]
+    layer_diffs = [m.name for m in per_op.comparison.modules
+                   if m.name.endswith(".layer") and m.status == "differs"]
+    assert layer_diffs[0] == f"L{layer}.layer"
     f = per_op.first
     assert f.name == f"L{layer}.attn"                      # o_proj's output, nothing before it
     # one weight moved by 1 ulp: one output column can move, by about one bf16 ulp of the
