@@ -13,7 +13,7 @@ from skyrl_numerics.errors import InputError
 
 
 #: the side names of ``doctor.trace.SIDES`` (for --help, without importing the tracer)
-SIDE_NAMES = ("hf", "hf-mode", "invariant", "vllm", "vllm-invariant")
+SIDE_NAMES = ("hf", "hf-mode", "invariant", "vllm", "vllm-invariant", "vllm-serve")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -35,6 +35,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     t.add_argument("--keep-tensors", action="store_true",
                    help="keep each traced row's values (max|Δ|, ulps, share of elements); "
                         "default: digests and stats only")
+    t.add_argument("--server", default=None, metavar="URL",
+                   help="the vllm-serve side: a server started by skyrl-numerics serve (dev mode) "
+                        "serving --model DIR")
+    t.add_argument("--api-key", default=None, help="the server's API key (default $VLLM_API_KEY)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", default="artifacts/trace")
     t.add_argument("--verbose", action="store_true",
@@ -60,12 +64,19 @@ def cmd_trace(args, console_for, engine_log) -> int:
     from skyrl_numerics.doctor.trace import ENGINE_SIDES, parse_sides, run_trace
 
     sides = parse_sides(args.sides)          # bad names: one line, before any work
+    if any(s.kind == "vllm-serve" for s in sides) != bool(args.server):
+        raise InputError("the vllm-serve side and --server URL go together", field="server")
     if args.prompts < 1 or args.prompt_len < 1 or args.decode < 0:
         raise InputError("--prompts and --prompt-len must be >= 1, --decode >= 0",
                          field="prompts")
     out = check_out_dir(args.out, names=("trace.json", "trace.png"))
     model_dir = _model_dir(args)
     engines = any(s.kind in ENGINE_SIDES for s in sides)
+    for s in sides:
+        if s.kind == "vllm-serve":
+            from skyrl_numerics.engine.remote import RemoteGenerator
+
+            s.model = RemoteGenerator(args.server, api_key=args.api_key, model_dir=str(model_dir))
     with engine_log(args) as elog:
         console = console_for(elog.terminal)
         try:

@@ -4,7 +4,9 @@ layer (and, with ``per_op``, op by op).
 Sides (:data:`SIDES`): the HF trainer (``hf``: transformers, bf16), the HF trainer under
 :func:`skyrl_numerics.kernels.batch_invariant_mode` (``hf-mode``), the invariant trainer
 (``invariant``: :func:`skyrl_numerics.invariant.from_checkpoint`), the in-process vLLM engine
-(``vllm``: stock; ``vllm-invariant``: ``batch_invariant=True``). Each side runs the same
+(``vllm``: stock; ``vllm-invariant``: ``batch_invariant=True``) and a ``vllm serve`` server with
+our worker extension (``vllm-serve``: a :class:`~skyrl_numerics.engine.remote.RemoteGenerator`,
+over ``/collective_rpc`` in dev mode, as ``skyrl-numerics serve`` starts it). Each side runs the same
 sequences with hooks on its modules (``engine/trace_roles.py``: the canonical names and the
 per-family module table) that keep, per token row, a digest of the row and two statistics
 (``engine/trace_capture.py``); the engine side records them inside its worker, with vLLM's
@@ -43,8 +45,9 @@ SIDES = {"hf": "HF trainer (transformers, bf16)",
          "hf-mode": "HF trainer under batch_invariant_mode()",
          "invariant": "invariant trainer (skyrl_numerics.invariant)",
          "vllm": "vLLM engine, stock (in-process VLLMGenerator)",
-         "vllm-invariant": "vLLM engine, batch-invariant (VLLMGenerator(batch_invariant=True))"}
-ENGINE_SIDES = ("vllm", "vllm-invariant")
+         "vllm-invariant": "vLLM engine, batch-invariant (VLLMGenerator(batch_invariant=True))",
+         "vllm-serve": "a vllm serve server (skyrl-numerics serve, dev mode; over HTTP)"}
+ENGINE_SIDES = ("vllm", "vllm-invariant", "vllm-serve")
 
 
 @dataclass
@@ -124,9 +127,10 @@ def _trace(side: Side, got: dict, layers: int, per_op: bool, algo: str, forward_
 
 def _engine_trace(side: Side, gen, sequences: list, per_op: bool, keep: bool,
                   decode: int) -> tuple[Trace, list]:
-    from skyrl_numerics.engine.trace_capture import engine_trace
+    from skyrl_numerics.engine.trace_capture import engine_trace, server_trace
 
-    got = engine_trace(gen, sequences, per_op=per_op, keep_tensors=keep, decode=decode)
+    run = server_trace if side.kind == "vllm-serve" else engine_trace
+    got = run(gen, sequences, per_op=per_op, keep_tensors=keep, decode=decode)
     tr = _trace(side, got["modules"], got["layers"], per_op, got["algo"], got["forward_s"],
                 got["capture_s"], got["steps"], got["notes"])
     return tr, got["sequences"]
@@ -142,6 +146,9 @@ def _build(side: Side, model_dir):
         from skyrl_numerics.invariant import from_checkpoint
 
         return from_checkpoint(model_dir)
+    if side.kind == "vllm-serve":
+        raise InputError("the vllm-serve side needs a server: --server URL (Side(\"vllm-serve\", "
+                         "model=RemoteGenerator(url)) in Python)", field="server")
     from skyrl_numerics.engine.generator import get_generator
 
     return get_generator(model_dir, batch_invariant=side.kind == "vllm-invariant")

@@ -157,7 +157,11 @@ class TraceRecorder:
 
 def decode_seq(got: dict, width: int) -> dict:
     """One ``fetch`` entry back as arrays: pos [n], digest [n, 16], max_abs [n], sum [n], rows
-    [n, width] or None."""
+    [n, width] or None (fields given as base64 text are decoded first)."""
+    if isinstance(got.get("pos"), str):
+        import base64
+
+        got = {k: base64.b64decode(v) if isinstance(v, str) else v for k, v in got.items()}
     pos = np.frombuffer(got["pos"], "<i8").astype(np.int64)
     return {"pos": pos,
             "digest": np.frombuffer(got["digest"], np.uint8).reshape(-1, DIGEST_BYTES),
@@ -206,34 +210,57 @@ def step_kinds(runner, lay: RowLayout) -> list:
 
 class TraceMixin:
     """The tracer's worker side: hooks on the live model (``trace_roles.py``), a
-    :class:`TraceRecorder` placing rows by the runner's batch, the schedule of each forward."""
+    :class:`TraceRecorder` placing rows by the runner's batch, the schedule of each forward and
+    each request's prompt ids (how a server's requests are matched to the sequences)."""
 
     def skyrl_trace_start(self, per_op: bool, keep_tensors: bool) -> dict:
         self.skyrl_trace_stop()
         runner = self.model_runner
         model = runner.get_model()
         steps: list = []
-        rec = TraceRecorder(keep_tensors, layout_fn=lambda: runner_layout(runner),
-                            step_fn=lambda lay: steps.append(step_kinds(runner, lay)))
+        prompts: dict = {}
+
+        def step(lay):
+            steps.append(step_kinds(runner, lay))
+            ib = runner.input_batch
+            for b, req in enumerate(lay.reqs):
+                if req not in prompts:
+                    n = int(ib.num_prompt_tokens[b])
+                    prompts[req] = [int(t) for t in ib.token_ids_cpu[b, :n]]
+        rec = TraceRecorder(keep_tensors, layout_fn=lambda: runner_layout(runner), step_fn=step)
         core = getattr(model, "core", None)
         if core is not None and hasattr(core, "forward_tokens"):
             unhook, kind = hook_invariant(core, rec.record, per_op), "invariant"
         else:
             cfg = self.vllm_config.model_config.hf_config
             unhook, kind = hook_modules(model, "vllm", cfg, rec.record, per_op), "vllm"
-        self._skyrl_trace = (rec, unhook, steps)
+        self._skyrl_trace = (rec, unhook, steps, prompts)
         return {"kind": kind, "algo": rec.algo,
                 "layers": int(self.vllm_config.model_config.get_total_num_hidden_layers())}
 
-    def skyrl_trace_fetch(self, external_ids: list[str]) -> dict:
-        rec, _, steps = self._skyrl_trace
-        by_ext = {}
-        for by_req in rec.data.values():
-            for req in by_req:
-                by_ext.setdefault(req.rsplit("-", 1)[0], req)
-        keys = [by_ext.get(e) for e in external_ids]
-        return {"modules": rec.fetch(keys), "steps": list(steps), "capture_s": rec.seconds,
-                "notes": list(rec.notes)}
+    def skyrl_trace_fetch(self, external_ids: list[str] | None = None, b64: bool = False) -> dict:
+        """The records of ``external_ids`` (in that order); ``None``: of every request seen, in
+        order of arrival, with their ids (``keys``) and prompt ids (``prompts``). ``b64``: bytes
+        as base64 text (a JSON reply: ``/collective_rpc`` of a server)."""
+        rec, _, steps, prompts = self._skyrl_trace
+        out = {"steps": list(steps), "capture_s": rec.seconds, "notes": list(rec.notes)}
+        if external_ids is None:
+            keys = list(prompts)
+            out["keys"] = [k.rsplit("-", 1)[0] for k in keys]
+            out["prompts"] = [prompts[k] for k in keys]
+        else:
+            by_ext = {req.rsplit("-", 1)[0]: req for req in prompts}
+            keys = [by_ext.get(e) for e in external_ids]
+        out["modules"] = rec.fetch(keys)
+        if b64:
+            import base64
+
+            for m in out["modules"].values():
+                for seq in m["seqs"]:
+                    for k, v in (seq or {}).items():
+                        if isinstance(v, bytes):
+                            seq[k] = base64.b64encode(v).decode()
+        return out
 
     def skyrl_trace_stop(self) -> None:
         got = getattr(self, "_skyrl_trace", None)
@@ -267,4 +294,41 @@ def engine_trace(gen, sequences: list, *, per_op: bool = False, keep_tensors: bo
         llm.collective_rpc("skyrl_trace_stop")
     ran = [list(map(int, s)) + list(o.outputs[0].token_ids)[: int(decode)]
            for s, o in zip(sequences, outs)]
+    return {**got, **info, "sequences": ran, "forward_s": forward_s}
+
+
+def server_trace(remote, sequences: list, *, per_op: bool = False, keep_tensors: bool = False,
+                 decode: int = 0) -> dict:
+    """:func:`engine_trace` against a ``vllm serve`` server with our worker extension (a
+    :class:`~.remote.RemoteGenerator`; dev mode: ``/collective_rpc``, ``/reset_prefix_cache``):
+    one ``/v1/completions`` request per sequence, sent together, greedy; the worker's records
+    matched to the sequences by their prompt ids."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    remote.reset_prefix_cache()
+    info = remote.rpc("skyrl_trace_start", bool(per_op), bool(keep_tensors))
+
+    def one(seq):
+        return remote.client.completions.create(
+            model=remote.model, prompt=[list(map(int, seq))], max_tokens=1 + int(decode),
+            temperature=0.0, extra_body={"return_token_ids": True, "ignore_eos": True})
+    try:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max(1, min(16, len(sequences)))) as pool:
+            resps = list(pool.map(one, sequences))
+        forward_s = time.perf_counter() - t0
+        got = remote.rpc("skyrl_trace_fetch", None, True)
+    finally:
+        remote.rpc("skyrl_trace_stop")
+    index = {tuple(p): j for j, p in enumerate(got["prompts"])}
+    missing = [i for i, s in enumerate(sequences) if tuple(map(int, s)) not in index]
+    if missing:
+        raise RuntimeError(f"server trace: the worker saw no request for sequence {missing[0]}")
+    pick = [index[tuple(map(int, s))] for s in sequences]
+    got["modules"] = {n: {**m, "seqs": [m["seqs"][j] for j in pick]}
+                      for n, m in got["modules"].items()}
+    ran = []
+    for s, r in zip(sequences, resps):
+        toks = [int(t) for t in (r.choices[0].model_extra or {}).get("token_ids") or []]
+        ran.append(list(map(int, s)) + toks[: int(decode)])
     return {**got, **info, "sequences": ran, "forward_s": forward_s}
