@@ -35,3 +35,18 @@ def test_deepseek_v3_generates_captures_and_matches_trainer(engine, deepseek_v3_
         s = measure(tl.logprobs, ro.rollout_logprobs, cu_seqlens=ro.response_cu).summary()
         # measured: mean |Δ| 2.9e-2, max 0.11 (vLLM's absorbed-MLA kernels vs HF's MLA)
         assert 1e-4 < s["mean_abs"] < 0.1 and s["max_abs"] < 0.5, (use_routes, s)
+
+
+def test_trace_hf_against_stock_vllm_names_a_first_divergence(engine, deepseek_v3_dir):
+    """The layer-by-layer tracer on this engine: HF's MLA and vLLM's absorbed MLA read the same
+    embedding, first RMSNorm and projections, and part in the attention core of layer 0."""
+    from skyrl_numerics.doctor.trace import Side, run_trace
+
+    r = run_trace(deepseek_v3_dir, ["hf", Side("vllm", model=engine)], per_op=True,
+                  keep_tensors=True)
+    by = {m.name: m for m in r.comparison.modules}
+    assert r.first is not None and r.first.name == "L0.attn_core", r.table()
+    for name in ("embed", "L0.attn_norm", "L0.q", "L0.kv_a"):
+        assert by[name].status == "equal", name
+    assert by["L1.router_logits"].rows == 64 and by["logits"].rows == 4
+    assert r.first.max_abs_delta > 0 and r.comparison.growth[-1].name == "logits"

@@ -81,6 +81,30 @@ def test_the_invariant_trainer_reproduces_the_server_bit_for_bit(served, qwen_mo
                           ro.rollout_logprobs.view(np.uint32))
 
 
+def test_trace_through_the_server_worker_shows_no_divergence(served, qwen_moe_dir, tmp_path):
+    """The layer-by-layer tracer's ``vllm-serve`` side: the server's worker records per-module
+    digests (``/collective_rpc``), matched to the sequences by their prompt ids; against the
+    invariant trainer every module is bitwise equal, prefill and decode."""
+    from skyrl_numerics.cli import main
+    from skyrl_numerics.doctor.trace import Side, run_trace
+    from skyrl_numerics.engine.remote import RemoteGenerator
+
+    url, _, _ = served
+    r = run_trace(qwen_moe_dir, ["invariant", Side("vllm-serve", model=RemoteGenerator(url))],
+                  per_op=True, decode=2, n_prompts=3)
+    assert r.first is None, r.table()
+    by = {m.name: m for m in r.comparison.modules}
+    assert by["L1.layer"].rows == 3 * 18 and by["L1.router_ids"].rows == 3 * 18
+    sched = r.comparison.b.info()["vllm_schedule"]
+    assert sched["prefill"] == 3 and sched["decode"] == 3 * 2
+    out = tmp_path / "t"
+    assert main(["trace", "--model", str(qwen_moe_dir), "--sides", "invariant,vllm-serve",
+                 "--server", url, "--prompts", "2", "--out", str(out)]) == 0
+    assert (out / "trace.json").is_file()
+    assert main(["trace", "--model", str(qwen_moe_dir), "--sides", "invariant,vllm-serve",
+                 "--out", str(out)]) == 2     # the server side without --server
+
+
 def test_the_server_reports_the_contract_its_worker_computes(served, vllm_qwen_invariant,
                                                              qwen_moe_dir):
     """``GET /skyrl_contract`` (the worker's ``skyrl_contract``): the same contract as the

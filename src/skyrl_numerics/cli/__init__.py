@@ -7,6 +7,8 @@
                          [--server URL]
     skyrl-numerics serve DIR [--batch-invariant] [--kv-cache fp8|fp8_ds_mla] [--port P]
                          [-- any vllm serve args]
+    skyrl-numerics trace [--model DIR | --family F] --sides hf,vllm [--per-op] [--prompts N]
+                         [--keep-tensors] [--out DIR]
 
 Bad input prints one line ``error: <where>: <what>`` and exits with code 2, writing nothing.
 """
@@ -220,6 +222,12 @@ def _cmd_train(args) -> int:
     from skyrl_numerics.cli.train import cmd_train
 
     return cmd_train(args)
+
+
+def _cmd_trace(args) -> int:
+    from skyrl_numerics.cli.trace import cmd_trace
+
+    return cmd_trace(args, make_console, engine_log)
 
 
 def _cmd_qat_check(args) -> int:
@@ -484,6 +492,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--print-command", action="store_true",
                    help="print the equivalent raw command and exit")
     v.set_defaults(func=_cmd_serve, vllm_args=[])
+
+    from skyrl_numerics.cli.trace import add_parser as add_trace
+
+    add_trace(sub).set_defaults(func=_cmd_trace)
     return p
 
 

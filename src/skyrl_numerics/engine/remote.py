@@ -261,6 +261,20 @@ class RemoteGenerator:
                              f"{' '.join(r.text.split())[:300]}", field=path.strip("/"))
         return r.json() if r.content else {}
 
+    def rpc(self, method: str, *args):
+        """Our worker extension's ``method(*args)`` over ``/collective_rpc`` (dev mode): the first
+        worker's result (JSON types)."""
+        r = self._http.post(self.url + "/collective_rpc", headers=self._headers,
+                            json={"method": method, "args": list(args)}, timeout=self.timeout)
+        if not r.ok:
+            raise RuntimeError(f"{self.url}/collective_rpc {method}: HTTP {r.status_code}: "
+                               f"{' '.join(r.text.split())[:300]}")
+        return r.json()["results"][0]
+
+    def reset_prefix_cache(self) -> None:
+        """``/reset_prefix_cache`` (dev mode)."""
+        self._post("/reset_prefix_cache")
+
     def pause(self, mode: str = "keep") -> None:
         """``/pause?mode=keep|wait|abort`` (dev mode)."""
         self._post("/pause", mode=mode)

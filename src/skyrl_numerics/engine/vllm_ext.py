@@ -4,7 +4,8 @@ layers, parameter digests and the host report (:class:`KernelsMixin`), the execu
 of what the worker runs (:class:`ContractMixin`), the capture of the experts
 each MoE router chose (R3, :class:`RoutesMixin`), of the support the sampler kept
 (:class:`SupportsMixin`) and of a digest of every sampled position's logits row
-(:class:`DigestsMixin`) — plus the two diagnostic engines of the DeepSeek-V3 attribution, the same
+(:class:`DigestsMixin`), the tracer's per-module digests (:class:`TraceMixin`,
+``trace_capture.py``) — plus the two diagnostic engines of the DeepSeek-V3 attribution, the same
 mixins with the attribution schedule recorder (``mla_worker.py``):
 :class:`MLAScheduleExtension` and :class:`MLARopeFixExtension`. (Every patch of vLLM's own
 classes and objects: ``vllm_patches.py``.)
@@ -19,11 +20,13 @@ from __future__ import annotations
 from .capture import DigestStore, moe_runners, RouteStore, SupportStore
 from .mla_worker import AttributionScheduleMixin, MLARopeFixMixin
 from .sharded_worker import ShardedSyncWorker
+from .trace_capture import TraceMixin
 from .vllm_patches import wrap_sampler, wrap_sampler_logits
 from .vllm_versions import returns_routed_experts
 
 __all__ = ["SkyrlWorkerExtension", "MLAScheduleExtension", "MLARopeFixExtension", "WeightsMixin",
-           "KernelsMixin", "ContractMixin", "RoutesMixin", "SupportsMixin", "DigestsMixin"]
+           "KernelsMixin", "ContractMixin", "RoutesMixin", "SupportsMixin", "DigestsMixin",
+           "TraceMixin"]
 
 
 def _request_amx_permission() -> bool:
@@ -292,12 +295,12 @@ class DigestsMixin:
 # ---- the extensions: the mixins composed ------------------------------------------------------
 
 class SkyrlWorkerExtension(WeightsMixin, ShardedSyncWorker, KernelsMixin, ContractMixin, RoutesMixin,
-                           SupportsMixin, DigestsMixin):
+                           SupportsMixin, DigestsMixin, TraceMixin):
     """The one worker extension (``WORKER_EXTENSION`` of ``generator.py`` / ``server.py`` /
     ``sync/vllm.py``): in-place weight loading (``skyrl_load_weights``, the load path of
     ``sync/vllm.py``; ``skyrl_shard_*``, the sharded transfer of ``sync/sharded.py``), which kernels
-    run the layers, parameter digests, the host report, the execution contract, route capture, support capture and
-    logits digests."""
+    run the layers, parameter digests, the host report, the execution contract, route capture, support capture,
+    logits digests and the layer-by-layer tracer's hooks (``skyrl_trace_*``, ``trace_capture.py``)."""
 
 
 class MLAScheduleExtension(AttributionScheduleMixin, SkyrlWorkerExtension):
