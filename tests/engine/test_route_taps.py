@@ -1,5 +1,5 @@
 """Which decoder layer each of our invariant model's MoE layers is, for route capture on the engine
-(``capture.moe_layer_ids``): vLLM's routed-experts rows are indexed by decoder layer, and Qwen3-MoE's
+(``InvariantCausalLM.moe_layer_ids``): vLLM's routed-experts rows are indexed by decoder layer, and Qwen3-MoE's
 ``mlp_only_layers`` may put a dense layer between MoE layers. The taps vLLM 0.30's capturer binds to
 (``vllm_invariant_model.RouteTap``) carry those indexes and forward the model's routes."""
 from __future__ import annotations
@@ -11,7 +11,6 @@ pytest.importorskip("vllm")
 
 from transformers import DeepseekV3Config, Qwen3Config, Qwen3MoeConfig  # noqa: E402
 
-from skyrl_numerics.engine.capture import moe_layer_ids  # noqa: E402
 from skyrl_numerics.invariant import family_class  # noqa: E402
 
 SMALL = dict(vocab_size=64, hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
@@ -26,7 +25,7 @@ def test_a_dense_layer_between_moe_layers_keeps_their_decoder_index():
     cfg = Qwen3MoeConfig(**SMALL, num_hidden_layers=4, intermediate_size=64, moe_intermediate_size=32,
                          num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
                          mlp_only_layers=[1], architectures=["Qwen3MoeForCausalLM"])
-    assert moe_layer_ids(_model(cfg)) == [0, 2, 3]
+    assert _model(cfg).moe_layer_ids() == [0, 2, 3]
 
 
 def test_deepseek_dense_layers_lead():
@@ -35,13 +34,13 @@ def test_deepseek_dense_layers_lead():
                            n_group=1, topk_group=1, first_k_dense_replace=2, q_lora_rank=None,
                            kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
                            architectures=["DeepseekV3ForCausalLM"])
-    assert moe_layer_ids(_model(cfg)) == [2]
+    assert _model(cfg).moe_layer_ids() == [2]
 
 
 def test_a_dense_family_has_no_moe_layers():
     cfg = Qwen3Config(**SMALL, num_hidden_layers=2, intermediate_size=64,
                       architectures=["Qwen3ForCausalLM"])
-    assert moe_layer_ids(_model(cfg)) is None
+    assert _model(cfg).moe_layer_ids() is None
 
 
 def test_a_tap_forwards_its_layers_routes_to_the_bound_capturer():

@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from skyrl_numerics.errors import InputError
-
 from .vllm_patches import wrap_sampler
 from .vllm_versions import returns_routed_experts
 
@@ -355,23 +353,6 @@ class DigestStore:
         self.kept.clear()
 
 
-def moe_layer_ids(core) -> list[int] | None:
-    """The decoder-layer index of each MoE layer of our batch-invariant model ``core``, in the order
-    its ``route_hook`` numbers them; ``None`` for a dense family (its ``route_info`` says it has no
-    routers). A family that lists its routed layers (``dims.moe_layers``: Qwen3-MoE's
-    ``mlp_only_layers`` may sit anywhere) gives them; otherwise the dense layers lead (DeepSeek's
-    ``first_k_dense_replace``) and the MoE layers are the trailing ``route_info()["layers"]``."""
-    try:
-        info = core.route_info()
-    except InputError:
-        return None
-    listed = getattr(core.dims, "moe_layers", None)
-    if listed is not None:
-        return [int(i) for i in listed]
-    n = int(core.dims.layers)
-    return list(range(n - int(info["layers"]), n))
-
-
 def moe_runners(model) -> list:
     """vLLM's MoE layers of ``model`` in layer order; each must route through a ``BaseRouter``
     (the router whose ``set_capture_fn`` sees the ids the expert kernel uses)."""
@@ -461,7 +442,7 @@ class AuxOutputs:
         core = getattr(model, "core", None)
         if core is not None and hasattr(core, "route_info"):
             # the batch-invariant model reports MoE layer i of its route_info through route_hook
-            layer_ids = moe_layer_ids(core)
+            layer_ids = core.moe_layer_ids()
             store = RouteStore(self.runner, n_layers, k, n_experts, layers=layer_ids)
             prev, core.route_hook = core.route_hook, lambda i, ids: store.capture(layer_ids[i], ids)
             self._unhooks.append(lambda: setattr(core, "route_hook", prev))

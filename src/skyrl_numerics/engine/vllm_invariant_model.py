@@ -34,8 +34,6 @@ from torch import nn
 
 from skyrl_numerics.invariant import FAMILIES, family_class, unsupported_message
 
-from .capture import moe_layer_ids
-
 SLOT_HEAD = 64
 # HF architecture -> the architecture name vLLM knows our invariant model by
 ARCHS = {hf: f"SkyrlInvariant{hf}" for hf in FAMILIES}
@@ -120,7 +118,7 @@ class _SkyrlInvariantForCausalLM(nn.Module):
         self.kv = self.core.kv
         self.block_size = vllm_config.cache_config.block_size
         self.layers = self.core.dims.layers
-        layer_ids = moe_layer_ids(self.core)
+        layer_ids = self.core.moe_layer_ids()
         if layer_ids is not None:
             self.route_taps = nn.ModuleList(RouteTap(i) for i in layer_ids)
             self.core.route_hook = self._tap

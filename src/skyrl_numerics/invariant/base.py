@@ -363,6 +363,18 @@ class InvariantCausalLM(nn.Module):
         """``{"layers", "k", "num_experts"}`` of the MoE layers (for route capture)."""
         raise NotImplementedError
 
+    def moe_layer_ids(self) -> list[int] | None:
+        """The decoder-layer index of each MoE layer, in the order ``route_hook`` numbers them
+        (``None``: a dense model). A family that lists its routed layers (``dims.moe_layers``:
+        Qwen3-MoE's ``mlp_only_layers`` may sit anywhere) gives them; otherwise the dense layers
+        lead (DeepSeek's ``first_k_dense_replace``) and the MoE layers are the trailing
+        ``route_info()["layers"]``."""
+        listed = getattr(self.dims, "moe_layers", None)
+        if listed is not None:
+            return [int(i) for i in listed]
+        n = int(self.dims.layers)
+        return list(range(n - int(self.route_info()["layers"]), n))
+
     def _route(self, moe_layer: int, ids: torch.Tensor) -> None:
         if self.route_hook is not None:
             self.route_hook(moe_layer, ids)

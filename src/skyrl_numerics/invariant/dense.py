@@ -123,6 +123,9 @@ class InvariantDense(GQAttention, InvariantCausalLM):
         raise InputError(f"{type(self).__name__}: a dense model has no routed experts (no "
                          "routes to capture or replay)", field="capture_routes")
 
+    def moe_layer_ids(self) -> None:
+        return None
+
     def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
         p = f"model.layers.{i}.mlp."
         return swiglu_mlp(x, *(self.proj(p + f"{n}.weight")
