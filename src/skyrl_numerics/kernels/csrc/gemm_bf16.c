@@ -16,9 +16,8 @@
  * shift), done in registers: the weights are read as stored, never copied to float32.
  *
  * Tiles of MR rows x NR columns share each loaded vector; the columns are walked in panels of NB
- * so a panel of w stays in cache while all rows pass over it; from PACK_M rows on, a panel is
- * widened to float32 once and all row tiles read that (exact: the same values). The tile shapes
- * and the packing depend on the ISA (register count) and M, never the bits.
+ * so a panel of w stays in cache while all rows pass over it. The tile shapes depend on the ISA
+ * (register count), never the bits.
  */
 #include "fixed_order.h"
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -76,29 +75,20 @@ static inline void v16_store(float *p, v16 a) { memcpy(p, a.l, sizeof a.l); }
 #define NR_ONE 6
 #endif
 
-static inline v16 v16_wf(const float *p) { return v16_x(p); }
-static inline float widen_h(uint16_t v) { return bf16_to_f32(v); }
-static inline float widen_f(float v) { return v; }
-
 /* the tail (K % 16 values) into the first lanes, in order, then the fold */
-#define FINISH(NAME, WT, WIDEN)                                                                \
-    static inline float NAME(v16 acc, const float *x, const WT *w, int64_t k16, int64_t K) {   \
-        float l[16];                                                                           \
-        v16_store(l, acc);                                                                     \
-        for (int64_t c = 0; k16 + c < K; c++) l[c] = fmaf(x[k16 + c], WIDEN(w[k16 + c]), l[c]); \
-        float h[8];                                                                            \
-        for (int i = 0; i < 8; i++) h[i] = l[i] + l[i + 8];                                    \
-        const float b0 = h[0] + h[4], b1 = h[1] + h[5], b2 = h[2] + h[6], b3 = h[3] + h[7];    \
-        return (b0 + b2) + (b1 + b3);                                                          \
-    }
-FINISH(finish_h, uint16_t, widen_h)
-FINISH(finish_f, float, widen_f)
+static inline float finish(v16 acc, const float *x, const uint16_t *w, int64_t k16, int64_t K) {
+    float l[16];
+    v16_store(l, acc);
+    for (int64_t c = 0; k16 + c < K; c++) l[c] = fmaf(x[k16 + c], bf16_to_f32(w[k16 + c]), l[c]);
+    float h[8];
+    for (int i = 0; i < 8; i++) h[i] = l[i] + l[i + 8];
+    const float b0 = h[0] + h[4], b1 = h[1] + h[5], b2 = h[2] + h[6], b3 = h[3] + h[7];
+    return (b0 + b2) + (b1 + b3);
+}
 
-/* an MR x NR tile of outputs; WT the weight's storage (uint16_t: bfloat16 as stored; float: a
- * packed panel widened ahead, the same values) */
-#define TILE(P, WT, WLOAD, FIN, MR, NR)                                                         \
-    static void tile##P##_##MR##x##NR(const float *x, int64_t ldx, const WT *w, int64_t ldw,   \
-                                      float *out, int64_t ldo, int64_t K) {                     \
+#define TILE(MR, NR)                                                                           \
+    static void tile_##MR##x##NR(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw,    \
+                                 float *out, int64_t ldo, int64_t K) {                          \
         v16 acc[MR][NR];                                                                       \
         for (int i = 0; i < MR; i++)                                                           \
             for (int j = 0; j < NR; j++) acc[i][j] = v16_zero();                               \
@@ -107,110 +97,56 @@ FINISH(finish_f, float, widen_f)
             v16 xv[MR];                                                                        \
             for (int i = 0; i < MR; i++) xv[i] = v16_x(x + i * ldx + u);                       \
             for (int j = 0; j < NR; j++) {                                                     \
-                const v16 wv = WLOAD(w + j * ldw + u);                                         \
+                const v16 wv = v16_w(w + j * ldw + u);                                         \
                 for (int i = 0; i < MR; i++) acc[i][j] = v16_fma(xv[i], wv, acc[i][j]);        \
             }                                                                                  \
         }                                                                                      \
         for (int i = 0; i < MR; i++)                                                           \
             for (int j = 0; j < NR; j++)                                                       \
-                out[i * ldo + j] = FIN(acc[i][j], x + i * ldx, w + j * ldw, k16, K);           \
+                out[i * ldo + j] = finish(acc[i][j], x + i * ldx, w + j * ldw, k16, K);        \
     }
-#define DEF_TILE(MR, NR) TILE(_h, uint16_t, v16_w, finish_h, MR, NR)   /* expands NR_ONE / NR_WIDE */
-#define DEF_TILEF(MR, NR) TILE(_f, float, v16_wf, finish_f, MR, NR)
+
+#define DEF_TILE(MR, NR) TILE(MR, NR)   /* expands NR_ONE / NR_WIDE first */
 DEF_TILE(1, 1)
 DEF_TILE(2, 1)
 DEF_TILE(1, NR_ONE)
 DEF_TILE(1, NR_WIDE)
 DEF_TILE(2, NR_WIDE)
-DEF_TILEF(1, 1)
-DEF_TILEF(2, 1)
-DEF_TILEF(1, NR_WIDE)
-DEF_TILEF(2, NR_WIDE)
 #if MR_MAX == 4
 DEF_TILE(3, 1)
 DEF_TILE(4, 1)
 DEF_TILE(3, NR_WIDE)
 DEF_TILE(4, NR_WIDE)
-DEF_TILEF(3, 1)
-DEF_TILEF(4, 1)
-DEF_TILEF(3, NR_WIDE)
-DEF_TILEF(4, NR_WIDE)
 #endif
 
 typedef void (*tile_fn)(const float *, int64_t, const uint16_t *, int64_t, float *, int64_t, int64_t);
-typedef void (*tilef_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int64_t);
-#define CAT4(a, b, c, d) a##b##c##d
-#define TILE_FN(P, MR, NR) CAT4(tile##P##_, MR, x, NR)
-#define TN(P, MR, NR) TILE_FN(P, MR, NR)
+#define CAT3(a, b, c) a##b##c
+#define TILE_FN(MR, NR) CAT3(tile_, MR, x##NR)
+#define TILE_NAME(MR, NR) TILE_FN(MR, NR)
 #if MR_MAX == 4
-static const tile_fn TILES_WIDE[5] = {0, TN(_h, 1, NR_WIDE), TN(_h, 2, NR_WIDE), TN(_h, 3, NR_WIDE),
-                                      TN(_h, 4, NR_WIDE)};
-static const tile_fn TILES1[5] = {0, tile_h_1x1, tile_h_2x1, tile_h_3x1, tile_h_4x1};
-static const tilef_fn TILESF_WIDE[5] = {0, TN(_f, 1, NR_WIDE), TN(_f, 2, NR_WIDE), TN(_f, 3, NR_WIDE),
-                                        TN(_f, 4, NR_WIDE)};
-static const tilef_fn TILESF1[5] = {0, tile_f_1x1, tile_f_2x1, tile_f_3x1, tile_f_4x1};
+static const tile_fn TILES_WIDE[5] = {0, TILE_NAME(1, NR_WIDE), TILE_NAME(2, NR_WIDE),
+                                      TILE_NAME(3, NR_WIDE), TILE_NAME(4, NR_WIDE)};
+static const tile_fn TILES1[5] = {0, tile_1x1, tile_2x1, tile_3x1, tile_4x1};
 #else
-static const tile_fn TILES_WIDE[3] = {0, TN(_h, 1, NR_WIDE), TN(_h, 2, NR_WIDE)};
-static const tile_fn TILES1[3] = {0, tile_h_1x1, tile_h_2x1};
-static const tilef_fn TILESF_WIDE[3] = {0, TN(_f, 1, NR_WIDE), TN(_f, 2, NR_WIDE)};
-static const tilef_fn TILESF1[3] = {0, tile_f_1x1, tile_f_2x1};
+static const tile_fn TILES_WIDE[3] = {0, TILE_NAME(1, NR_WIDE), TILE_NAME(2, NR_WIDE)};
+static const tile_fn TILES1[3] = {0, tile_1x1, tile_2x1};
 #endif
 
 #define NB 48   /* columns per panel (a multiple of 3, 4, 6 and 8): 48 rows of w of K <= 4096 fit in L2 */
-/* From PACK_M rows on, each panel of w is widened to float32 once (exact) and every row tile
- * reads the float32 panel: no widening in the inner loop. Measured: ~10 % faster from 32 rows on
- * with AVX-512's 4-row tiles, slower at every M with AVX2's 2-row tiles (there: never). */
-#ifndef PACK_M
-#if MR_MAX == 4
-#define PACK_M 32
-#else
-#define PACK_M INT64_MAX
-#endif
-#endif
 
 /* Rows 0..M-1 of x (float32, leading dim ldx) times columns n_lo..n_hi-1 of w^T (w bfloat16
  * [N, K], leading dim ldw) into out (float32, leading dim ldo; column n at out[m * ldo + n]).
  * Returns 0, or -1 for a bad shape. */
-/* rows 0..M-1 of x against panel columns of w already widened to float32 (wp, leading dim K) */
-static void rows_packed(const float *x, int64_t ldx, const float *wp, int64_t np, float *out,
-                        int64_t ldo, int64_t M, int64_t K) {
-    for (int64_t m = 0; m < M; m += MR_MAX) {
-        const int mr = M - m < MR_MAX ? (int)(M - m) : MR_MAX;
-        const float *xm = x + m * ldx;
-        float *om = out + m * ldo;
-        int64_t j = 0;
-        for (; j + NR_WIDE <= np; j += NR_WIDE) TILESF_WIDE[mr](xm, ldx, wp + j * K, K, om + j, ldo, K);
-        for (; j < np; j++) TILESF1[mr](xm, ldx, wp + j * K, K, om + j, ldo, K);
-    }
-}
-
-/* Rows 0..M-1 of x (float32, leading dim ldx) times columns n_lo..n_hi-1 of w^T (w bfloat16
- * [N, K], leading dim ldw) into out (float32, leading dim ldo; column n at out[m * ldo + n]).
- * Returns 0, or -1 for a bad shape (-2: no memory for a packed panel). */
 int skyrl_gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *out,
                     int64_t ldo, int64_t M, int64_t K, int64_t n_lo, int64_t n_hi) {
     if (M < 0 || K < 0 || n_lo < 0 || n_hi < n_lo || ldx < K || ldw < K) return -1;
-    float *wp = NULL;
-    if (M >= PACK_M && K > 0) {
-        wp = (float *)malloc((size_t)NB * (size_t)K * sizeof(float));
-        if (!wp) return -2;
-    }
     for (int64_t p0 = n_lo; p0 < n_hi; p0 += NB) {
         const int64_t p1 = p0 + NB < n_hi ? p0 + NB : n_hi;
-        if (wp) {
-            for (int64_t j = p0; j < p1; j++) {
-                const uint16_t *src = w + j * ldw;
-                float *dst = wp + (j - p0) * K;
-                for (int64_t k = 0; k < K; k++) dst[k] = bf16_to_f32(src[k]);
-            }
-            rows_packed(x, ldx, wp, p1 - p0, out + p0, ldo, M, K);
-            continue;
-        }
         if (M == 1) {                      /* one row (a decode step): NR_ONE columns at a time */
             int64_t n = p0;
             for (; n + NR_ONE <= p1; n += NR_ONE)
-                TN(_h, 1, NR_ONE)(x, ldx, w + n * ldw, ldw, out + n, ldo, K);
-            for (; n < p1; n++) tile_h_1x1(x, ldx, w + n * ldw, ldw, out + n, ldo, K);
+                TILE_NAME(1, NR_ONE)(x, ldx, w + n * ldw, ldw, out + n, ldo, K);
+            for (; n < p1; n++) tile_1x1(x, ldx, w + n * ldw, ldw, out + n, ldo, K);
             continue;
         }
         for (int64_t m = 0; m < M; m += MR_MAX) {
@@ -222,7 +158,6 @@ int skyrl_gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw,
             for (; n < p1; n++) TILES1[mr](xm, ldx, w + n * ldw, ldw, om + n, ldo, K);
         }
     }
-    free(wp);
     return 0;
 }
 
