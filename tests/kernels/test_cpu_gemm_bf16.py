@@ -1,8 +1,10 @@
 """The bf16-weight GEMM (``kernels/csrc/gemm_bf16.c``, :mod:`skyrl_numerics.kernels.cpu_gemm_bf16`):
 the C kernel is its torch specification bit for bit; an output depends only on its own row and
-weight row (any M, any column split, any group layout); a baseline build gives the same bits;
-and the numbers are a float32 dot product (checked against numpy's float64 product with the
-standard error bound, and against ml_dtypes' bfloat16 for the widening)."""
+weight row (any M, any column split, any group layout); the AVX2 + FMA build and a baseline
+build (scalar ``fmaf``) give the host build's bits; the spec's fma is C's exactly rounded
+``fmaf`` (libm), double-rounding cases included; and the numbers are a float32 dot product
+(checked against numpy's float64 product with the standard error bound, and against ml_dtypes'
+bfloat16 for the widening)."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,6 +15,7 @@ from hypothesis import strategies as st
 
 from skyrl_numerics.kernels import cpu_gemm_bf16 as gb
 from skyrl_numerics.kernels import native
+from skyrl_numerics.kernels.fixed_order import fma
 
 pytestmark = pytest.mark.isa
 
@@ -141,16 +144,71 @@ def test_special_values_follow_ieee():
     assert torch.isinf(got[0]).any() and torch.isnan(got[1]).all()
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+AVX2_FLAGS = ("-O3", "-march=x86-64-v3") + native.BASE_FLAGS[1:]   # AVX2 + FMA: an AVX2 host's build
+
+
 @needs_lib
-def test_a_baseline_build_gives_the_same_bits(tmp_path, monkeypatch):
-    """-O2 without -march=native (other vector instructions, other unrolling) changes no bit."""
+@pytest.mark.parametrize("flags", [native.BASE_FLAGS, AVX2_FLAGS], ids=["baseline_O2", "avx2_fma"])
+def test_other_builds_give_the_same_bits(flags, tmp_path, monkeypatch):
+    """-O2 without -march (16 scalar fmaf lanes) and the AVX2 + FMA build (two 8-lane halves)
+    give the host build's bits (on an AVX-512 host: one 16-lane register)."""
+    if flags is AVX2_FLAGS and not {"avx2", "fma"} <= _cpu_flags():
+        pytest.skip("this CPU has no AVX2 + FMA: the AVX2 build cannot run here")
     monkeypatch.setenv("SKYRL_NUMERICS_CACHE_DIR", str(tmp_path))
-    base = native.load(native.build(native.BASE_FLAGS))
-    cases = [_data(s, M, K, N) for s, (M, K, N) in enumerate([(1, 2048, 97), (5, 131, 64), (17, 768, 50)])]
+    other = native.load(native.build(flags))
+    cases = [_data(s, M, K, N) for s, (M, K, N) in
+             enumerate([(1, 2048, 97), (5, 131, 64), (17, 768, 50), (4, 15, 9), (64, 48, 13)])]
+    cases.append((torch.randn(9, 200).float(), _data(7, 1, 200, 40)[1]))    # float32 x: inexact products
     want = [gb.linear_f32(x, w) for x, w in cases]
-    monkeypatch.setattr(native, "_LIB", base)
+    monkeypatch.setattr(native, "_LIB", other)
     for (x, w), ref in zip(cases, want):
         assert torch.equal(_bits(gb.linear_f32(x, w)), _bits(ref))
+
+
+def _libm_fmaf():
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("m")
+    if name is None:
+        pytest.skip("no libm to compare fmaf with")
+    f = ctypes.CDLL(name).fmaf
+    f.restype, f.argtypes = ctypes.c_float, [ctypes.c_float] * 3
+    return f
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16))
+def test_spec_fma_is_libm_fmaf(seed):
+    """The spec's float64 fma (sum rounded to odd, then to float32) is C's fmaf bit for bit:
+    random magnitudes, near-cancellation, the double-rounding midpoints (a plain float64
+    a·b + c gets those wrong: checked), tiny and subnormal results, inf and NaN."""
+    fmaf = _libm_fmaf()
+    g = torch.Generator().manual_seed(seed)
+    n = 64
+    a = torch.randn(n, generator=g) * 2.0 ** torch.randint(-70, 70, (n,), generator=g)
+    b = torch.randn(n, generator=g) * 2.0 ** torch.randint(-70, 70, (n,), generator=g)
+    c = -(a.double() * b.double()).float() * (1 + torch.randint(-3, 4, (n,), generator=g) * 2.0 ** -23)
+    c[::2] = torch.randn(n // 2, generator=g) * 2.0 ** torch.randint(-149, 70, (n // 2,), generator=g)
+    mid = torch.tensor([1 + 2 ** -12, -(1 + 2 ** -12), 1 + 2 ** -12, 2.0 ** -75, float("inf"), float("nan"), 0.0])
+    a = torch.cat([a, mid])
+    b = torch.cat([b, mid.abs()])
+    c = torch.cat([c, torch.tensor([2.0 ** -80, 2.0 ** -80, -2.0 ** -80, 2.0 ** -149, 1.0, 1.0, -0.0])])
+    got = fma(a, b, c)
+    want = torch.tensor([fmaf(float(x), float(y), float(z)) for x, y, z in zip(a, b, c)])
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    ok = ~torch.isnan(want)
+    assert torch.equal(_bits(got[ok]), _bits(want[ok]))
+    naive = (a[n:n + 3].double() * b[n:n + 3].double() + c[n:n + 3].double()).float()
+    assert not torch.equal(_bits(naive), _bits(want[n:n + 3]))     # the cases do need round-to-odd
 
 
 def test_matmul_routes_bf16_through_it():

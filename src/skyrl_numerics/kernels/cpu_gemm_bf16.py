@@ -1,37 +1,43 @@
 """Batch-invariant GEMMs against bfloat16 weights on CPU: the weights are read as stored (no
 float32 copy), widened in registers, and every output is one fixed-order dot product.
 
-    out[m, n] = dot8(float32(x[m, :]), float32(w[n, :]))            w: bfloat16 [N, K]
+    out[m, n] = dot16(float32(x[m, :]), float32(w[n, :]))           w: bfloat16 [N, K]
 
-    dot8(a, b): lane c (0..7) adds a[8u + c] * b[8u + c] over u = 0, 1, ... in order from +0
-                (a tail shorter than 8 fills the first lanes); the lanes are then folded
-                ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+    dot16(a, b): lane c (0..15) runs acc_c = fma(a[16u + c], b[16u + c], acc_c) over
+                 u = 0, 1, ... in order from +0 (a tail shorter than 16 fills the first lanes by
+                 the same fma); the lanes are then folded h_i = l_i + l_(i+8) (i = 0..7),
+                 ((h0 + h4) + (h2 + h6)) + ((h1 + h5) + (h3 + h7))
 
-Every product and sum is one IEEE binary32 operation (no FMA), so an output's bits depend only on
-its own row of ``x`` and of ``w``: not on the number of rows, on which rows share a call, on the
-thread, on the vector width or on the CPU (an AVX2 host and an AVX-512 host give the same bits:
-tested under every ISA the host emulates). bfloat16 -> float32 is exact, so ``x`` in bfloat16
-is the same as its float32 widening. The result is rounded once to the output dtype.
+fma is IEEE 754's fused multiply-add (one rounding; :func:`.fixed_order.fma`), every other sum
+one IEEE binary32 addition, so an output's bits depend only on its own row of ``x`` and of
+``w``: not on the number of rows, on which rows share a call, on the thread, on the vector width
+or on the CPU (the 16 lanes are one AVX-512 register or two AVX2 registers, or scalar ``fmaf``
+without either: the same bits, tested with each build). With ``x`` in bfloat16 every product is
+exact in float32 (8 + 8 significant bits) unless it is below 2^-133, so there the fma gives what
+a multiply then an add would. bfloat16 -> float32 is exact, so ``x`` in bfloat16 is the same as
+its float32 widening. The result is rounded once to the output dtype.
 
 This is the spec of every bfloat16 GEMM the invariant CPU path runs with a weight: the
 ``linear`` layers, the experts and the LM head of the invariant families, and ``matmul`` with
 two bfloat16 operands (the trainer's autograd forward), on the engine and the trainer side alike.
 float32/float16 GEMMs and the attention products keep :mod:`.cpu_gemm`'s MKL row blocks.
 
-The kernel is ``csrc/gemm_bf16.c`` (tiles of up to 4 rows x 3 columns sharing each loaded
-vector, column panels of 48); :func:`linear_spec` is its torch specification (the fallback
-without a C compiler: the same bits, slower). Calls split their columns over :mod:`.pool`
-(each output is computed whole by one thread, so the split changes no bit).
+The kernel is ``csrc/gemm_bf16.c`` (tiles of up to 4 rows x 4 columns of 16-lane accumulators
+sharing each loaded vector on AVX-512, 2 x 3 on AVX2; column panels of 48); :func:`linear_spec`
+is its torch specification (the fallback without a C compiler: the same bits, much slower).
+Calls split their columns over :mod:`.pool` (each output is computed whole by one thread, so the
+split changes no bit).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from .fixed_order import lib
+from .fixed_order import fma, lib
 from .pool import parallel
 
-_SPEC_CHUNK = 1 << 22   # floats of lane accumulators the spec holds at once
+_SPEC_CHUNK = 1 << 20   # floats of lane accumulators the spec holds at once
+LANES = 16
 
 
 def _weight(w: torch.Tensor) -> torch.Tensor:
@@ -63,18 +69,19 @@ def linear_spec(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     x, wf = _rows(x), w.float()
     M, K = x.shape
     N = wf.shape[0]
-    k8 = K - K % 8
+    k16 = K - K % LANES
     out = torch.empty(M, N)
-    step = max(1, _SPEC_CHUNK // max(1, 8 * M))
+    step = max(1, _SPEC_CHUNK // max(1, LANES * M))
     for lo in range(0, N, step):
         wc = wf[lo:lo + step]
-        acc = torch.zeros(M, wc.shape[0], 8)
-        for u in range(0, k8, 8):
-            acc = acc + x[:, None, u:u + 8] * wc[None, :, u:u + 8]
-        for c in range(K - k8):
-            acc[..., c] = acc[..., c] + x[:, None, k8 + c] * wc[None, :, k8 + c]
-        h = acc[..., :4] + acc[..., 4:]
-        q = h[..., :2] + h[..., 2:]
+        acc = torch.zeros(M, wc.shape[0], LANES)
+        for u in range(0, k16, LANES):
+            acc = fma(x[:, None, u:u + LANES], wc[None, :, u:u + LANES], acc)
+        for c in range(K - k16):
+            acc[..., c] = fma(x[:, None, k16 + c], wc[None, :, k16 + c], acc[..., c])
+        h = acc[..., :8] + acc[..., 8:]
+        b = h[..., :4] + h[..., 4:]
+        q = b[..., :2] + b[..., 2:]
         out[:, lo:lo + wc.shape[0]] = q[..., 0] + q[..., 1]
     return out
 

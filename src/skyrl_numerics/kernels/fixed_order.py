@@ -7,6 +7,10 @@ the kernel's bit for bit. Used by the kernels' torch specifications (``cpu_atten
     dot8(a, b):  lane c (0..7) adds a[8u + c] · b[8u + c] over u = 0, 1, ... in order from +0
                  (a tail shorter than 8 fills the first lanes); the lanes are then folded
                  ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+    fma(a, b, c): IEEE 754's fused multiply-add in binary32, a·b + c rounded once (nearest
+                 even): computed in float64 — a·b is exact there (24 + 24 bits) — with the sum
+                 rounded to odd (its exact error by TwoSum), so the final float64 -> float32
+                 rounding is the single correct one (53 >= 24 + 2 bits)
     exp_s(x):    0 for x <= -87 (and -inf), +inf for x > 88, NaN for NaN; else
                  n = (x·log2e + 1.5·2^23) - 1.5·2^23          (nearest integer, ties to even)
                  r = (x - n·0.693359375) - n·(-2.12194440e-4)  (Cody–Waite)
@@ -69,6 +73,20 @@ def dot8(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     h = acc[..., :4] + acc[..., 4:]
     q = h[..., :2] + h[..., 2:]
     return q[..., 0] + q[..., 1]
+
+
+def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a·b + c`` rounded once to float32 (module doc), elementwise on broadcastable float32
+    tensors; inf and NaN as IEEE's fma (the float64 ops propagate them)."""
+    p = a.double() * b.double()
+    cd = c.double()
+    s = p + cd
+    bv = s - p                       # TwoSum: e = (p + cd) - s exactly
+    e = (p - (s - bv)) + (cd - bv)
+    inexact = (e != 0) & torch.isfinite(s) & ((s.view(torch.int64) & 1) == 0)
+    toward = torch.where(e > 0, torch.full_like(s, float("inf")), torch.full_like(s, float("-inf")))
+    s = torch.where(inexact, torch.nextafter(s, toward), s)     # round to odd
+    return s.to(F32)
 
 
 def lib():

@@ -1,80 +1,138 @@
 /* Fixed-order GEMM against bfloat16 weights, for CPU: the kernel behind
  * skyrl_numerics.kernels.cpu_gemm_bf16 (its torch specification gives the same bits, tested).
  *
- *   out[m, n] = dot8(x[m, 0:K], float32(w[n, 0:K]))        x float32, w bfloat16 (row-major,
+ *   out[m, n] = dot16(x[m, 0:K], float32(w[n, 0:K]))       x float32, w bfloat16 (row-major,
  *                                                           nn.Linear's [out, in] layout)
  *
- * dot8 is fixed_order.h's: lane c (0..7) adds x[8u + c] * w[8u + c] over u = 0, 1, ... in
- * order from +0 (a tail shorter than 8 fills the first lanes), then the lanes are folded
- * ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)). Every product and sum is one IEEE binary32
- * operation (-ffp-contract=off: no FMA), so an output's bits depend only on its own row of x and
- * of w: not on M, N, the tile an output falls in, the thread that computes it, the vector width
- * or the CPU. bfloat16 -> float32 is exact (a 16-bit shift), done in registers: the weights are
- * read as stored, never copied to float32.
+ * dot16: lane c (0..15) runs acc_c = fma(x[16u + c], w[16u + c], acc_c) over u = 0, 1, ... in
+ * order from +0 (a tail shorter than 16 fills the first lanes, in order, by the same fma), then
+ * the lanes are folded h_i = l_i + l_(i+8) (i = 0..7) and ((h0 + h4) + (h2 + h6)) + ((h1 + h5) +
+ * (h3 + h7)). fma is IEEE 754's fused multiply-add (one rounding): the same operation on every
+ * CPU, so an output's bits depend only on its own row of x and of w: not on M, N, the tile an
+ * output falls in, the thread that computes it or the CPU. The 16 lanes are one AVX-512
+ * register, two AVX2 registers (each lane is its own chain: the split changes no bit) or 16
+ * scalar fmaf calls without either (C99's fmaf is exactly rounded); every other float operation
+ * is one IEEE binary32 operation (-ffp-contract=off). bfloat16 -> float32 is exact (a 16-bit
+ * shift), done in registers: the weights are read as stored, never copied to float32.
  *
- * Tiles of MR rows x NR columns share each loaded vector (MR x NR accumulators of 8 lanes); the
- * columns are walked in panels of NB so a panel of w stays in cache while all rows pass over it.
+ * Tiles of MR rows x NR columns share each loaded vector; the columns are walked in panels of NB
+ * so a panel of w stays in cache while all rows pass over it. The tile shapes depend on the ISA
+ * (register count), never the bits.
  */
 #include "fixed_order.h"
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
 
-typedef uint16_t v8u16 __attribute__((vector_size(16)));
-typedef uint32_t v8u32 __attribute__((vector_size(32)));
-
-static inline v8f widen8(const uint16_t *p) {
-    v8u16 h;
-    memcpy(&h, p, sizeof h);
-    v8u32 u = __builtin_convertvector(h, v8u32) << 16;
-    v8f f;
-    memcpy(&f, &u, sizeof f);
-    return f;
+#if defined(__AVX512F__)
+typedef struct { __m512 v; } v16;
+static inline v16 v16_zero(void) { return (v16){_mm512_setzero_ps()}; }
+static inline v16 v16_x(const float *p) { return (v16){_mm512_loadu_ps(p)}; }
+static inline v16 v16_w(const uint16_t *p) {
+    __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return (v16){_mm512_castsi512_ps(_mm512_slli_epi32(u, 16))};
 }
+static inline v16 v16_fma(v16 a, v16 b, v16 c) { return (v16){_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+static inline void v16_store(float *p, v16 a) { _mm512_storeu_ps(p, a.v); }
+#define MR_MAX 4
+#define NR_WIDE 4
+#define NR_ONE 8
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef struct { __m256 lo, hi; } v16;
+static inline v16 v16_zero(void) { return (v16){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline v16 v16_x(const float *p) { return (v16){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline __m256 w8(const uint16_t *p) {
+    __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+static inline v16 v16_w(const uint16_t *p) { return (v16){w8(p), w8(p + 8)}; }
+static inline v16 v16_fma(v16 a, v16 b, v16 c) {
+    return (v16){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+static inline void v16_store(float *p, v16 a) {
+    _mm256_storeu_ps(p, a.lo);
+    _mm256_storeu_ps(p + 8, a.hi);
+}
+#define MR_MAX 2
+#define NR_WIDE 3
+#define NR_ONE 6
+#else
+typedef struct { float l[16]; } v16;
+static inline v16 v16_zero(void) { v16 a; memset(&a, 0, sizeof a); return a; }
+static inline v16 v16_x(const float *p) { v16 a; memcpy(a.l, p, sizeof a.l); return a; }
+static inline v16 v16_w(const uint16_t *p) {
+    v16 a;
+    for (int c = 0; c < 16; c++) a.l[c] = bf16_to_f32(p[c]);
+    return a;
+}
+static inline v16 v16_fma(v16 a, v16 b, v16 c) {
+    for (int i = 0; i < 16; i++) c.l[i] = fmaf(a.l[i], b.l[i], c.l[i]);
+    return c;
+}
+static inline void v16_store(float *p, v16 a) { memcpy(p, a.l, sizeof a.l); }
+#define MR_MAX 2
+#define NR_WIDE 3
+#define NR_ONE 6
+#endif
 
-static inline float fold8(v8f acc) {
-    const float b0 = acc[0] + acc[4], b1 = acc[1] + acc[5], b2 = acc[2] + acc[6], b3 = acc[3] + acc[7];
+/* the tail (K % 16 values) into the first lanes, in order, then the fold */
+static inline float finish(v16 acc, const float *x, const uint16_t *w, int64_t k16, int64_t K) {
+    float l[16];
+    v16_store(l, acc);
+    for (int64_t c = 0; k16 + c < K; c++) l[c] = fmaf(x[k16 + c], bf16_to_f32(w[k16 + c]), l[c]);
+    float h[8];
+    for (int i = 0; i < 8; i++) h[i] = l[i] + l[i + 8];
+    const float b0 = h[0] + h[4], b1 = h[1] + h[5], b2 = h[2] + h[6], b3 = h[3] + h[7];
     return (b0 + b2) + (b1 + b3);
-}
-
-/* the tail (K % 8 values) into the first lanes, in order, then the fold */
-static inline float finish(v8f acc, const float *x, const uint16_t *w, int64_t k8, int64_t K) {
-    for (int64_t c = 0; k8 + c < K; c++) acc[c] = acc[c] + x[k8 + c] * bf16_to_f32(w[k8 + c]);
-    return fold8(acc);
 }
 
 #define TILE(MR, NR)                                                                           \
     static void tile_##MR##x##NR(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw,    \
                                  float *out, int64_t ldo, int64_t K) {                          \
-        v8f acc[MR][NR];                                                                       \
+        v16 acc[MR][NR];                                                                       \
         for (int i = 0; i < MR; i++)                                                           \
-            for (int j = 0; j < NR; j++) acc[i][j] = (v8f){0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}; \
-        const int64_t k8 = K - K % 8;                                                          \
-        for (int64_t u = 0; u < k8; u += 8) {                                                  \
-            v8f xv[MR];                                                                        \
-            for (int i = 0; i < MR; i++) xv[i] = load8(x + i * ldx + u);                       \
+            for (int j = 0; j < NR; j++) acc[i][j] = v16_zero();                               \
+        const int64_t k16 = K - K % 16;                                                        \
+        for (int64_t u = 0; u < k16; u += 16) {                                                \
+            v16 xv[MR];                                                                        \
+            for (int i = 0; i < MR; i++) xv[i] = v16_x(x + i * ldx + u);                       \
             for (int j = 0; j < NR; j++) {                                                     \
-                const v8f wv = widen8(w + j * ldw + u);                                        \
-                for (int i = 0; i < MR; i++) acc[i][j] = acc[i][j] + xv[i] * wv;               \
+                const v16 wv = v16_w(w + j * ldw + u);                                         \
+                for (int i = 0; i < MR; i++) acc[i][j] = v16_fma(xv[i], wv, acc[i][j]);        \
             }                                                                                  \
         }                                                                                      \
         for (int i = 0; i < MR; i++)                                                           \
             for (int j = 0; j < NR; j++)                                                       \
-                out[i * ldo + j] = finish(acc[i][j], x + i * ldx, w + j * ldw, k8, K);         \
+                out[i * ldo + j] = finish(acc[i][j], x + i * ldx, w + j * ldw, k16, K);        \
     }
 
-TILE(4, 3)
-TILE(3, 3)
-TILE(2, 3)
-TILE(1, 3)
-TILE(4, 1)
-TILE(3, 1)
-TILE(2, 1)
-TILE(1, 1)
-TILE(1, 6)
+#define DEF_TILE(MR, NR) TILE(MR, NR)   /* expands NR_ONE / NR_WIDE first */
+DEF_TILE(1, 1)
+DEF_TILE(2, 1)
+DEF_TILE(1, NR_ONE)
+DEF_TILE(1, NR_WIDE)
+DEF_TILE(2, NR_WIDE)
+#if MR_MAX == 4
+DEF_TILE(3, 1)
+DEF_TILE(4, 1)
+DEF_TILE(3, NR_WIDE)
+DEF_TILE(4, NR_WIDE)
+#endif
 
 typedef void (*tile_fn)(const float *, int64_t, const uint16_t *, int64_t, float *, int64_t, int64_t);
-static const tile_fn TILES3[5] = {0, tile_1x3, tile_2x3, tile_3x3, tile_4x3};
+#define CAT3(a, b, c) a##b##c
+#define TILE_FN(MR, NR) CAT3(tile_, MR, x##NR)
+#define TILE_NAME(MR, NR) TILE_FN(MR, NR)
+#if MR_MAX == 4
+static const tile_fn TILES_WIDE[5] = {0, TILE_NAME(1, NR_WIDE), TILE_NAME(2, NR_WIDE),
+                                      TILE_NAME(3, NR_WIDE), TILE_NAME(4, NR_WIDE)};
 static const tile_fn TILES1[5] = {0, tile_1x1, tile_2x1, tile_3x1, tile_4x1};
+#else
+static const tile_fn TILES_WIDE[3] = {0, TILE_NAME(1, NR_WIDE), TILE_NAME(2, NR_WIDE)};
+static const tile_fn TILES1[3] = {0, tile_1x1, tile_2x1};
+#endif
 
-#define NB 48   /* columns per panel (a multiple of 3 and 6): 48 rows of w of K <= 4096 fit in L2 */
+#define NB 48   /* columns per panel (a multiple of 3, 4, 6 and 8): 48 rows of w of K <= 4096 fit in L2 */
 
 /* Rows 0..M-1 of x (float32, leading dim ldx) times columns n_lo..n_hi-1 of w^T (w bfloat16
  * [N, K], leading dim ldw) into out (float32, leading dim ldo; column n at out[m * ldo + n]).
@@ -84,18 +142,19 @@ int skyrl_gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw,
     if (M < 0 || K < 0 || n_lo < 0 || n_hi < n_lo || ldx < K || ldw < K) return -1;
     for (int64_t p0 = n_lo; p0 < n_hi; p0 += NB) {
         const int64_t p1 = p0 + NB < n_hi ? p0 + NB : n_hi;
-        if (M == 1) {                      /* one row (a decode step): six columns at a time */
+        if (M == 1) {                      /* one row (a decode step): NR_ONE columns at a time */
             int64_t n = p0;
-            for (; n + 6 <= p1; n += 6) tile_1x6(x, ldx, w + n * ldw, ldw, out + n, ldo, K);
+            for (; n + NR_ONE <= p1; n += NR_ONE)
+                TILE_NAME(1, NR_ONE)(x, ldx, w + n * ldw, ldw, out + n, ldo, K);
             for (; n < p1; n++) tile_1x1(x, ldx, w + n * ldw, ldw, out + n, ldo, K);
             continue;
         }
-        for (int64_t m = 0; m < M; m += 4) {
-            const int mr = M - m < 4 ? (int)(M - m) : 4;
+        for (int64_t m = 0; m < M; m += MR_MAX) {
+            const int mr = M - m < MR_MAX ? (int)(M - m) : MR_MAX;
             const float *xm = x + m * ldx;
             float *om = out + m * ldo;
             int64_t n = p0;
-            for (; n + 3 <= p1; n += 3) TILES3[mr](xm, ldx, w + n * ldw, ldw, om + n, ldo, K);
+            for (; n + NR_WIDE <= p1; n += NR_WIDE) TILES_WIDE[mr](xm, ldx, w + n * ldw, ldw, om + n, ldo, K);
             for (; n < p1; n++) TILES1[mr](xm, ldx, w + n * ldw, ldw, om + n, ldo, K);
         }
     }
