@@ -139,7 +139,7 @@ def _check_model(routes: PackedRoutes, routers) -> None:
                              field="num_experts", index=layer)
 
 
-def _check_gates(routes: PackedRoutes, gates: PackedGates | None, weights: str) -> None:
+def check_gates(routes: PackedRoutes, gates: PackedGates | None, weights: str) -> None:
     if weights not in WEIGHT_MODES:
         raise InputError(f"weights={weights!r}, expected one of {WEIGHT_MODES}", field="weights")
     if weights == "engine":
@@ -163,7 +163,7 @@ def route_replay(model: torch.nn.Module, routes: PackedRoutes, *, seq_lens=None,
     ``weights="engine"`` also the engine's combine weights ``gates`` (see the module docstring)."""
     routers = _routers_or_raise(model)
     _check_model(routes, routers)
-    _check_gates(routes, gates, weights)
+    check_gates(routes, gates, weights)
     lens = None if seq_lens is None else _as_lens(seq_lens)
     if lens is not None:
         _check_counts(routes, lens)
