@@ -143,3 +143,12 @@ def test_deepseek_captured_weights_carry_the_routed_scaling_factor(deepseek_engi
     # 2.451e-2 ids+weights): not a reduction here, and no more than a percent either way
     gap = _gap(model, ro)
     assert abs(gap["ids+gates"][0] / gap["ids"][0] - 1) < 0.01, gap
+
+
+def test_gate_weights_option_is_checked(vllm_qwen):
+    from skyrl_numerics.errors import InputError
+
+    with pytest.raises(InputError, match="gate_weights='int8'"):
+        vllm_qwen.generate(PROMPTS[:1], max_tokens=2, gate_weights="int8")
+    ro = vllm_qwen.generate(PROMPTS[:1], max_tokens=2)   # off by default, even once switched on
+    assert ro.gates is None and ro.routes is not None
