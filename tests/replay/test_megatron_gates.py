@@ -8,9 +8,11 @@ from skyrl_numerics.errors import InputError
 from skyrl_numerics.replay import PackedGates, PackedRoutes
 from skyrl_numerics.replay.megatron import megatron_route_replay
 
-from replay.test_megatron import B, E, H, K, S, _route, _routers, mcore  # noqa: F401 (fixture)
+import replay.test_megatron as tm
+from replay.test_megatron import B, E, H, K, S, _route, _routers
 
-pytestmark = pytest.mark.megatron
+mcore = tm.mcore   # the module's gloo + model-parallel fixture
+pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("mcore")]
 
 
 def _routes_and_gates(lens, seed=0):
@@ -23,7 +25,7 @@ def _routes_and_gates(lens, seed=0):
 
 @pytest.mark.parametrize("cfg", [{}, dict(moe_router_score_function="sigmoid", moe_router_num_groups=2,
                                           moe_router_group_topk=1, moe_router_topk_scaling_factor=2.5)])
-def test_engine_weights_in_megatron_routing(mcore, cfg):  # noqa: F811
+def test_engine_weights_in_megatron_routing(cfg):
     routers = _routers(**cfg)
     x = torch.randn(S, B, H)
     lens = [S, S - 1, 2]
@@ -58,7 +60,7 @@ def test_engine_weights_in_megatron_routing(mcore, cfg):  # noqa: F811
         assert ge.abs().sum() > 0 and torch.equal(ge, r.weight.grad)
 
 
-def test_engine_weights_need_gates_and_routers(mcore):  # noqa: F811
+def test_engine_weights_need_gates_and_routers():
     routers = _routers()
     routes, gates = _routes_and_gates([S, S, S])
     with pytest.raises(InputError, match="needs the engine's gate weights"):
