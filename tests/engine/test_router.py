@@ -26,8 +26,17 @@ class Fake:
                 R.append(list(rng.integers(0, 100, max_tokens)))
                 L.append(list(-rng.random(max_tokens).astype(np.float32)))
                 P.append(list(p))
+        extra = {}
+        if kw.get("gate_weights"):   # routes + combine weights, a function of prompt and seed
+            from skyrl_numerics.replay import PackedGates, PackedRoutes
+
+            rngs = [np.random.default_rng([s, j, 7, *p]) for p, s in zip(prompts, seeds) for j in range(n)]
+            lens = [len(p) + len(r) - 1 for p, r in zip(P, R)]
+            extra["routes"] = PackedRoutes.from_sequences([g.integers(0, 8, (m, 2, 2)) for g, m in zip(rngs, lens)], 8)
+            extra["gates"] = PackedGates.from_sequences([g.random((m, 2, 2)).astype(np.float32)
+                                                         for g, m in zip(rngs, lens)])
         ro = Rollout.from_lists(P, R, L, group_ids=np.repeat(np.arange(len(prompts)), n),
-                                engine="fake")
+                                engine="fake", **extra)
         from skyrl_numerics.gap.topk import TopkLogprobs
 
         ro.topk = TopkLogprobs(np.asarray(ro.response_tokens)[:, None].repeat(2, 1),
@@ -57,6 +66,16 @@ def test_merged_rollout_equals_one_replica(prompts, replicas, n, seed):
     assert len(got.meta["replica"]) == len(prompts) * n
     distinct = len({tuple(p) for p in prompts})
     assert len(got.meta["replicas"]) == min(replicas, distinct)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 50), min_size=1, max_size=5), min_size=1, max_size=6),
+       st.integers(2, 3), st.integers(1, 2))
+def test_merged_gate_weights_equal_one_replica(prompts, replicas, n):
+    one = ReplicaRouter([Fake("a")]).generate(prompts, seed=3, n=n, max_tokens=3, gate_weights=True)
+    got = ReplicaRouter([Fake(str(i)) for i in range(replicas)]).generate(
+        prompts, seed=3, n=n, max_tokens=3, gate_weights=True)
+    assert got.routes == one.routes and got.gates == one.gates
 
 
 def test_sticky_and_least_loaded():

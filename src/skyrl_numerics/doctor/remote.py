@@ -88,10 +88,11 @@ def run_doctor_remote(url: str, model_dir: str | Path, *, api_key: str | None = 
             prog.update(task, description=f"sampling: {sc} ({url})")
             try:
                 sc_prompts = prompts or make_prompts(n_prompts, prompt_len, remote.vocab_size, seed)
-                # the full-row digest is hashed inside an in-process engine's worker; a server
-                # sends no such field, so the remote scenario goes without it
+                # the full-row digest and the gate weights are captured inside an in-process
+                # engine's worker; a server sends no such field, so the remote scenario goes
+                # without them (a row that needs the weights then names what is missing)
                 rollouts[sc] = SCENARIOS[sc].sample(remote, sc_prompts, max_tokens=max_tokens,
-                                                    seed=seed, without=("logits_digest",))
+                                                    seed=seed, without=("logits_digest", "gate_weights"))
                 if contract is not None:
                     rollouts[sc].meta["engine_contract"] = contract
                 if rollouts[sc].routes is None and ckpt.is_moe:

@@ -110,6 +110,9 @@ SCENARIOS: dict[str, Scenario] = {
                                 "(out-of-tree, over its paged KV cache); its top-"
                                 f"{TOPK} logprobs and a digest of its full logits row per token "
                                 "kept", engine=dict(batch_invariant=True, capture_routes=True)),
+    "full, gate weights": Scenario({**FULL, "gate_weights": True},
+                                   description="temperature 1, full vocabulary; the engine's MoE "
+                                   "combine weights captured beside the routes (fp16)"),
     "multi-turn tool use": Scenario(FULL, turns=3, description="3 model turns, the toy key-value "
                                     "tool's observations between them (masked), routes captured "
                                     "as turn deltas"),
@@ -205,6 +208,13 @@ register_row(Row("HF trainer, fp32 weights", "full", _plain_trainer("float32"),
                       "not noise"))
 register_row(Row("+ R3 (router replay)", "full", _plain_trainer(None, use_routes=True),
                  note="every MoE router uses the experts vLLM chose (captured in the engine)"))
+register_row(Row("gate weights: + R3 (ids only)", "full, gate weights",
+                 _plain_trainer(None, use_routes=True), default=False,
+                 note="the engine's experts, the trainer's own gate values for them"))
+register_row(Row("+ R3 with gate weights", "full, gate weights",
+                 _plain_trainer(None, use_routes=True, use_gates=True), default=False,
+                 closes=("recomputed gate weights", "gate weights: + R3 (ids only)"),
+                 note="the engine's experts and its combine weights (straight-through gradient)"))
 register_row(Row("top-p/top-k: HF trainer, full-vocab", "top-p/top-k", _plain_trainer(None),
                  note="the engine samples from a truncated support (top_p=0.9, top_k=16); the "
                       "trainer normalizes over the whole vocabulary"))

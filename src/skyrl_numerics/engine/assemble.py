@@ -208,7 +208,7 @@ class Samples:
 
 
 def assemble_rollout(gen, req: Request, samples: Samples, elapsed: float, *, routes=None,
-                     support=None, digests=None, **extra_meta) -> Rollout:
+                     support=None, digests=None, gates=None, **extra_meta) -> Rollout:
     """The ``Rollout`` of one call of ``gen`` (its ``model_dir``, ``dtype``, ``info``).
     ``routes``: PackedRoutes, or with route starts the ``[(start, rows)]`` per sample (then
     ``meta["route_deltas"]``); ``extra_meta``: the transport's own meta entries."""
@@ -220,7 +220,7 @@ def assemble_rollout(gen, req: Request, samples: Samples, elapsed: float, *, rou
         meta["route_deltas"], routes = routes, None
     ro = Rollout.from_lists(samples.prompts, samples.responses, samples.logprobs,
                             group_ids=np.asarray(samples.groups), routes=routes, support=support,
-                            sampling=req.sampling(), engine=gen.info.name,
+                            gates=gates, sampling=req.sampling(), engine=gen.info.name,
                             engine_version=gen.info.version, meta=meta)
     if req.topk_logprobs:
         ro.topk = TopkLogprobs.from_dicts(samples.topk_rows, req.topk_logprobs)

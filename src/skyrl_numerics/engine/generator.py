@@ -206,7 +206,7 @@ class VLLMGenerator:
                  n: int = 1, capture_support: bool | str = False, ignore_eos: bool = True,
                  topk_logprobs: int = 0, progress: bool = False,
                  seeds: Sequence[int] | None = None, logits_digest: bool = False,
-                 route_starts: Sequence[int] | None = None) -> Rollout:
+                 route_starts: Sequence[int] | None = None, gate_weights: bool | str = False) -> Rollout:
         """Sample ``n`` responses per prompt; return them as a ``Rollout`` (rows grouped by prompt).
 
         ``seed``: request ``i`` uses ``seed + i`` so runs repeat and prompts differ; ``seeds``: one
@@ -227,6 +227,11 @@ class VLLMGenerator:
         ``logits_digest``: also hash the engine's full logits row of every response token inside
         the worker (raw float32 logits, before temperature; :mod:`skyrl_numerics.gap.digest`),
         returned in ``rollout.logits_digest``; :meth:`logits_row` recomputes one row.
+        ``gate_weights`` (an engine with ``capture_routes=True``): also capture the combine weight
+        vLLM multiplied each chosen expert's output with (``engine/capture.py``), packed in
+        ``rollout.gates`` (:class:`~skyrl_numerics.replay.PackedGates`; ``True`` = fp16, or a
+        ``PackedGates`` dtype name); with ``route_starts`` as ``meta["gate_deltas"]`` (float32
+        rows, beside ``route_deltas``).
         """
         from vllm import SamplingParams
 
@@ -240,18 +245,24 @@ class VLLMGenerator:
             self._start_support_capture()
         if logits_digest:
             self._start_logits_digest()
+        gate_dtype = self._start_gate_capture(gate_weights)
         params = [SamplingParams(**req.params(i)) for i in range(len(prompts))]
         inputs = [{"prompt_token_ids": req.prompt_ids(i)} for i in range(len(prompts))]
         t0 = time.perf_counter()
         outputs = self.llm.generate(inputs, params, use_tqdm=progress)
         elapsed = time.perf_counter() - t0
         samples = self._samples(req, outputs)
+        gates = (self._fetch_gates(outputs, n, samples.prompts, samples.responses,
+                                   samples.route_starts(), gate_dtype) if gate_dtype else None)
         routes = (self._fetch_routes(outputs, n, samples.prompts, samples.responses,
                                      samples.route_starts()) if self.route_info else None)
         support = self._support(req, outputs, samples)
         digests = self._digests(outputs, n, samples) if logits_digest else None
+        extra = {}
+        if gates is not None and req.route_starts is not None:
+            extra, gates = {"gate_deltas": gates}, None
         return assemble_rollout(self, req, samples, elapsed, routes=routes, support=support,
-                                digests=digests)
+                                digests=digests, gates=gates, **extra)
 
     @staticmethod
     def _samples(req: Request, outputs) -> Samples:
@@ -417,6 +428,38 @@ class VLLMGenerator:
         if starts is not None:
             return [(int(a), s_) for a, s_ in zip(starts, seqs)]
         return PackedRoutes.from_sequences(seqs, self.route_info["num_experts"])
+
+    def _start_gate_capture(self, gate_weights: bool | str) -> str | None:
+        """The PackedGates dtype asked for (``None``: no gate capture), with the worker's gate
+        capture switched on."""
+        from skyrl_numerics.replay.gates import GATE_DTYPES
+
+        if gate_weights is False or gate_weights is None:
+            return None
+        dtype = "float16" if gate_weights is True else gate_weights
+        if dtype not in GATE_DTYPES:
+            raise InputError(f"gate_weights={gate_weights!r}: True or one of {sorted(GATE_DTYPES)}",
+                             field="gate_weights")
+        if not self.route_info or self.route_info.get("native") or self.route_info.get("invariant"):
+            raise InputError("gate_weights needs route capture in the worker extension on vLLM's own "
+                             "model (capture_routes=True, vLLM CPU; not the batch-invariant engine, "
+                             "whose weights are the trainer's own)", field="gate_weights")
+        if not self.route_info.get("gates"):
+            self.route_info["gates"] = self.llm.collective_rpc("skyrl_gate_capture_start")[0]
+        return dtype
+
+    def _fetch_gates(self, outputs, n: int, p_rows, r_rows, starts, dtype: str):
+        """The combine weights recorded for every returned sample (before the routes' fetch, which
+        clears the store): PackedGates, or with ``starts`` ``[(start, float32 rows)]``."""
+        from skyrl_numerics.replay import PackedGates
+
+        lengths = [len(p) + len(r) - 1 for p, r in zip(p_rows, r_rows)]
+        got = self._fetch_per_sample("skyrl_gate_capture_fetch", "gate capture", outputs, n,
+                                     lengths, starts)
+        seqs = [np.frombuffer(g["data"], dtype=np.dtype(g["dtype"])).reshape(g["shape"]) for g in got]
+        if starts is not None:
+            return [(int(a), s_) for a, s_ in zip(starts, seqs)]
+        return PackedGates.from_sequences(seqs, dtype)
 
     def close(self) -> None:
         """Shut the engine down (frees its worker processes)."""

@@ -44,7 +44,8 @@ import numpy as np
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.gap.digest import DIGEST_BYTES, LogitsDigests, default_algo
 from skyrl_numerics.gap.topk import TopkLogprobs
-from skyrl_numerics.replay import PackedRoutes, PackedSupport, RouteTrace
+from skyrl_numerics.replay import PackedGates, PackedRoutes, PackedSupport, RouteTrace
+from skyrl_numerics.replay.gates import GATE_DTYPES
 from skyrl_numerics.rollout import Rollout
 
 
@@ -119,6 +120,12 @@ class MultiTurnOptions:
     ignore_eos: bool = True
     topk_logprobs: int = 0
     logits_digest: bool = False
+    gate_weights: bool | str = False      # the engine's combine weights too (PackedGates dtype)
+
+    @property
+    def gate_dtype(self) -> str | None:
+        return None if not self.gate_weights else ("float16" if self.gate_weights is True
+                                                   else str(self.gate_weights))
 
     def sampling(self) -> dict:
         """The rollout's ``sampling`` record."""
@@ -186,15 +193,18 @@ class Trajectory:
                         ro.logits_digest.digests[a + j] if opts.logits_digest else None)
 
     def add_routes(self, start: int, rows, n_new: int, num_experts: int,
-                   allow_overlap: bool) -> tuple[int, int]:
-        """Turn routes ``rows`` from position ``start`` on (before the turn's ``n_new`` tokens
-        join the history); ``(bytes shipped, bytes of a full-prefix resend)``."""
+                   allow_overlap: bool, gates=None, gate_dtype: str | None = None) -> tuple[int, int]:
+        """Turn routes ``rows`` (and combine weights ``gates``, stored as ``gate_dtype``) from
+        position ``start`` on (before the turn's ``n_new`` tokens join the history);
+        ``(bytes shipped, bytes of a full-prefix resend)``, weights included."""
         rows = np.asarray(rows)
         if self.trace is None:
-            self.trace = RouteTrace(rows.shape[1], rows.shape[2], num_experts)
-        full = (len(self.history) + n_new - 1) * rows.shape[1] * rows.shape[2] * rows.itemsize
-        self.trace.add(rows, start, allow_overlap=allow_overlap)
-        return rows.nbytes, full
+            self.trace = RouteTrace(rows.shape[1], rows.shape[2], num_experts, gate_dtype=gate_dtype)
+        per_row = rows.shape[1] * rows.shape[2] * (rows.itemsize + (
+            GATE_DTYPES[gate_dtype].itemsize if gate_dtype else 0))
+        full = (len(self.history) + n_new - 1) * per_row
+        self.trace.add(rows, start, allow_overlap=allow_overlap, gates=gates)
+        return rows.shape[0] * per_row, full
 
     def step(self, toks: list[int], vocab, t: int, last: bool) -> None:
         """The environment's step after the model turn ``toks`` (the last turn too: its
@@ -226,7 +236,10 @@ class TurnLog:
             self.digest_algo = ro.logits_digest.algo
         self.generate_s += float(ro.meta.get("generate_s") or 0.0)
         self.cached.append([int(c) for c in ro.meta.get("num_cached_tokens", [0] * n_requests)])
-        return ro.meta.pop("route_deltas", None)
+        deltas, gates = ro.meta.pop("route_deltas", None), ro.meta.pop("gate_deltas", None)
+        if deltas is not None and gates is not None:   # (start, ids, combine weights) per row
+            return [(a, ids, g) for (a, ids), (_, g) in zip(deltas, gates)]
+        return deltas
 
     def meta(self, route_deltas: bool) -> dict:
         return dict(generate_s=self.generate_s, num_cached_tokens_per_turn=self.cached,
@@ -241,12 +254,13 @@ def generate_multiturn(gen, prompts: Sequence[Sequence[int]], env: Callable[[], 
     doc. Keywords (or ``options``, which they override): :class:`MultiTurnOptions` —
     ``max_turns=4, max_tokens=16, n=1, seed=0, temperature=1.0, top_p=1.0, top_k=0,
     capture_support=False, routes=None, route_deltas=True, ignore_eos=True, topk_logprobs=0,
-    logits_digest=False``. ``routes``: ``None`` takes them when the engine captures them,
+    logits_digest=False, gate_weights=False``. ``routes``: ``None`` takes them when the engine captures them,
     ``True`` requires them. Trajectory ``i``'s turn ``t`` samples with seed ``seed + 1000 t + i``.
     ``topk_logprobs``: the engine's top-K per model token in ``ro.topk`` (observation rows: ids
     0, values NaN; ``TopkCheck(mask=loss_mask)`` skips them). ``logits_digest``: the engine's
     full-row digest per model token in ``ro.logits_digest`` (observation rows: zeros;
-    ``DigestCheck(mask=)``)."""
+    ``DigestCheck(mask=)``). ``gate_weights``: the engine's combine weights beside the routes, as
+    turn deltas too (``ro.gates``, :class:`~skyrl_numerics.replay.PackedGates`)."""
     opts = replace(options or MultiTurnOptions(), **kw)
     num_experts = _checked(gen, env, opts)
     trajs = [Trajectory.start(i, p, prompts[p], env)
@@ -300,7 +314,8 @@ def _sample_turn(gen, active: list[Trajectory], t: int, opts: MultiTurnOptions,
                         top_p=opts.top_p, top_k=opts.top_k, capture_support=opts.capture_support,
                         ignore_eos=opts.ignore_eos, route_starts=starts,
                         **({"topk_logprobs": opts.topk_logprobs} if opts.topk_logprobs else {}),
-                        **({"logits_digest": True} if opts.logits_digest else {}))
+                        **({"logits_digest": True} if opts.logits_digest else {}),
+                        **({"gate_weights": opts.gate_weights} if opts.gate_weights else {}))
 
 
 def _take_turn(tr: Trajectory, ro: Rollout, k: int, t: int, opts: MultiTurnOptions, delta,
@@ -315,8 +330,10 @@ def _take_turn(tr: Trajectory, ro: Rollout, k: int, t: int, opts: MultiTurnOptio
     tr.add_observation(t, opts, digest_bytes)
     tr.add_model_turn(ro, k, t, opts)
     if delta is not None:
-        shipped, full = tr.add_routes(*delta, len(toks), num_experts,
-                                      allow_overlap=not opts.route_deltas)
+        start, rows, gates = (*delta, None) if len(delta) == 2 else delta
+        shipped, full = tr.add_routes(start, rows, len(toks), num_experts,
+                                      allow_overlap=not opts.route_deltas, gates=gates,
+                                      gate_dtype=opts.gate_dtype)
         log.delta_bytes += shipped
         log.full_bytes += full
     tr.step(toks, vocab, t, last=t + 1 == opts.max_turns)
@@ -348,6 +365,9 @@ def _assemble(gen, trajs: list[Trajectory], num_experts: int | None, opts: Multi
             tr.trace.check_length(len(tr.prompt) + len(tr.tokens))
         routes = PackedRoutes.from_sequences([tr.trace.to_routes().values for tr in trajs],
                                              num_experts)
+    gates = None
+    if routes is not None and opts.gate_dtype:
+        gates = PackedGates.concat([tr.trace.to_gates() for tr in trajs])
     support = None
     if opts.capture_support:
         support = PackedSupport.from_sets([row for tr in trajs for row in tr.support],
@@ -362,7 +382,7 @@ def _assemble(gen, trajs: list[Trajectory], num_experts: int | None, opts: Multi
                              [tr.logprobs for tr in trajs], loss_mask=[tr.mask for tr in trajs],
                              turns=[tr.turns for tr in trajs],
                              group_ids=np.asarray([tr.group for tr in trajs]), routes=routes,
-                             support=support, sampling=opts.sampling(),
+                             support=support, gates=gates, sampling=opts.sampling(),
                              engine=getattr(info, "name", "vllm"),
                              engine_version=getattr(info, "version", "unknown"), meta=meta)
     if opts.topk_logprobs:

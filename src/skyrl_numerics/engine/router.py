@@ -73,7 +73,7 @@ class ReplicaRouter:
 
 def _merge(prompts, where, parts, done, n: int, replicas) -> Rollout:
     """One rollout in the caller's order from the replicas' rollouts."""
-    from skyrl_numerics.replay import PackedRoutes, PackedSupport
+    from skyrl_numerics.replay import PackedGates, PackedRoutes, PackedSupport
 
     first = next(iter(done.values()))[0]
     rows = {}   # (prompt index, sample j) -> (replica, row in its rollout)
@@ -83,7 +83,7 @@ def _merge(prompts, where, parts, done, n: int, replicas) -> Rollout:
                 rows[(i, j)] = (r, k * n + j)
     order = [rows[(i, j)] for i in range(len(prompts)) for j in range(n)]
     p_rows, r_rows, lp_rows, route_seqs, support_sets, top = [], [], [], [], [], []
-    digests = []
+    digests, gate_seqs = [], []
     for r, b in order:
         ro = done[r][0]
         p_rows.append(ro.prompt(b))
@@ -91,6 +91,8 @@ def _merge(prompts, where, parts, done, n: int, replicas) -> Rollout:
         lp_rows.append(ro.logprobs(b))
         if first.routes is not None:
             route_seqs.append(ro.routes.seq(b))
+        if first.gates is not None:
+            gate_seqs.append(ro.gates.seqs(b, b))
         a, e = ro.response_cu[b], ro.response_cu[b + 1]
         if first.support is not None:
             off = ro.support.offsets
@@ -104,6 +106,7 @@ def _merge(prompts, where, parts, done, n: int, replicas) -> Rollout:
               if first.routes is not None else None)
     support = (PackedSupport.from_sets(support_sets, first.support.vocab_size)
                if first.support is not None else None)
+    gates = PackedGates.concat(gate_seqs) if first.gates is not None else None
     stats = []
     for r, idx in parts.items():
         ro, dt = done[r]
@@ -114,7 +117,7 @@ def _merge(prompts, where, parts, done, n: int, replicas) -> Rollout:
     meta.pop("server", None)
     merged = Rollout.from_lists(p_rows, r_rows, lp_rows,
                                 group_ids=np.repeat(np.arange(len(prompts)), n), routes=routes,
-                                support=support, sampling=first.sampling, engine=first.engine,
+                                support=support, gates=gates, sampling=first.sampling, engine=first.engine,
                                 engine_version=first.engine_version, meta=meta)
     if first.topk is not None:
         from skyrl_numerics.gap.topk import TopkLogprobs

@@ -17,7 +17,7 @@ the worker (``self`` is the worker); the generator calls them with
 """
 from __future__ import annotations
 
-from .capture import DigestStore, moe_runners, RouteStore, SupportStore
+from .capture import DigestStore, moe_runners, RouteStore, SupportStore, wrap_routing
 from .mla_worker import AttributionScheduleMixin, MLARopeFixMixin
 from .sharded_worker import ShardedSyncWorker
 from .trace_capture import TraceMixin
@@ -195,8 +195,33 @@ class RoutesMixin:
             for m in mods:
                 m.router.set_capture_fn(None)
         self._skyrl_routes, self._skyrl_route_unhook = store, unhook
+        self._skyrl_route_mods = mods
         return {"layers": store.L, "k": store.k, "num_experts": store.num_experts,
                 "layer_ids": [int(m.layer_id) for m in mods]}
+
+    def skyrl_gate_capture_start(self) -> dict:
+        """Capture each chosen expert's combine weight beside its id from now on
+        (:func:`~.capture.wrap_routing`; what vLLM multiplies the expert output with). Needs route
+        capture on vLLM's own MoE layers; idempotent."""
+        store = getattr(self, "_skyrl_routes", None)
+        mods = getattr(self, "_skyrl_route_mods", None)
+        if store is None or mods is None:
+            raise RuntimeError("gate capture: needs route capture on vLLM's own MoE layers (start the "
+                               "engine with capture_routes=True; the batch-invariant engine computes "
+                               "the trainer's own weights and has no gate capture)")
+        if store.gates is None:
+            store.enable_gates()
+            undos = [wrap_routing(m, lambda ids, w, _i=i: store.capture(_i, ids, w))
+                     for i, m in enumerate(mods)]
+            self._skyrl_route_unhook = lambda: [undo() for undo in undos]
+        scales = [float(getattr(m, "routed_scaling_factor", 1.0) or 1.0) for m in mods]
+        return {"routed_scaling_factor": scales}
+
+    def skyrl_gate_capture_fetch(self, external_ids: list[str], lengths: list[int],
+                                 starts: list[int] | None = None) -> list:
+        """The combine weights of the rows :meth:`skyrl_route_capture_fetch` returns (call it first,
+        with ``clear=False``)."""
+        return self._skyrl_routes.fetch_gates(external_ids, lengths, starts)
 
     def skyrl_aux_output_state(self) -> dict:
         """What :class:`AuxOutputs` holds now (requests with an emit cursor, with routes, with
@@ -221,6 +246,7 @@ class RoutesMixin:
             return
         self._skyrl_route_unhook()
         self._skyrl_routes = None
+        self._skyrl_route_mods = None
 
 
 class SupportsMixin:

@@ -1,5 +1,6 @@
 """skyrl_numerics.replay: R3 routes (packing + router replay) and top-p/top-k support replay.
 
+- :class:`PackedGates` — the engine's MoE combine weights beside the routes (fp16 by default).
 - :class:`PackedRoutes`, :class:`RouteTrace` — compact, zero-copy routes for ragged batches and multi-turn
   trajectories (numpy only).
 - :func:`route_replay`, :func:`record_routes` — force / record the experts of HF MoE blocks (torch).
@@ -10,6 +11,7 @@ Torch-dependent names load lazily so ``import skyrl_numerics.replay`` needs only
 """
 
 from .bitpack import bits_for, pack_bits, unpack_bits
+from .gates import PackedGates
 from .routes import PackedRoutes, id_dtype
 from .support import PackedSupport
 from .trace import RouteTrace
@@ -28,7 +30,7 @@ _LAZY = {
     "support_logprobs_reference": ".support_lp",
 }
 
-__all__ = ["PackedRoutes", "PackedSupport", "RouteTrace", "id_dtype", "decode_vllm_routes", "encode_vllm_routes",
+__all__ = ["PackedRoutes", "PackedGates", "PackedSupport", "RouteTrace", "id_dtype", "decode_vllm_routes", "encode_vllm_routes",
            "bits_for", "pack_bits", "unpack_bits", *_LAZY]
 
 

@@ -21,7 +21,22 @@ Layers: the routes' layer axis counts MoE layers only, in model order (DeepSeek'
 have no router).
 
 ``record_routes(model)`` is the inverse: it records what the routers chose, to build :class:`PackedRoutes`
-from a trainer forward (tests, or a trainer-side capture).
+from a trainer forward (tests, or a trainer-side capture), and the weights they gave them
+(:meth:`RouteRecorder.gates`, a :class:`PackedGates`).
+
+Gate weights (``weights=``):
+
+- ``"recompute"`` (default): the trainer's own weights at the replayed ids, gathered from its router
+  scores with the family's formula (:mod:`.hf_families`). The gather runs over the *full* score row, so
+  a replayed expert the trainer's router would not have picked (not in its top-k) still gets its
+  gradient, like any chosen one.
+- ``"engine"``: the engine's combine weights (``gates``, a :class:`PackedGates` with the routes' rows)
+  are the forward's values, so the MoE output is ``Σ w_engine · expert(x)`` as in vLLM. The gradient is
+  a straight-through one: ``w = w_engine + (w_trainer - w_trainer.detach())`` -- the added term is
+  exactly zero in the forward (``x - x = 0`` for finite ``x``; ``w_engine + 0 = w_engine``), and in the
+  backward the router gets the gradient of the recomputed weights (``"recompute"``'s gradient,
+  evaluated at the engine's activations). Positions without routes rows (the final sampled token,
+  padding) keep the trainer's own routing and weights.
 """
 from __future__ import annotations
 
@@ -33,8 +48,11 @@ import torch
 
 from skyrl_numerics.errors import InputError
 
+from .gates import PackedGates
 from .hf_families import ROUTER_FAMILIES
 from .routes import PackedRoutes, exact_ints
+
+WEIGHT_MODES = ("recompute", "engine")
 
 
 def find_routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -121,12 +139,31 @@ def _check_model(routes: PackedRoutes, routers) -> None:
                              field="num_experts", index=layer)
 
 
+def check_gates(routes: PackedRoutes, gates: PackedGates | None, weights: str) -> None:
+    if weights not in WEIGHT_MODES:
+        raise InputError(f"weights={weights!r}, expected one of {WEIGHT_MODES}", field="weights")
+    if weights == "engine":
+        if gates is None:
+            raise InputError("weights='engine' needs the engine's gate weights (gates=PackedGates; generate "
+                             "with gate_weights=True)", field="gates")
+        gates.check_routes(routes)
+
+
+def straight_through(value: torch.Tensor, grad_source: torch.Tensor) -> torch.Tensor:
+    """``value`` in the forward, ``grad_source``'s gradient in the backward: ``value + (g - g.detach())``
+    (the added term is exactly 0 for finite ``g``, so the forward is ``value`` bit for bit)."""
+    return value + (grad_source - grad_source.detach())
+
+
 @contextlib.contextmanager
 def route_replay(model: torch.nn.Module, routes: PackedRoutes, *, seq_lens=None, packed: bool = False,
-                 token_index: torch.Tensor | None = None):
-    """Force the recorded experts in every MoE router of ``model`` inside the ``with`` block."""
+                 token_index: torch.Tensor | None = None, gates: PackedGates | None = None,
+                 weights: str = "recompute"):
+    """Force the recorded experts in every MoE router of ``model`` inside the ``with`` block; with
+    ``weights="engine"`` also the engine's combine weights ``gates`` (see the module docstring)."""
     routers = _routers_or_raise(model)
     _check_model(routes, routers)
+    check_gates(routes, gates, weights)
     lens = None if seq_lens is None else _as_lens(seq_lens)
     if lens is not None:
         _check_counts(routes, lens)
@@ -177,8 +214,12 @@ def route_replay(model: torch.nn.Module, routes: PackedRoutes, *, seq_lens=None,
             rec = torch.from_numpy(values[rows.numpy(), layer].astype(np.int64)).to(idx.device, idx.dtype)
             new_idx = idx.clone()
             new_idx[pos] = rec
-            w = fn(module, logits, new_idx)
-            new_scores = torch.where(mask[:, None], w.to(scores.dtype), scores)
+            w = fn(module, logits, new_idx).to(scores.dtype)
+            if weights == "engine":
+                eng = torch.from_numpy(gates.rows((rows.numpy(), layer))).to(w.device, w.dtype)
+                w_pos = straight_through(eng, w[pos])
+                w = w.index_put((pos,), w_pos)
+            new_scores = torch.where(mask[:, None], w, scores)
             return logits, new_scores, new_idx
 
         return hook
@@ -199,6 +240,7 @@ class RouteRecorder:
         self.routers = routers
         self.num_experts = getattr(routers[0][1], ROUTER_FAMILIES[type(routers[0][1]).__name__][1])
         self.calls: list[list[torch.Tensor]] = []
+        self.weight_calls: list[list[torch.Tensor]] = []   # float32 [num_tokens, k] per layer, same order
         self.shapes: list[tuple[int, int] | None] = []  # [B, S] of each recorded forward's input
         self._pending: list[torch.Tensor] = []
         self._input = _InputShape()
@@ -206,10 +248,12 @@ class RouteRecorder:
     def _hook(self, layer: int):
         def hook(module, args, output):
             if layer == 0:
-                self._pending = []
+                self._pending, self._pending_w = [], []
             self._pending.append(output[2].detach().to("cpu", torch.int64))
+            self._pending_w.append(output[1].detach().to("cpu", torch.float32))
             if layer == len(self.routers) - 1:
                 self.calls.append(self._pending)
+                self.weight_calls.append(self._pending_w)
                 self.shapes.append(self._input.shape)
         return hook
 
@@ -219,9 +263,19 @@ class RouteRecorder:
         ``seq_lens``: tokens per sequence in that forward (padded ``[B, S]`` layout unless ``packed``);
         ``drop_last=True`` keeps ``n - 1`` rows per sequence, like an engine capture (see :mod:`.routes`).
         """
-        if not self.calls:
+        return PackedRoutes.from_sequences(self._per_seq(self.calls, seq_lens, packed, drop_last, call),
+                                           self.num_experts)
+
+    def gates(self, seq_lens, *, packed: bool = False, drop_last: bool = False, call: int = -1,
+              dtype: str = "float16") -> PackedGates:
+        """The weights the routers gave their chosen experts in one recorded forward (rows as :meth:`routes`)."""
+        return PackedGates.from_sequences(self._per_seq(self.weight_calls, seq_lens, packed, drop_last, call),
+                                          dtype)
+
+    def _per_seq(self, calls, seq_lens, packed: bool, drop_last: bool, call: int) -> list[np.ndarray]:
+        if not calls:
             raise InputError("no forward pass was recorded", field="calls")
-        layers = self.calls[call]
+        layers = calls[call]
         lens = _as_lens(seq_lens)
         n = layers[0].shape[0]
         if packed:
@@ -239,7 +293,7 @@ class RouteRecorder:
             starts = np.arange(lens.size) * (n // lens.size)
         keep = np.maximum(lens - 1, 0) if drop_last else lens
         stacked = torch.stack(layers, dim=1).numpy()  # [n, L, k]
-        return PackedRoutes.from_sequences([stacked[s:s + m] for s, m in zip(starts, keep)], self.num_experts)
+        return [stacked[s:s + m] for s, m in zip(starts, keep)]
 
 
 @contextlib.contextmanager

@@ -34,6 +34,8 @@ import torch
 
 from skyrl_numerics.errors import InputError
 
+from .gates import PackedGates
+from .hf_replay import check_gates, straight_through
 from .routes import PackedRoutes
 
 
@@ -48,14 +50,11 @@ def _filled_rows(routes: PackedRoutes, b: int, n: int) -> np.ndarray:
     return rows
 
 
-def megatron_replay_indices(routes: PackedRoutes, *, seq_len: int | None = None,
-                            packed_seq_lens: Sequence[int] | None = None, tp_rank: int = 0,
-                            tp_size: int = 1) -> list[torch.Tensor]:
-    """Per MoE layer, ``[num_tokens, k]`` int64 expert indices in Megatron token order.
-
-    Give ``seq_len`` for the ``[S, B]`` (sbhd) layout or ``packed_seq_lens`` for packed (thd) sequences.
-    ``tp_rank`` / ``tp_size``: under sequence parallelism (sbhd only), this rank's block of the sequence.
-    """
+def megatron_token_rows(routes: PackedRoutes, *, seq_len: int | None = None,
+                        packed_seq_lens: Sequence[int] | None = None, tp_rank: int = 0,
+                        tp_size: int = 1) -> np.ndarray:
+    """``[num_tokens]`` routes rows in Megatron token order (this rank's block under sequence
+    parallelism); filler positions get their sequence's last row, ``-1`` a sequence without rows."""
     if (seq_len is None) == (packed_seq_lens is None):
         raise InputError("give exactly one of seq_len (sbhd) or packed_seq_lens (thd)", field="layout")
     if not (isinstance(tp_size, int) and tp_size >= 1 and isinstance(tp_rank, int) and 0 <= tp_rank < tp_size):
@@ -74,6 +73,22 @@ def megatron_replay_indices(routes: PackedRoutes, *, seq_len: int | None = None,
         rows = np.concatenate([_filled_rows(routes, b, int(f[b])) for b in range(B)]) if B else np.zeros(0, np.int64)
     else:
         rows = np.stack([_filled_rows(routes, b, int(seq_len)) for b in range(B)], axis=1).reshape(-1)  # [S*B]
+    if tp_size > 1:
+        block = int(seq_len) // tp_size * B
+        rows = rows[tp_rank * block:(tp_rank + 1) * block]
+    return rows
+
+
+def megatron_replay_indices(routes: PackedRoutes, *, seq_len: int | None = None,
+                            packed_seq_lens: Sequence[int] | None = None, tp_rank: int = 0,
+                            tp_size: int = 1) -> list[torch.Tensor]:
+    """Per MoE layer, ``[num_tokens, k]`` int64 expert indices in Megatron token order.
+
+    Give ``seq_len`` for the ``[S, B]`` (sbhd) layout or ``packed_seq_lens`` for packed (thd) sequences.
+    ``tp_rank`` / ``tp_size``: under sequence parallelism (sbhd only), this rank's block of the sequence.
+    """
+    rows = megatron_token_rows(routes, seq_len=seq_len, packed_seq_lens=packed_seq_lens, tp_rank=tp_rank,
+                               tp_size=tp_size)
     default = np.arange(routes.k, dtype=np.int64)
     out = []
     for layer in range(routes.num_layers):
@@ -82,10 +97,20 @@ def megatron_replay_indices(routes: PackedRoutes, *, seq_len: int | None = None,
         ids[have] = routes.values[rows[have], layer]
         ids[~have] = default
         out.append(torch.from_numpy(ids))
-    if tp_size > 1:
-        block = int(seq_len) // tp_size * B
-        out = [t[tp_rank * block:(tp_rank + 1) * block].contiguous() for t in out]
     return out
+
+
+def _engine_routing(router, original, idx: torch.Tensor, weights: torch.Tensor, have: torch.Tensor):
+    """``router.routing`` with the engine's combine weights at the replayed experts: the dense
+    ``probs`` keep their value where the token has no routes row, else the engine's weight forward
+    and the trainer's gathered prob's gradient backward (:func:`.hf_replay.straight_through`)."""
+    def routing(logits, padding_mask=None):
+        probs, rmap = original(logits, padding_mask=padding_mask)
+        dense = torch.zeros_like(probs).scatter(1, idx.to(probs.device), weights.to(probs.device, probs.dtype))
+        engine = straight_through(dense, probs)
+        use = have.to(probs.device)[:, None] & rmap
+        return torch.where(use, engine, probs), rmap
+    return routing
 
 
 def _replay_api():
@@ -109,17 +134,36 @@ def _instances(RouterReplay, num_layers: int):
 @contextlib.contextmanager
 def megatron_route_replay(routes: PackedRoutes, *, seq_len: int | None = None,
                           packed_seq_lens: Sequence[int] | None = None, device=None, tp_rank: int = 0,
-                          tp_size: int = 1):
+                          tp_size: int = 1, gates: PackedGates | None = None, weights: str = "recompute",
+                          routers: Sequence[torch.nn.Module] | None = None):
     """Replay ``routes`` in every megatron-core TopKRouter inside the ``with`` block (REPLAY_FORWARD).
 
     ``tp_rank`` / ``tp_size``: this rank's sequence block under sequence parallelism (see the module doc).
+    ``weights="engine"``: the engine's combine weights ``gates`` replace the gathered probs at the replayed
+    experts (straight-through, as :func:`.hf_replay.route_replay`); needs the model's ``TopKRouter`` modules
+    in MoE layer order (``routers``), whose ``routing`` is wrapped per instance inside the block.
     """
     RouterReplay, Action = _replay_api()
     _instances(RouterReplay, routes.num_layers)
+    check_gates(routes, gates, weights)
     per_layer = megatron_replay_indices(routes, seq_len=seq_len, packed_seq_lens=packed_seq_lens,
                                         tp_rank=tp_rank, tp_size=tp_size)
     if device is not None:
         per_layer = [t.to(device) for t in per_layer]
+    undo = []
+    if weights == "engine":
+        if routers is None or len(routers) != routes.num_layers:
+            raise InputError(f"weights='engine' needs the model's {routes.num_layers} TopKRouter modules "
+                             f"(routers=, MoE layer order), got {None if routers is None else len(routers)}",
+                             field="routers")
+        rows = megatron_token_rows(routes, seq_len=seq_len, packed_seq_lens=packed_seq_lens, tp_rank=tp_rank,
+                                   tp_size=tp_size)
+        have = torch.from_numpy(rows >= 0)
+        safe = np.where(rows >= 0, rows, 0)
+        for layer, r in enumerate(routers):
+            w = torch.from_numpy(gates.rows((safe, layer)))
+            r.routing = _engine_routing(r, r.routing, per_layer[layer], w, have)
+            undo.append(r)
     RouterReplay.set_replay_data(per_layer)
     RouterReplay.set_global_router_replay_action(Action.REPLAY_FORWARD)
     try:
@@ -127,6 +171,8 @@ def megatron_route_replay(routes: PackedRoutes, *, seq_len: int | None = None,
     finally:
         RouterReplay.clear_global_router_replay_action()
         RouterReplay.clear_global_indices()
+        for r in undo:
+            r.__dict__.pop("routing", None)
 
 
 class MegatronRecording:

@@ -12,23 +12,45 @@ the trace ends: the last sampled token of turn ``t-1`` is the first position the
 A delta that starts later leaves positions without routes (error); one that starts earlier overlaps
 positions already recorded: an error unless ``allow_overlap=True``, in which case the recorded rows win
 (the KV cache that later tokens attended to was computed with them) and the overlap is dropped.
+
+Gate weights (``gate_dtype`` set): each delta carries the engine's combine weights ``[n_t, L, k]``
+beside its ids (:mod:`.gates`), checked, trimmed and concatenated the same way; :meth:`to_gates`
+materializes them as one :class:`PackedGates` sequence with the rows of :meth:`to_routes`.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from skyrl_numerics.errors import InputError
 
+from .gates import GATE_DTYPES, PackedGates, encode_gates
 from .routes import PackedRoutes, id_dtype
+
+
+@dataclass
+class TurnDelta:
+    """One turn's rows: expert ids ``[n, L, k]`` and, in a trace with gates, their stored weights."""
+    ids: np.ndarray
+    gates: np.ndarray | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.ids.nbytes + (0 if self.gates is None else self.gates.nbytes)
 
 
 class RouteTrace:
     """Accumulates per-turn route deltas ``[n_t, L, k]`` for one trajectory."""
 
-    def __init__(self, num_layers: int, k: int, num_experts: int):
+    def __init__(self, num_layers: int, k: int, num_experts: int, *, gate_dtype: str | None = None):
         self.num_layers, self.k, self.num_experts = int(num_layers), int(k), int(num_experts)
         self._dtype = id_dtype(num_experts)
-        self._chunks: list[np.ndarray] = []
+        if gate_dtype is not None and gate_dtype not in GATE_DTYPES:
+            raise InputError(f"unknown gate dtype {gate_dtype!r}, expected one of {sorted(GATE_DTYPES)}",
+                             field="gate_dtype")
+        self.gate_dtype = gate_dtype
+        self._chunks: list[TurnDelta] = []
         self._turn_starts: list[int] = []
         self.num_tokens = 0
 
@@ -38,17 +60,29 @@ class RouteTrace:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: ``num_tokens * L * k * itemsize`` (each position once)."""
+        """Bytes held: ``num_tokens * L * k * (id itemsize + gate itemsize)`` (each position once)."""
         return sum(c.nbytes for c in self._chunks)
 
     @property
     def turn_starts(self) -> list[int]:
         return list(self._turn_starts)
 
-    def add(self, delta: np.ndarray, start: int | None = None, *, allow_overlap: bool = False) -> "RouteTrace":
-        """Append routes for positions ``[start, start + len(delta))``; ``start`` defaults to the trace end."""
+    def add(self, delta: np.ndarray, start: int | None = None, *, allow_overlap: bool = False,
+            gates=None) -> "RouteTrace":
+        """Append routes for positions ``[start, start + len(delta))``; ``start`` defaults to the trace end.
+        ``gates``: the delta's combine weights ``[n, L, k]`` (floats), required exactly when the trace
+        was made with ``gate_dtype``."""
         turn = self.num_turns
         delta = np.asarray(delta)
+        if (gates is None) != (self.gate_dtype is None):
+            raise InputError(f"turn {turn}: " + ("gate weights given to a trace without gate_dtype"
+                             if gates is not None else "this trace carries gate weights; pass gates="),
+                             field="gates", index=turn)
+        if gates is not None:
+            gates = encode_gates(gates, self.gate_dtype)
+            if gates.shape != delta.shape:
+                raise InputError(f"turn {turn}: gates of shape {gates.shape} for ids of shape {delta.shape}",
+                                 field="gates", index=turn)
         if delta.ndim != 3:
             raise InputError(f"turn {turn}: expected [tokens, layers, k], got shape {delta.shape}", field="delta",
                              index=turn)
@@ -73,13 +107,15 @@ class RouteTrace:
                                  f"{self.num_tokens} positions ({self.num_tokens - start} overlap)",
                                  field="start", index=turn)
             delta = delta[self.num_tokens - start:]
+            gates = None if gates is None else gates[self.num_tokens - start:]
         if delta.size:
             if delta.dtype.kind == "i" and int(delta.min()) < 0:
                 raise InputError(f"turn {turn}: negative expert id {int(delta.min())}", field="delta", index=turn)
             if int(delta.max()) >= self.num_experts:
                 raise InputError(f"turn {turn}: expert id {int(delta.max())} >= num_experts {self.num_experts}",
                                  field="delta", index=turn)
-        self._chunks.append(np.ascontiguousarray(delta, dtype=self._dtype))
+        self._chunks.append(TurnDelta(np.ascontiguousarray(delta, dtype=self._dtype),
+                                      None if gates is None else np.ascontiguousarray(gates)))
         self._turn_starts.append(self.num_tokens)
         self.num_tokens += delta.shape[0]
         return self
@@ -96,6 +132,15 @@ class RouteTrace:
         out = PackedRoutes.empty([self.num_tokens], self.num_layers, self.k, self.num_experts)
         row = 0
         for c in self._chunks:
-            out.values[row:row + c.shape[0]] = c
-            row += c.shape[0]
+            out.values[row:row + c.ids.shape[0]] = c.ids
+            row += c.ids.shape[0]
         return out
+
+    def to_gates(self) -> PackedGates:
+        """The combine weights of :meth:`to_routes`' rows, one packed sequence (``gate_dtype`` traces)."""
+        if self.gate_dtype is None:
+            raise InputError("this trace carries no gate weights (make it with gate_dtype=)", field="gates")
+        shape = (0, self.num_layers, self.k)
+        vals = (np.concatenate([c.gates for c in self._chunks]) if self._chunks
+                else np.zeros(shape, GATE_DTYPES[self.gate_dtype]))
+        return PackedGates(vals, np.array([0, self.num_tokens], dtype=np.int32), self.gate_dtype)

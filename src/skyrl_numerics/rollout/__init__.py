@@ -9,6 +9,7 @@ Layout (B sequences; ``cu`` arrays are int64 prefix sums starting at 0, length B
     group_ids          int64   [B]                which prompt a sample came from (n > 1, GRPO)
     routes             PackedRoutes | None         R3 routes (skyrl_numerics.replay)
     support            PackedSupport | None        top-p/top-k support per response token
+    gates              PackedGates | None          the engine's MoE combine weights, the routes' rows
     sampling           dict    temperature, top_p, top_k, seed, n, max_tokens, logprobs_mode
     engine, engine_version, meta
     loss_mask          bool    [Σ response_len]   optional, multi-turn: True = model token,
@@ -72,6 +73,8 @@ class Rollout(RolloutFiles):
     # multi-turn trajectories (skyrl_numerics.rollout.turns): both or neither
     loss_mask: np.ndarray | None = None   # bool, one per response token: True = model token
     turns: np.ndarray | None = None       # int32, one per response token: its turn index
+    # the engine's MoE combine weights (skyrl_numerics.replay.PackedGates), rows as ``routes``
+    gates: Any = None
 
     def __post_init__(self):
         self.prompt_cu = int_array(self.prompt_cu, "prompt_cu", 0, I64_MAX, np.int64)
@@ -319,6 +322,10 @@ class Rollout(RolloutFiles):
                 i = int(np.flatnonzero(~ok)[0])
                 raise err(f"routes cover {int(seq[i])} tokens; prompt+response is {int(total[i])}",
                           row=i, field="routes")
+        if self.gates is not None:
+            if self.routes is None:
+                raise err("gate weights without routes", field="gates")
+            self.gates.check_routes(self.routes)
         if self.support is not None:
             ns = int(self.support.num_tokens)
             if ns != n:

@@ -132,7 +132,7 @@ class RolloutFiles:
             arrays["trainer_logprobs"] = self.trainer_logprobs
         if self.loss_mask is not None:
             arrays["loss_mask"], arrays["turns"] = self.loss_mask, self.turns
-        for prefix, obj in (("routes.", self.routes), ("support.", self.support)):
+        for prefix, obj in (("routes.", self.routes), ("support.", self.support), ("gates.", self.gates)):
             if obj is not None:
                 for k, v in obj.to_arrays().items():
                     arrays[prefix + k] = np.ascontiguousarray(v)
@@ -277,7 +277,7 @@ class RolloutFiles:
             if k not in arrays:
                 raise InputError("missing array", field=k)
         for k, v in arrays.items():
-            if k.startswith(("routes.", "support.")):
+            if k.startswith(("routes.", "support.", "gates.")):
                 continue
             if k not in FILE_DTYPES or (version < 2 and k in _V2_ONLY):
                 old = f" (not in schema_version {version})" if k in FILE_DTYPES else ""
@@ -295,6 +295,14 @@ class RolloutFiles:
                 routes = PackedRoutes.from_arrays(route_arrays)
         except InputError as e:
             raise InputError(e.message, row=e.row, field=f"routes.{e.field or 'values'}", index=e.index) from None
+        gate_arrays = {k[len("gates."):]: v for k, v in arrays.items() if k.startswith("gates.")}
+        gates = None
+        try:
+            if gate_arrays:
+                from skyrl_numerics.replay import PackedGates
+                gates = PackedGates.from_arrays(gate_arrays)
+        except InputError as e:
+            raise InputError(e.message, row=e.row, field=f"gates.{e.field or 'values'}", index=e.index) from None
         try:
             if support_arrays:
                 from skyrl_numerics.replay import PackedSupport
@@ -305,7 +313,7 @@ class RolloutFiles:
                    response_tokens=arrays["response_tokens"], response_cu=arrays["response_cu"],
                    rollout_logprobs=arrays["rollout_logprobs"],
                    trainer_logprobs=arrays.get("trainer_logprobs"),
-                   group_ids=arrays.get("group_ids"), routes=routes, support=support,
+                   group_ids=arrays.get("group_ids"), routes=routes, support=support, gates=gates,
                    loss_mask=arrays.get("loss_mask"), turns=arrays.get("turns"),
                    sampling=sampling, meta=m, engine=meta.get("engine", "unknown"),
                    engine_version=meta.get("engine_version", "unknown"), vocab_size=vocab)

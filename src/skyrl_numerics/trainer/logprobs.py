@@ -87,7 +87,7 @@ def _route_rows(routes, rows: list[int]):
 def trainer_logprobs(model, rollout: Rollout, *, batch_size: int = 8, token_chunk: int = 1024,
                      temperature: float | None = None, forward_hook: Callable | None = None,
                      pad_id: int = 0, use_support: bool = False,
-                     use_routes: bool = False) -> TrainerLogprobs:
+                     use_routes: bool = False, use_gates: bool = False) -> TrainerLogprobs:
     """Recompute the rollout's response logprobs with ``model`` (HF causal LM), no grad.
 
     Sequences are batched ``batch_size`` at a time, right-padded with an attention mask.
@@ -102,6 +102,10 @@ def trainer_logprobs(model, rollout: Rollout, *, batch_size: int = 8, token_chun
     ``use_routes``: R3 — every MoE router uses the experts the engine chose (``rollout.routes``),
     with gate weights recomputed from the trainer's router logits
     (:func:`skyrl_numerics.replay.route_replay`).
+
+    ``use_gates`` (with ``use_routes``): the engine's combine weights too (``rollout.gates``,
+    ``route_replay(..., weights="engine")``: the engine's values forward, the recomputed weights'
+    gradient backward).
     """
     import contextlib
 
@@ -119,6 +123,11 @@ def trainer_logprobs(model, rollout: Rollout, *, batch_size: int = 8, token_chun
 
         raise InputError("use_routes=True but the rollout has no routes (generate with "
                          "capture_routes=True)", field="routes")
+    if use_gates and (not use_routes or rollout.gates is None):
+        from skyrl_numerics.errors import InputError
+
+        raise InputError("use_gates=True needs use_routes=True and a rollout with gate weights "
+                         "(generate with capture_routes=True and gate_weights=True)", field="gates")
     body, weight = decoder_and_head(model)
     device = weight.device
     out_lp = np.empty(rollout.num_response_tokens, dtype=np.float32)
@@ -139,8 +148,10 @@ def trainer_logprobs(model, rollout: Rollout, *, batch_size: int = 8, token_chun
             if use_routes:
                 from skyrl_numerics.replay import route_replay
 
+                gates = rollout.gates.seqs(rows[0], rows[-1]) if use_gates else None
                 stack.enter_context(route_replay(body, _route_rows(rollout.routes, rows),
-                                                 seq_lens=[len(x) for x in seqs]))
+                                                 seq_lens=[len(x) for x in seqs], gates=gates,
+                                                 weights="engine" if use_gates else "recompute"))
             with stack:
                 hidden = body(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
             # Gather the positions that predict response tokens, in rollout order.
