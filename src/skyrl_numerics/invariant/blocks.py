@@ -172,7 +172,7 @@ def qk_norm_rope_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_w: to
 
     D = q.shape[-1]
     bf = torch.bfloat16
-    if (q.device.type != "cpu" or D % 2
+    if (q.device.type != "cpu" or D % 2 or rope.dim != D
             or any(t.dtype != bf for t in (q, k, v, q_w, k_w))
             or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, q_w, k_w)))):
         return None
@@ -247,7 +247,11 @@ class Rope:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cos_sin=None) -> torch.Tensor:
         """Rotate ``x [T, H, dim]`` at ``positions [T]``, fp32 math, back to ``x.dtype``
-        (``cos_sin``: :meth:`cos_sin` of the same positions, to share it between q and k)."""
+        (``cos_sin``: :meth:`cos_sin` of the same positions, to share it between q and k). A
+        wider ``x`` (partial rotary, ``partial_rotary_factor``): its first ``dim`` dims rotated,
+        the rest unchanged — HF's and vLLM's layout."""
+        if x.shape[-1] > self.dim:     # partial rotary (GLM): the dims past ``dim`` pass as they are
+            return torch.cat([self(x[..., :self.dim], positions, cos_sin), x[..., self.dim:]], dim=-1)
         cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions)
         xf = x.float()
         if self.style == "neox":
