@@ -23,7 +23,7 @@ not depend on which other tokens share the call, nor on prefill vs decode:
   ``m = mscale(factor, mscale) / mscale(factor, mscale_all_dim) * attention_factor``
   where ``mscale(s, a) = 0.1 a ln s + 1`` (1 for s <= 1);
 - routers: :func:`softmax_topk` (Qwen/Mixtral) and :func:`sigmoid_group_topk` (DeepSeek
-  ``noaux_tc``), both per token with ``torch.topk`` over one row;
+  ``noaux_tc``, GLM-4-MoE), both per token with ``torch.topk`` over one row;
 - :func:`routed_experts`: each expert runs its tokens through invariant matmuls; a token's k
   expert outputs are summed in top-k slot order (never by an index_add over tokens);
 - :func:`swiglu_mlp`: ``down(silu(gate x) * up x)`` (dense layers and shared experts).
