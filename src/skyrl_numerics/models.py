@@ -1,6 +1,6 @@
 """Tiny seeded random-weight HF checkpoints, built on disk (no downloads), cached by config hash.
 
-Three MoE families cover the routing styles that matter for trainer/engine alignment:
+MoE families covering the routing styles that matter for trainer/engine alignment:
 
 - ``qwen3_moe``   Qwen3-MoE: GQA attention (head_dim 64 — vLLM CPU attention needs 64), softmax
                   top-k routing over several experts.
@@ -10,6 +10,10 @@ Three MoE families cover the routing styles that matter for trainer/engine align
 - ``mixtral``     Mixtral: GQA attention, every layer an MoE (``num_local_experts``), softmax over
                   all experts then top-k renormalized in fp32; no shared expert, no norm on q/k.
                   Its experts are stored as ``block_sparse_moe.experts.<e>.w1/w2/w3``.
+
+- ``glm4_moe``    GLM-4.5/4.7: GQA with q/k/v biases and q/k RMSNorm, partial RoPE (half of
+                  each head), sigmoid group-limited routing with ``e_score_correction_bias`` and
+                  ``routed_scaling_factor``, a shared expert, a dense first layer.
 
 and four dense decoders (GQA, one SwiGLU MLP per layer): ``qwen3`` (q/k RMSNorm), ``llama``,
 ``qwen2`` (q/k/v biases) and ``mistral`` (a sliding window at least as long as the context).
@@ -37,7 +41,7 @@ from .hashing import json_key
 _FORMAT_VERSION = 1
 
 FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral", "qwen3", "llama", "qwen2", "mistral",
-            "deepseek_v32", "qwen3_next", "nemotron_h", "gpt_oss")
+            "deepseek_v32", "qwen3_next", "nemotron_h", "gpt_oss", "glm4_moe")
 
 # the dense decoders (one SwiGLU MLP per layer, GQA, head_dim 64): what differs is in the
 # modeling code (Qwen3 q/k RMSNorm, Qwen2 q/k/v biases, Mistral's sliding window)
@@ -151,6 +155,16 @@ _BASE: dict[str, dict[str, Any]] = {
         mamba_head_dim=32, ssm_state_size=16, n_groups=1, conv_kernel=4, expand=1, chunk_size=32,
         max_position_embeddings=1024, layer_norm_epsilon=1e-5, tie_word_embeddings=False,
         initializer_range=0.05, pad_token_id=0, bos_token_id=0, eos_token_id=1),
+    # GLM-4.5/4.7: GQA with q/k/v biases and q/k RMSNorm, RoPE on the first half of each head
+    # (partial_rotary_factor 0.5), a dense first layer, then sigmoid-routed MoE layers (two
+    # groups, e_score_correction_bias, routed_scaling_factor) with a shared expert
+    "glm4_moe": dict(
+        _DENSE, architectures=["Glm4MoeForCausalLM"], attention_bias=True, use_qk_norm=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.5},
+        moe_intermediate_size=64, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+        first_k_dense_replace=1, num_nextn_predict_layers=0),
     "qwen3": dict(_DENSE, architectures=["Qwen3ForCausalLM"], attention_bias=False),
     "llama": dict(_DENSE, architectures=["LlamaForCausalLM"], attention_bias=False, mlp_bias=False),
     # Qwen2's q/k/v projections always carry biases (o_proj none)

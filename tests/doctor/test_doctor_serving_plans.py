@@ -94,12 +94,13 @@ def test_a_model_without_a_family_skips_the_serving_rows(tmp_path):
     from skyrl_numerics.doctor.model_check import inspect_checkpoint
     from skyrl_numerics.models import build_tiny_model
 
-    info = inspect_checkpoint(build_tiny_model("mixtral"), count_params=False)
+    # (a Mixtral whose sliding window is shorter than its context: no family reproduces it)
+    info = inspect_checkpoint(build_tiny_model("mixtral", sliding_window=256), count_params=False)
     ctx = DoctorContext(model_dir=info.path, family=info.model_type, info=info)
     for r in DR.ROWS:
         if r.scenario in SERVING:
             why = skip_reason(r, ctx, load=False)
-            assert why.startswith("batch-invariant: ") and "MixtralForCausalLM" in why, why
+            assert why.startswith("batch-invariant: ") and "'sliding_window'" in why, why
 
 
 def test_serving_scenarios_need_a_planned_server():

@@ -52,11 +52,25 @@ def test_tiny_qwen3_moe_runs_every_generic_row(qwen_moe_dir):
     assert generic and all(why[n] is None for n in generic), {n: why[n] for n in generic if why[n]}
 
 
-def test_mixtral_skips_invariant_and_fake_quant_serving():
+def test_mixtral_runs_r3_and_invariant_but_skips_fake_quant_serving():
     why = _reasons(_ctx(build_tiny_model("mixtral")))
     assert why["+ R3 (router replay)"] is None  # MixtralTopKRouter has a replay
     assert "no per-expert weights named *.mlp.experts" in why["int4 experts: plain bf16 trainer"]
-    assert "MixtralForCausalLM" in why["+ batch-invariant (trainer and vLLM)"]
+    assert why["+ batch-invariant (trainer and vLLM)"] is None       # the mixtral family
+    assert why["+ batch-invariant, FP8 KV (trainer simulates the cache)"] is None
+    # a window shorter than the context: refused before any engine, naming the field
+    short = _reasons(_ctx(build_tiny_model("mixtral", sliding_window=256)))
+    assert "'sliding_window'" in short["+ batch-invariant (trainer and vLLM)"]
+
+
+def test_glm4_moe_runs_the_stock_r3_and_invariant_rows():
+    """GLM-4.5's router (Glm4MoeTopkRouter) has a replay; the glm4_moe family runs the bitwise
+    rows, FP8 KV included (a GQA [K | V] cache row)."""
+    why = _reasons(_ctx(build_tiny_model("glm4_moe")))
+    for name in ("baseline: HF trainer, bf16", "+ R3 (router replay)",
+                 "top-p/top-k: + support replay + R3", "+ batch-invariant (trainer and vLLM)",
+                 "+ batch-invariant, FP8 KV (trainer simulates the cache)"):
+        assert why[name] is None, (name, why[name])
 
 
 def test_family_specific_rows_name_their_family(qwen_moe_dir):

@@ -1,6 +1,6 @@
 """`doctor --model DIR` on checkpoints written here with plain transformers ``save_pretrained``
-(dimensions the package never uses), a dense fp32 model and an MoE bf16 one, and `--family
-mixtral`, against the real vLLM CPU engine; plus the quiet terminal.
+(dimensions the package never uses), a dense fp32 model, an MoE bf16 one and a GLM-4.5-style
+one, and `--family mixtral`, against the real vLLM CPU engine; plus the quiet terminal.
 
 Each test starts its own engines (other model dirs than the session fixtures); they are closed
 at the end of the test.
@@ -149,7 +149,7 @@ def test_mixtral_family(tmp_path, closes_engines):
     out = tmp_path / "out"
     rows = ["baseline: HF trainer, bf16", "+ R3 (router replay)",
             "top-p/top-k: HF trainer, full-vocab", "top-p/top-k: + support replay + R3",
-            "+ batch-invariant (trainer and vLLM)", "int4 experts: plain bf16 trainer"]
+            "int4 experts: plain bf16 trainer"]
     assert main(["doctor", "--family", "mixtral", "--prompts", "4", "--max-tokens", "24",
                  "--out", str(out), "--no-progress",
                  *[a for r in rows for a in ("--row", r)]]) == 0
@@ -162,5 +162,47 @@ def test_mixtral_family(tmp_path, closes_engines):
     assert r3["max_abs"] < base["max_abs"] and r3["mean_abs"] < base["mean_abs"]
     trunc, both = s["top-p/top-k: HF trainer, full-vocab"], s["top-p/top-k: + support replay + R3"]
     assert both["mean_abs"] < 0.05 * trunc["mean_abs"]
-    assert "no batch-invariant family" in by["+ batch-invariant (trainer and vLLM)"]["status"]
     assert "*.mlp.experts" in by["int4 experts: plain bf16 trainer"]["status"]
+
+
+def test_glm4_moe_user_model_r3_and_bitwise(tmp_path, closes_engines):
+    """A user's GLM-4.5-style checkpoint (transformers' own ``Glm4MoeConfig``: partial RoPE,
+    q/k norm, biases, sigmoid grouped router with a correction bias, a shared expert, a dense
+    first layer): the stock rows run on vLLM's own Glm4-MoE, R3 replays its routes into HF's
+    ``Glm4MoeTopkRouter``, and the glm4_moe family's bitwise row is 100 %."""
+    import torch
+    from transformers import Glm4MoeConfig
+
+    cfg = Glm4MoeConfig(vocab_size=400, hidden_size=96, intermediate_size=160,
+                        moe_intermediate_size=48, num_hidden_layers=3, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=64, n_routed_experts=6,
+                        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                        routed_scaling_factor=2.0, first_k_dense_replace=1, use_qk_norm=True,
+                        attention_bias=True, max_position_embeddings=512,
+                        tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+    d = tmp_path / "glm"
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():                # HF zeroes biases and the correction bias
+        for name, p in m.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.randn_like(p) * 0.05)
+        for name, b in m.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.01)
+    m.to(torch.bfloat16).save_pretrained(d)
+    out = tmp_path / "out"
+    rows = ["baseline: HF trainer, bf16", "+ R3 (router replay)",
+            "+ batch-invariant (trainer and vLLM)"]
+    assert main(["doctor", "--model", str(d), "--prompts", "3", "--max-tokens", "16",
+                 "--out", str(out), "--no-progress",
+                 *[a for r in rows for a in ("--row", r)]]) == 0
+    rep, by = _rows(out)
+    assert rep["model"]["architecture"] == "Glm4MoeForCausalLM" and rep["model"]["moe"] is True
+    assert all(r["status"] == "measured" for r in by.values()), {n: r["status"] for n, r in by.items()}
+    s = {n: r["summary"] for n, r in by.items()}
+    assert s["+ R3 (router replay)"]["max_abs"] <= s["baseline: HF trainer, bf16"]["max_abs"]
+    inv = s["+ batch-invariant (trainer and vLLM)"]
+    assert inv["frac_bitwise_equal"] == 1.0 and inv["max_abs"] == 0.0, inv

@@ -1,4 +1,5 @@
-"""route_replay / record_routes on tiny HF MoE models built from configs (Qwen3-MoE, OLMoE, Mixtral, DeepSeek-V3)."""
+"""route_replay / record_routes on tiny HF MoE models built from configs (Qwen3-MoE, OLMoE, Mixtral, DeepSeek-V3,
+GLM-4-MoE)."""
 import numpy as np
 import pytest
 import torch
@@ -57,7 +58,20 @@ def deepseek_v3():
     return _init(transformers.DeepseekV3ForCausalLM(cfg), 3)
 
 
-FAMILIES = {"qwen3_moe": qwen3_moe, "olmoe": olmoe, "mixtral": mixtral, "deepseek_v3": deepseek_v3}
+def glm4_moe():
+    # GLM-4.5's router (sigmoid, e_score_correction_bias, groups), a dense first layer, a shared
+    # expert, partial RoPE, q/k norm and attention biases
+    cfg = transformers.Glm4MoeConfig(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                                     num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                     n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+                                     topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+                                     first_k_dense_replace=1, use_qk_norm=True, attention_bias=True,
+                                     max_position_embeddings=256)
+    return _init(transformers.Glm4MoeForCausalLM(cfg), 4)
+
+
+FAMILIES = {"qwen3_moe": qwen3_moe, "olmoe": olmoe, "mixtral": mixtral, "deepseek_v3": deepseek_v3,
+            "glm4_moe": glm4_moe}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -321,7 +321,7 @@ register_row(Row("FP8 KV engine: trainer without KV simulation", "batch-invarian
                  note="invariant engine with an FP8 cache, invariant trainer attending over "
                       "unquantized K/V: the size of the FP8-KV cause alone"))
 register_row(Row("+ batch-invariant, FP8 KV (trainer simulates the cache)", "batch-invariant, FP8 KV",
-                 _invariant_trainer("fp8"), families=("qwen3_moe",),
+                 _invariant_trainer("fp8"), families=("qwen3_moe", "mixtral", "glm4_moe"),
                  note="the trainer sends its K/V through the same E4M3 cache format: bitwise"))
 register_row(Row("+ batch-invariant, FP8 latent KV (trainer simulates the cache)",
                  "batch-invariant, FP8 KV", _invariant_trainer("fp8"), families=("deepseek_v3",),

@@ -27,6 +27,8 @@ FAMILIES = {
     **{arch: ("dense", "skyrl_numerics.invariant.dense:InvariantDense")
        for arch in ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM",
                     "MistralForCausalLM")},
+    "MixtralForCausalLM": ("mixtral", "skyrl_numerics.invariant.mixtral:InvariantMixtral"),
+    "Glm4MoeForCausalLM": ("glm4_moe", "skyrl_numerics.invariant.glm4_moe:InvariantGlm4Moe"),
 }
 
 

@@ -171,19 +171,21 @@ class InvariantCausalLM(nn.Module):
     def adapter_names(self) -> list[str]:
         return list(self._adapters)
 
-    def expert_weights(self, prefix: str, num_experts: int) -> list:
+    def expert_weights(self, prefix: str, num_experts: int,
+                       names: tuple = ("gate_proj", "up_proj", "down_proj")) -> list:
         """``[(w_gate, w_up, w_down)]`` of experts ``0 .. E-1`` named ``{prefix}{e}.gate_proj.weight``
-        etc.: the parameters themselves, looked up once per layer (a decode step would otherwise
+        etc. (``names``: the three projections' names, Mixtral's ``w1, w3, w2``): the parameters
+        themselves, looked up once per layer (a decode step would otherwise
         spend ~3E dict lookups per layer). Loading copies into these tensors in place; a
         parameter replaced by another object (e.g. wrapped by FSDP) is noticed and looked up again."""
-        if f"{prefix}0.gate_proj.weight" in self._proj:   # planned experts: their projections
-            return [tuple(self.proj(f"{prefix}{e}.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj"))
+        if f"{prefix}0.{names[0]}.weight" in self._proj:   # planned experts: their projections
+            return [tuple(self.proj(f"{prefix}{e}.{n}.weight") for n in names)
                     for e in range(num_experts)]
         hit = self._expert_lists.get(prefix)
         if (hit is None or len(hit) != num_experts
-                or hit[0][0] is not self.w(f"{prefix}0.gate_proj.weight")
-                or hit[-1][2] is not self.w(f"{prefix}{num_experts - 1}.down_proj.weight")):
-            hit = [tuple(self.w(f"{prefix}{e}.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj"))
+                or hit[0][0] is not self.w(f"{prefix}0.{names[0]}.weight")
+                or hit[-1][2] is not self.w(f"{prefix}{num_experts - 1}.{names[2]}.weight")):
+            hit = [tuple(self.w(f"{prefix}{e}.{n}.weight") for n in names)
                    for e in range(num_experts)]
             self._expert_lists[prefix] = hit
         return hit

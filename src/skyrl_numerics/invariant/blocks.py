@@ -24,7 +24,7 @@ not depend on which other tokens share the call, nor on prefill vs decode:
   ``m = mscale(factor, mscale) / mscale(factor, mscale_all_dim) * attention_factor``
   where ``mscale(s, a) = 0.1 a ln s + 1`` (1 for s <= 1);
 - routers: :func:`softmax_topk` (Qwen/Mixtral) and :func:`sigmoid_group_topk` (DeepSeek
-  ``noaux_tc``), both per token with ``torch.topk`` over one row;
+  ``noaux_tc``, GLM-4-MoE), both per token with ``torch.topk`` over one row;
 - :func:`routed_experts`: each expert runs its tokens through invariant matmuls; a token's k
   expert outputs are summed in top-k slot order (never by an index_add over tokens);
 - :func:`swiglu_mlp`: ``down(silu(gate x) * up x)`` (dense layers and shared experts).
@@ -173,7 +173,7 @@ def qk_norm_rope_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_w: to
 
     D = q.shape[-1]
     bf = torch.bfloat16
-    if (q.device.type != "cpu" or D % 2
+    if (q.device.type != "cpu" or D % 2 or rope.dim != D
             or any(t.dtype != bf for t in (q, k, v, q_w, k_w))
             or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, q_w, k_w)))):
         return None
@@ -250,7 +250,11 @@ class Rope:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cos_sin=None) -> torch.Tensor:
         """Rotate ``x [T, H, dim]`` at ``positions [T]``, fp32 math, back to ``x.dtype``
-        (``cos_sin``: :meth:`cos_sin` of the same positions, to share it between q and k)."""
+        (``cos_sin``: :meth:`cos_sin` of the same positions, to share it between q and k). A
+        wider ``x`` (partial rotary, ``partial_rotary_factor``): its first ``dim`` dims rotated,
+        the rest unchanged — HF's and vLLM's layout."""
+        if x.shape[-1] > self.dim:     # partial rotary (GLM): the dims past ``dim`` pass as they are
+            return torch.cat([self(x[..., :self.dim], positions, cos_sin), x[..., self.dim:]], dim=-1)
         cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions)
         xf = x.float()
         if self.style == "neox":

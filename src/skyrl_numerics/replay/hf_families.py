@@ -12,7 +12,8 @@ bit for bit.
 - Mixtral: ``w = softmax(logits.float())[idx] / sum(...)`` (always renormalized, stays fp32).
 - GPT-OSS: ``w = softmax(logits[idx])`` over the chosen experts' logits only, in the logits dtype
   (the router's bias is already in the logits; ``idx`` in the router's top-k order).
-- DeepSeek-V3 (``noaux_tc``): ``s = sigmoid(logits)``; ``w = s[idx]``; if ``norm_topk_prob``:
+- DeepSeek-V3 (``noaux_tc``) and GLM-4.5/4.7 (``Glm4MoeTopkRouter``, the same router):
+  ``s = sigmoid(logits)``; ``w = s[idx]``; if ``norm_topk_prob``:
   ``w /= sum(w) + 1e-20``; ``w *= routed_scaling_factor``. The ``e_score_correction_bias`` and the
   group limit only steer *which* experts are chosen, not their weights, so they drop out under replay;
   shared experts are outside the router and untouched.
@@ -57,4 +58,5 @@ ROUTER_FAMILIES = {
     "MixtralTopKRouter": (mixtral_weights, "num_experts"),
     "GptOssTopKRouter": (gpt_oss_weights, "num_experts"),
     "DeepseekV3TopkRouter": (deepseek_v3_weights, "num_experts"),
+    "Glm4MoeTopkRouter": (deepseek_v3_weights, "num_experts"),
 }
