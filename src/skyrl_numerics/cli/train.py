@@ -68,6 +68,9 @@ def task_and_env(args) -> tuple:
 
 
 def check_model_args(args, recipe, names) -> None:
+    if args.trained and (args.model or args.server):
+        raise InputError("--trained builds the trained tiny --family model; not with --model / "
+                         "--server", field="trained")
     if args.model and (args.server or args.family != "qwen3_moe"):
         raise InputError("--model DIR with --server or --family: the server / family names the "
                          "checkpoint", field="model")
@@ -102,6 +105,10 @@ def checkpoint(args) -> str:
         return model_dir
     if args.model:
         return args.model
+    if args.trained:
+        from skyrl_numerics.trained_models import build_trained_model
+
+        return build_trained_model(args.family)
     from skyrl_numerics.models import build_tiny_model
 
     return build_tiny_model(args.family, seed=args.seed)
