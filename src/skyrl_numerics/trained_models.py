@@ -8,8 +8,9 @@ float32 with Adam on seeded batches (teacher forcing, cross-entropy on the conti
 for :class:`PretrainRecipe` ``steps``, and stores it in bfloat16 under ``trained/`` in the cache
 folder (:func:`skyrl_numerics.paths.cache_dir`). The directory name is a content key of (family,
 config, seed, dtype, recipe, format version): the same call reuses it. The recipe stops short of
-perfect on purpose (the default reaches roughly 90 % held-out token accuracy on qwen3_moe), so RL
-still has something to improve.
+perfect (measured: qwen3_moe 98 % held-out token accuracy, entropy 6.08 -> 0.29 nats; deepseek_v3
+51 %, 6.08 -> 2.96), so RL still has something to improve; about a minute of one core for qwen3_moe,
+a few for deepseek_v3.
 
 Deterministic given the seed: the data come from ``numpy.random.default_rng(seed)``, the weights
 from ``torch.manual_seed(seed)``, and training runs on one thread (a GEMM's reduction order can

@@ -59,16 +59,31 @@ def _greedy_accuracy(model_dir, prompts, n_new=8) -> float:
 
 
 def test_trained_beats_random_on_held_out_prompts(tmp_path):
-    """A short recipe (far from the default's ~98 %) already learns something: on the doctor's /
-    loop's seeded random prompts (never seen in training) the trained model continues several
-    times better than its random start (~1/512), and its held-out next-token entropy dropped."""
-    recipe = PretrainRecipe(steps=60, batch=16, eval_batch=32)
-    d = build_trained_model("qwen3_moe", recipe=recipe, cache_dir=tmp_path)
+    """The default recipe (the checkpoint the doctor's and train's ``--trained`` use, built once in
+    the session cache, ~1 min of one core): on the doctor's / loop's seeded random prompts (never
+    seen in training) the trained model continues the task far better than its random start
+    (~1/512), and its held-out next-token entropy is peaked (competent, not yet perfect)."""
+    d = build_trained_model("qwen3_moe")
     meta = json.loads((d / "skyrl_numerics.json").read_text())["trained"]
-    assert meta["after"]["entropy_nats"] < meta["before"]["entropy_nats"] - 0.2
-    assert meta["after"]["target_prob"] > 3 * meta["before"]["target_prob"]
+    assert meta["before"]["entropy_nats"] > 5.5 and meta["after"]["entropy_nats"] < 1.5
+    assert meta["before"]["accuracy"] < 0.05 < 0.5 < meta["after"]["accuracy"]
     prompts = make_prompts(32, 8, 512, seed=12345)
     trained = _greedy_accuracy(d, prompts)
     random_start = _greedy_accuracy(build_tiny_model("qwen3_moe", cache_dir=tmp_path / "r"), prompts)
-    assert random_start < 0.05                  # ~1/512 expected
-    assert trained > max(3 * random_start, random_start + 0.02), (trained, random_start)
+    assert random_start < 0.05 and trained > 0.5, (trained, random_start)
+
+
+@pytest.mark.parametrize("argv", [
+    ["doctor", "--trained", "--model", "{tmp}"],
+    ["doctor", "--trained", "--family", "mixtral"],
+    ["train", "--trained", "--server", "http://127.0.0.1:9"],
+])
+def test_cli_trained_refusals_exit_2_one_line(tmp_path, argv, capsys):
+    from skyrl_numerics.cli import main
+
+    out = tmp_path / "out"
+    assert main([a.replace("{tmp}", str(tmp_path)) for a in argv] + ["--out", str(out)]) == 2
+    cap = capsys.readouterr()
+    lines = [ln for ln in (cap.out + cap.err).splitlines() if ln.strip()]
+    assert len(lines) == 1 and ("trained" in lines[0] or "family" in lines[0]), lines
+    assert not out.exists()
