@@ -189,7 +189,7 @@ def table(args, recipe, res):
     from rich.table import Table
 
     what = (f"the model at {args.server}" if args.server else args.model if args.model
-            else f"the tiny {args.family}") + (f", recipe {recipe.name}" if recipe else "")
+            else f"the {'trained ' if args.trained else ''}tiny {args.family}") + (f", recipe {recipe.name}" if recipe else "")
     t = Table(title=f"GRPO on {what} (real vLLM generator, delta weight sync)")
     turns = any("gap_per_turn_max_abs" in r for rows in res.history.values() for r in rows)
     for col in (("config", "step", "reward", "mean |Δ|", "max |Δ|", "bitwise =", "F(2)", "KL k3",
