@@ -225,31 +225,26 @@ def _hf_config(cfg: dict):
     return AutoConfig.for_model(model_type, **cfg)
 
 
-def build_tiny_model(family: str = "qwen3_moe", *, seed: int = 0, dtype: str = "bfloat16",
-                     cache_dir: str | os.PathLike | None = None, **overrides: Any) -> Path:
-    """Build (or reuse) a tiny random-weight checkpoint; return its directory.
+def tiny_dir(family: str, cfg: dict, seed: int, dtype: str, cache_dir=None) -> Path:
+    """Where the tiny checkpoint of ``family`` with config ``cfg`` lives (built or not)."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return root / f"{family}-{_config_hash(family, cfg, seed, dtype)}"
 
-    Weights come from the model's own initializer under ``torch.manual_seed(seed)``, then are cast
-    to ``dtype``. The router's ``e_score_correction_bias`` (DeepSeek-V3) is set to small seeded
-    values so the bias path is exercised rather than all zeros; so are projection biases (Qwen2's
-    q/k/v, Llama's ``attention_bias``), which HF's initializer zeroes.
+
+def init_tiny_model(cfg: dict, seed: int):
+    """The float32 HF model of config ``cfg`` (a :func:`tiny_config` dict) with seeded weights.
+
+    Weights come from the model's own initializer under ``torch.manual_seed(seed)`` (the global
+    RNG is left as it was). The router's ``e_score_correction_bias`` (DeepSeek-V3) is set to small
+    seeded values so the bias path is exercised rather than all zeros; so are projection biases
+    (Qwen2's q/k/v, Llama's ``attention_bias``), which HF's initializer zeroes.
     """
     import torch
-
-    cfg = tiny_config(family, **overrides)
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    out = root / f"{family}-{_config_hash(family, cfg, seed, dtype)}"
-    if (out / "config.json").exists() and (out / "model.safetensors").exists():
-        return out
-
     from transformers import AutoModelForCausalLM
 
-    torch_dtype = getattr(torch, dtype)
-    hf_cfg = _hf_config(cfg)
-    gen = torch.random.fork_rng(devices=[])
-    with gen:
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(_hf_config(cfg), dtype=torch.float32)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("e_score_correction_bias"):
@@ -259,11 +254,17 @@ def build_tiny_model(family: str = "qwen3_moe", *, seed: int = 0, dtype: str = "
             for name, b in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     b.copy_(torch.randn_like(b) * 0.01)
-    model = model.to(torch_dtype)
+    return model
 
+
+def save_checkpoint(model, out: Path, dtype: str, meta: dict) -> Path:
+    """Write ``model`` cast to ``dtype`` as ``out`` (config.json with the dtype explicit, as vLLM
+    reads it; model.safetensors; ``meta`` as skyrl_numerics.json), atomically."""
+    import torch
+
+    model = model.to(getattr(torch, dtype))
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
-        # vLLM reads ``torch_dtype``/``dtype`` from config.json; keep it explicit.
         with open(tmp / "config.json") as f:
             saved = json.load(f)
         saved["torch_dtype"] = dtype
@@ -273,9 +274,20 @@ def build_tiny_model(family: str = "qwen3_moe", *, seed: int = 0, dtype: str = "
         saved.setdefault("num_hidden_layers", hf_cfg.num_hidden_layers)
         with open(tmp / "config.json", "w") as f:
             json.dump(saved, f, indent=2, sort_keys=True)
-        (tmp / "skyrl_numerics.json").write_text(json.dumps(
-            {"family": family, "seed": seed, "dtype": dtype, "format": _FORMAT_VERSION}, indent=2))
+        (tmp / "skyrl_numerics.json").write_text(json.dumps(meta, indent=2))
     return out
+
+
+def build_tiny_model(family: str = "qwen3_moe", *, seed: int = 0, dtype: str = "bfloat16",
+                     cache_dir: str | os.PathLike | None = None, **overrides: Any) -> Path:
+    """Build (or reuse) a tiny random-weight checkpoint (:func:`init_tiny_model`, then cast to
+    ``dtype``); return its directory."""
+    cfg = tiny_config(family, **overrides)
+    out = tiny_dir(family, cfg, seed, dtype, cache_dir)
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    return save_checkpoint(init_tiny_model(cfg, seed), out, dtype,
+                           {"family": family, "seed": seed, "dtype": dtype, "format": _FORMAT_VERSION})
 
 
 def load_hf_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device: str = "cpu"):

@@ -105,7 +105,7 @@ def test_hypothesis_is_derandomized_under_ci():
 # Packages from the bottom up: each imports only packages before it in this list (README, Layout).
 LAYERS = ["errors", "atomic", "paths", "hashing", "patching", "host", "safetensors_header",
           "hf_config", "kernels", "quant", "replay", "gap", "correction_skyrl", "correction_trl", "correction",
-          "rollout", "models",
+          "rollout", "copy_task", "models", "trained_models",
           "invariant", "sync", "engine", "trainer", "doctor", "integrations", "cli"]
 
 

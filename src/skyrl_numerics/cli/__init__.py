@@ -105,6 +105,9 @@ def _cmd_doctor(args) -> int:
 
     if args.model and args.family:
         raise InputError("give --model DIR or --family NAME, not both", field="model")
+    if args.trained and (args.model or args.server):
+        raise InputError("--trained builds the trained tiny --family model; not with --model / "
+                         "--server", field="trained")
     if args.server and not args.model:
         raise InputError("--server URL needs --model DIR (the checkpoint the server serves, "
                          "for the trainer side)", field="model")
@@ -132,6 +135,11 @@ def _cmd_doctor(args) -> int:
         if "max_model_len" not in ekw and isinstance(mpe, int) and 0 < mpe < max_model_len:
             max_model_len = ekw["max_model_len"] = mpe
     trainer_dtype = args.dtype if args.dtype != "auto" else None
+    model_dir = args.model
+    if args.trained:
+        from skyrl_numerics.trained_models import build_trained_model
+
+        model_dir = build_trained_model(family)      # seed 0: --seed picks the prompts
     out = Path(args.out)
     with engine_log(args) as elog:
         console = make_console(elog.terminal)
@@ -148,7 +156,7 @@ def _cmd_doctor(args) -> int:
             else:
                 res = run_doctor(family=family, n_prompts=args.prompts, prompt_len=args.prompt_len,
                                  max_tokens=args.max_tokens, seed=args.seed, rows=args.row or None,
-                                 progress=not args.no_progress, model_dir=args.model,
+                                 progress=not args.no_progress, model_dir=model_dir,
                                  engine_args=ekw, dtype=trainer_dtype,
                                  check=_doctor_checks(args, ekw, max_model_len))
         except InputError:
@@ -158,7 +166,7 @@ def _cmd_doctor(args) -> int:
                 console.print(f"doctor failed; vLLM log: {plain(elog.keep(out / 'vllm.log'))}")
             raise
         m = res.model
-        who = (f"tiny {family}" if not args.model else
+        who = (f"{'trained ' if args.trained else ''}tiny {family}" if not args.model else
                f"{m['architecture']} at {m['path']} (config {m['config_hash']})")
         title = (f"trainer vs {res.engine} {res.engine_version} — {who}, "
                  f"{res.settings['n_prompts']}×{args.max_tokens} tokens")
@@ -339,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "ablation table")
     d.add_argument("--family", default=None, choices=["qwen3_moe", "deepseek_v3", "mixtral"],
                    help="build and run this tiny model (default qwen3_moe)")
+    d.add_argument("--trained", action="store_true",
+                   help="the trained tiny --family model (qwen3_moe or deepseek_v3, pre-trained on "
+                        "the copy task, cached: trained_models.py) instead of the random-weight one")
     d.add_argument("--model", default=None, metavar="DIR",
                    help="your own Hugging Face checkpoint directory (MoE or dense); rows that do "
                         "not apply are listed as skipped with the reason")
@@ -409,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override one recipe field (repeatable), e.g. lora_rank=16, "
                         "experts=mxfp8/mxfp8, kv_cache=auto")
     t.add_argument("--family", default="qwen3_moe", choices=["qwen3_moe", "deepseek_v3"])
+    t.add_argument("--trained", action="store_true",
+                   help="the trained tiny --family model (pre-trained on the copy task, cached: "
+                        "trained_models.py); its verifier is --reward skyrl_numerics.copy_task:reward")
     t.add_argument("--model", default=None, metavar="DIR",
                    help="your own checkpoint directory instead of the tiny --family model")
     t.add_argument("--reward", default=None, metavar="MODULE:FUNCTION",

@@ -68,6 +68,9 @@ def task_and_env(args) -> tuple:
 
 
 def check_model_args(args, recipe, names) -> None:
+    if args.trained and (args.model or args.server):
+        raise InputError("--trained builds the trained tiny --family model; not with --model / "
+                         "--server", field="trained")
     if args.model and (args.server or args.family != "qwen3_moe"):
         raise InputError("--model DIR with --server or --family: the server / family names the "
                          "checkpoint", field="model")
@@ -102,6 +105,10 @@ def checkpoint(args) -> str:
         return model_dir
     if args.model:
         return args.model
+    if args.trained:
+        from skyrl_numerics.trained_models import build_trained_model
+
+        return build_trained_model(args.family)
     from skyrl_numerics.models import build_tiny_model
 
     return build_tiny_model(args.family, seed=args.seed)
@@ -182,7 +189,7 @@ def table(args, recipe, res):
     from rich.table import Table
 
     what = (f"the model at {args.server}" if args.server else args.model if args.model
-            else f"the tiny {args.family}") + (f", recipe {recipe.name}" if recipe else "")
+            else f"the {'trained ' if args.trained else ''}tiny {args.family}") + (f", recipe {recipe.name}" if recipe else "")
     t = Table(title=f"GRPO on {what} (real vLLM generator, delta weight sync)")
     turns = any("gap_per_turn_max_abs" in r for rows in res.history.values() for r in rows)
     for col in (("config", "step", "reward", "mean |Δ|", "max |Δ|", "bitwise =", "F(2)", "KL k3",
