@@ -271,7 +271,7 @@ def save_checkpoint(model, out: Path, dtype: str, meta: dict) -> Path:
         saved["dtype"] = dtype
         # Nemotron-H derives num_hidden_layers from its layer types and does not save it;
         # NVIDIA's own config.json carries it (and vLLM, the doctor read it)
-        saved.setdefault("num_hidden_layers", hf_cfg.num_hidden_layers)
+        saved.setdefault("num_hidden_layers", model.config.num_hidden_layers)
         with open(tmp / "config.json", "w") as f:
             json.dump(saved, f, indent=2, sort_keys=True)
         (tmp / "skyrl_numerics.json").write_text(json.dumps(meta, indent=2))
