@@ -244,13 +244,18 @@ def _bf16_ulp(x: float) -> float:
     return 2.0 ** (math.floor(math.log2(x)) - 7)
 
 
-@pytest.mark.parametrize("name", list(DENSE))
+#: routed models whose bf16 check replays our routes into HF (a near-tie router flips either way:
+#: Qwen3-MoE with dense layers measured ours 7.6 ulps / stock 15.4 with the FMA-free GEMM, ours
+#: 15.2 / stock 1.2 with the fma one — the same prompt's tie went the other way)
+ROUTED = [n for n in DENSE if n == "qwen3_moe-dense"]
+
+
+@pytest.mark.parametrize("name", [n for n in DENSE if n not in ROUTED])
 def test_bf16_forward_is_hf_stock_within_bf16_ulps(ckpt, name):
     """The bf16 invariant forward (what engine and trainer run) against HF transformers' stock
     forward of the same checkpoint: both measured against HF in fp32 on the same bf16 weights,
     ours within 4 bf16 ulps at the logits' magnitude (measured 0.9-1.5 ulps for the dense
-    models) or within twice the stock bf16 forward's own error (Qwen3-MoE with dense layers:
-    ours 7.6 ulps, stock 15.4: a near-tie router flips either way)."""
+    models) or within twice the stock bf16 forward's own error."""
     d = ckpt[name]
     m = from_checkpoint(d)
     ids = _ids(64, 0)
@@ -263,7 +268,7 @@ def test_bf16_forward_is_hf_stock_within_bf16_ulps(ckpt, name):
     assert stock_err > 0 and err <= max(4 * ulp, 2 * stock_err), (name, err / ulp, stock_err / ulp)
 
 
-@pytest.mark.parametrize("name", list(MOE))
+@pytest.mark.parametrize("name", list(MOE) + ROUTED)
 def test_bf16_moe_forward_is_hf_stock_within_bf16_ulps_on_its_own_routes(ckpt, name):
     """The bf16 check above for the MoE families, with HF (fp32 and stock bf16) replaying the
     invariant forward's routes (R3, :mod:`skyrl_numerics.replay`): the numbers other than the
