@@ -41,6 +41,7 @@ def server(model_dir, tmp_path_factory):
     srv = VLLMServer(model_dir, api_key=API_KEY, sync_key=SYNC_KEY, log_path=log,
                      extra_args=["--enable-prompt-tokens-details"])
     srv.start()
+    srv.base = fingerprint(srv, model_dir)     # what the checkpoint computes, before any update
     yield srv
     srv.stop()
 
@@ -274,32 +275,27 @@ def test_a_client_that_disconnects_mid_request_leaves_the_server_serving(server,
     assert fingerprint(server, model_dir) == before
 
 
-# ---- servers that cannot take an update -------------------------------------------------------
-def test_a_server_without_dev_mode_or_with_an_unknown_backend(model_dir, tmp_path):
+# ---- a server that cannot take an update ------------------------------------------------------
+def test_an_unknown_backend_is_refused_before_the_server_starts(model_dir, tmp_path):
     from skyrl_numerics.engine.server import VLLMServer
 
-    srv = VLLMServer(model_dir, log_path=tmp_path / "nodev.log", env={"VLLM_SERVER_DEV_MODE": "0"})
-    with srv:
-        with pytest.raises(InputError, match="server refused init_weight_transfer_engine: .*Not Found"):
-            trainer_engine(srv, tmp_path / "store")
-    bad = VLLMServer(model_dir, log_path=tmp_path / "bad.log",
-                     extra_args=["--weight-transfer-config", '{"backend": "no_such_backend"}'])
-    with pytest.raises(RuntimeError, match="exited"):
-        bad.start()
-    assert "no_such_backend" in open(tmp_path / "bad.log").read()
+    with pytest.raises(InputError, match="backend 'no_such_backend' is not one vLLM can create "
+                                         r"\(known: .*skyrl_delta"):
+        VLLMServer(model_dir, log_path=tmp_path / "bad.log",
+                   extra_args=["--weight-transfer-config", '{"backend": "no_such_backend"}'])
+    with pytest.raises(InputError, match="not a JSON object"):
+        VLLMServer(model_dir, extra_args=["--weight-transfer-config=nope"])
 
 
+# ---- a kill mid-update, the restart, and the restart's caller killed -------------------------
 def test_a_server_killed_mid_update_never_serves_a_mix(server, model_dir, checkpoint, tmp_path):
-    """SIGKILL while update_weights is in flight; the restarted server serves the checkpoint
-    it was started from, bit for bit (nothing of the update persisted anywhere it reads).
+    """SIGKILL while update_weights is in flight (the restart is the ``restarted`` fixture below).
     In flight for sure: one payload of the new version is a FIFO nobody writes, so the server's
     read of it blocks until the kill. Kills the module's server: later tests start their own."""
-    from skyrl_numerics.engine.server import VLLMServer
-
     srv = server
     eng = trainer_engine(srv, tmp_path / "store")
     eng.send_weights(checkpoint)            # the checkpoint again: the tests before changed it
-    base = fingerprint(srv, model_dir)
+    assert fingerprint(srv, model_dir) == srv.base
     m = eng.publisher.publish(scaled(checkpoint, "mlp.experts", 1.7))
     payload = os.path.join(tmp_path / "store", next(e.payload for e in m.tensors if e.payload))
     os.remove(payload)
@@ -318,36 +314,67 @@ def test_a_server_killed_mid_update_never_serves_a_mix(server, model_dir, checkp
     srv.kill()
     t.join(60)
     assert not srv.alive() and outcome["error"] is not None
-    again = VLLMServer(model_dir, api_key=API_KEY, sync_key=SYNC_KEY, log_path=tmp_path / "b.log")
-    with again:
-        assert fingerprint(again, model_dir) == base
 
 
-def test_a_caller_killed_by_sigkill_leaves_no_server_behind(model_dir, tmp_path):
-    """The process that started the server dies without cleanup: the reaper takes the server's
-    whole process group (API process, engine core, workers) with it."""
+def _group(pgid: int) -> list[str]:
+    """The live (not zombie) processes of process group ``pgid``."""
+    import subprocess
+
+    out = subprocess.run(["ps", "-eo", "pgid=,stat="], capture_output=True, text=True).stdout
+    return [ln for ln in out.splitlines()
+            if ln.split()[0] == str(pgid) and not ln.split()[1].startswith("Z")]
+
+
+@pytest.fixture(scope="module")
+def restarted(server, model_dir, tmp_path_factory):
+    """The server started again after the kill, from the same checkpoint, by a caller process of
+    its own (so the last test can SIGKILL that caller), with dev mode off (so it also shows a
+    server that cannot take an update). One engine start for three checks."""
     import subprocess
     import sys
+    from types import SimpleNamespace
 
-    script = tmp_path / "caller.py"
+    server.kill()                      # (already dead when the kill test ran first)
+    tmp = tmp_path_factory.mktemp("restart")
+    script = tmp / "caller.py"
     script.write_text(
-        "import sys, time\n"
+        "import time\n"
         "from skyrl_numerics.engine.server import VLLMServer\n"
-        f"srv = VLLMServer({model_dir!r}, log_path={str(tmp_path / 'v.log')!r}).start()\n"
-        "print(srv.proc.pid, flush=True)\n"
-        "time.sleep(600)\n")
+        f"srv = VLLMServer({model_dir!r}, api_key={API_KEY!r}, sync_key={SYNC_KEY!r}, "
+        f"log_path={str(tmp / 'v.log')!r}, env={{'VLLM_SERVER_DEV_MODE': '0'}}).start()\n"
+        "print(srv.proc.pid, srv.url, flush=True)\n"
+        "time.sleep(900)\n")
     caller = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    group = int(caller.stdout.readline())
-    ps = lambda: [ln for ln in subprocess.run(["ps", "-eo", "pgid=,stat="], capture_output=True,  # noqa: E731
-                                              text=True).stdout.splitlines()
-                  if ln.split()[0] == str(group) and not ln.split()[1].startswith("Z")]
-    assert len(ps()) >= 3          # API process, engine core, worker
-    caller.kill()
-    caller.wait()
+    line = caller.stdout.readline().split()
+    if len(line) != 2:
+        caller.kill()
+        pytest.fail(f"the caller did not start a server; log:\n{(tmp / 'v.log').read_text()[-3000:]}")
+    yield SimpleNamespace(url=line[1], group=int(line[0]), caller=caller)
+    if caller.poll() is None:
+        caller.kill()
+        caller.wait()
+
+
+def test_the_restarted_server_serves_the_checkpoint_it_was_started_from(server, restarted, model_dir):
+    """Nothing of the killed update persisted anywhere the server reads: bit for bit."""
+    assert fingerprint(restarted, model_dir) == server.base
+
+
+def test_a_server_without_dev_mode_refuses_the_transfer_engine(restarted, tmp_path):
+    with pytest.raises(InputError, match="server refused init_weight_transfer_engine: .*Not Found"):
+        trainer_engine(restarted, tmp_path / "store")
+
+
+def test_a_caller_killed_by_sigkill_leaves_no_server_behind(restarted):
+    """The process that started the server dies without cleanup: the reaper takes the server's
+    whole process group (API process, engine core, workers) with it."""
+    assert len(_group(restarted.group)) >= 3          # API process, engine core, worker
+    restarted.caller.kill()
+    restarted.caller.wait()
     deadline = time.monotonic() + 20
-    while ps() and time.monotonic() < deadline:
+    while _group(restarted.group) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert ps() == []
+    assert _group(restarted.group) == []
 
 
 def test_a_serving_format_update_reaches_an_int4_server(model_dir, tmp_path):

@@ -138,7 +138,37 @@ def serve_command(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port
         argv += ["--return-sampling-mask"]
     if api_key:
         argv += ["--api-key", api_key]
+    check_weight_transfer_backend(extra_args)
     return argv + list(extra_args)
+
+
+def check_weight_transfer_backend(extra_args: Sequence[str]) -> None:
+    """Refuse a ``--weight-transfer-config`` among ``extra_args`` whose ``backend`` vLLM cannot
+    create, before anything starts: vLLM itself finds out only in the worker, after the model is
+    loaded (``WeightTransferEngineFactory.create_engine``: "Invalid weight transfer backend"), and
+    the server exits. Known: the names in vLLM's worker-side registry plus ours (registered in the
+    worker by the plugin)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from .transfer_backend import BACKEND
+
+    args = list(extra_args)
+    for i, a in enumerate(args):
+        if a == "--weight-transfer-config" and i + 1 < len(args):
+            text = args[i + 1]
+        elif a.startswith("--weight-transfer-config="):
+            text = a.split("=", 1)[1]
+        else:
+            continue
+        try:
+            backend = json.loads(text).get("backend")
+        except (ValueError, AttributeError):
+            raise InputError(f"--weight-transfer-config is not a JSON object: {text!r}",
+                             field="--weight-transfer-config") from None
+        known = sorted(set(WeightTransferEngineFactory._registry) | {BACKEND})
+        if backend not in known:
+            raise InputError(f"--weight-transfer-config: backend {backend!r} is not one vLLM can "
+                             f"create (known: {', '.join(known)})", field="--weight-transfer-config")
 
 
 def _refuse_without_aux_outputs(flag: str) -> None:
