@@ -30,6 +30,7 @@ from skyrl_numerics.errors import InputError
 
 # attend(layer, q [T, H, Dq], rows [T, W]) -> out [T, H, Do]
 Attend = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+SWIGLU_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 def load_checkpoint_tensors(model_dir) -> dict[str, torch.Tensor]:
@@ -139,6 +140,18 @@ class InvariantCausalLM(nn.Module):
             self.add(f"model.layers.{i}.input_layernorm.weight", d.hidden)
             self.add(f"model.layers.{i}.post_attention_layernorm.weight", d.hidden)
 
+    def add_swiglu(self, prefix: str, inter: int, names: tuple = SWIGLU_NAMES) -> None:
+        """A SwiGLU MLP of width ``inter`` under ``{prefix}{gate, up, down}.weight`` (``names``:
+        the three projections' names, Mixtral's ``w1, w3, w2``): ``[inter, hidden]`` twice, then
+        ``[hidden, inter]`` (``self.dims.hidden``)."""
+        h = self.dims.hidden
+        for n, shape in zip(names, ((inter, h), (inter, h), (h, inter))):
+            self.add(f"{prefix}{n}.weight", *shape)
+
+    def swiglu_weights(self, prefix: str, names: tuple = SWIGLU_NAMES) -> tuple:
+        """The projections of the SwiGLU MLP :meth:`add_swiglu` added under ``prefix``."""
+        return tuple(self.proj(f"{prefix}{n}.weight") for n in names)
+
     def w(self, name: str) -> torch.Tensor:
         """The weight under an HF name (a packed one decoded: see :meth:`served_weight`)."""
         name = self._alias.get(name, name)
@@ -171,8 +184,7 @@ class InvariantCausalLM(nn.Module):
     def adapter_names(self) -> list[str]:
         return list(self._adapters)
 
-    def expert_weights(self, prefix: str, num_experts: int,
-                       names: tuple = ("gate_proj", "up_proj", "down_proj")) -> list:
+    def expert_weights(self, prefix: str, num_experts: int, names: tuple = SWIGLU_NAMES) -> list:
         """``[(w_gate, w_up, w_down)]`` of experts ``0 .. E-1`` named ``{prefix}{e}.gate_proj.weight``
         etc. (``names``: the three projections' names, Mixtral's ``w1, w3, w2``): the parameters
         themselves, looked up once per layer (a decode step would otherwise

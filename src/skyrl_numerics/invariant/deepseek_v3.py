@@ -134,27 +134,15 @@ class InvariantDeepseekV3(InvariantCausalLM):
             self.add(a + "o_proj.weight", d.hidden, d.heads * d.v_dim)
             m = p + "mlp."
             if i < d.first_dense:
-                for n, shape in (("gate_proj", (d.inter, d.hidden)), ("up_proj", (d.inter, d.hidden)),
-                                 ("down_proj", (d.hidden, d.inter))):
-                    self.add(m + f"{n}.weight", *shape)
+                self.add_swiglu(m, d.inter)
                 continue
             self.add(m + "gate.weight", d.experts, d.hidden)
             if d.use_bias:
                 self.add(m + "gate.e_score_correction_bias", d.experts, dtype=torch.float32)
             for e in range(d.experts):
-                self._add_mlp(m + f"experts.{e}.", d.moe_inter)
+                self.add_swiglu(m + f"experts.{e}.", d.moe_inter)
             if d.n_shared:
-                self._add_mlp(m + "shared_experts.", d.moe_inter * d.n_shared)
-
-    def _add_mlp(self, p: str, inter: int) -> None:
-        d = self.dims
-        self.add(p + "gate_proj.weight", inter, d.hidden)
-        self.add(p + "up_proj.weight", inter, d.hidden)
-        self.add(p + "down_proj.weight", d.hidden, inter)
-
-    def _mlp(self, p: str):
-        return (self.proj(p + "gate_proj.weight"), self.proj(p + "up_proj.weight"),
-                self.proj(p + "down_proj.weight"))
+                self.add_swiglu(m + "shared_experts.", d.moe_inter * d.n_shared)
 
     @classmethod
     def config_parts(cls, cfg, dtype: torch.dtype = torch.bfloat16, kv_cache=None) -> dict:
@@ -227,7 +215,7 @@ class InvariantDeepseekV3(InvariantCausalLM):
     def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
         d, p = self.dims, f"model.layers.{i}.mlp."
         if i < d.first_dense:
-            return swiglu_mlp(x, *self._mlp(p))
+            return swiglu_mlp(x, *self.swiglu_weights(p))
         logits = inv_matmul(x.float(), self.w(p + "gate.weight").float().t())   # fp32 router
         if d.scoring == "sigmoid":
             bias = self.w(p + "gate.e_score_correction_bias") if d.use_bias else None
@@ -240,5 +228,5 @@ class InvariantDeepseekV3(InvariantCausalLM):
         out = routed_experts(x, ids, w, self.expert_weights(p + "experts.", d.experts).__getitem__,
                              num_experts=d.experts)
         if d.n_shared:
-            out = out + swiglu_mlp(x, *self._mlp(p + "shared_experts."))
+            out = out + swiglu_mlp(x, *self.swiglu_weights(p + "shared_experts."))
         return out

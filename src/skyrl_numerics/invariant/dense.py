@@ -100,23 +100,13 @@ def attention_dims(c) -> AttnDims:
 class InvariantDense(GQAttention, InvariantCausalLM):
     """Parameters under HF names; ``forward_tokens`` runs the flat token stream."""
 
-    def __init__(self, dims: Dims, attn: AttnDims, dtype: torch.dtype = torch.bfloat16,
-                 kv_cache=None, rope=None):
-        super().__init__(dtype)
-        self.dims = d = dims
-        self.add_decoder_weights(tied=d.tied)
-        self.init_attention(attn, dtype, kv_cache, rope)
-        for i in range(d.layers):
-            p = f"model.layers.{i}.mlp."
-            self.add(p + "gate_proj.weight", d.inter, d.hidden)
-            self.add(p + "up_proj.weight", d.inter, d.hidden)
-            self.add(p + "down_proj.weight", d.hidden, d.inter)
+    dims_type = Dims
+    read_attention = staticmethod(attention_dims)
 
-    @classmethod
-    def config_parts(cls, cfg, dtype: torch.dtype = torch.bfloat16, kv_cache=None) -> dict:
-        """Constructor arguments from an HF config; raises on what the family cannot reproduce
-        (without allocating any weights)."""
-        return cls.gqa_parts(cfg, Dims.from_config(cfg), attention_dims(cfg), dtype, kv_cache)
+    def add_ffn_weights(self) -> None:
+        d = self.dims
+        for i in range(d.layers):
+            self.add_swiglu(f"model.layers.{i}.mlp.", d.inter)
 
     def route_info(self) -> dict:
         """A dense model has no routers: no routes to capture."""
@@ -127,6 +117,4 @@ class InvariantDense(GQAttention, InvariantCausalLM):
         return None
 
     def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        p = f"model.layers.{i}.mlp."
-        return swiglu_mlp(x, *(self.proj(p + f"{n}.weight")
-                               for n in ("gate_proj", "up_proj", "down_proj")))
+        return swiglu_mlp(x, *self.swiglu_weights(f"model.layers.{i}.mlp."))

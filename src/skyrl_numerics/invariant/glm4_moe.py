@@ -92,40 +92,28 @@ def partial_rope(c, head_dim: int) -> Rope:
 class InvariantGlm4Moe(GQAttention, InvariantCausalLM):
     """Parameters under HF names; ``forward_tokens`` runs the flat token stream."""
 
-    def __init__(self, dims: Dims, attn: AttnDims, dtype: torch.dtype = torch.bfloat16,
-                 kv_cache=None, rope=None):
-        super().__init__(dtype)
-        self.dims = d = dims
-        self.add_decoder_weights(tied=d.tied)
-        self.init_attention(attn, dtype, kv_cache, rope)
+    dims_type = Dims
+    read_attention = staticmethod(attention_dims)
+
+    def add_ffn_weights(self) -> None:
+        d = self.dims
         for i in range(d.layers):
             p = f"model.layers.{i}.mlp."
             if i < d.first_dense:
-                self._add_mlp(p, d.inter)
+                self.add_swiglu(p, d.inter)
                 continue
             self.add(p + "gate.weight", d.experts, d.hidden)
             self.add(p + "gate.e_score_correction_bias", d.experts, dtype=torch.float32)
             for e in range(d.experts):
-                self._add_mlp(p + f"experts.{e}.", d.moe_inter)
+                self.add_swiglu(p + f"experts.{e}.", d.moe_inter)
             if d.n_shared:
-                self._add_mlp(p + "shared_experts.", d.moe_inter * d.n_shared)
-
-    def _add_mlp(self, p: str, inter: int) -> None:
-        d = self.dims
-        self.add(p + "gate_proj.weight", inter, d.hidden)
-        self.add(p + "up_proj.weight", inter, d.hidden)
-        self.add(p + "down_proj.weight", d.hidden, inter)
-
-    def _mlp(self, p: str):
-        return tuple(self.proj(p + f"{n}.weight") for n in ("gate_proj", "up_proj", "down_proj"))
+                self.add_swiglu(p + "shared_experts.", d.moe_inter * d.n_shared)
 
     @classmethod
     def config_parts(cls, cfg, dtype: torch.dtype = torch.bfloat16, kv_cache=None) -> dict:
-        """Constructor arguments from an HF config; raises on what the family cannot reproduce
-        (without allocating any weights)."""
-        attn = attention_dims(cfg)
-        return {**cls.gqa_parts(cfg, Dims.from_config(cfg), attn, dtype, kv_cache),
-                "rope": partial_rope(cfg, attn.head_dim)}
+        """As every GQA family's, with GLM's partial RoPE."""
+        parts = super().config_parts(cfg, dtype, kv_cache)
+        return {**parts, "rope": partial_rope(cfg, parts["attn"].head_dim)}
 
     def ignored_weight(self, name: str) -> bool:
         parts = name.split(".")        # MTP draft layers: model.layers.<n >= num_hidden_layers>
@@ -140,7 +128,7 @@ class InvariantGlm4Moe(GQAttention, InvariantCausalLM):
     def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
         d, p = self.dims, f"model.layers.{i}.mlp."
         if i < d.first_dense:
-            return swiglu_mlp(x, *self._mlp(p))
+            return swiglu_mlp(x, *self.swiglu_weights(p))
         logits = inv_matmul(x.float(), self.w(p + "gate.weight").float().t())   # fp32 router
         w, ids = sigmoid_group_topk(logits, self.w(p + "gate.e_score_correction_bias"), d.top_k,
                                     d.n_group, d.topk_group, d.norm_topk_prob, d.routed_scaling)
@@ -148,5 +136,5 @@ class InvariantGlm4Moe(GQAttention, InvariantCausalLM):
         out = routed_experts(x, ids, w, self.expert_weights(p + "experts.", d.experts).__getitem__,
                              num_experts=d.experts)
         if d.n_shared:
-            out = out + swiglu_mlp(x, *self._mlp(p + "shared_experts."))
+            out = out + swiglu_mlp(x, *self.swiglu_weights(p + "shared_experts."))
         return out

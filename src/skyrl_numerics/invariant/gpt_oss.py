@@ -101,15 +101,14 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
 class InvariantGptOss(GQAttention, InvariantCausalLM):
     """Parameters under HF names; ``forward_tokens`` runs the flat token stream."""
 
-    def __init__(self, dims: Dims, attn: AttnDims, dtype: torch.dtype = torch.bfloat16,
-                 kv_cache=None, rope=None):
-        super().__init__(dtype)
-        self.dims = d = dims
-        self.add_decoder_weights()
-        self.init_attention(attn, dtype, kv_cache, rope)
+    dims_type = Dims
+    read_attention = staticmethod(attention_dims)
+
+    def add_ffn_weights(self) -> None:
+        d = self.dims
         self._mats: dict[int, tuple] = {}      # layer -> (weights' identity, per-expert [N, K])
         for i in range(d.layers):
-            self.add(f"model.layers.{i}.self_attn.sinks", attn.heads)
+            self.add(f"model.layers.{i}.self_attn.sinks", self.attn_dims.heads)
             p = f"model.layers.{i}.mlp."
             self.add(p + "router.weight", d.experts, d.hidden)
             self.add(p + "router.bias", d.experts)
@@ -117,12 +116,6 @@ class InvariantGptOss(GQAttention, InvariantCausalLM):
             self.add(p + "experts.gate_up_proj_bias", d.experts, 2 * d.inter)
             self.add(p + "experts.down_proj", d.experts, d.inter, d.hidden)
             self.add(p + "experts.down_proj_bias", d.experts, d.hidden)
-
-    @classmethod
-    def config_parts(cls, cfg, dtype: torch.dtype = torch.bfloat16, kv_cache=None) -> dict:
-        """Constructor arguments from an HF config; raises on what the family cannot reproduce
-        (without allocating any weights)."""
-        return cls.gqa_parts(cfg, Dims.from_config(cfg), attention_dims(cfg), dtype, kv_cache)
 
     def route_info(self) -> dict:
         return {"layers": self.dims.layers, "k": self.dims.top_k, "num_experts": self.dims.experts}

@@ -15,6 +15,7 @@ element), on both sides. The family mixes :class:`GQAttention` into its
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, ClassVar
 
 import torch
 
@@ -58,9 +59,32 @@ class AttnDims:
 
 
 class GQAttention:
-    """The attention half of a GQA family (a mixin over :class:`~.base.InvariantCausalLM`)."""
+    """The attention half of a GQA family (a mixin over :class:`~.base.InvariantCausalLM`), and
+    the family's skeleton: a family sets ``dims_type`` (its ``Dims``, read by ``from_config``)
+    and ``read_attention`` (config -> :class:`AttnDims`), and adds its MLP / expert weights in
+    :meth:`add_ffn_weights`; the decoder and attention weights are added here, in that order."""
 
     attn_dims: AttnDims
+    dims_type: ClassVar[type]
+    read_attention: ClassVar[Callable]
+
+    def __init__(self, dims, attn: AttnDims, dtype: torch.dtype = torch.bfloat16, kv_cache=None,
+                 rope: Rope | None = None):
+        super().__init__(dtype)
+        self.dims = dims
+        self.add_decoder_weights(tied=getattr(dims, "tied", False))
+        self.init_attention(attn, dtype, kv_cache, rope)
+        self.add_ffn_weights()
+
+    def add_ffn_weights(self) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def config_parts(cls, cfg, dtype: torch.dtype = torch.bfloat16, kv_cache=None) -> dict:
+        """Constructor arguments from an HF config; raises on what the family cannot reproduce
+        (without allocating any weights)."""
+        return cls.gqa_parts(cfg, cls.dims_type.from_config(cfg), cls.read_attention(cfg), dtype,
+                             kv_cache)
 
     @staticmethod
     def gqa_parts(cfg, dims, attn: AttnDims, dtype: torch.dtype, kv_cache) -> dict:

@@ -66,25 +66,16 @@ def attention_dims(c) -> AttnDims:
 class InvariantMixtral(GQAttention, InvariantCausalLM):
     """Parameters under HF names; ``forward_tokens`` runs the flat token stream."""
 
-    def __init__(self, dims: Dims, attn: AttnDims, dtype: torch.dtype = torch.bfloat16,
-                 kv_cache=None, rope=None):
-        super().__init__(dtype)
-        self.dims = d = dims
-        self.add_decoder_weights(tied=d.tied)
-        self.init_attention(attn, dtype, kv_cache, rope)
+    dims_type = Dims
+    read_attention = staticmethod(attention_dims)
+
+    def add_ffn_weights(self) -> None:
+        d = self.dims
         for i in range(d.layers):
             p = f"model.layers.{i}.block_sparse_moe."
             self.add(p + "gate.weight", d.experts, d.hidden)
             for e in range(d.experts):
-                self.add(p + f"experts.{e}.w1.weight", d.moe_inter, d.hidden)
-                self.add(p + f"experts.{e}.w3.weight", d.moe_inter, d.hidden)
-                self.add(p + f"experts.{e}.w2.weight", d.hidden, d.moe_inter)
-
-    @classmethod
-    def config_parts(cls, cfg, dtype: torch.dtype = torch.bfloat16, kv_cache=None) -> dict:
-        """Constructor arguments from an HF config; raises on what the family cannot reproduce
-        (without allocating any weights)."""
-        return cls.gqa_parts(cfg, Dims.from_config(cfg), attention_dims(cfg), dtype, kv_cache)
+                self.add_swiglu(p + f"experts.{e}.", d.moe_inter, EXPERT_NAMES)
 
     def route_info(self) -> dict:
         return {"layers": self.dims.layers, "k": self.dims.top_k, "num_experts": self.dims.experts}

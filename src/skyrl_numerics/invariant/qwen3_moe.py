@@ -74,31 +74,20 @@ def attend_one_sequence(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tenso
 class InvariantQwen3Moe(GQAttention, InvariantCausalLM):
     """Parameters under HF names; ``forward_tokens`` runs the flat token stream."""
 
-    def __init__(self, dims: Dims, attn: AttnDims, dtype: torch.dtype = torch.bfloat16,
-                 kv_cache=None, rope=None):
-        super().__init__(dtype)
-        self.dims = d = dims
+    dims_type = Dims
+    read_attention = staticmethod(attention_dims)
+
+    def add_ffn_weights(self) -> None:
+        d = self.dims
         self._moe_index = {layer: j for j, layer in enumerate(d.moe_layers)}
-        self.add_decoder_weights()
-        self.init_attention(attn, dtype, kv_cache, rope)
         for i in range(d.layers):
             p = f"model.layers.{i}.mlp."
             if i not in self._moe_index:
-                self.add(p + "gate_proj.weight", d.inter, d.hidden)
-                self.add(p + "up_proj.weight", d.inter, d.hidden)
-                self.add(p + "down_proj.weight", d.hidden, d.inter)
+                self.add_swiglu(p, d.inter)
                 continue
             self.add(p + "gate.weight", d.experts, d.hidden)
             for e in range(d.experts):
-                self.add(p + f"experts.{e}.gate_proj.weight", d.moe_inter, d.hidden)
-                self.add(p + f"experts.{e}.up_proj.weight", d.moe_inter, d.hidden)
-                self.add(p + f"experts.{e}.down_proj.weight", d.hidden, d.moe_inter)
-
-    @classmethod
-    def config_parts(cls, cfg, dtype: torch.dtype = torch.bfloat16, kv_cache=None) -> dict:
-        """Constructor arguments from an HF config; raises on what the family cannot reproduce
-        (without allocating any weights)."""
-        return cls.gqa_parts(cfg, Dims.from_config(cfg), attention_dims(cfg), dtype, kv_cache)
+                self.add_swiglu(p + f"experts.{e}.", d.moe_inter)
 
     def route_info(self) -> dict:
         return {"layers": len(self.dims.moe_layers), "k": self.dims.top_k,
@@ -109,8 +98,7 @@ class InvariantQwen3Moe(GQAttention, InvariantCausalLM):
         d, p = self.dims, f"model.layers.{i}.mlp."
         j = self._moe_index.get(i)
         if j is None:
-            return swiglu_mlp(x, *(self.proj(p + f"{n}.weight")
-                                   for n in ("gate_proj", "up_proj", "down_proj")))
+            return swiglu_mlp(x, *self.swiglu_weights(p))
         w, ids = softmax_topk(linear(x, self.w(p + "gate.weight")), d.top_k, d.norm_topk_prob)
         self._route(j, ids)
         return routed_experts(x, ids, w, self.expert_weights(p + "experts.", d.experts).__getitem__,
