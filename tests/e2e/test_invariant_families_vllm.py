@@ -68,9 +68,12 @@ def test_qwen_routes_captured_in_engine_equal_trainer_routes(vllm_qwen_invariant
     assert tl.routes.num_layers == 2 and tl.routes.k == 2
 
 
-# ---- chunked prefill, every cache format: one engine each, closed after the module -----------
-KV_CASES = [("qwen3_moe", "fp8"), ("deepseek_v3", "auto"), ("deepseek_v3", "fp8"),
-            ("deepseek_v3", "fp8_ds_mla")]
+# ---- chunked prefill, every FP8 cache format: one engine each, closed after the module --------
+# (DeepSeek-V3 with the bf16 cache under chunked prefill is not started here: its prefill chunks
+# take the same absorbed-MLA paths as the two FP8 formats below, its prefix hits are the session
+# engine's test above, and tests/invariant/test_invariant_families.py runs chunked paged decode
+# == trainer for every family and format without an engine. One engine start less.)
+KV_CASES = [("qwen3_moe", "fp8"), ("deepseek_v3", "fp8"), ("deepseek_v3", "fp8_ds_mla")]
 
 
 @pytest.fixture(scope="module", params=KV_CASES, ids=[f"{f}-{k}" for f, k in KV_CASES])
@@ -101,8 +104,6 @@ def test_kv_formats_bitwise_under_chunked_prefill_and_prefix_hits(fp8_engine):
                                         return_routes=True)
         _assert_bitwise(tl, ro, f"{family} {kv} trainer batch {bs}")
         assert tl.routes == ro.routes
-    if kv == "auto":
-        return
     # the cache format is really in effect: a trainer that does not simulate it is off
     plain = invariant_trainer_logprobs(_trainer(model_dir), ro, batch_size=8)
     diff = np.abs(plain.logprobs - ro.rollout_logprobs)
