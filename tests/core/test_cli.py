@@ -273,3 +273,21 @@ def test_qat_check_cli_names_what_is_wrong_with_the_directory(tmp_path, what, ca
     err = capsys.readouterr().err.strip()
     expect = {"missing": "not found", "a_file": "not a directory", "empty_dir": "no *.safetensors"}[what]
     assert len(err.splitlines()) == 1 and expect in err and str(d) in err, err
+
+
+@pytest.mark.parametrize("cmd", ["doctor", "train", "trace"])
+def test_family_takes_every_tiny_model_and_refuses_others_in_one_line(cmd, capsys):
+    """``--family`` is every family ``models.build_tiny_model`` builds (the commands then treat it
+    as ``--model`` on that directory); anything else exits 2 naming the choices."""
+    from skyrl_numerics.cli import build_parser
+    from skyrl_numerics.models import FAMILIES, tiny_config
+
+    parser = build_parser()
+    for family in FAMILIES:
+        tiny_config(family)                      # a tiny config exists for each
+        assert parser.parse_args([cmd, "--family", family]).family == family
+    with pytest.raises(SystemExit) as e:
+        main([cmd, "--family", "no_such_family"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'no_such_family'" in err and "glm4_moe" in err

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from skyrl_numerics.errors import InputError
+from skyrl_numerics.models import FAMILIES
 
 EXIT_BAD_INPUT = 2
 
@@ -345,8 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("doctor", help="measure the trainer-vLLM gap on a tiny MoE, as an "
                                       "ablation table")
-    d.add_argument("--family", default=None, choices=["qwen3_moe", "deepseek_v3", "mixtral"],
-                   help="build and run this tiny model (default qwen3_moe)")
+    d.add_argument("--family", default=None, choices=FAMILIES,
+                   help="build and run this tiny model (default qwen3_moe); the same as --model "
+                        "on its directory (models.build_tiny_model)")
     d.add_argument("--trained", action="store_true",
                    help="the trained tiny --family model (qwen3_moe or deepseek_v3, pre-trained on "
                         "the copy task, cached: trained_models.py) instead of the random-weight one")
@@ -419,7 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--recipe-set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override one recipe field (repeatable), e.g. lora_rank=16, "
                         "experts=mxfp8/mxfp8, kv_cache=auto")
-    t.add_argument("--family", default="qwen3_moe", choices=["qwen3_moe", "deepseek_v3"])
+    t.add_argument("--family", default="qwen3_moe", choices=FAMILIES,
+                   help="build and train this tiny model (default qwen3_moe)")
     t.add_argument("--trained", action="store_true",
                    help="the trained tiny --family model (pre-trained on the copy task, cached: "
                         "trained_models.py); its verifier is --reward skyrl_numerics.copy_task:reward")

@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 
 from skyrl_numerics.errors import InputError
+from skyrl_numerics.models import FAMILIES
 
 
 #: the side names of ``doctor.trace.SIDES`` (for --help, without importing the tracer)
@@ -20,7 +21,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     t = sub.add_parser("trace", help="where two forwards of the same tokens first part, layer by "
                                      "layer (first divergence, its size, its growth)")
     t.add_argument("--model", default=None, metavar="DIR", help="a Hugging Face checkpoint")
-    t.add_argument("--family", default=None, choices=["qwen3_moe", "deepseek_v3"],
+    t.add_argument("--family", default=None, choices=FAMILIES,
                    help="build and trace this tiny model instead of --model")
     t.add_argument("--sides", default="hf,vllm",
                    help=f"two of {', '.join(SIDE_NAMES)}, comma-separated (default hf,vllm)")
