@@ -3,7 +3,6 @@ CPU's rotary kernel on MLA's 3-D q/k views in the trainer (with the batch layout
 recorded) removes most of the gap; the MLA formulation and MoE numerics are small next to it."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from skyrl_numerics.rollout.prompts import make_prompts

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from skyrl_numerics.kernels import cpu, matmul as inv_matmul, reference as ref
+from skyrl_numerics.kernels import cpu, matmul as inv_matmul
 from skyrl_numerics.invariant import blocks
 
 pytestmark = pytest.mark.isa   # also run under each lower CPU capability (tests/test_isa_matrix.py)

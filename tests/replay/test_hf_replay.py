@@ -1,6 +1,5 @@
 """route_replay / record_routes on tiny HF MoE models built from configs (Qwen3-MoE, OLMoE, Mixtral, DeepSeek-V3,
 GLM-4-MoE)."""
-import numpy as np
 import pytest
 import torch
 

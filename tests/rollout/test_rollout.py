@@ -138,7 +138,6 @@ def test_save_is_atomic_on_failure(tmp_path):
 
 
 # ---- strict IO (issue 13) ---------------------------------------------------------------------
-import math
 import warnings
 
 from skyrl_numerics.cli import main as cli_main

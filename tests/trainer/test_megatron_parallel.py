@@ -6,7 +6,6 @@ the same partition; tolerance against the plain full-vocabulary computation), R3
 GPTModel.forward, apply_megatron_qat shards against the unsharded fake-quant, and MegatronTrainer
 (logprobs, one step, gathered weights) against the 1-rank MegatronTrainer and the FSDP trainer.
 """
-import json
 
 import numpy as np
 import pytest

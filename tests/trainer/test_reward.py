@@ -1,7 +1,6 @@
 """``--reward MODULE:FUNCTION``: loading and the checks on what the function returns."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from skyrl_numerics.errors import InputError

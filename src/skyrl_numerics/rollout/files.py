@@ -376,7 +376,6 @@ class RolloutFiles:
             raise InputError(f"not UTF-8 text (byte {e.start})") from None
         row = -1
         seen_row = False
-        header_line = None
         for lineno, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
@@ -405,7 +404,6 @@ class RolloutFiles:
                                          field=k)
                 cls._check_vocab(obj.get("vocab_size"), "header")
                 header = obj
-                header_line = lineno
                 if "digest" in obj:
                     body = "\n".join(lines[lineno:]).rstrip("\n").encode()
                     _check_digest(obj["digest"], lambda algo: _text_digest(obj, body, algo))
