@@ -11,6 +11,8 @@ mean of each time over the measured steps (step 0 left out: first-call warm-up, 
 every bitwise run recomputes), the step total, its ratio to ``plain``, and the saving.
 
     .venv/bin/python benchmarks/step_cost.py                     # the tiny Qwen3-MoE
+    .venv/bin/python benchmarks/step_cost.py --family qwen3 --config '{"hidden_size": 4096, ...}'
+        # a dense model's layer (the tiny qwen3 with these overrides)
     .venv/bin/python benchmarks/step_cost.py --real-dims --layers 1 --vocab 8192 --experts 16 --steps 3
         # Qwen3-MoE-30B-A3B's layer (benchmarks/real_dims.py: hidden 2048, 32 q / 4 kv heads of
         # 128, experts top-8 of width 768: each token's work as in the real layer) with one layer,
@@ -73,7 +75,7 @@ def checkpoint(a) -> Path:
     from skyrl_numerics.models import build_tiny_model
 
     if not a.real_dims:
-        return build_tiny_model("qwen3_moe")
+        return build_tiny_model(a.family, **json.loads(a.config))
     from real_dims import CONFIGS     # (benchmarks/real_dims.py, beside this script)
 
     return build_tiny_model("qwen3_moe", **{**CONFIGS["qwen3_moe"], "num_hidden_layers": a.layers,
@@ -145,6 +147,11 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=64,
                     help="--real-dims: routed experts (the real 64; fewer keep each token's work — "
                          "top-8 of width 768 — and shrink what the optimizer and the sync carry)")
+    ap.add_argument("--family", default="qwen3_moe",
+                    help="the tiny model's family (without --real-dims), e.g. qwen3 for a dense one")
+    ap.add_argument("--config", default="{}",
+                    help="JSON object of overrides of that tiny config (without --real-dims), e.g. a "
+                         "dense Qwen3-8B layer: hidden_size 4096, intermediate_size 12288, ...")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--samples", type=int, default=4)

@@ -220,3 +220,22 @@ def test_train_cli_refuses_a_recompute_period_below_one_before_any_engine(tmp_pa
     assert main(["train", "--recompute-old-every", "0", "--out", str(tmp_path / "o"), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert "field 'recompute_old_every'" in err and len(err.splitlines()) == 1, err
+
+
+def test_aligned_on_a_dense_checkpoint_drops_only_router_replay(tmp_path):
+    """A dense checkpoint has no routers: ``aligned`` runs as support replay + TIS (route_replay
+    off, everything else as configured), so its trainer does not refuse a rollout without
+    routes; an MoE checkpoint keeps every configuration as given."""
+    from skyrl_numerics.models import tiny_config
+    from skyrl_numerics.trainer.loop import without_r3_on_dense
+
+    cfgs = [CONFIGS["plain"], CONFIGS["aligned"], CONFIGS["bitwise"]]
+    for family, moe in (("qwen3", False), ("qwen3_moe", True)):
+        d = tmp_path / family
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(tiny_config(family)))
+        got = without_r3_on_dense(LoopRun(str(d), cfgs))
+        assert got[1].trainer.route_replay is moe
+        assert got[1].trainer.use_support and got[1].trainer.correction == CONFIGS["aligned"].trainer.correction
+        assert dataclasses.replace(got[1], trainer=CONFIGS["aligned"].trainer) == CONFIGS["aligned"]
+        assert got[0] == cfgs[0] and got[2] == cfgs[2]

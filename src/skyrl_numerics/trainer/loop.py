@@ -69,6 +69,7 @@ from skyrl_numerics.trainer.config import TrainerConfig
 from skyrl_numerics.trainer.invariant_trainer import compare_gradients
 from skyrl_numerics.trainer.loop_actors import LoopActors, check_in_place_sync
 from skyrl_numerics.trainer.loop_contract import ContractWatch
+from skyrl_numerics.trainer.workers import has_routers
 from skyrl_numerics.trainer.loop_report import step_metrics
 from skyrl_numerics.trainer.old_logprobs import (RECOMPUTE_OLD_EVERY, check_bitwise, engine_old_logprobs,
                                                  recompute_due)
@@ -292,7 +293,17 @@ def prepare(run: LoopRun) -> LoopRun:
                          "in-process engines", field="server")
     if p.server is None:
         check_in_place_sync(run.model_dir, run.configs)
-    return dataclasses.replace(run, task=task, env=env)
+    return dataclasses.replace(run, task=task, env=env, configs=without_r3_on_dense(run))
+
+
+def without_r3_on_dense(run: LoopRun) -> list:
+    """The configurations, with router replay off where the checkpoint has no routers (a dense
+    model: ``aligned`` is then support replay + TIS; the engine captures no routes for it, and
+    ``train.json`` records ``route_replay: false``)."""
+    if has_routers(run.model_dir):
+        return list(run.configs)
+    return [dataclasses.replace(c, trainer=dataclasses.replace(c.trainer, route_replay=False))
+            if c.trainer.route_replay else c for c in run.configs]
 
 
 class ConfigRun:
