@@ -217,7 +217,7 @@ class VLLMGenerator:
         the support; the support is bounded by ``top_k``, so it comes back whole). Otherwise
         (top-p alone, or a top-k larger than ``max_logprobs``) it is captured inside the engine:
         a worker-side hook on vLLM's top-k/top-p sampler records the set the sampler kept
-        (``capture.SupportStore``), stored sparse in ``PackedSupport``. Needs some truncation
+        (``support_store.SupportStore``), stored sparse in ``PackedSupport``. Needs some truncation
         (``top_k > 0`` or ``top_p < 1``) and ``temperature > 0``. ``capture_support="sampler"`` /
         ``"logprobs"`` forces one of the two ways (``True`` = ``"auto"``: as above).
         ``route_starts`` (one per prompt; a multi-turn driver's turn deltas, ``multiturn.py``):
@@ -228,7 +228,7 @@ class VLLMGenerator:
         the worker (raw float32 logits, before temperature; :mod:`skyrl_numerics.gap.digest`),
         returned in ``rollout.logits_digest``; :meth:`logits_row` recomputes one row.
         ``gate_weights`` (an engine with ``capture_routes=True``): also capture the combine weight
-        vLLM multiplied each chosen expert's output with (``engine/capture.py``), packed in
+        vLLM multiplied each chosen expert's output with (``engine/gate_capture.py``), packed in
         ``rollout.gates`` (:class:`~skyrl_numerics.replay.PackedGates`; ``True`` = fp16, or a
         ``PackedGates`` dtype name); with ``route_starts`` as ``meta["gate_deltas"]`` (float32
         rows, beside ``route_deltas``).

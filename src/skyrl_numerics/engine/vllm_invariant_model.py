@@ -89,7 +89,7 @@ class RouteTap(nn.Module):
     ``MoERunner`` routers (``bind_routed_experts_capturer``), and refuses to start when it finds
     neither ("No supported MoE router found for routed-experts capture"): our routers are not its
     ``MoERunner``, so each MoE layer gets a tap its capturer binds to. (vLLM 0.31 and later fill
-    ``routed_experts`` on CPU through ``capture.AuxOutputs``, which sets the model's
+    ``routed_experts`` on CPU through ``aux_outputs.AuxOutputs``, which sets the model's
     ``route_hook`` itself.)"""
 
     def __init__(self, layer_id: int):
