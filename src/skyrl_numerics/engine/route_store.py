@@ -51,7 +51,9 @@ class RouteStore:
         self.L = int(num_layers)
         self.k = int(k)
         self.num_experts = int(num_experts)
-        self.dtype = np.uint8 if self.num_experts <= 256 else np.uint16
+        # uint32 past 65536: the DSA indexer's key positions (index_capture.py) share this store
+        self.dtype = (np.uint8 if self.num_experts <= 256 else np.uint16
+                      if self.num_experts <= 1 << 16 else np.uint32)
         layers = list(range(self.L)) if layers is None else [int(i) for i in layers]
         if not layers or min(layers) < 0 or max(layers) >= self.L:
             raise ValueError(f"route capture: layer indices {layers} outside [0, {self.L})")

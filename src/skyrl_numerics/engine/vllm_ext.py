@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from .digest_store import DigestStore
 from .gate_capture import wrap_routing
+from .index_capture import start_index_capture
 from .mla_worker import AttributionScheduleMixin, MLARopeFixMixin
 from .route_store import moe_runners, RouteStore
 from .sharded_worker import ShardedSyncWorker
@@ -253,6 +254,33 @@ class RoutesMixin:
         self._skyrl_route_mods = None
 
 
+class IndexMixin:
+    """DSA indexer capture: the key positions each query of a batch-invariant DeepSeek-V3.2
+    attends to, per request and position (``index_capture.py``)."""
+
+    def skyrl_index_capture_start(self) -> dict:
+        """Idempotent; ``{"layers", "topk", "bound"}``."""
+        if getattr(self, "_skyrl_index", None) is None:
+            self._skyrl_index, self._skyrl_index_unhook, self._skyrl_index_info = (
+                start_index_capture(self.model_runner))
+        return self._skyrl_index_info
+
+    def skyrl_index_capture_fetch(self, external_ids: list[str], lengths: list[int],
+                                  clear: bool = True, starts: list[int] | None = None) -> list:
+        """Rows of positions ``start .. length - 1`` (as ``skyrl_route_capture_fetch``)."""
+        store = self._skyrl_index
+        out = store.fetch(external_ids, lengths, starts)
+        if clear:
+            store.clear()
+        return out
+
+    def skyrl_index_capture_stop(self) -> None:
+        if getattr(self, "_skyrl_index", None) is None:
+            return
+        self._skyrl_index_unhook()
+        self._skyrl_index = None
+
+
 class SupportsMixin:
     """Support capture (top-p / top-k: the set the sampler kept,
     :class:`~.support_store.SupportStore`)."""
@@ -325,11 +353,12 @@ class DigestsMixin:
 # ---- the extensions: the mixins composed ------------------------------------------------------
 
 class SkyrlWorkerExtension(WeightsMixin, ShardedSyncWorker, KernelsMixin, ContractMixin, RoutesMixin,
-                           SupportsMixin, DigestsMixin, TraceMixin):
+                           IndexMixin, SupportsMixin, DigestsMixin, TraceMixin):
     """The one worker extension (``WORKER_EXTENSION`` of ``generator.py`` / ``server.py`` /
     ``sync/vllm.py``): in-place weight loading (``skyrl_load_weights``, the load path of
     ``sync/vllm.py``; ``skyrl_shard_*``, the sharded transfer of ``sync/sharded.py``), which kernels
-    run the layers, parameter digests, the host report, the execution contract, route capture, support capture,
+    run the layers, parameter digests, the host report, the execution contract, route capture, DSA
+    indexer capture, support capture,
     logits digests and the layer-by-layer tracer's hooks (``skyrl_trace_*``, ``trace_capture.py``)."""
 
 
