@@ -26,6 +26,7 @@ from skyrl_numerics.invariant.contract import ExecutionContract
 from skyrl_numerics.rollout import Rollout
 
 from .assemble import Request, Samples, assemble_rollout, check_generate
+from .index_capture import check_index_capture
 from .vllm_versions import check_vllm_version
 
 WORKER_EXTENSION = "skyrl_numerics.engine.vllm_ext.SkyrlWorkerExtension"
@@ -116,6 +117,8 @@ class VLLMGenerator:
             gpu_memory_utilization = engine_memory_share()
         self.model_dir = str(model_dir)
         self.batch_invariant = batch_invariant
+        if capture_index:
+            check_index_capture(self.model_dir, batch_invariant)
         if batch_invariant:
             # The same invariant forward the trainer runs (skyrl_numerics.invariant), as
             # an out-of-tree model registered by our vllm.general_plugins entry point. An
@@ -141,10 +144,6 @@ class VLLMGenerator:
             raise ValueError("kv_cache= / numerics= select the invariant model's cache format and "
                              "serving numerics; they need batch_invariant=True (for vLLM's own "
                              "FP8 cache pass kv_cache_dtype)")
-        if capture_index and not batch_invariant:
-            raise InputError("capture_index=True records the DSA indexer of the batch-invariant "
-                             "DeepSeek-V3.2 model: it needs batch_invariant=True",
-                             field="capture_index")
         self.kv_cache = kv_cache
         self.numerics = numerics
         # GPU vLLM returns routed experts itself (V2 model runner); vLLM CPU does not, so there

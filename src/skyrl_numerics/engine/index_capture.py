@@ -14,9 +14,29 @@ external id with turn ``starts``. :class:`~skyrl_numerics.replay.index.PackedInd
 """
 from __future__ import annotations
 
+import json
+import os
 from typing import Callable
 
+from skyrl_numerics.errors import InputError
+
 from .route_store import RouteStore
+
+DSA_ARCHITECTURE = "DeepseekV32ForCausalLM"
+
+
+def check_index_capture(model_dir, batch_invariant: bool) -> None:
+    """``capture_index=True`` before any engine starts: the batch-invariant engine of a
+    DeepSeek-V3.2 checkpoint, else an InputError naming ``capture_index``."""
+    if not batch_invariant:
+        raise InputError("capture_index=True records the DSA indexer of the batch-invariant "
+                         "DeepSeek-V3.2 model: it needs batch_invariant=True",
+                         field="capture_index")
+    with open(os.path.join(model_dir, "config.json")) as f:
+        archs = json.load(f).get("architectures") or []
+    if archs != [DSA_ARCHITECTURE]:
+        raise InputError(f"capture_index=True: {archs} has no DSA indexer (only "
+                         f"{DSA_ARCHITECTURE} has one)", field="capture_index")
 
 
 def index_info(model) -> dict | None:
