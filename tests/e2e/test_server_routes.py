@@ -1,7 +1,7 @@
 """vLLM's own ``routed_experts`` and ``sampling_mask`` from a stock ``vllm serve`` on vLLM CPU.
 
 vLLM 0.32 fills these response fields only in its GPU Model Runner V2; our patches
-(``engine/vllm_patches.py`` + ``capture.AuxOutputs``) make the V1 CPU runner fill them
+(``engine/vllm_patches.py`` + ``aux_outputs.AuxOutputs``) make the V1 CPU runner fill them
 the same way. A real server runs as a subprocess (:class:`VLLMServer`) and is queried over HTTP
 with the ``openai`` client. Proof the fields are right:
 

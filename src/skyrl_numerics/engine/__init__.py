@@ -7,7 +7,8 @@ probe ``skyrl_numerics.host``).
 - ``server.py`` — ``skyrl-numerics serve``; ``vllm_plugin.py`` — the ``vllm.general_plugins``
   entry point (the ``skyrl_delta`` weight-transfer backend, ``transfer_backend.py``, and the
   invariant architectures, ``vllm_invariant_model.py``);
-- ``vllm_ext.py`` — the worker extension (route / support / digest capture, ``capture.py``;
+- ``vllm_ext.py`` — the worker extension (route / support / digest capture, ``route_store.py``,
+  ``support_store.py``, ``digest_store.py``; vLLM's own fields on CPU, ``aux_outputs.py``;
   in-place weight update, ``weight_update.py``; sharded sync, ``sharded_worker.py``; the MLA
   attribution mixins, ``mla_worker.py``); ``vllm_patches.py`` — every patch of vLLM, listed and
   reversible;

@@ -208,19 +208,22 @@ class Samples:
 
 
 def assemble_rollout(gen, req: Request, samples: Samples, elapsed: float, *, routes=None,
-                     support=None, digests=None, gates=None, **extra_meta) -> Rollout:
+                     support=None, digests=None, gates=None, index=None, **extra_meta) -> Rollout:
     """The ``Rollout`` of one call of ``gen`` (its ``model_dir``, ``dtype``, ``info``).
     ``routes``: PackedRoutes, or with route starts the ``[(start, rows)]`` per sample (then
-    ``meta["route_deltas"]``); ``extra_meta``: the transport's own meta entries."""
+    ``meta["route_deltas"]``); ``index``: PackedIndex, or with route starts ``[(start, rows)]``
+    per sample (then ``meta["index_deltas"]``); ``extra_meta``: the transport's own meta entries."""
     n_tok = sum(len(r) for r in samples.responses)
     meta = dict(model_dir=gen.model_dir, dtype=gen.dtype, generate_s=elapsed,
                 num_cached_tokens=samples.cached, **extra_meta,
                 tokens_per_s=n_tok / elapsed if elapsed > 0 else None)
     if req.route_starts is not None:
         meta["route_deltas"], routes = routes, None
+        if index is not None:
+            meta["index_deltas"], index = index, None
     ro = Rollout.from_lists(samples.prompts, samples.responses, samples.logprobs,
                             group_ids=np.asarray(samples.groups), routes=routes, support=support,
-                            gates=gates, sampling=req.sampling(), engine=gen.info.name,
+                            gates=gates, index=index, sampling=req.sampling(), engine=gen.info.name,
                             engine_version=gen.info.version, meta=meta)
     if req.topk_logprobs:
         ro.topk = TopkLogprobs.from_dicts(samples.topk_rows, req.topk_logprobs)

@@ -26,6 +26,7 @@ from skyrl_numerics.invariant.contract import ExecutionContract
 from skyrl_numerics.rollout import Rollout
 
 from .assemble import Request, Samples, assemble_rollout, check_generate
+from .index_capture import check_index_capture
 from .vllm_versions import check_vllm_version
 
 WORKER_EXTENSION = "skyrl_numerics.engine.vllm_ext.SkyrlWorkerExtension"
@@ -98,11 +99,13 @@ class VLLMGenerator:
     ``max_num_seqs``, ``max_num_batched_tokens``).
     """
 
+    index_info: dict | None = None   # the DSA indexer capture's {"layers", "topk", "bound"}
+
     def __init__(self, model_dir: str | os.PathLike, *, dtype: str = "bfloat16", seed: int = 0,
                  max_model_len: int = 1024, gpu_memory_utilization: float | None = None,
                  enforce_eager: bool = True, max_logprobs: int = 64, capture_routes: bool = False,
                  batch_invariant: bool = False, kv_cache=None, numerics=None,
-                 **engine_kwargs: Any):
+                 capture_index: bool = False, **engine_kwargs: Any):
         _refuse_spawn_reimport()
         check_vllm_version(vllm_version(), what="VLLMGenerator")
         from vllm import LLM
@@ -114,6 +117,8 @@ class VLLMGenerator:
             gpu_memory_utilization = engine_memory_share()
         self.model_dir = str(model_dir)
         self.batch_invariant = batch_invariant
+        if capture_index:
+            check_index_capture(self.model_dir, batch_invariant)
         if batch_invariant:
             # The same invariant forward the trainer runs (skyrl_numerics.invariant), as
             # an out-of-tree model registered by our vllm.general_plugins entry point. An
@@ -184,6 +189,12 @@ class VLLMGenerator:
             except Exception:  # e.g. vLLM's model for this MoE has no router capture hook
                 self.close()   # do not leave the engine processes behind
                 raise
+        if capture_index:      # the DSA indexer's choices (replay/index.py)
+            try:
+                self.index_info = self.llm.collective_rpc("skyrl_index_capture_start")[0]
+            except Exception:  # not a DSA model
+                self.close()
+                raise
 
     def _engine_host(self) -> dict:
         """The worker's host report (``skyrl_host_info``, vllm_ext.py): CPU, ISA, torch CPU
@@ -217,7 +228,7 @@ class VLLMGenerator:
         the support; the support is bounded by ``top_k``, so it comes back whole). Otherwise
         (top-p alone, or a top-k larger than ``max_logprobs``) it is captured inside the engine:
         a worker-side hook on vLLM's top-k/top-p sampler records the set the sampler kept
-        (``capture.SupportStore``), stored sparse in ``PackedSupport``. Needs some truncation
+        (``support_store.SupportStore``), stored sparse in ``PackedSupport``. Needs some truncation
         (``top_k > 0`` or ``top_p < 1``) and ``temperature > 0``. ``capture_support="sampler"`` /
         ``"logprobs"`` forces one of the two ways (``True`` = ``"auto"``: as above).
         ``route_starts`` (one per prompt; a multi-turn driver's turn deltas, ``multiturn.py``):
@@ -227,8 +238,11 @@ class VLLMGenerator:
         ``logits_digest``: also hash the engine's full logits row of every response token inside
         the worker (raw float32 logits, before temperature; :mod:`skyrl_numerics.gap.digest`),
         returned in ``rollout.logits_digest``; :meth:`logits_row` recomputes one row.
+        An engine started with ``capture_index=True`` (batch-invariant DeepSeek-V3.2) returns the
+        indexer's choices in ``rollout.index`` (:class:`~skyrl_numerics.replay.PackedIndex`), with
+        ``route_starts`` as ``meta["index_deltas"]`` = ``[(start, [rows, L, topk])]``.
         ``gate_weights`` (an engine with ``capture_routes=True``): also capture the combine weight
-        vLLM multiplied each chosen expert's output with (``engine/capture.py``), packed in
+        vLLM multiplied each chosen expert's output with (``engine/gate_capture.py``), packed in
         ``rollout.gates`` (:class:`~skyrl_numerics.replay.PackedGates`; ``True`` = fp16, or a
         ``PackedGates`` dtype name); with ``route_starts`` as ``meta["gate_deltas"]`` (float32
         rows, beside ``route_deltas``).
@@ -256,13 +270,15 @@ class VLLMGenerator:
                                    samples.route_starts(), gate_dtype) if gate_dtype else None)
         routes = (self._fetch_routes(outputs, n, samples.prompts, samples.responses,
                                      samples.route_starts()) if self.route_info else None)
+        index = (self._fetch_index(outputs, n, samples.prompts, samples.responses,
+                                   samples.route_starts()) if self.index_info else None)
         support = self._support(req, outputs, samples)
         digests = self._digests(outputs, n, samples) if logits_digest else None
         extra = {}
         if gates is not None and req.route_starts is not None:
             extra, gates = {"gate_deltas": gates}, None
         return assemble_rollout(self, req, samples, elapsed, routes=routes, support=support,
-                                digests=digests, gates=gates, **extra)
+                                digests=digests, gates=gates, index=index, **extra)
 
     @staticmethod
     def _samples(req: Request, outputs) -> Samples:
@@ -428,6 +444,19 @@ class VLLMGenerator:
         if starts is not None:
             return [(int(a), s_) for a, s_ in zip(starts, seqs)]
         return PackedRoutes.from_sequences(seqs, self.route_info["num_experts"])
+
+    def _fetch_index(self, outputs, n: int, p_rows, r_rows, starts=None):
+        """The indexer's choices recorded for each returned sample (positions ``0 .. n - 2``):
+        PackedIndex, or with ``starts`` ``[(start, rows)]`` per sample."""
+        from skyrl_numerics.replay import PackedIndex
+
+        lengths = [len(p) + len(r) - 1 for p, r in zip(p_rows, r_rows)]
+        got = self._fetch_per_sample("skyrl_index_capture_fetch", "index capture", outputs, n,
+                                     lengths, True, starts)
+        seqs = [np.frombuffer(g["data"], dtype=np.dtype(g["dtype"])).reshape(g["shape"]) for g in got]
+        if starts is not None:
+            return [(int(a), s_) for a, s_ in zip(starts, seqs)]
+        return PackedIndex.from_sequences(seqs, self.index_info["topk"])
 
     def _start_gate_capture(self, gate_weights: bool | str) -> str | None:
         """The PackedGates dtype asked for (``None``: no gate capture), with the worker's gate

@@ -30,6 +30,11 @@ full-prefix resend of every turn would have shipped. ``route_deltas=False`` fetc
 prefix each turn (the reference the deltas are tested against) and keeps the rows a previous turn
 already recorded (they produced the KV later tokens attended to).
 
+DSA indexer choices (an engine with ``capture_index=True``): turn deltas from the same starts,
+assembled by a second :class:`~skyrl_numerics.replay.RouteTrace` (key positions for expert ids)
+into ``ro.index`` (:class:`~skyrl_numerics.replay.PackedIndex`); ``meta["index_bytes"]`` holds the
+bytes shipped and a full-prefix resend's, as for routes.
+
 Supports (top-p / top-k replay): a model token's row is the set the sampler kept in its turn; an
 observation token's row is the token alone (never trained on, so never read by the loss).
 """
@@ -44,7 +49,7 @@ import numpy as np
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.gap.digest import DIGEST_BYTES, LogitsDigests, default_algo
 from skyrl_numerics.gap.topk import TopkLogprobs
-from skyrl_numerics.replay import PackedGates, PackedRoutes, PackedSupport, RouteTrace
+from skyrl_numerics.replay import PackedGates, PackedIndex, PackedRoutes, PackedSupport, RouteTrace
 from skyrl_numerics.replay.gates import GATE_DTYPES
 from skyrl_numerics.rollout import Rollout
 
@@ -153,6 +158,7 @@ class Trajectory:
     pending: list[int] = field(default_factory=list)  # observation before the next model turn
     reward: float = 0.0                             # sum of the environment's step rewards
     trace: RouteTrace | None = None                 # routes, assembled from turn deltas
+    index_trace: RouteTrace | None = None           # DSA indexer choices, the same way
     done: bool = False
 
     @classmethod
@@ -206,6 +212,22 @@ class Trajectory:
         self.trace.add(rows, start, allow_overlap=allow_overlap, gates=gates)
         return rows.shape[0] * per_row, full
 
+    def add_index(self, start: int, rows, n_new: int, info: dict,
+                  allow_overlap: bool) -> tuple[int, int]:
+        """Turn indexer rows (key positions ``[n, L, topk]``) from position ``start`` on;
+        ``(bytes shipped, bytes of a full-prefix resend)``."""
+        rows = np.asarray(rows)
+        if self.index_trace is None:
+            self.index_trace = RouteTrace(info["layers"], info["topk"], info["bound"])
+        per_row = rows.shape[1] * rows.shape[2] * rows.itemsize
+        self.index_trace.add(rows, start, allow_overlap=allow_overlap)
+        return rows.shape[0] * per_row, (len(self.history) + n_new - 1) * per_row
+
+    def trace_end(self) -> int:
+        """Positions recorded so far (the next turn's delta start)."""
+        tr = self.trace if self.trace is not None else self.index_trace
+        return 0 if tr is None else tr.num_tokens
+
     def step(self, toks: list[int], vocab, t: int, last: bool) -> None:
         """The environment's step after the model turn ``toks`` (the last turn too: its
         reward); the trajectory ends on ``done``, an empty observation or the last turn, else
@@ -228,6 +250,7 @@ class TurnLog:
     cached: list = field(default_factory=list)   # per turn: prefix-cache hits per request
     delta_bytes: int = 0
     full_bytes: int = 0
+    index_bytes: list = field(default_factory=lambda: [0, 0])   # shipped, full-prefix resend
     digest_algo: str | None = None
 
     def record(self, ro: Rollout, n_requests: int, logits_digest: bool):
@@ -244,7 +267,9 @@ class TurnLog:
     def meta(self, route_deltas: bool) -> dict:
         return dict(generate_s=self.generate_s, num_cached_tokens_per_turn=self.cached,
                     route_bytes={"delta": int(self.delta_bytes), "full_resend": int(self.full_bytes)},
-                    route_deltas=bool(route_deltas))
+                    route_deltas=bool(route_deltas),
+                    index_bytes={"delta": int(self.index_bytes[0]),
+                                 "full_resend": int(self.index_bytes[1])})
 
 
 def generate_multiturn(gen, prompts: Sequence[Sequence[int]], env: Callable[[], Env],
@@ -263,6 +288,7 @@ def generate_multiturn(gen, prompts: Sequence[Sequence[int]], env: Callable[[], 
     turn deltas too (``ro.gates``, :class:`~skyrl_numerics.replay.PackedGates`)."""
     opts = replace(options or MultiTurnOptions(), **kw)
     num_experts = _checked(gen, env, opts)
+    index_info = getattr(gen, "index_info", None)
     trajs = [Trajectory.start(i, p, prompts[p], env)
              for i, p in enumerate(p for p in range(len(prompts)) for _ in range(opts.n))]
     log = TurnLog()
@@ -273,7 +299,8 @@ def generate_multiturn(gen, prompts: Sequence[Sequence[int]], env: Callable[[], 
         active = [tr for tr in trajs if not tr.done]
         if not active:
             break
-        ro = _sample_turn(gen, active, t, opts, num_experts)
+        ro = _sample_turn(gen, active, t, opts, num_experts is not None or bool(index_info))
+        index_deltas = ro.meta.pop("index_deltas", None)
         deltas = log.record(ro, len(active), opts.logits_digest)
         if num_experts is not None and deltas is None:
             if opts.routes or t > 0:
@@ -281,9 +308,21 @@ def generate_multiturn(gen, prompts: Sequence[Sequence[int]], env: Callable[[], 
                                  "--enable-return-routed-experts)", field="routes")
             num_experts = None       # routes=None (auto): this engine captures none
         for k, tr in enumerate(active):
+            if index_deltas is not None and ro.response(k).size:
+                start, rows = index_deltas[k]
+                got = tr.add_index(start, rows, int(ro.response(k).size), index_info,
+                                   allow_overlap=not opts.route_deltas)
+                log.index_bytes = [a + b for a, b in zip(log.index_bytes, got)]
             _take_turn(tr, ro, k, t, opts, None if deltas is None else deltas[k], num_experts,
                        log, getattr(gen, "vocab_size", None))
-    return _assemble(gen, trajs, num_experts, opts, log)
+    out = _assemble(gen, trajs, num_experts, opts, log)
+    if index_info and all(tr.index_trace is not None for tr in trajs):
+        for tr in trajs:
+            tr.index_trace.check_length(len(tr.prompt) + len(tr.tokens))
+        out.index = PackedIndex.from_sequences([tr.index_trace.to_routes().values for tr in trajs],
+                                               index_info["topk"])
+        out.validate()
+    return out
 
 
 def _checked(gen, env, opts: MultiTurnOptions) -> int | None:
@@ -301,13 +340,12 @@ def _checked(gen, env, opts: MultiTurnOptions) -> int | None:
 
 
 def _sample_turn(gen, active: list[Trajectory], t: int, opts: MultiTurnOptions,
-                 num_experts: int | None) -> Rollout:
-    """Turn ``t``: one request per active trajectory over its whole history; routes from each
-    trace's end on (``route_deltas=False``: from 0)."""
+                 deltas: bool) -> Rollout:
+    """Turn ``t``: one request per active trajectory over its whole history; routes (and
+    indexer choices) from each trace's end on (``route_deltas=False``: from 0)."""
     starts = None
-    if num_experts is not None:
-        starts = [(tr.trace.num_tokens if tr.trace is not None else 0) if opts.route_deltas
-                  else 0 for tr in active]
+    if deltas:
+        starts = [tr.trace_end() if opts.route_deltas else 0 for tr in active]
     return gen.generate([tr.history for tr in active], n=1,
                         seeds=[opts.seed + 1000 * t + tr.index for tr in active],
                         max_tokens=opts.max_tokens, temperature=opts.temperature,

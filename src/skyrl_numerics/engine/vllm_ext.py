@@ -10,16 +10,21 @@ mixins with the attribution schedule recorder (``mla_worker.py``):
 :class:`MLAScheduleExtension` and :class:`MLARopeFixExtension`. (Every patch of vLLM's own
 classes and objects: ``vllm_patches.py``.)
 
-The capture itself (where each route row goes, prefix-cache hits, vLLM's own fields on CPU):
-``capture.py``. A class here is passed as ``worker_extension_cls`` so vLLM mixes its methods into
-the worker (``self`` is the worker); the generator calls them with
+The capture itself (where each route row goes, prefix-cache hits): ``route_store.py``,
+``gate_capture.py``, ``support_store.py``, ``digest_store.py``; vLLM's own fields on CPU:
+``aux_outputs.py``. A class here is passed as ``worker_extension_cls`` so vLLM mixes its methods
+into the worker (``self`` is the worker); the generator calls them with
 ``llm.collective_rpc("skyrl_...")``.
 """
 from __future__ import annotations
 
-from .capture import DigestStore, moe_runners, RouteStore, SupportStore, wrap_routing
+from .digest_store import DigestStore
+from .gate_capture import wrap_routing
+from .index_capture import start_index_capture
 from .mla_worker import AttributionScheduleMixin, MLARopeFixMixin
+from .route_store import moe_runners, RouteStore
 from .sharded_worker import ShardedSyncWorker
+from .support_store import SupportStore
 from .trace_capture import TraceMixin
 from .vllm_patches import wrap_sampler, wrap_sampler_logits
 from .vllm_versions import returns_routed_experts
@@ -165,8 +170,8 @@ class ContractMixin:
 
 class RoutesMixin:
     """Route capture (R3): the experts each MoE router chose, per request and position
-    (:class:`~.capture.RouteStore`), and the state of vLLM's own ``routed_experts`` /
-    ``sampling_mask`` outputs on CPU (:class:`~.capture.AuxOutputs`)."""
+    (:class:`~.route_store.RouteStore`), and the state of vLLM's own ``routed_experts`` /
+    ``sampling_mask`` outputs on CPU (:class:`~.aux_outputs.AuxOutputs`)."""
 
     def skyrl_route_capture_start(self) -> dict:
         if returns_routed_experts(self.model_runner.vllm_config):
@@ -201,8 +206,8 @@ class RoutesMixin:
 
     def skyrl_gate_capture_start(self) -> dict:
         """Capture each chosen expert's combine weight beside its id from now on
-        (:func:`~.capture.wrap_routing`; what vLLM multiplies the expert output with). Needs route
-        capture on vLLM's own MoE layers; idempotent."""
+        (:func:`~.gate_capture.wrap_routing`; what vLLM multiplies the expert output with).
+        Needs route capture on vLLM's own MoE layers; idempotent."""
         store = getattr(self, "_skyrl_routes", None)
         mods = getattr(self, "_skyrl_route_mods", None)
         if store is None or mods is None:
@@ -249,9 +254,36 @@ class RoutesMixin:
         self._skyrl_route_mods = None
 
 
+class IndexMixin:
+    """DSA indexer capture: the key positions each query of a batch-invariant DeepSeek-V3.2
+    attends to, per request and position (``index_capture.py``)."""
+
+    def skyrl_index_capture_start(self) -> dict:
+        """Idempotent; ``{"layers", "topk", "bound"}``."""
+        if getattr(self, "_skyrl_index", None) is None:
+            self._skyrl_index, self._skyrl_index_unhook, self._skyrl_index_info = (
+                start_index_capture(self.model_runner))
+        return self._skyrl_index_info
+
+    def skyrl_index_capture_fetch(self, external_ids: list[str], lengths: list[int],
+                                  clear: bool = True, starts: list[int] | None = None) -> list:
+        """Rows of positions ``start .. length - 1`` (as ``skyrl_route_capture_fetch``)."""
+        store = self._skyrl_index
+        out = store.fetch(external_ids, lengths, starts)
+        if clear:
+            store.clear()
+        return out
+
+    def skyrl_index_capture_stop(self) -> None:
+        if getattr(self, "_skyrl_index", None) is None:
+            return
+        self._skyrl_index_unhook()
+        self._skyrl_index = None
+
+
 class SupportsMixin:
     """Support capture (top-p / top-k: the set the sampler kept,
-    :class:`~.capture.SupportStore`)."""
+    :class:`~.support_store.SupportStore`)."""
 
     def skyrl_support_capture_start(self) -> bool:
         """Wrap the runner's top-k/top-p sampler so every sampled token's support is recorded
@@ -280,7 +312,7 @@ class SupportsMixin:
 
 class DigestsMixin:
     """Logits digests (a digest of the full logits row of every sampled position,
-    :class:`~.capture.DigestStore`; the row and the digest: :mod:`skyrl_numerics.gap.digest`)."""
+    :class:`~.digest_store.DigestStore`; the row and the digest: :mod:`skyrl_numerics.gap.digest`)."""
 
     def skyrl_logits_digest_start(self, algo: str) -> str:
         """Wrap the runner's sampler so every row it receives is hashed with ``algo``.
@@ -321,11 +353,12 @@ class DigestsMixin:
 # ---- the extensions: the mixins composed ------------------------------------------------------
 
 class SkyrlWorkerExtension(WeightsMixin, ShardedSyncWorker, KernelsMixin, ContractMixin, RoutesMixin,
-                           SupportsMixin, DigestsMixin, TraceMixin):
+                           IndexMixin, SupportsMixin, DigestsMixin, TraceMixin):
     """The one worker extension (``WORKER_EXTENSION`` of ``generator.py`` / ``server.py`` /
     ``sync/vllm.py``): in-place weight loading (``skyrl_load_weights``, the load path of
     ``sync/vllm.py``; ``skyrl_shard_*``, the sharded transfer of ``sync/sharded.py``), which kernels
-    run the layers, parameter digests, the host report, the execution contract, route capture, support capture,
+    run the layers, parameter digests, the host report, the execution contract, route capture, DSA
+    indexer capture, support capture,
     logits digests and the layer-by-layer tracer's hooks (``skyrl_trace_*``, ``trace_capture.py``)."""
 
 

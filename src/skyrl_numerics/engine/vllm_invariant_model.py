@@ -89,7 +89,7 @@ class RouteTap(nn.Module):
     ``MoERunner`` routers (``bind_routed_experts_capturer``), and refuses to start when it finds
     neither ("No supported MoE router found for routed-experts capture"): our routers are not its
     ``MoERunner``, so each MoE layer gets a tap its capturer binds to. (vLLM 0.31 and later fill
-    ``routed_experts`` on CPU through ``capture.AuxOutputs``, which sets the model's
+    ``routed_experts`` on CPU through ``aux_outputs.AuxOutputs``, which sets the model's
     ``route_hook`` itself.)"""
 
     def __init__(self, layer_id: int):
@@ -125,6 +125,8 @@ class _SkyrlInvariantForCausalLM(nn.Module):
 
         self._step_plan = None
         self._slot_views: dict[int, tuple] = {}   # layer -> (cache identity, its slot view)
+        # the DSA indexer's choices of every scheduled token, per layer (index_capture.py)
+        self.index_capture = None
         item = torch.finfo(vllm_config.model_config.dtype).bits // 8
         heads = -(-self.kv.row_bytes // (2 * SLOT_HEAD * item))
         self.attn = nn.ModuleList([
@@ -221,24 +223,39 @@ class _SkyrlInvariantForCausalLM(nn.Module):
         # bf16/fp16 rows on CPU: the kernel reads them in the cache, through the slots
         pool = (cache.view(self.kv.dtype) if q.device.type == "cpu" and self.kv.format == "auto"
                 else None)
+        chosen = self._index_rows(n) if self.index_capture is not None else None
         for nreq, qidx, sq, L, kv_lens, idx in groups:
             if qidx is None and q.shape[0] != n:
                 qidx = torch.arange(n, device=q.device)
             qg = (q if qidx is None else q[qidx]).view(nreq, sq, *q.shape[1:])
-            if pool is not None:
-                o = self.core.attn_core_paged(i, qg, pool, idx.view(nreq, L), kv_lens)
-            else:
-                data = cache.index_select(0, idx)                 # (3x faster than cache[idx])
-                R = self.kv.decode(i, data.view(nreq, L, -1).view(torch.uint8))
-                o = self.core.attn_core(i, qg, R, kv_lens)
+            if chosen is not None:
+                prev, self.core.index_hook = (self.core.index_hook,
+                                              lambda _l, sel, _c, _at=qidx: chosen.put(_at, sel))
+            try:
+                if pool is not None:
+                    o = self.core.attn_core_paged(i, qg, pool, idx.view(nreq, L), kv_lens)
+                else:
+                    data = cache.index_select(0, idx)             # (3x faster than cache[idx])
+                    R = self.kv.decode(i, data.view(nreq, L, -1).view(torch.uint8))
+                    o = self.core.attn_core(i, qg, R, kv_lens)
+            finally:
+                if chosen is not None:
+                    self.core.index_hook = prev
             if qidx is None:                            # one group: every token, in order
+                if chosen is not None:
+                    self.index_capture(i, chosen.rows)
                 return o.reshape(-1, *o.shape[2:])
             if out is None:
                 out = q.new_zeros((q.shape[0],) + tuple(o.shape[2:]))
             out[qidx] = o.reshape(-1, *o.shape[2:])
         if out is None:
             return self.core._own_sequence_attend(i, q, rows)
+        if chosen is not None:
+            self.index_capture(i, chosen.rows)
         return out
+
+    def _index_rows(self, n: int) -> "IndexRows":
+        return IndexRows(torch.zeros((n, self.core.index.topk), dtype=torch.int64))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors=None, inputs_embeds=None, **kwargs) -> torch.Tensor:
@@ -254,6 +271,22 @@ class _SkyrlInvariantForCausalLM(nn.Module):
         # adapters start at the plan's own values (numerics.init_adapter), as the trainer's do
         return {f"core.params.{self.core._names[n]}"
                 for n in loaded | set(self.core.adapter_names()) if n not in self.core._packed}
+
+
+class IndexRows:
+    """One layer's indexer choices of every scheduled token in token order, assembled from the
+    request groups' ``index_hook`` calls (a group's rows are tokens ``qidx``, or all in order;
+    a group with fewer keys than ``topk`` fills the leading columns, the rest stay 0)."""
+
+    def __init__(self, rows: torch.Tensor):
+        self.rows = rows
+
+    def put(self, at, sel: torch.Tensor) -> None:
+        k = sel.shape[1]
+        if at is None:
+            self.rows[:, :k] = sel
+        else:
+            self.rows[at, :k] = sel
 
 
 def _word(per_slot: int, row_bytes: int) -> torch.dtype:

@@ -14,7 +14,7 @@ refuses a patch of an attribute that is not there, and an undo out of order or o
 replaced behind its back. Nothing else in the project assigns to an attribute of a vLLM object.
 
 Not patches (public hooks, nothing of vLLM's is replaced; listed so nobody looks for them here):
-the route capture's ``BaseRouter.set_capture_fn`` (vLLM's own capture hook, ``capture.py``), the
+the route capture's ``BaseRouter.set_capture_fn`` (vLLM's own capture hook, ``route_store.py``), the
 ``route_hook`` attribute of our own batch-invariant model (``invariant/base.py``), and the MLA
 schedule recorder's ``register_forward_pre_hook`` on the engine's token embedding
 (``mla_worker.py``).
@@ -73,11 +73,11 @@ refused by name where it is asked for (``serve_command``: ``--sampling-mask``).
     either output above is on, the wrappers do on the V1 runner what the V2 runner does:
     ``execute_model`` hands the step's ``scheduler_output`` (its
     ``aux_output_connector_metadata``: emit starts, finished requests, generation) to the
-    runner's :class:`~skyrl_numerics.engine.capture.AuxOutputs` before the forward;
+    runner's :class:`~skyrl_numerics.engine.aux_outputs.AuxOutputs` before the forward;
     the ``ModelRunnerOutput`` of the step then gets ``aux_output_connector_output =
     {req_id: AuxRequestOutput(emit_start, rows)}`` for every request that sampled a token and
     ``sampling_masks`` (CSR supports), from the route capture on vLLM's router hook and the
-    support capture on its sampler (``capture.py`` documents how rows are computed). vLLM's
+    support capture on its sampler (``route_store.py`` / ``support_store.py`` document how rows are computed). vLLM's
     scheduler, output processor and API serialization (``routed_experts`` base64 ``.npy`` in
     ``/v1/completions``, ``/v1/chat/completions``, ``/inference/v1/generate``; ``sampling_mask``
     in ``/inference/v1/generate``) do the rest, unchanged. With neither output on, the wrappers
@@ -102,7 +102,7 @@ Instance patches (:func:`patch_instance`, keys of :data:`INSTANCE_PATCHES`)
     (the ids with a finite processed logit) is recorded. The wrapper calls the original and
     returns its result unchanged. Undone by ``skyrl_support_capture_stop`` / ``AuxOutputs.close``.
 ``"sampler.digest.forward"``: ``Sampler.forward`` of one runner's sampler (:func:`wrap_sampler_logits`)
-    The logits digest (``skyrl_logits_digest_start``, ``capture.DigestStore``) must see the rows
+    The logits digest (``skyrl_logits_digest_start``, ``digest_store.DigestStore``) must see the rows
     ``model.compute_logits`` produced, as the sampler receives them, before it converts and
     processes them (with float32 logits its processors may work in place). vLLM's runner calls
     ``self.sampler(logits=..., sampling_metadata=...)``, i.e. the instance's ``forward``: the
@@ -285,7 +285,7 @@ def _cpu_runner_aux_outputs() -> None:
     def aux_of(runner):
         if not _aux_outputs_wanted(runner):
             return None
-        from .capture import AuxOutputs
+        from .aux_outputs import AuxOutputs
 
         return AuxOutputs.of(runner)
 

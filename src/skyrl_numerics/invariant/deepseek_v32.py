@@ -20,8 +20,9 @@ operation of the selection is per element or a fixed-order dot product (``dot8``
 keys depend only on its own row and the cached rows, never on the batch; the attention over the
 selected keys is the invariant kernel with ``kv_len`` = their number, which for a query with at
 most ``index_topk`` visible keys is exactly dense causal attention. The selected positions are
-handed to ``index_hook(layer, positions [T, topk], counts [T])`` when set (the DSA analogue of
-MoE routes).
+handed to ``index_hook(layer, positions [T, K], counts [T])`` when set (the DSA analogue of
+MoE routes; ``K = min(index_topk, keys)``); ``index_source`` set, the selection comes from it
+instead (the engine's choices replayed: :mod:`skyrl_numerics.replay.index_replay`).
 """
 from __future__ import annotations
 
@@ -87,6 +88,8 @@ class InvariantDeepseekV32(InvariantDeepseekV3):
         self.index = index
         self.index_rope = dataclasses.replace(rope, style="neox")
         self.index_hook = None
+        # (layer, qi, wt, ki, pos, select) -> (sel, count): replayed choices (replay/index_replay.py)
+        self.index_source = None
         self.kv = KVFormat("mla", d.kv_lora_rank, d.kv_lora_rank + d.rope + index.head_dim, dtype,
                            parse_kv_spec(kv_cache), d.layers)
         for i in range(d.layers):
@@ -171,7 +174,10 @@ class InvariantDeepseekV32(InvariantDeepseekV3):
         lens = (torch.full((n,), L, dtype=torch.int64) if kv_lens is None
                 else torch.as_tensor(kv_lens, dtype=torch.int64).reshape(n)).to(dev)
         pos = lens[:, None] - Sq + torch.arange(Sq, device=dev)[None, :]           # [n, Sq]
-        sel, count = self._select(qi, wt, rows[..., W:], pos)                      # [n, Sq, K]
+        if self.index_source is not None:      # the engine's choices (R3 for the attention)
+            sel, count = self.index_source(layer, qi, wt, rows[..., W:], pos, self._select)
+        else:
+            sel, count = self._select(qi, wt, rows[..., W:], pos)                  # [n, Sq, K]
         kv = torch.gather(rows[..., :W][:, None].expand(n, Sq, L, W), 2,
                           sel[..., None].expand(*sel.shape, W))                    # [n, Sq, K, W]
         kv = kv.reshape(n * Sq, 1, sel.shape[-1], W)

@@ -1,6 +1,8 @@
 """skyrl_numerics.replay: R3 routes (packing + router replay) and top-p/top-k support replay.
 
 - :class:`PackedGates` — the engine's MoE combine weights beside the routes (fp16 by default).
+- :class:`PackedIndex` — the DSA indexer's chosen key positions, bit-packed (the attention's routes);
+  :func:`index_modes` / :class:`IndexReplay` replay them in the trainer's DSA forward (torch).
 - :class:`PackedRoutes`, :class:`RouteTrace` — compact, zero-copy routes for ragged batches and multi-turn
   trajectories (numpy only).
 - :func:`route_replay`, :func:`record_routes` — force / record the experts of HF MoE blocks (torch).
@@ -12,6 +14,7 @@ Torch-dependent names load lazily so ``import skyrl_numerics.replay`` needs only
 
 from .bitpack import bits_for, pack_bits, unpack_bits
 from .gates import PackedGates
+from .index import PackedIndex
 from .routes import PackedRoutes, id_dtype
 from .support import PackedSupport
 from .trace import RouteTrace
@@ -27,10 +30,13 @@ _LAZY = {
     "megatron_record_routes": ".megatron",
     "megatron_replay_indices": ".megatron",
     "support_logprobs": ".support_lp",
+    "IndexReplay": ".index_replay",
+    "IndexRecorder": ".index_replay",
+    "index_modes": ".index_replay",
     "support_logprobs_reference": ".support_lp",
 }
 
-__all__ = ["PackedRoutes", "PackedGates", "PackedSupport", "RouteTrace", "id_dtype", "decode_vllm_routes", "encode_vllm_routes",
+__all__ = ["PackedRoutes", "PackedGates", "PackedIndex", "PackedSupport", "RouteTrace", "id_dtype", "decode_vllm_routes", "encode_vllm_routes",
            "bits_for", "pack_bits", "unpack_bits", *_LAZY]
 
 

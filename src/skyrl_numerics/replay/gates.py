@@ -4,7 +4,7 @@
 minus the final sampled token), each MoE layer and each of the ``k`` chosen experts *in the order of
 the ids row*, the weight the engine multiplied that expert's output with before summing (the
 *combine weight*; vLLM's ``topk_weights`` times the routed scaling factor, see
-:mod:`skyrl_numerics.engine.capture`). ``cu_seqlens[B+1]`` (int32) is the routes' own.
+:mod:`skyrl_numerics.engine.gate_capture`). ``cu_seqlens[B+1]`` (int32) is the routes' own.
 
 Storage format (``dtype``):
 

@@ -23,7 +23,7 @@ logprob is identically 0 and carries no gradient, so support replay needs ``top_
 
 Top-p alone (no size bound; thousands of ids over a 150k vocabulary) is captured inside the engine
 instead: a worker-side hook on vLLM's top-k/top-p sampler records, per sampled token, the ids whose
-processed logprob is finite (``engine/capture.py``, ``SupportStore``), and the generator builds
+processed logprob is finite (``engine/support_store.py``, ``SupportStore``), and the generator builds
 the CSR arrays directly. Memory: 4 B per kept id + 8 B per token (offsets), against ``V`` bytes per token
 for a dense bool mask (``V / 8`` bit-packed): :meth:`dense_mask_nbytes`.
 """

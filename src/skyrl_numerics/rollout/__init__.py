@@ -10,6 +10,7 @@ Layout (B sequences; ``cu`` arrays are int64 prefix sums starting at 0, length B
     routes             PackedRoutes | None         R3 routes (skyrl_numerics.replay)
     support            PackedSupport | None        top-p/top-k support per response token
     gates              PackedGates | None          the engine's MoE combine weights, the routes' rows
+    index              PackedIndex | None          DSA indexer choices (skyrl_numerics.replay.index)
     sampling           dict    temperature, top_p, top_k, seed, n, max_tokens, logprobs_mode
     engine, engine_version, meta
     loss_mask          bool    [Σ response_len]   optional, multi-turn: True = model token,
@@ -75,6 +76,8 @@ class Rollout(RolloutFiles):
     turns: np.ndarray | None = None       # int32, one per response token: its turn index
     # the engine's MoE combine weights (skyrl_numerics.replay.PackedGates), rows as ``routes``
     gates: Any = None
+    # the DSA indexer's key positions per token and layer (skyrl_numerics.replay.PackedIndex)
+    index: Any = None
 
     def __post_init__(self):
         self.prompt_cu = int_array(self.prompt_cu, "prompt_cu", 0, I64_MAX, np.int64)
@@ -326,6 +329,11 @@ class Rollout(RolloutFiles):
             if self.routes is None:
                 raise err("gate weights without routes", field="gates")
             self.gates.check_routes(self.routes)
+        if self.index is not None:
+            try:
+                self.index.check_rollout(self.prompt_lens + self.response_lens)
+            except InputError as e:
+                raise err(e.message, row=e.row, field="index") from None
         if self.support is not None:
             ns = int(self.support.num_tokens)
             if ns != n:

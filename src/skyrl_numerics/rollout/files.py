@@ -132,7 +132,8 @@ class RolloutFiles:
             arrays["trainer_logprobs"] = self.trainer_logprobs
         if self.loss_mask is not None:
             arrays["loss_mask"], arrays["turns"] = self.loss_mask, self.turns
-        for prefix, obj in (("routes.", self.routes), ("support.", self.support), ("gates.", self.gates)):
+        for prefix, obj in (("routes.", self.routes), ("support.", self.support), ("gates.", self.gates),
+                            ("index.", self.index)):
             if obj is not None:
                 for k, v in obj.to_arrays().items():
                     arrays[prefix + k] = np.ascontiguousarray(v)
@@ -151,6 +152,9 @@ class RolloutFiles:
         if self.routes is not None:
             raise InputError("routes cannot be written to .jsonl (too large); use .safetensors",
                              field="routes")
+        if self.index is not None:
+            raise InputError("indexer choices cannot be written to .jsonl (too large); use "
+                             ".safetensors", field="index")
         lines = []
         mask = self.loss_mask
 
@@ -277,7 +281,7 @@ class RolloutFiles:
             if k not in arrays:
                 raise InputError("missing array", field=k)
         for k, v in arrays.items():
-            if k.startswith(("routes.", "support.", "gates.")):
+            if k.startswith(("routes.", "support.", "gates.", "index.")):
                 continue
             if k not in FILE_DTYPES or (version < 2 and k in _V2_ONLY):
                 old = f" (not in schema_version {version})" if k in FILE_DTYPES else ""
@@ -303,6 +307,14 @@ class RolloutFiles:
                 gates = PackedGates.from_arrays(gate_arrays)
         except InputError as e:
             raise InputError(e.message, row=e.row, field=f"gates.{e.field or 'values'}", index=e.index) from None
+        index_arrays = {k[len("index."):]: v for k, v in arrays.items() if k.startswith("index.")}
+        index = None
+        try:
+            if index_arrays:
+                from skyrl_numerics.replay import PackedIndex
+                index = PackedIndex.from_arrays(index_arrays)
+        except InputError as e:
+            raise InputError(e.message, row=e.row, field=f"index.{e.field or 'values'}", index=e.index) from None
         try:
             if support_arrays:
                 from skyrl_numerics.replay import PackedSupport
@@ -314,6 +326,7 @@ class RolloutFiles:
                    rollout_logprobs=arrays["rollout_logprobs"],
                    trainer_logprobs=arrays.get("trainer_logprobs"),
                    group_ids=arrays.get("group_ids"), routes=routes, support=support, gates=gates,
+                   index=index,
                    loss_mask=arrays.get("loss_mask"), turns=arrays.get("turns"),
                    sampling=sampling, meta=m, engine=meta.get("engine", "unknown"),
                    engine_version=meta.get("engine_version", "unknown"), vocab_size=vocab)

@@ -20,6 +20,7 @@ import torch
 
 from skyrl_numerics.invariant.base import InvariantCausalLM, entropy_of, response_logps, support_mask
 from skyrl_numerics.replay import PackedRoutes
+from skyrl_numerics.replay.index_replay import index_modes
 from skyrl_numerics.rollout import Rollout
 
 
@@ -28,6 +29,8 @@ class TrainerLogprobs:
     logprobs: np.ndarray  # float32 [Σ response_len]
     entropy: np.ndarray   # float32 [Σ response_len]
     routes: object = None  # PackedRoutes the trainer's routers chose, where asked for
+    index: object = None   # PackedIndex the trainer's DSA attention used, where asked for
+    index_mismatch: dict | None = None   # compare_index: rows the own indexer chose differently
 
 
 def token_logprobs_from_hidden(hidden, lm_head_weight, targets, *, temperature: float = 1.0,
@@ -183,7 +186,8 @@ def trainer_logprobs(model, rollout: Rollout, *, batch_size: int = 8, token_chun
 
 def invariant_trainer_logprobs(model: InvariantCausalLM, rollout, *, batch_size: int = 4,
                                temperature: float | None = None, return_routes: bool = False,
-                               use_support: bool = False):
+                               use_support: bool = False, use_index: bool = False,
+                               compare_index: bool = False, return_index: bool = False):
     """Response-token logprobs with the invariant forward (packed batches, no padding), fp32
     log-softmax of the model-dtype logits at the rollout's temperature — vLLM's processed
     logprobs, computed the same way.
@@ -194,7 +198,13 @@ def invariant_trainer_logprobs(model: InvariantCausalLM, rollout, *, batch_size:
 
     ``return_routes=True`` also returns the experts the invariant routers chose, as a
     :class:`~skyrl_numerics.replay.PackedRoutes` in the engine's convention (positions
-    ``0 .. len(prompt) + len(response) - 2`` of each row), in ``.routes``."""
+    ``0 .. len(prompt) + len(response) - 2`` of each row), in ``.routes``.
+
+    DeepSeek-V3.2 (DSA; :mod:`skyrl_numerics.replay.index_replay`): ``use_index=True`` attends to
+    the keys the engine's indexer chose (``rollout.index``) instead of the trainer's own;
+    ``compare_index=True`` also runs the trainer's indexer and counts the rows it chooses
+    differently (``.index_mismatch``: ``{"rows", "differ", "per_layer"}``);
+    ``return_index=True`` returns the choices the forward used (``.index``, a PackedIndex)."""
     if temperature is None:
         temperature = float(rollout.sampling.get("temperature", 1.0) or 1.0)
     lp_out = np.empty(rollout.num_response_tokens, dtype=np.float32)
@@ -205,8 +215,9 @@ def invariant_trainer_logprobs(model: InvariantCausalLM, rollout, *, batch_size:
     captured: dict[int, torch.Tensor] = {}
     if return_routes:
         model.route_hook = lambda layer, ids: captured.__setitem__(layer, ids.clone())
-    try:
-        with torch.no_grad():
+    with index_modes(model, rollout, replay=use_index, compare=compare_index,
+                     record=return_index) as (replayed, recorded), torch.no_grad():
+        try:
             for i, logp, tok, off, n_pos, lo in response_logps(
                     model, rollout, batch_size, temperature, mask, before_batch=captured.clear):
                 a = int(rollout.response_cu[i]) + lo
@@ -216,9 +227,15 @@ def invariant_trainer_logprobs(model: InvariantCausalLM, rollout, *, batch_size:
                     route_rows[i] = torch.stack(
                         [captured[m][off:off + n_pos - 1] for m in range(info["layers"])],
                         dim=1).numpy()
-    finally:
-        model.route_hook = None
+        finally:
+            model.route_hook = None
     routes = None
     if return_routes:
         routes = PackedRoutes.from_sequences(route_rows, info["num_experts"])
-    return TrainerLogprobs(logprobs=lp_out, entropy=ent_out, routes=routes)
+    out = TrainerLogprobs(logprobs=lp_out, entropy=ent_out, routes=routes)
+    if recorded is not None:
+        out.index = recorded.packed(rollout.prompt_lens + rollout.response_lens)
+    if compare_index:
+        out.index_mismatch = {"rows": replayed.compared, "differ": replayed.mismatched,
+                              "per_layer": dict(replayed.mismatch)}
+    return out
