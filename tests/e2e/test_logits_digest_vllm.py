@@ -130,3 +130,21 @@ def test_deepseek_mla_engine_full_rows_bitwise(vllm_deepseek_invariant, deepseek
                       logits_digest=True)
     d = invariant_logits_digest(from_checkpoint(deepseek_v3_dir), ro, batch_size=2)
     assert d["frac_bitwise"] == 1.0 and d["positions"] == ro.num_response_tokens == 24, d
+
+
+def test_seeded_requests_under_chunked_prefill_sample_what_an_unchunked_engine_samples(
+        engine, vllm_qwen_invariant):
+    """vLLM CPU undoes a chunked-prefill step's discarded draw with ``set_offset``, which a CPU
+    generator refuses ("CPU Generator does not use offset": the engine dies). With our listed
+    patch (``vllm_patches._rewindable_cpu_seeds``) the draw is undone instead: seeded requests
+    whose prompts are prefilled in 64-token chunks sample exactly what the session's invariant
+    engine (4096-token budget, nothing chunked) samples for the same seeds — the same logits on
+    both (batch-invariant), so equal tokens need the same draws."""
+    prompts = make_prompts(3, 150, engine.vocab_size, seed=44) + make_prompts(2, 20, engine.vocab_size, seed=45)
+    chunked = engine.generate(prompts, max_tokens=8, seed=7, temperature=1.0)
+    whole = vllm_qwen_invariant.generate(prompts, max_tokens=8, seed=7, temperature=1.0)
+    assert np.array_equal(chunked.response_tokens, whole.response_tokens)
+    assert np.array_equal(chunked.rollout_logprobs.view(np.uint32), whole.rollout_logprobs.view(np.uint32))
+    alone = engine.generate(prompts[:1], max_tokens=8, seed=7, temperature=1.0)   # chunked, alone
+    n = len(alone.response_tokens)
+    assert np.array_equal(alone.response_tokens, chunked.response_tokens[:n])

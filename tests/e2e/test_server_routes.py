@@ -153,7 +153,9 @@ def test_uninstall_restores_every_patched_object():
     from vllm.entrypoints.serve.middleware import authenticate
     from vllm.platforms import current_platform
     from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.sample.sampler import Sampler
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu_input_batch import InputBatch
 
     import vllm.entrypoints.serve as serve
 
@@ -170,7 +172,8 @@ def test_uninstall_restores_every_patched_object():
                    (VllmConfig, "_verify_sampling_replay_config"),
                    (serve, "register_vllm_dev_api_routers")]
         if current_platform.is_cpu():     # the runner patches exist on the CPU platform only
-            targets += [(CPUModelRunner, "execute_model"), (CPUModelRunner, "sample_tokens")]
+            targets += [(CPUModelRunner, "execute_model"), (CPUModelRunner, "sample_tokens"),
+                        (InputBatch, "add_request"), (Sampler, "forward")]
         before = {(id(o), n): getattr(o, n) for o, n in targets}
         own = {(id(o), n): n in vars(o) for o, n in targets if isinstance(o, type)}
         vllm_patches.install()

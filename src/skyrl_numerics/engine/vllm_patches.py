@@ -84,6 +84,19 @@ refused by name where it is asked for (``serve_command``: ``--sampling-mask``).
     only call the originals. (vLLM CPU turns async scheduling off; an ``AsyncModelRunnerOutput``
     would be passed through without the outputs.)
 
+``vllm.v1.worker.gpu_input_batch.InputBatch.add_request`` and ``vllm.v1.sample.sampler.Sampler.forward``
+    (CPU platform only.) A seeded request (``SamplingParams.seed``: our ``generate(seed=...)``
+    seeds every request by default) owns a ``torch.Generator``; a step that prefills only part
+    of its prompt (chunked prefill: any batch over ``max_num_batched_tokens``, 4096 by default
+    on CPU) still samples for it and then discards the token, and the runner undoes the draw
+    with ``gen.set_offset(gen.get_offset() - 4)`` — a CUDA (Philox) notion: a CPU generator
+    raises "CPU Generator does not use offset" and the engine dies (``EngineDeadError``; seen
+    here with 24 prompts x 400 tokens at the defaults). The ``add_request`` wrapper gives each
+    seeded request a :class:`RewindableGenerator` (a ``torch.Generator`` subclass, the same
+    state; set on the request's ``generator`` too, so it survives a preemption) and the
+    ``Sampler.forward`` wrapper marks each one's state before the step samples; the runner's
+    rewind then restores that state. A seeded request draws the same numbers however its prompt
+    is chunked (tested: bitwise the tokens of an engine that does not chunk).
 ``vllm.entrypoints.serve.register_vllm_dev_api_routers``
     vLLM attaches its development routes (``VLLM_SERVER_DEV_MODE=1``: ``/collective_rpc``,
     ``/server_info``, ...) with this function, looked up by name when the app is built. The
@@ -314,8 +327,61 @@ def _cpu_runner_aux_outputs() -> None:
     _SET.set(CPUModelRunner, "sample_tokens", sample_tokens)
 
 
+class RewindableGenerator(torch.Generator):
+    """A CPU generator whose last sampling step can be undone: :meth:`mark` keeps its state
+    (the sampler calls it before each step), and the runner's discard rewind
+    ``set_offset(get_offset() - 4)`` puts that state back (any offset argument: on CPU one step
+    is one mark)."""
+
+    def mark(self) -> None:
+        self.before = self.get_state()
+
+    def get_offset(self) -> int:
+        return 0
+
+    def set_offset(self, offset: int) -> "RewindableGenerator":
+        before = getattr(self, "before", None)
+        if before is not None:
+            self.set_state(before)
+        return self
+
+    @classmethod
+    def like(cls, gen: torch.Generator) -> "RewindableGenerator":
+        out = cls(device="cpu")
+        out.set_state(gen.get_state())
+        return out
+
+
+def _rewindable_cpu_seeds() -> None:
+    if not _on_cpu():
+        return
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    original_add, original_forward = InputBatch.add_request, Sampler.forward
+
+    @functools.wraps(original_add)
+    def add_request(self, request):
+        index = original_add(self, request)
+        gen = getattr(request, "generator", None)
+        if gen is not None and gen.device.type == "cpu" and not isinstance(gen, RewindableGenerator):
+            request.generator = self.generators[index] = RewindableGenerator.like(gen)
+        return index
+
+    @functools.wraps(original_forward)
+    def forward(self, logits, sampling_metadata, *args, **kwargs):
+        for gen in (getattr(sampling_metadata, "generators", None) or {}).values():
+            if isinstance(gen, RewindableGenerator):
+                gen.mark()
+        return original_forward(self, logits, sampling_metadata, *args, **kwargs)
+
+    add_request.skyrl_original, forward.skyrl_original = original_add, original_forward
+    _SET.set(InputBatch, "add_request", add_request)
+    _SET.set(Sampler, "forward", forward)
+
+
 _PATCHES = (_guard_control_routes, _skyrl_endpoints, _reset_prefix_cache_after_update,
-            _relax_v2_checks_on_cpu, _cpu_runner_aux_outputs, _contract_route)
+            _relax_v2_checks_on_cpu, _cpu_runner_aux_outputs, _contract_route, _rewindable_cpu_seeds)
 
 # The first vLLM release (major, minor) each patch applies to. vLLM 0.30 has no AuxOutput
 # connector (``aux_output_config``, ``ModelRunnerOutput.aux_output_connector_output``): its V1
