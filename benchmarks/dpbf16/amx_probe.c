@@ -16,6 +16,12 @@
  *   fused_3term       ftz(RN(c + a0 b0 + a1 b1)), one rounding
  * Prints per candidate the lanes whose bits differ (NaN = NaN) and, for pair_then_acc, how many of
  * those differ in more than the sign of a zero.
+ *
+ * Then the order inside one instruction: 2, 4 and 16 pairs per A row (moderate values, exponents
+ * within +-10), q_k = RN(a_2k b_2k + a_2k+1 b_2k+1) (the one-pair rule) and the chain's
+ * candidates: c + q_0 + ... in k order, in reverse order, the q's summed first, a pairwise tree,
+ * and the exact sum rounded once; with the distribution of the instruction's result minus the
+ * exactly rounded sum in ulps.
  */
 #include <fenv.h>
 #include <immintrin.h>
@@ -26,7 +32,7 @@
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#pragma STDC FENV_ACCESS ON
+
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -74,6 +80,74 @@ static float r_acc(void) {
 
 enum { PAIR, PAIR_RZ, SEQ, FUSED3, NCAND };
 static const char *NAMES[NCAND] = {"pair_then_acc", "pair_rz", "seq_even_first", "fused_3term"};
+
+/* the order of several pairs in one instruction (tile config for kp pairs per A row) */
+static void order(int kp, long N) {
+    tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    cfg.rows[0] = 16; cfg.colsb[0] = 64;
+    cfg.rows[1] = 16; cfg.colsb[1] = (uint16_t)(4 * kp);
+    cfg.rows[2] = (uint8_t)kp; cfg.colsb[2] = 64;
+    _tile_loadconfig(&cfg);
+    enum { ASC, DESC, QFIRST, TREE, EXACT1, NO };
+    static const char *names[NO] = {"c + q0 + q1 + ...", "c + q_last + ...", "c + (q0 + q1 + ...)",
+                                    "c + tree(q)", "exact, one rounding"};
+    long bad[NO] = {0}, hist[9] = {0};
+    static float C[16][16], R[16][16];
+    static uint16_t A[16][32], B[16][16][2];
+    for (long it = 0; it < N; it++) {
+        for (int m = 0; m < 16; m++) {
+            for (int k = 0; k < 2 * kp; k++)
+                A[m][k] = (uint16_t)(((rnd() & 1) << 15) | ((117 + rnd() % 21) << 7) | (rnd() & 0x7f));
+            for (int n = 0; n < 16; n++)
+                C[m][n] = f_((uint32_t)((rnd() & 1) << 31) | (uint32_t)((117 + rnd() % 20) << 23) | (uint32_t)(rnd() & 0x7fffff));
+        }
+        for (int k = 0; k < kp; k++)
+            for (int n = 0; n < 16; n++)
+                for (int h = 0; h < 2; h++)
+                    B[k][n][h] = (uint16_t)(((rnd() & 1) << 15) | ((117 + rnd() % 21) << 7) | (rnd() & 0x7f));
+        _tile_loadd(0, C, 64);
+        _tile_loadd(1, A, sizeof A[0]);
+        _tile_loadd(2, B, 64);
+        _tile_dpbf16ps(0, 1, 2);
+        _tile_stored(0, R, 64);
+        for (int m = 0; m < 16; m++)
+            for (int n = 0; n < 16; n++) {
+                float q[16], t[16], e[NO];
+                long double ex = C[m][n];
+                for (int k = 0; k < kp; k++) {
+                    const float p0 = bf(A[m][2 * k]) * bf(B[k][n][0]), p1 = bf(A[m][2 * k + 1]) * bf(B[k][n][1]);
+                    q[k] = p0 + p1;
+                    ex += (long double)p0 + (long double)p1;
+                }
+                float a = C[m][n];
+                for (int k = 0; k < kp; k++) a = a + q[k];
+                e[ASC] = a;
+                a = C[m][n];
+                for (int k = kp - 1; k >= 0; k--) a = a + q[k];
+                e[DESC] = a;
+                a = q[0];
+                for (int k = 1; k < kp; k++) a = a + q[k];
+                e[QFIRST] = C[m][n] + a;
+                memcpy(t, q, sizeof t);
+                for (int w = kp / 2; w >= 1; w /= 2)
+                    for (int i = 0; i < w; i++) t[i] = t[i] + t[i + w];
+                e[TREE] = C[m][n] + t[0];
+                e[EXACT1] = (float)ex;
+                for (int v = 0; v < NO; v++) bad[v] += b_(e[v]) != b_(R[m][n]);
+                long d = (long)(int32_t)b_(R[m][n]) - (long)(int32_t)b_(e[EXACT1]);
+                if (e[EXACT1] < 0) d = -d;
+                hist[d < -3 ? 0 : d > 3 ? 8 : d + 4]++;
+            }
+    }
+    _tile_release();
+    printf("%d pairs per instruction, %ld lanes; lanes whose bits differ:", kp, N * 256);
+    for (int v = 0; v < NO; v++) printf(" %s %ld;", names[v], bad[v]);
+    printf("\n  instruction - exactly rounded, ulps (<= -4 .. >= 4):");
+    for (int i = 0; i < 9; i++) printf(" %ld", hist[i]);
+    printf("\n");
+}
 
 int main(int argc, char **argv) {
     if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)) {
@@ -125,5 +199,8 @@ int main(int argc, char **argv) {
     for (int v = 0; v < NCAND; v++)
         printf("  %-16s %10ld %10ld %10ld %10ld\n", NAMES[v], bad[0][v], bad[1][v], bad[2][v], bad[3][v]);
     printf("  pair_then_acc lanes differing in more than the sign of a zero: %ld\n", beyond_zero_sign);
+    order(2, N / 4);
+    order(4, N / 4);
+    order(16, N / 4);
     return 0;
 }
