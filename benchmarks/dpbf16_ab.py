@@ -151,6 +151,13 @@ def _cases():
     w[2, 9] = float("nan")
     x[3, 1] = -0.0
     out.append((x, w))
+    # a denormal weight against large activations (every exponent sum of normal values >= 143)
+    x = ((torch.rand(3, 40, generator=g) + 1) * 2.0 ** 20).bfloat16()
+    w = torch.randn(5, 40, generator=g).bfloat16()
+    w[1] = 0.0
+    w[1, 3] = 2.0 ** -130                  # alone in its row: read unflushed it would give ~2^-110 x
+    w[2, 0] = -(2.0 ** -133)
+    out.append((x, w))
     return out
 
 

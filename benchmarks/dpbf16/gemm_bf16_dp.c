@@ -28,7 +28,8 @@
  * values IS dp unless some partial result is tiny. If every nonzero product has a biased exponent
  * sum e(x) + e(w) >= 143 it is a multiple of 2^-125, so every partial sum is zero or >= 2^-125:
  * never tiny. Each output checks that with the minimum exponent of its x row (from the packing)
- * and of its w row (a pass per column panel) and recomputes with the scalar dp otherwise (the
+ * and of its w row (a pass per column panel; a denormal w, exponent field 0, always fails the
+ * check: the chain would read it unflushed) and recomputes with the scalar dp otherwise (the
  * decision depends only on the two rows: batch invariance holds).
  */
 #include "fixed_order.h"
@@ -418,7 +419,7 @@ int skyrl_gemm_bf16_dp(const uint16_t *x, int64_t ldx, const int32_t *xme, const
             run_tiles(&ETILES, x, ldx, w, ldw, out, ldo, M, K, p0, p1);
             for (int64_t m = 0; m < M; m++)
                 for (int64_t n = p0; n < p1; n++)
-                    if (xme[m] + wme[n - p0] < TINY_SUM)
+                    if (xme[m] + wme[n - p0] < TINY_SUM || wme[n - p0] == 0)   /* 0: a denormal w */
                         out[m * ldo + n] = dot_dp_scalar(x + m * ldx, w + n * ldw, K);
             continue;
         }
