@@ -95,8 +95,9 @@ def close_stock_engine(model) -> None:
     engines running): a 24 GB host does not hold it beside the invariant engine and trainer at
     real dims."""
     from skyrl_numerics.engine.generator import get_generator
+    from skyrl_numerics.trainer.workers import has_routers
 
-    get_generator(str(model), capture_routes=True).close()
+    get_generator(str(model), capture_routes=has_routers(model)).close()
 
 
 def summarize(history: dict, skip: int) -> dict:
