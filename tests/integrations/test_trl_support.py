@@ -95,6 +95,16 @@ def test_bad_supports_raise_through_trls_loss(out):
     assert "not in its own support" in e["not_own_token"], e
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_reference_model_and_aux_loss(out):
+    """``beta != 0``: TRL's reference logprobs are replayed too (same weights: the policy's bits,
+    where TRL's full-vocabulary ones differ on every token); the MoE aux loss is TRL's own."""
+    r = out["ref_and_aux"]
+    assert r["has_ref_model"] and r["aux_enabled"] and r["ref_vs_old_differing"] == 0, r
+    assert r["aux_bitwise"] and r["aux_trl"] > 0 and r["loss_finite"], r
+
+
 # ---- without TRL: the converters ----------------------------------------------------------------
 
 @st.composite

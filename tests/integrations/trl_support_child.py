@@ -158,6 +158,31 @@ def bad_supports(t, batch) -> dict:
     return out
 
 
+def ref_and_aux(d: str, prompts, sup) -> dict:
+    """``beta != 0`` (TRL's KL term, a reference model) and the MoE aux loss on: ``add_support``
+    replays the reference logprobs (the same weights here, so the policy's bits), and the
+    replayed forward's aux loss is TRL's own."""
+    t = base.make_trainer(d, cls=ReplayGRPOTrainer, rollout_func=rollout_func, max_completion_length=C,
+                          aux=True, beta=0.04)
+    t.use_vllm, t.vllm_importance_sampling_correction = True, True
+    t._last_loaded_step = t.state.global_step
+    with invariant(t, strict=False):
+        t.support = sup
+        batch = t._generate_and_score_completions(prompts)
+        valid = batch["completion_mask"].bool()
+        ids, mask = inputs_of(batch)
+        with torch.no_grad():
+            _, _, aux_trl = t._get_per_token_logps_and_entropies(t.model, ids, mask, C, compute_aux_loss=True)
+            t.active_support = batch[SUPPORT_KEY]
+            _, _, aux_rep = t._get_per_token_logps_and_entropies(t.model, ids, mask, C, compute_aux_loss=True)
+            t.active_support = None
+        loss = t._compute_loss(t.model, batch)
+    return {"has_ref_model": t.ref_model is not None, "aux_enabled": bool(t.aux_loss_enabled),
+            "ref_vs_old_differing": differing(batch["ref_per_token_logps"], batch["old_per_token_logps"], valid),
+            "aux_trl": float(aux_trl), "aux_replayed": float(aux_rep),
+            "aux_bitwise": bool(torch.equal(bits(aux_trl), bits(aux_rep))), "loss_finite": bool(torch.isfinite(loss))}
+
+
 def main() -> None:
     out = {"tokens": int(ROLL.num_response_tokens), "support_sizes": [int(ROLL.support.sizes.min()),
                                                                        float(ROLL.support.sizes.mean()),
@@ -200,6 +225,7 @@ def main() -> None:
             lp_all, _, _ = replayed(t, batch, batch[SUPPORT_KEY])
             out["shuffle_split"] = shuffle_split(t, batch, lp_all)
             out["errors"] = bad_supports(t, batch)
+        out["ref_and_aux"] = ref_and_aux(d, prompts, support_tensor(ROLL.support, full_mask()))
     print(json.dumps(out))
     sys.stdout.flush()
 

@@ -33,8 +33,9 @@ Two pieces, in the style of ``integrations.trl.apply_to_batch``::
 - :func:`add_support`: validates and stores the tensor, and recomputes what TRL already computed
   over the full vocabulary from the same batch — ``old_per_token_logps`` (no grad) and, with
   TRL's vLLM importance sampling on, ``importance_sampling_ratio`` (TRL's formula for its mode,
-  :func:`~skyrl_numerics.integrations.trl.trl_importance_sampling`, bit for bit) — and returns
-  the gap to the engine's logprobs before and after, to log.
+  :func:`~skyrl_numerics.integrations.trl.trl_importance_sampling`, bit for bit), and with TRL's
+  KL term (``beta != 0``) ``ref_per_token_logps`` with ``trainer.ref_model`` — and returns the gap
+  to the engine's logprobs before and after, to log.
 
 The replayed forward always passes ``position_ids = cumsum(attention_mask) - 1`` (vLLM's
 numbering; :func:`~skyrl_numerics.integrations.trl.add_position_ids`), runs the backbone under
@@ -212,10 +213,23 @@ class SupportAdded:
     metrics: dict
 
 
+def _replayed_no_grad(trainer, model, batch: dict, support: torch.Tensor) -> torch.Tensor:
+    """``model``'s replayed logprobs of the batch's completions, no grad, in TRL's micro-batches."""
+    ids = batch["completion_ids"]
+    input_ids = torch.cat([batch["prompt_ids"], ids], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    with torch.no_grad():
+        lp, _, _ = replayed_logps_and_entropies(trainer, model, input_ids, mask, ids.size(1), support,
+                                                batch_size=trainer.args.per_device_train_batch_size,
+                                                method=getattr(trainer, "support_method", "auto"))
+    return lp
+
+
 def add_support(trainer, batch: dict, support) -> SupportAdded:
     """Put the supports into ``batch`` (what ``_generate_and_score_completions`` returned, changed in
     place) under ``sampling_support`` and recompute the full-vocabulary quantities TRL derived from
-    it (module doc). ``support``: a ``[B, C, K]`` tensor or a :class:`PackedSupport` in completion
+    it (module doc): ``old_per_token_logps``, ``importance_sampling_ratio`` and, with ``beta != 0``,
+    ``ref_per_token_logps`` (with ``trainer.ref_model``; a PEFT base reference raises). ``support``: a ``[B, C, K]`` tensor or a :class:`PackedSupport` in completion
     order (:func:`support_tensor`). Every row is validated here (InputError naming the row)."""
     ids, cmask = batch["completion_ids"], batch["completion_mask"]
     if isinstance(support, PackedSupport):
@@ -224,13 +238,13 @@ def add_support(trainer, batch: dict, support) -> SupportAdded:
     packed_support(support, ids, cmask, vocab)
     batch[SUPPORT_KEY] = support
     metrics = {}
+    if batch.get("ref_per_token_logps") is not None:
+        if getattr(trainer, "ref_model", None) is None:
+            raise InputError("TRL scored it with the PEFT base (no trainer.ref_model); support replay "
+                             "recomputes a separate reference model only", field="ref_per_token_logps")
+        batch["ref_per_token_logps"] = _replayed_no_grad(trainer, trainer.ref_model, batch, support)
     if batch.get("old_per_token_logps") is not None:
-        input_ids = torch.cat([batch["prompt_ids"], ids], 1)
-        mask = torch.cat([batch["prompt_mask"], cmask], 1)
-        with torch.no_grad():
-            old, _, _ = replayed_logps_and_entropies(trainer, trainer.model, input_ids, mask, ids.size(1), support,
-                                                     batch_size=trainer.args.per_device_train_batch_size,
-                                                     method=getattr(trainer, "support_method", "auto"))
+        old = _replayed_no_grad(trainer, trainer.model, batch, support)
         sampled = batch.get("sampling_per_token_logps")
         loss_mask = cmask if batch.get("tool_mask") is None else cmask * batch["tool_mask"]
         if sampled is not None:
