@@ -29,7 +29,10 @@ def hf(qwen_moe_dir):
 
 def test_generator_returns_valid_rollout(rollout, vllm_qwen):
     assert len(rollout) == 8 and rollout.num_response_tokens == 512
-    assert rollout.engine == "vllm (cpu)" and rollout.engine_version == "0.32.0"
+    import vllm
+
+    # the installed release (0.32.0 in the project venv; make compat's side venvs run 0.30 / 0.31)
+    assert rollout.engine == "vllm (cpu)" and rollout.engine_version == vllm.__version__ != "unknown"
     assert (rollout.rollout_logprobs <= 0).all()
     assert rollout.sampling["logprobs_mode"] == "processed_logprobs"
     assert rollout.response_tokens.max() < vllm_qwen.vocab_size

@@ -7,6 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from skyrl_numerics.host import vllm_version
+
 pytest.importorskip("vllm")
 
 
@@ -66,25 +68,37 @@ def test_a_support_request_asks_for_2k_plus_1_logprobs():
     assert not plain.support and plain.request.sampling_params.logprobs == 0
 
 
-def test_top_logprob_ids_are_read_from_both_wire_shapes():
-    """vLLM 0.32's generate endpoint sends ``GenerateLogProb(token_id, logprob, rank)``; 0.30/0.31
-    send ``ChatCompletionLogProb`` with the placeholder ``token="token_id:<id>"`` and no rank (seen
-    on 0.31: the route failed with "'ChatCompletionLogProb' object has no attribute 'token_id'").
-    Both give the same support, in rank order."""
+CANDIDATES = [(9, -0.5), (4, -1.25), (7, -1.25), (2, -9999.0)]   # the floor is -inf: outside
+
+
+def test_top_logprob_ids_are_read_from_the_old_wire_shape():
+    """vLLM 0.30/0.31's generate endpoint sends ``ChatCompletionLogProb`` with the placeholder
+    ``token="token_id:<id>"`` and no rank (seen on 0.31: the route failed with
+    "'ChatCompletionLogProb' object has no attribute 'token_id'"); 0.32 still has the class. The
+    support comes back in rank order (by logprob, ties by id)."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionLogProb
-    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateLogProb
 
     from skyrl_numerics.engine.skyrl_route import _support_rows, candidate_id
     from skyrl_numerics.errors import InputError
 
-    cands = [(9, -0.5), (4, -1.25), (7, -1.25), (2, -9999.0)]   # the floor is -inf: outside
-    new = [GenerateLogProb(token_id=t, logprob=lp, rank=r + 1) for r, (t, lp) in enumerate(cands)]
-    old = [ChatCompletionLogProb(token=f"token_id:{t}", logprob=lp) for t, lp in reversed(cands)]
-    assert [candidate_id(e) for e in new] == [9, 4, 7, 2]
+    old = [ChatCompletionLogProb(token=f"token_id:{t}", logprob=lp) for t, lp in reversed(CANDIDATES)]
     assert [candidate_id(e) for e in old] == [2, 7, 4, 9]
-    rows_new = _support_rows([SimpleNamespace(top_logprobs=new)], n_logprobs=4)
-    rows_old = _support_rows([SimpleNamespace(top_logprobs=old)], n_logprobs=4)
-    assert rows_new == rows_old == [[9, 4, 7]]
+    assert _support_rows([SimpleNamespace(top_logprobs=old)], n_logprobs=4) == [[9, 4, 7]]
     with pytest.raises(InputError, match="'hello' is not 'token_id:<id>'") as e:
         candidate_id(ChatCompletionLogProb(token="hello", logprob=-1.0))
     assert e.value.field == "logprobs"
+
+
+def test_top_logprob_ids_are_read_from_the_new_wire_shape():
+    """vLLM 0.32's generate endpoint sends ``GenerateLogProb(token_id, logprob, rank)`` (0.30/0.31
+    do not have the class: skipped there, found by ``make compat``'s side venvs); the same support
+    as the old shape gives."""
+    import vllm.entrypoints.scale_out.token_in_token_out.protocol as protocol
+
+    from skyrl_numerics.engine.skyrl_route import _support_rows, candidate_id
+
+    if not hasattr(protocol, "GenerateLogProb"):
+        pytest.skip(f"vLLM {vllm_version()} has no GenerateLogProb (0.32's generate wire shape)")
+    new = [protocol.GenerateLogProb(token_id=t, logprob=lp, rank=r + 1) for r, (t, lp) in enumerate(CANDIDATES)]
+    assert [candidate_id(e) for e in new] == [9, 4, 7, 2]
+    assert _support_rows([SimpleNamespace(top_logprobs=new)], n_logprobs=4) == [[9, 4, 7]]

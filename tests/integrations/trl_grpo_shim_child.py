@@ -58,13 +58,16 @@ def _reward(completions, **kw):
 
 
 def make_trainer(out_dir: str, *, bf16: bool = False, gc: bool = False, compile: bool = False,
-                 aux: bool = False, cls=GRPOTrainer, rollout_func=None, max_completion_length: int = C) -> GRPOTrainer:
+                 aux: bool = False, cls=GRPOTrainer, rollout_func=None, max_completion_length: int = C,
+                 **config) -> GRPOTrainer:
     """``aux``: keep the model's MoE load-balancing loss (TRL adds ``router_aux_loss_coef`` = the
-    config's 0.001 times it to the loss); off, ``router_aux_loss_coef=0``."""
+    config's 0.001 times it to the loss); off, ``router_aux_loss_coef=0``. ``config``: more
+    ``GRPOConfig`` fields (``beta``, ...)."""
     model = load_hf_model(build_tiny_model("qwen3_moe"), dtype="float32").train()
     args = GRPOConfig(output_dir=out_dir, use_cpu=True, bf16=bf16, gradient_checkpointing=gc,
                       torch_compile=compile, router_aux_loss_coef=None if aux else 0.0, report_to="none", per_device_train_batch_size=4,
-                      num_generations=2, max_completion_length=max_completion_length, logging_steps=1, save_strategy="no")
+                      num_generations=2, max_completion_length=max_completion_length, logging_steps=1, save_strategy="no",
+                      **config)
     data = Dataset.from_dict({"prompt": ["t5 t6 t7"] * 4})
     trainer = cls(model=model, reward_funcs=_reward, args=args, train_dataset=data,
                   processing_class=_tokenizer(), rollout_func=rollout_func)
