@@ -193,8 +193,8 @@ def main() -> None:
         t._last_loaded_step = t.state.global_step       # (no vLLM weights to sync)
         t.vllm_importance_sampling_mode = "token_truncate"
         prompts = [{"prompt": "t5 t6 t7"}] * B
-        # strict=False: the strict mode refuses TRL's own aten::nan_to_num (its IS ratio), which
-        # kernels/mode_watch.py does not list as row-local
+        # strict=False: the whole of _generate_and_score_completions runs here (rewards, group
+        # advantages, metrics), not only the logprob and loss path the strict tests cover
         with invariant(t, strict=False):
             stock = t._generate_and_score_completions(prompts)          # TRL alone: full vocabulary
             t.support = support_tensor(ROLL.support, full_mask())

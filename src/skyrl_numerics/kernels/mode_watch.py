@@ -44,11 +44,12 @@ ROW_LOCAL: dict[str, frozenset[str]] = {
     "(dropout - native_dropout, bernoulli - is not listed: its mask follows the batch)": frozenset({
         "normal", "rand", "rand_like", "randint", "randint_like", "randn", "randn_like", "randperm",
         "uniform"}),
-    "exact per element: comparisons, masks, sign, abs, clamp, min/max of two, rounding": frozenset({
+    "exact per element: comparisons, masks, sign, abs, clamp, min/max of two, rounding, "
+    "nan_to_num (TRL's vLLM importance-sampling ratio)": frozenset({
         "abs", "bitwise_and", "bitwise_not", "bitwise_or", "bitwise_xor", "ceil", "clamp",
         "clamp_max", "clamp_min", "eq", "equal", "floor", "floor_divide", "ge", "gt", "isclose",
         "isfinite", "isinf", "isnan", "le", "logical_and", "logical_not", "logical_or", "lt",
-        "maximum", "minimum", "ne", "neg", "relu", "remainder", "round", "sign",
+        "maximum", "minimum", "nan_to_num", "ne", "neg", "relu", "remainder", "round", "sign",
         "threshold_backward", "trunc"}),
     "exact in any order: max/min reductions, arg-max/min, sorts and top-k, counts": frozenset({
         "all", "amax", "amin", "any", "argmax", "argmin", "argsort", "bincount", "histc", "max",
