@@ -55,8 +55,10 @@ def engine_overrides(hf_config: dict, kv_cache=None, numerics=None, model_dir=No
     from skyrl_numerics.errors import InputError
     from skyrl_numerics.invariant.kv_format import parse_kv_spec
 
+    from skyrl_numerics.invariant.blocked import blocked_reason
+
     archs = hf_config.get("architectures") or []
-    if len(archs) != 1 or archs[0] not in ARCHS:
+    if len(archs) != 1 or archs[0] not in ARCHS or blocked_reason(archs[0]):
         raise InputError(unsupported_message(archs[0] if len(archs) == 1 else archs),
                          field="architectures")
     from skyrl_numerics.invariant import vendor_plan

@@ -29,6 +29,8 @@ FAMILIES = {
                     "MistralForCausalLM")},
     "MixtralForCausalLM": ("mixtral", "skyrl_numerics.invariant.mixtral:InvariantMixtral"),
     "Glm4MoeForCausalLM": ("glm4_moe", "skyrl_numerics.invariant.glm4_moe:InvariantGlm4Moe"),
+    "Qwen3NextForCausalLM": ("qwen3_next",
+                             "skyrl_numerics.invariant.qwen3_next:InvariantQwen3Next"),
 }
 
 

