@@ -4,9 +4,11 @@
 - DeepSeek-V3.2 has a family (``deepseek_v32``): its fp32 forward is HF's to 1e-3 with the
   indexer really selecting, its bf16 forward is prefix-consistent bit for bit, configs it cannot
   reproduce are refused naming the field (the engine side: tests/e2e/test_deepseek_v32_vllm.py);
-- Qwen3-Next and Nemotron-H run in HF (and in stock vLLM CPU, probed) but have no family: every
-  user-facing bitwise entry point refuses them before an engine starts, with one line that names
-  the architecture and what is missing (``invariant/blocked.py``).
+- Qwen3-Next has a family (``qwen3_next``: tests/invariant/test_qwen3_next.py, the engine side
+  tests/e2e/test_qwen3_next_vllm.py): its bitwise entry points accept it;
+- Nemotron-H runs in HF (and in stock vLLM CPU, probed) but has no family: every user-facing
+  bitwise entry point refuses it before an engine starts, with one line that names the
+  architecture and what is missing (``invariant/blocked.py``).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from skyrl_numerics.models import build_tiny_model, load_hf_model, tiny_config
 
 HYBRID = {"qwen3_next": ("Qwen3NextForCausalLM", "Qwen3NextConfig", "GatedDeltaNet"),
           "nemotron_h": ("NemotronHForCausalLM", "NemotronHConfig", "Mamba-2")}
+REFUSED = ["nemotron_h"]     # hybrids without a family
 
 
 def _ids(n: int, seed: int) -> torch.Tensor:
@@ -49,7 +52,7 @@ def test_tiny_hybrid_checkpoint_is_transformers_own_and_runs_in_hf(hybrid_dirs, 
     assert logits.shape == (24, 512) and torch.isfinite(logits.float()).all()
 
 
-@pytest.mark.parametrize("family", list(HYBRID))
+@pytest.mark.parametrize("family", REFUSED)
 def test_generator_refuses_a_hybrid_before_the_engine_starts_naming_what_is_missing(
         hybrid_dirs, family):
     pytest.importorskip("vllm")
@@ -63,7 +66,7 @@ def test_generator_refuses_a_hybrid_before_the_engine_starts_naming_what_is_miss
     assert arch in msg and "blocked:" in msg and mixer in msg and "Mamba state cache" in msg
 
 
-@pytest.mark.parametrize("family", list(HYBRID))
+@pytest.mark.parametrize("family", REFUSED)
 def test_serve_batch_invariant_exits_2_with_the_reason(hybrid_dirs, family, capsys):
     pytest.importorskip("vllm")
     from skyrl_numerics.cli import main
@@ -88,7 +91,7 @@ def test_doctor_skips_the_bitwise_row_of_nemotron_h_with_the_reason(hybrid_dirs,
     assert "'NemotronHForCausalLM': blocked: Mamba-2" in status and "Mamba state cache" in status
 
 
-@pytest.mark.parametrize("family", list(HYBRID))
+@pytest.mark.parametrize("family", REFUSED)
 def test_engine_overrides_refuse_naming_the_architecture_and_the_mixer(hybrid_dirs, family):
     from skyrl_numerics.engine.vllm_invariant_model import engine_overrides
 
@@ -97,6 +100,19 @@ def test_engine_overrides_refuse_naming_the_architecture_and_the_mixer(hybrid_di
     with pytest.raises(InputError, match=rf"no batch-invariant family for architecture "
                                          rf"'{arch}': blocked: .*{mixer}"):
         engine_overrides(cfg)      # what serve, the generator and the doctor's rows call
+
+
+def test_qwen3_next_gets_the_invariant_engine(hybrid_dirs, capsys):
+    """The bitwise entry points accept Qwen3-Next: its overrides name the hybrid invariant
+    model, and serve builds its command."""
+    from skyrl_numerics.cli import main
+    from skyrl_numerics.engine.vllm_invariant_model import engine_overrides
+
+    d = hybrid_dirs["qwen3_next"]
+    over = engine_overrides(json.loads((d / "config.json").read_text()))
+    assert over["architectures"] == ["SkyrlInvariantQwen3NextForCausalLM"]
+    assert main(["serve", str(d), "--batch-invariant", "--print-command"]) == 0
+    assert "SkyrlInvariantQwen3NextForCausalLM" in capsys.readouterr().out
 
 
 def test_an_unknown_architecture_still_lists_the_supported_ones():

