@@ -40,6 +40,12 @@ class GDNStateLayer(nn.Module, MambaBase):
 
     def __init__(self, shapes: tuple, dtype: torch.dtype, prefix: str, vllm_config):
         super().__init__()
+        if vllm_config.speculative_config is not None:
+            from skyrl_numerics.errors import InputError
+
+            raise InputError("speculative decoding with a Gated DeltaNet invariant model: its "
+                             "per-draft-token state slots (spec_state_indices_tensor) are not "
+                             "kept by the invariant state keeper", field="speculative_config")
         self.shapes, self.dtype, self.prefix = tuple(shapes), dtype, prefix
         self.kv_cache = (torch.tensor([]), torch.tensor([]))
         ctx = vllm_config.compilation_config.static_forward_context
