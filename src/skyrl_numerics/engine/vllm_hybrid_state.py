@@ -1,20 +1,23 @@
 """A hybrid invariant family's recurrent state in vLLM's own Mamba state cache (Qwen3-Next's
-Gated DeltaNet layers).
+Gated DeltaNet layers, Nemotron-H's Mamba-2 layers).
 
 vLLM allocates and schedules per-request recurrent state for layers that are
 ``MambaBase``: each such layer declares its state shapes and dtypes, vLLM gives it a
-``MambaSpec`` KV-cache group (one state slot per running request while prefix caching is off:
-``mamba_cache_mode="none"``, ``mamba_block_size = max_model_len``), binds the slots to
-``layer.kv_cache = (conv [slots, K-1, C], S [slots, H_v, d_v, d_k])`` and builds a
-``GDNAttentionMetadata`` per step (``non_spec_state_indices_tensor``: each request's slot,
-``non_spec_query_start_loc``: its tokens). :class:`GDNStateLayer` is such a layer that runs
-nothing itself; :class:`EngineRecurrentState` is the invariant model's state keeper
-(:attr:`skyrl_numerics.invariant.qwen3_next.InvariantQwen3Next.recurrent`): per linear layer and
+``MambaSpec`` KV-cache group (one state slot per running request with prefix caching off,
+``mamba_cache_mode="none"``; one per block of the request in "align" mode, the prefix cache's)
+and binds the slots to ``layer.kv_cache = (conv [slots, K-1, C], S [slots, ...])``.
+:class:`RecurrentStateLayer` is such a layer that runs nothing itself. Both families use vLLM's
+Gated DeltaNet metadata (``mamba_type`` ``gdn_attention``) as the per-step bookkeeping — it
+carries what the keeper needs and nothing kernel-specific: ``non_spec_state_indices_tensor``
+(each request's current slot; in "align" mode vLLM copies a request's state into the slot of
+its next block itself) and ``non_spec_query_start_loc`` (its tokens). The state shapes are the
+family's own. :class:`EngineRecurrentState` is the invariant model's state keeper
+(``model.recurrent``, see :mod:`skyrl_numerics.invariant.qwen3_next`): per recurrent layer and
 step it reads each request's state from its slot (zero when the request's first token this step
-is at position 0: a new or recomputed request), runs the family's own
-:meth:`~skyrl_numerics.invariant.qwen3_next.InvariantQwen3Next.scan` — the trainer's code — and
-writes the state back. Requests with the same number of new tokens share one scan call (every
-op is per row, so each keeps the bits it has alone: tested in tests/invariant/test_qwen3_next.py).
+is at position 0: a new or recomputed request), runs the family's own ``scan`` — the trainer's
+code — and writes the state back. Requests with the same number of new tokens share one scan
+call (every op is per row, so each keeps the bits it has alone: tested in
+tests/invariant/test_qwen3_next.py).
 
 The state is stored exactly: the conv inputs in the model dtype, S in float32 (the dtypes the
 trainer's recurrence carries), so a prefill, a chunked prefill and decodes give the trainer's
@@ -34,16 +37,16 @@ def state_dtypes(model_dtype: torch.dtype) -> tuple:
     return (model_dtype, torch.float32)
 
 
-class GDNStateLayer(nn.Module, MambaBase):
-    """One Gated DeltaNet layer's state slots in vLLM's Mamba cache (registered under
-    ``prefix`` in the compilation config's forward context, like vLLM's own GDN layer)."""
+class RecurrentStateLayer(nn.Module, MambaBase):
+    """One recurrent layer's state slots in vLLM's Mamba cache (registered under ``prefix`` in
+    the compilation config's forward context, like vLLM's own GDN layer)."""
 
     def __init__(self, shapes: tuple, dtype: torch.dtype, prefix: str, vllm_config):
         super().__init__()
         if vllm_config.speculative_config is not None:
             from skyrl_numerics.errors import InputError
 
-            raise InputError("speculative decoding with a Gated DeltaNet invariant model: its "
+            raise InputError("speculative decoding with a hybrid invariant model: its "
                              "per-draft-token state slots (spec_state_indices_tensor) are not "
                              "kept by the invariant state keeper", field="speculative_config")
         self.shapes, self.dtype, self.prefix = tuple(shapes), dtype, prefix
@@ -66,7 +69,7 @@ class GDNStateLayer(nn.Module, MambaBase):
 
 class EngineRecurrentState:
     """The invariant model's state keeper inside vLLM (module doc); ``layers``: decoder layer
-    index -> its :class:`GDNStateLayer`."""
+    index -> its :class:`RecurrentStateLayer`."""
 
     def __init__(self, layers: dict):
         self.layers = layers
@@ -75,7 +78,7 @@ class EngineRecurrentState:
             positions: torch.Tensor) -> torch.Tensor:
         from vllm.forward_context import get_forward_context
 
-        from skyrl_numerics.invariant.qwen3_next import FreshSequences
+        from skyrl_numerics.invariant.recurrent import FreshSequences
 
         layer = self.layers[i]
         meta = get_forward_context().attn_metadata
@@ -89,7 +92,7 @@ class EngineRecurrentState:
         conv_cache, ssm_cache = layer.kv_cache
         counts = np.diff(qsl)
         live = np.flatnonzero(counts > 0)
-        out = qkv.new_zeros(qkv.shape[0], model.gdn.v_heads, model.gdn.v_dim)
+        out = None
         for c in dict.fromkeys(counts[live].tolist()):
             reqs = live[counts[live] == c]
             rows = torch.from_numpy(qsl[reqs][:, None] + np.arange(c)[None, :])      # [n, c]
@@ -100,5 +103,7 @@ class EngineRecurrentState:
             o, conv, S = model.scan(i, qkv[rows], beta[rows], decay_log[rows], conv0, S0)
             conv_cache[idx] = conv.to(conv_cache.dtype)
             ssm_cache[idx] = S.to(ssm_cache.dtype)
+            if out is None:
+                out = o.new_zeros((qkv.shape[0],) + tuple(o.shape[2:]))
             out[rows.reshape(-1)] = o.reshape(-1, *o.shape[2:])
         return out

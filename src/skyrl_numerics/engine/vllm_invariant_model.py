@@ -137,12 +137,12 @@ class _SkyrlInvariantForCausalLM(nn.Module):
                       prefix=f"model.layers.{i}.self_attn.attn")
             for i in range(self.layers)])
         if linear:       # recurrent layers: their state in vLLM's Mamba cache (vllm_hybrid_state)
-            from .vllm_hybrid_state import EngineRecurrentState, GDNStateLayer
+            from .vllm_hybrid_state import EngineRecurrentState, RecurrentStateLayer
 
             order = sorted(linear)
             self.gdn_state = nn.ModuleList(
-                GDNStateLayer(self.core.gdn.state_shapes(), vllm_config.model_config.dtype,
-                              f"model.layers.{i}.linear_attn", vllm_config) for i in order)
+                RecurrentStateLayer(self.core.state_shapes(), vllm_config.model_config.dtype,
+                                    f"model.layers.{i}.linear_attn", vllm_config) for i in order)
             self.core.recurrent = EngineRecurrentState(dict(zip(order, self.gdn_state)))
 
     @property
@@ -273,7 +273,7 @@ class _SkyrlInvariantForCausalLM(nn.Module):
 
 
 class _SkyrlInvariantHybridForCausalLM(_SkyrlInvariantForCausalLM):
-    """A family with Gated DeltaNet layers (Qwen3-Next): vLLM's ``IsHybrid`` / ``HasInnerState``
+    """A family with recurrent layers (Qwen3-Next, Nemotron-H): vLLM's ``IsHybrid`` / ``HasInnerState``
     interface (class attributes and the state classmethods vLLM sizes its Mamba cache pages
     with), the state itself kept by :mod:`.vllm_hybrid_state` in the shapes and dtypes the
     trainer's recurrence carries."""
@@ -282,9 +282,9 @@ class _SkyrlInvariantHybridForCausalLM(_SkyrlInvariantForCausalLM):
 
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config):
-        from skyrl_numerics.invariant.qwen3_next import GDNDims
-
-        return GDNDims.from_config(vllm_config.model_config.hf_text_config).state_shapes()
+        cfg = vllm_config.model_config.hf_text_config
+        base = getattr(cfg, "skyrl_base_arch", None) or cls.hf_arch
+        return family_class(base).state_shapes_of_config(cfg)
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config):
@@ -306,7 +306,7 @@ class _SkyrlInvariantHybridForCausalLM(_SkyrlInvariantForCausalLM):
         return {t: funcs for t in mamba_types}
 
 
-HYBRID = {"Qwen3NextForCausalLM"}
+HYBRID = {"Qwen3NextForCausalLM", "NemotronHForCausalLM"}
 
 
 def _word(per_slot: int, row_bytes: int) -> torch.dtype:
@@ -334,3 +334,4 @@ SkyrlInvariantGptOssForCausalLM = _make("GptOssForCausalLM")
 SkyrlInvariantMixtralForCausalLM = _make("MixtralForCausalLM")
 SkyrlInvariantGlm4MoeForCausalLM = _make("Glm4MoeForCausalLM")
 SkyrlInvariantQwen3NextForCausalLM = _make("Qwen3NextForCausalLM")
+SkyrlInvariantNemotronHForCausalLM = _make("NemotronHForCausalLM")

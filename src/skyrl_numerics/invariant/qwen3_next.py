@@ -48,6 +48,7 @@ from .base import Attend, InvariantCausalLM
 from .blocks import (Rope, linear, linear_many, require, rms_norm, rms_norm_heads, routed_experts,
                      sigmoid, silu, softmax_topk, swiglu_mlp)
 from .gqa import AttnDims, GQAttention
+from .recurrent import FreshSequences, causal_conv, pointwise
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -121,34 +122,10 @@ class GDNDims:
         return (self.kernel - 1, self.conv_dim), (self.v_heads, self.v_dim, self.k_dim)
 
 
-def _pointwise(fn, x: torch.Tensor) -> torch.Tensor:
-    """``fn(x)`` with each element's bits independent of ``x``'s shape (CPU: every element
-    through ATen's vector loop, :func:`skyrl_numerics.kernels.cpu.elementwise`)."""
-    if x.device.type != "cpu":
-        return fn(x)
-    from skyrl_numerics.kernels import cpu
-
-    return cpu.elementwise(fn, x)
-
-
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x * rsqrt(sum x^2 + eps)`` over the last dim (fp32, :func:`dot8`'s order)."""
     ss = dot8(x, x) + eps
-    return x * _pointwise(torch.rsqrt, ss)[..., None]
-
-
-def causal_conv(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor):
-    """Depthwise causal conv + silu of ``x [B, n, C]`` after ``state [B, K-1, C]`` (the K-1
-    inputs before it), taps ``w [C, K]``: ``out_t = silu(round(sum_j w_j x_{t-K+1+j}))`` with the
-    sum in fp32 in tap order, rounded once to ``x.dtype``. -> ``(out [B, n, C], new state)``."""
-    K = w.shape[1]
-    n = x.shape[1]
-    xe = torch.cat([state.to(x.dtype), x], dim=1)
-    wf = w.float()
-    acc = xe[:, 0:n].float() * wf[:, 0]
-    for j in range(1, K):
-        acc = acc + xe[:, j:j + n].float() * wf[:, j]
-    return silu(acc.to(x.dtype)), xe[:, n:]
+    return x * pointwise(torch.rsqrt, ss)[..., None]
 
 
 def delta_scan(q, k, v, decay, beta, S):
@@ -243,6 +220,11 @@ class InvariantQwen3Next(GQAttention, InvariantCausalLM):
         return dict(dims=dims, attn=attn, gdn=GDNDims.from_config(cfg), dtype=dtype,
                     kv_cache=kv_cache, rope=partial_rope(cfg, head_dim))
 
+    @staticmethod
+    def state_shapes_of_config(cfg) -> tuple:
+        """:meth:`state_shapes` from an HF config (what vLLM sizes its state pages with)."""
+        return GDNDims.from_config(cfg).state_shapes()
+
     def route_info(self) -> dict:
         return {"layers": len(self.dims.moe_layers), "k": self.dims.top_k,
                 "num_experts": self.dims.experts}
@@ -292,9 +274,9 @@ class InvariantQwen3Next(GQAttention, InvariantCausalLM):
         b, a = torch.split(ba.view(T, g.k_heads, 2 * r), [r, r], dim=-1)
         qkv = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
         beta = sigmoid(b.reshape(T, g.v_heads))
-        softplus = _pointwise(torch.nn.functional.softplus,
+        softplus = pointwise(torch.nn.functional.softplus,
                               a.reshape(T, g.v_heads).float() + self.w(p + "dt_bias").float())
-        decay_log = -_pointwise(torch.exp, self.w(p + "A_log").float()) * softplus
+        decay_log = -pointwise(torch.exp, self.w(p + "A_log").float()) * softplus
         keeper = self.recurrent if self.recurrent is not None else FreshSequences()
         o = keeper.mix(self, i, qkv, beta, decay_log, positions)         # [T, Hv, dv] model dtype
         y = rms_norm(o, torch.ones(g.v_dim), self.dims.eps) * self.w(p + "norm.weight")
@@ -317,9 +299,13 @@ class InvariantQwen3Next(GQAttention, InvariantCausalLM):
         k = c[..., kd:2 * kd].reshape(B, n, g.k_heads, g.k_dim).float().repeat_interleave(r, dim=2)
         v = c[..., 2 * kd:].reshape(B, n, g.v_heads, g.v_dim).float()
         q = l2norm(q) / torch.full((), math.sqrt(g.k_dim), dtype=torch.float32)
-        o, S = delta_scan(q, l2norm(k), v, _pointwise(torch.exp, decay_log.float()),
+        o, S = delta_scan(q, l2norm(k), v, pointwise(torch.exp, decay_log.float()),
                           beta.float(), S0.float())
         return o.to(qkv.dtype), conv, S
+
+    def state_shapes(self) -> tuple:
+        """One sequence's recurrent state shapes (what the engine allocates per request)."""
+        return self.gdn.state_shapes()
 
     def zero_state(self, B: int):
         (ck, cc), (h, dv, dk) = self.gdn.state_shapes()
@@ -339,21 +325,3 @@ class InvariantQwen3Next(GQAttention, InvariantCausalLM):
             gate = sigmoid(linear(x, self.w(p + "shared_expert_gate.weight")))
             out = out + gate * swiglu_mlp(x, *mlp(p + "shared_expert."))
         return out
-
-
-class FreshSequences:
-    """The trainer's state rule: each run of the flat stream starting at position 0 is one
-    whole sequence, scanned from zero state (``packed_hidden``'s layout)."""
-
-    def mix(self, model: InvariantQwen3Next, i: int, qkv, beta, decay_log, positions):
-        starts = torch.nonzero(positions == 0).flatten().tolist()
-        if not starts or starts[0] != 0:
-            starts = [0] + starts
-        bounds = starts + [qkv.shape[0]]
-        outs = []
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            conv0, S0 = model.zero_state(1)
-            o, _, _ = model.scan(i, qkv[None, lo:hi], beta[None, lo:hi], decay_log[None, lo:hi],
-                                 conv0, S0)
-            outs.append(o[0])
-        return torch.cat(outs)
