@@ -19,6 +19,12 @@ stored as they are) the family's ``attn_core_paged`` instead hands the cache's s
 request's slot list to the attention kernel, which reads the rows in place (the same values,
 so the same bits: tested).
 
+Hybrid families (Qwen3-Next's Gated DeltaNet, Nemotron-H's Mamba-2): only their attention layers
+get an ``Attention``; each recurrent layer gets a ``MambaBase`` layer instead, so vLLM keeps the
+layer's per-request state in its Mamba state cache, and the family's ``recurrent`` keeper reads
+and writes it (:mod:`.vllm_hybrid_state`). vLLM enlarges the block size of such an engine after
+the model is built (an attention page must hold a state page), so the block size is read per step.
+
 MLA checkpoints are handed to vLLM with ``model_type`` overridden (``skyrl_invariant_<type>``):
 for a DeepSeek ``model_type`` vLLM would switch to its own MLA cache handling, and on CPU without
 AMX it also turns chunked prefill and prefix caching off. This model manages its latent cache
@@ -140,10 +146,10 @@ class _SkyrlInvariantForCausalLM(nn.Module):
             from .vllm_hybrid_state import EngineRecurrentState, RecurrentStateLayer
 
             order = sorted(linear)
-            self.gdn_state = nn.ModuleList(
+            self.recurrent_state = nn.ModuleList(
                 RecurrentStateLayer(self.core.state_shapes(), vllm_config.model_config.dtype,
                                     f"model.layers.{i}.linear_attn", vllm_config) for i in order)
-            self.core.recurrent = EngineRecurrentState(dict(zip(order, self.gdn_state)))
+            self.core.recurrent = EngineRecurrentState(dict(zip(order, self.recurrent_state)))
 
     @property
     def block_size(self) -> int:
