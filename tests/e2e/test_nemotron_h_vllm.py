@@ -5,8 +5,12 @@ As Qwen3-Next (tests/e2e/test_qwen3_next_vllm.py): the invariant out-of-tree mod
 request's Mamba-2 state (conv inputs + the fp32 SSM state) in vLLM's own Mamba state cache
 (``engine/vllm_hybrid_state.py``) and runs the trainer's fixed-order recurrence on it. One engine
 for the module (prefix caching on, "align" mode) with a 64-token step budget. Nothing is mocked.
+Opt-in (``SKYRL_NUMERICS_HYBRID_ALL=1``: one more engine than the suite's time budget holds; the
+default suite runs the same state keeper on Qwen3-Next, tests/e2e/test_qwen3_next_vllm.py).
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -16,7 +20,9 @@ from skyrl_numerics.invariant.base import invariant_logits_digest
 from skyrl_numerics.rollout.prompts import make_prompts
 from skyrl_numerics.trainer.logprobs import invariant_trainer_logprobs
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow,
+              pytest.mark.skipif(os.environ.get("SKYRL_NUMERICS_HYBRID_ALL", "") != "1",
+                                 reason="one engine more: set SKYRL_NUMERICS_HYBRID_ALL=1")]
 
 
 @pytest.fixture(scope="module")

@@ -67,36 +67,26 @@ def test_every_token_route_and_logits_row_bitwise_at_engine_and_trainer_batch_si
     assert digest["frac_bitwise"] == 1.0 and digest["positions"] == ro.num_response_tokens, digest
 
 
-def test_a_request_alone_and_among_others_gets_the_same_bits(qn_engine):
-    """The same request alone and inside a batch of others with other lengths (greedy: vLLM
-    CPU's seeded sampling under chunked prefill fails on its own, 'CPU Generator does not use
-    offset'): the same tokens and bit-identical logprobs (the recurrent state of each request
-    is its own; requests with the same chunk length share one scan call)."""
-    gen = qn_engine
-    prompts = make_prompts(4, 24, gen.vocab_size, seed=11) + make_prompts(2, 70, gen.vocab_size,
-                                                                          seed=12)
-    together = gen.generate(prompts, max_tokens=12, seed=None, temperature=0.0)
-    cu = together.response_cu
-    for j in (0, 4):
-        alone = gen.generate([prompts[j]], max_tokens=12, seed=None, temperature=0.0)
-        assert alone.response(0).tolist() == together.response(j).tolist(), j
-        assert np.array_equal(alone.rollout_logprobs, together.rollout_logprobs[cu[j]:cu[j + 1]]), j
-
-
 def test_bitwise_under_chunked_prefill_and_prefix_cache_hits(qn_engine, qn_trainer):
     """A 700-token prefix prefilled in 64-token chunks, then three requests that extend it:
     they hit the prefix cache for a whole 640-token block (vLLM restores the Gated DeltaNet
-    state saved at that block boundary, "align" mode) and still give the trainer's bits."""
+    state saved at that block boundary, "align" mode) and still give the trainer's bits; and a
+    request alone gets the bits it got among the others (greedy: vLLM CPU's seeded sampling
+    under chunked prefill fails on its own, 'CPU Generator does not use offset')."""
     gen = qn_engine
     shared = make_prompts(1, 700, gen.vocab_size, seed=31)[0]
     gen.generate([shared + [5, 6]], max_tokens=2, seed=None)
     prompts = [shared + t for t in make_prompts(3, 5, gen.vocab_size, seed=32)]
     prompts += make_prompts(2, 90, gen.vocab_size, seed=33)     # chunked, no cache hit
-    ro = gen.generate(prompts, max_tokens=10, seed=None)
+    ro = gen.generate(prompts, max_tokens=10, seed=None, temperature=0.0)
     assert min(ro.meta["num_cached_tokens"][:3]) >= 640, ro.meta["num_cached_tokens"]
     tl = invariant_trainer_logprobs(qn_trainer, ro, batch_size=3, return_routes=True)
     _assert_bitwise(tl, ro)
     assert tl.routes == ro.routes
+    alone = gen.generate([prompts[3]], max_tokens=10, seed=None, temperature=0.0)
+    cu = ro.response_cu
+    assert alone.response(0).tolist() == ro.response(3).tolist()
+    assert np.array_equal(alone.rollout_logprobs, ro.rollout_logprobs[cu[3]:cu[4]])
 
 
 def test_the_recurrent_state_is_in_effect(qn_engine, qn_dir):

@@ -58,7 +58,7 @@ def bf16_model():
     return from_checkpoint(build_tiny_model("nemotron_h"))
 
 
-@settings(max_examples=8)
+@settings(max_examples=5)
 @given(lens=st.lists(st.integers(1, 30), min_size=1, max_size=3), seed=st.integers(0, 2 ** 16))
 def test_bf16_forward_is_prefix_and_packing_invariant(bf16_model, lens, seed):
     m = bf16_model
@@ -71,7 +71,7 @@ def test_bf16_forward_is_prefix_and_packing_invariant(bf16_model, lens, seed):
     assert torch.equal(alone[0][:pre.shape[0]], pre)
 
 
-@settings(max_examples=10)
+@settings(max_examples=6)
 @given(n=st.integers(2, 24), cuts=st.lists(st.integers(1, 23), max_size=4),
        others=st.integers(0, 3), seed=st.integers(0, 2 ** 16))
 def test_scan_state_is_chunking_and_batch_invariant(bf16_model, n, cuts, others, seed):

@@ -31,9 +31,9 @@ def _hf64(d):
                                                 experts_implementation="eager").eval()
 
 
-@pytest.mark.parametrize("over", [{}, {"mlp_only_layers": [1]},
-                                  {"layer_types": ["full_attention", "linear_attention",
-                                                   "linear_attention"], "num_hidden_layers": 3}])
+@pytest.mark.parametrize("over", [{}, {"layer_types": ["full_attention", "linear_attention",
+                                                       "linear_attention"],
+                                       "num_hidden_layers": 3, "mlp_only_layers": [1]}])
 def test_fp32_logits_are_hfs_within_hfs_own_error(over):
     """Same float32 weights, a 56-token sequence: |ours - HF fp64| at most 4x HF fp32's own
     |HF fp32 - HF fp64| plus 64 ulps of the logit scale (measured: ours 3.0e-6, HF's 2.2e-6 at
@@ -69,7 +69,7 @@ def bf16_model():
     return from_checkpoint(build_tiny_model("qwen3_next"))
 
 
-@settings(max_examples=10)
+@settings(max_examples=6)
 @given(lens=st.lists(st.integers(1, 30), min_size=1, max_size=3), seed=st.integers(0, 2 ** 16))
 def test_bf16_forward_is_prefix_and_packing_invariant(bf16_model, lens, seed):
     """Several sequences packed into one forward: each gets the bits it gets alone, and a
@@ -84,7 +84,7 @@ def test_bf16_forward_is_prefix_and_packing_invariant(bf16_model, lens, seed):
     assert torch.equal(alone[0][:pre.shape[0]], pre)
 
 
-@settings(max_examples=12)
+@settings(max_examples=8)
 @given(n=st.integers(2, 24), cuts=st.lists(st.integers(1, 23), max_size=4),
        others=st.integers(0, 3), seed=st.integers(0, 2 ** 16))
 def test_scan_state_is_chunking_and_batch_invariant(bf16_model, n, cuts, others, seed):
