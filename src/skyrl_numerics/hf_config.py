@@ -22,7 +22,9 @@ that never counts shared experts); the expert width is ``moe_intermediate_size``
 ``text_config`` is read when the top level names no experts. Layer ``i`` is an MoE layer when
 ``i >= first_k_dense_replace``, ``i % moe_layer_freq == 0``, ``i not in mlp_only_layers`` and
 ``(i + 1) % decoder_sparse_step == 0`` (each family's own rule; the others' fields are absent and
-hold their neutral defaults).
+hold their neutral defaults). Nemotron-H names each block's kind (``layers_block_type``): its MoE
+layers are the ``moe`` blocks, and a config without any is dense whatever expert count it
+carries (its config class stores ``n_routed_experts`` by default).
 """
 from __future__ import annotations
 
@@ -86,6 +88,15 @@ def moe_dims(cfg) -> MoEDims:
     experts = _num_experts(c)
     if not experts:
         return MoEDims(num_layers=_pos_int(_get(c, "num_hidden_layers")) or 0)
+    # Nemotron-H: the MoE layers are its moe blocks (GraniteMoeHybrid's block types name the
+    # mixer only: every one of its layers is MoE)
+    blocks = _get(c, "layers_block_type") if _get(c, "model_type") == "nemotron_h" else None
+    blocks = list(blocks) if isinstance(blocks, (list, tuple)) else None
+    n_layers = _pos_int(_get(c, "num_hidden_layers")) or (len(blocks) if blocks else 0)
+    if blocks is not None and "moe" not in blocks:
+        return MoEDims(num_layers=n_layers)
+    dense = (tuple(i for i, t in enumerate(blocks) if t != "moe") if blocks is not None
+             else tuple(_get(c, "mlp_only_layers") or ()))
     shared = _get(c, "n_shared_experts")
     if shared is None:     # Qwen2-MoE: one shared expert of its own width
         shared = 1 if _pos_int(_get(c, "shared_expert_intermediate_size")) else 0
@@ -94,8 +105,7 @@ def moe_dims(cfg) -> MoEDims:
         moe_intermediate=_pos_int(_get(c, "moe_intermediate_size")) or _pos_int(_get(c, "intermediate_size")),
         n_shared=int(shared or 0), first_dense=int(_get(c, "first_k_dense_replace") or 0),
         layer_freq=int(_get(c, "moe_layer_freq") or 1), sparse_step=int(_get(c, "decoder_sparse_step") or 1),
-        dense_layers=tuple(_get(c, "mlp_only_layers") or ()),
-        num_layers=_pos_int(_get(c, "num_hidden_layers")) or 0)
+        dense_layers=dense, num_layers=n_layers)
 
 
 def moe_layout(cfg) -> tuple[int, list[int]] | None:

@@ -67,6 +67,18 @@ def test_dense_configs_have_no_experts():
         assert moe_layout(cfg) is None
 
 
+def test_nemotron_h_moe_layers_are_its_moe_blocks():
+    """Nemotron-H's config class stores ``n_routed_experts`` (8) by default: without ``moe``
+    blocks the model is dense; with them, those blocks are its MoE layers."""
+    import transformers as tf
+
+    kw = dict(layers_block_type=["linear_attention", "full_attention", "mlp"])
+    dense = tf.NemotronHConfig(**kw).to_dict()
+    assert dense["n_routed_experts"] > 0 and moe_layout(dense) is None
+    moe = tf.NemotronHConfig(layers_block_type=["linear_attention", "moe", "full_attention", "moe"])
+    assert moe_layout(moe.to_dict()) == (moe.n_routed_experts, [1, 3])
+
+
 @settings(max_examples=80, deadline=None)
 @given(values=st.lists(st.one_of(st.none(), st.integers(-2, 300), st.booleans(), st.just("8")),
                        min_size=len(NUM_EXPERTS_KEYS), max_size=len(NUM_EXPERTS_KEYS)))

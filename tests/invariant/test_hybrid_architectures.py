@@ -4,9 +4,10 @@
 - DeepSeek-V3.2 has a family (``deepseek_v32``): its fp32 forward is HF's to 1e-3 with the
   indexer really selecting, its bf16 forward is prefix-consistent bit for bit, configs it cannot
   reproduce are refused naming the field (the engine side: tests/e2e/test_deepseek_v32_vllm.py);
-- Qwen3-Next and Nemotron-H run in HF (and in stock vLLM CPU, probed) but have no family: every
-  user-facing bitwise entry point refuses them before an engine starts, with one line that names
-  the architecture and what is missing (``invariant/blocked.py``).
+- Qwen3-Next and Nemotron-H have families (``qwen3_next``, ``nemotron_h``: tests/invariant/
+  test_qwen3_next.py, test_nemotron_h.py; the engine side tests/e2e/test_qwen3_next_vllm.py,
+  test_nemotron_h_vllm.py): the bitwise entry points accept them; a Nemotron-H with MoE blocks
+  is refused before an engine starts, naming ``layers_block_type``.
 """
 from __future__ import annotations
 
@@ -50,53 +51,29 @@ def test_tiny_hybrid_checkpoint_is_transformers_own_and_runs_in_hf(hybrid_dirs, 
 
 
 @pytest.mark.parametrize("family", list(HYBRID))
-def test_generator_refuses_a_hybrid_before_the_engine_starts_naming_what_is_missing(
-        hybrid_dirs, family):
-    pytest.importorskip("vllm")
-    from skyrl_numerics.trainer import VLLMGenerator
-
-    arch, _, mixer = HYBRID[family]
-    with pytest.raises(InputError) as e:
-        VLLMGenerator(hybrid_dirs[family], batch_invariant=True)
-    msg = str(e.value)
-    assert "\n" not in msg and e.value.field == "architectures"
-    assert arch in msg and "blocked:" in msg and mixer in msg and "Mamba state cache" in msg
-
-
-@pytest.mark.parametrize("family", list(HYBRID))
-def test_serve_batch_invariant_exits_2_with_the_reason(hybrid_dirs, family, capsys):
-    pytest.importorskip("vllm")
+def test_a_hybrid_gets_the_invariant_engine(hybrid_dirs, family, capsys):
+    """The bitwise entry points accept both hybrids: the overrides name the hybrid invariant
+    model, and serve builds its command."""
     from skyrl_numerics.cli import main
-
-    arch, _, mixer = HYBRID[family]
-    assert main(["serve", str(hybrid_dirs[family]), "--batch-invariant", "--print-command"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and arch in err[0] and mixer in err[0], err
-
-
-def test_doctor_skips_the_bitwise_row_of_nemotron_h_with_the_reason(hybrid_dirs, tmp_path):
-    """``doctor --model`` with the bitwise row only: no engine starts, the row's status says
-    what is missing."""
-    from skyrl_numerics.cli import main
-
-    row, out = "+ batch-invariant (trainer and vLLM)", tmp_path / "out"
-    assert main(["doctor", "--model", str(hybrid_dirs["nemotron_h"]), "--prompts", "2",
-                 "--max-tokens", "4", "--out", str(out), "--no-progress", "--row", row]) == 0
-    rep = json.loads((out / "report.json").read_text())
-    status = {r["name"]: r["status"] for r in rep["rows"]}[row]
-    assert status.startswith("skipped: batch-invariant:"), status
-    assert "'NemotronHForCausalLM': blocked: Mamba-2" in status and "Mamba state cache" in status
-
-
-@pytest.mark.parametrize("family", list(HYBRID))
-def test_engine_overrides_refuse_naming_the_architecture_and_the_mixer(hybrid_dirs, family):
     from skyrl_numerics.engine.vllm_invariant_model import engine_overrides
 
-    arch, _, mixer = HYBRID[family]
-    cfg = json.loads((hybrid_dirs[family] / "config.json").read_text())
-    with pytest.raises(InputError, match=rf"no batch-invariant family for architecture "
-                                         rf"'{arch}': blocked: .*{mixer}"):
-        engine_overrides(cfg)      # what serve, the generator and the doctor's rows call
+    arch = HYBRID[family][0]
+    d = hybrid_dirs[family]
+    over = engine_overrides(json.loads((d / "config.json").read_text()))
+    assert over["architectures"] == [f"SkyrlInvariant{arch}"]
+    assert main(["serve", str(d), "--batch-invariant", "--print-command"]) == 0
+    assert f"SkyrlInvariant{arch}" in capsys.readouterr().out
+
+
+def test_a_nemotron_h_with_moe_blocks_is_refused_naming_the_field(hybrid_dirs):
+    """Nemotron 3's MoE blocks are not in the family: refused before any engine starts."""
+    from skyrl_numerics.engine.vllm_invariant_model import engine_overrides
+
+    cfg = json.loads((hybrid_dirs["nemotron_h"] / "config.json").read_text())
+    cfg["layers_block_type"] = ["linear_attention", "full_attention", "moe"]
+    with pytest.raises(UnsupportedConfig) as e:
+        engine_overrides(cfg)
+    assert e.value.field == "layers_block_type" and "'moe'" in str(e.value)
 
 
 def test_an_unknown_architecture_still_lists_the_supported_ones():

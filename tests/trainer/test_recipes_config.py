@@ -69,12 +69,12 @@ def test_what_does_not_apply_is_refused(qwen_moe_dir, tmp_path):
     (odd / "config.json").write_text(json.dumps({**cfg, "moe_intermediate_size": 40}))
     with pytest.raises(InputError, match=r"experts\.\d+\.down_proj.weight: nvfp4"):
         resolve(get_recipe("ml4", ["kv_cache=auto"]), odd)
-    # an architecture with no batch-invariant family (Mixtral has one now: a hybrid has none)
-    hybrid = tmp_path / "hybrid"
-    hybrid.mkdir()
-    (hybrid / "config.json").write_text(json.dumps({**cfg, "architectures": ["NemotronHForCausalLM"]}))
+    # an architecture with no batch-invariant family (Mixtral and the hybrids have one now)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**cfg, "architectures": ["FalconForCausalLM"]}))
     with pytest.raises(InputError, match="batch-invariant family"):
-        resolve(get_recipe("k2"), hybrid)
+        resolve(get_recipe("k2"), other)
 
 
 def test_published_trainer_rules_follow_the_plan(deepseek_v3_dir):

@@ -19,6 +19,12 @@ stored as they are) the family's ``attn_core_paged`` instead hands the cache's s
 request's slot list to the attention kernel, which reads the rows in place (the same values,
 so the same bits: tested).
 
+Hybrid families (Qwen3-Next's Gated DeltaNet, Nemotron-H's Mamba-2): only their attention layers
+get an ``Attention``; each recurrent layer gets a ``MambaBase`` layer instead, so vLLM keeps the
+layer's per-request state in its Mamba state cache, and the family's ``recurrent`` keeper reads
+and writes it (:mod:`.vllm_hybrid_state`). vLLM enlarges the block size of such an engine after
+the model is built (an attention page must hold a state page), so the block size is read per step.
+
 MLA checkpoints are handed to vLLM with ``model_type`` overridden (``skyrl_invariant_<type>``):
 for a DeepSeek ``model_type`` vLLM would switch to its own MLA cache handling, and on CPU without
 AMX it also turns chunked prefill and prefix caching off. This model manages its latent cache
@@ -116,7 +122,9 @@ class _SkyrlInvariantForCausalLM(nn.Module):
                                                    kv_cache=spec, pack=True,
                                                    numerics=getattr(cfg, "skyrl_numerics", None))
         self.kv = self.core.kv
-        self.block_size = vllm_config.cache_config.block_size
+        # read per step: a hybrid engine enlarges the block size after the model is built
+        # (the attention page must hold a Mamba state page: Platform.update_block_size_for_backend)
+        self._cache_config = vllm_config.cache_config
         self.layers = self.core.dims.layers
         layer_ids = self.core.moe_layer_ids()
         if layer_ids is not None:
@@ -129,11 +137,25 @@ class _SkyrlInvariantForCausalLM(nn.Module):
         self.index_capture = None
         item = torch.finfo(vllm_config.model_config.dtype).bits // 8
         heads = -(-self.kv.row_bytes // (2 * SLOT_HEAD * item))
+        linear = set(self.core.linear_layers()) if hasattr(self.core, "linear_layers") else set()
         self.attn = nn.ModuleList([
+            nn.Identity() if i in linear else
             Attention(heads, SLOT_HEAD, 1.0, num_kv_heads=heads,
                       cache_config=vllm_config.cache_config,
                       prefix=f"model.layers.{i}.self_attn.attn")
             for i in range(self.layers)])
+        if linear:       # recurrent layers: their state in vLLM's Mamba cache (vllm_hybrid_state)
+            from .vllm_hybrid_state import EngineRecurrentState, RecurrentStateLayer
+
+            order = sorted(linear)
+            self.recurrent_state = nn.ModuleList(
+                RecurrentStateLayer(self.core.state_shapes(), vllm_config.model_config.dtype,
+                                    f"model.layers.{i}.linear_attn", vllm_config) for i in order)
+            self.core.recurrent = EngineRecurrentState(dict(zip(order, self.recurrent_state)))
+
+    @property
+    def block_size(self) -> int:
+        return int(self._cache_config.block_size)
 
     def _tap(self, moe_layer: int, ids: torch.Tensor) -> None:
         fn = self.route_taps[moe_layer].capture_fn
@@ -289,6 +311,43 @@ class IndexRows:
             self.rows[at, :k] = sel
 
 
+class _SkyrlInvariantHybridForCausalLM(_SkyrlInvariantForCausalLM):
+    """A family with recurrent layers (Qwen3-Next, Nemotron-H): vLLM's ``IsHybrid`` / ``HasInnerState``
+    interface (class attributes and the state classmethods vLLM sizes its Mamba cache pages
+    with), the state itself kept by :mod:`.vllm_hybrid_state` in the shapes and dtypes the
+    trainer's recurrence carries."""
+    is_hybrid = True
+    has_inner_state = True
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config):
+        cfg = vllm_config.model_config.hf_text_config
+        base = getattr(cfg, "skyrl_base_arch", None) or cls.hf_arch
+        return family_class(base).state_shapes_of_config(cfg)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config):
+        from .vllm_hybrid_state import state_dtypes
+
+        return state_dtypes(vllm_config.model_config.dtype)
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
+
+        return MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func()
+
+    @classmethod
+    def get_mamba_state_copy_funcs(cls, mamba_types):
+        """(``IsHybrid``'s own, which this class does not inherit: vLLM is imported lazily.)
+        The prefix cache's "align" mode copies a request's state to its next block with these."""
+        funcs = cls.get_mamba_state_copy_func()
+        return {t: funcs for t in mamba_types}
+
+
+HYBRID = {"Qwen3NextForCausalLM", "NemotronHForCausalLM"}
+
+
 def _word(per_slot: int, row_bytes: int) -> torch.dtype:
     """The widest integer type whose size divides both the slot and the row (byte rows are
     gathered and written as words: same bytes, far fewer elements)."""
@@ -299,7 +358,8 @@ def _word(per_slot: int, row_bytes: int) -> torch.dtype:
 
 
 def _make(hf_arch: str):
-    return type(ARCHS[hf_arch], (_SkyrlInvariantForCausalLM,), {"hf_arch": hf_arch})
+    base = _SkyrlInvariantHybridForCausalLM if hf_arch in HYBRID else _SkyrlInvariantForCausalLM
+    return type(ARCHS[hf_arch], (base,), {"hf_arch": hf_arch})
 
 
 SkyrlInvariantQwen3MoeForCausalLM = _make("Qwen3MoeForCausalLM")
@@ -312,3 +372,5 @@ SkyrlInvariantMistralForCausalLM = _make("MistralForCausalLM")
 SkyrlInvariantGptOssForCausalLM = _make("GptOssForCausalLM")
 SkyrlInvariantMixtralForCausalLM = _make("MixtralForCausalLM")
 SkyrlInvariantGlm4MoeForCausalLM = _make("Glm4MoeForCausalLM")
+SkyrlInvariantQwen3NextForCausalLM = _make("Qwen3NextForCausalLM")
+SkyrlInvariantNemotronHForCausalLM = _make("NemotronHForCausalLM")

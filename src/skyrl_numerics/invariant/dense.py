@@ -36,7 +36,7 @@ from skyrl_numerics.errors import InputError
 
 from .base import InvariantCausalLM
 from .blocks import require, swiglu_mlp
-from .gqa import AttnDims, GQAttention
+from .gqa import AttnDims, GQADecoder
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def attention_dims(c) -> AttnDims:
                                 o_bias=v.bias == "config" and biased)
 
 
-class InvariantDense(GQAttention, InvariantCausalLM):
+class InvariantDense(GQADecoder, InvariantCausalLM):
     """Parameters under HF names; ``forward_tokens`` runs the flat token stream."""
 
     dims_type = Dims

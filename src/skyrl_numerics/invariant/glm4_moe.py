@@ -30,7 +30,7 @@ from skyrl_numerics.kernels import matmul as inv_matmul
 
 from .base import InvariantCausalLM
 from .blocks import Rope, require, routed_experts, sigmoid_group_topk, swiglu_mlp
-from .gqa import AttnDims, GQAttention
+from .gqa import AttnDims, GQADecoder
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def partial_rope(c, head_dim: int) -> Rope:
     return Rope.from_config(c, dim, "neox")
 
 
-class InvariantGlm4Moe(GQAttention, InvariantCausalLM):
+class InvariantGlm4Moe(GQADecoder, InvariantCausalLM):
     """Parameters under HF names; ``forward_tokens`` runs the flat token stream."""
 
     dims_type = Dims

@@ -37,7 +37,7 @@ import torch
 
 from .base import InvariantCausalLM
 from .blocks import UnsupportedConfig, linear, require, sigmoid
-from .gqa import AttnDims, GQAttention
+from .gqa import AttnDims, GQADecoder
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -98,7 +98,7 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
     return ((u + 1) * (g * sigmoid(g * alpha))).to(gate.dtype)
 
 
-class InvariantGptOss(GQAttention, InvariantCausalLM):
+class InvariantGptOss(GQADecoder, InvariantCausalLM):
     """Parameters under HF names; ``forward_tokens`` runs the flat token stream."""
 
     dims_type = Dims

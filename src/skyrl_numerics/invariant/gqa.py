@@ -59,32 +59,9 @@ class AttnDims:
 
 
 class GQAttention:
-    """The attention half of a GQA family (a mixin over :class:`~.base.InvariantCausalLM`), and
-    the family's skeleton: a family sets ``dims_type`` (its ``Dims``, read by ``from_config``)
-    and ``read_attention`` (config -> :class:`AttnDims`), and adds its MLP / expert weights in
-    :meth:`add_ffn_weights`; the decoder and attention weights are added here, in that order."""
+    """The attention half of a GQA family (a mixin over :class:`~.base.InvariantCausalLM`)."""
 
     attn_dims: AttnDims
-    dims_type: ClassVar[type]
-    read_attention: ClassVar[Callable]
-
-    def __init__(self, dims, attn: AttnDims, dtype: torch.dtype = torch.bfloat16, kv_cache=None,
-                 rope: Rope | None = None):
-        super().__init__(dtype)
-        self.dims = dims
-        self.add_decoder_weights(tied=getattr(dims, "tied", False))
-        self.init_attention(attn, dtype, kv_cache, rope)
-        self.add_ffn_weights()
-
-    def add_ffn_weights(self) -> None:
-        raise NotImplementedError
-
-    @classmethod
-    def config_parts(cls, cfg, dtype: torch.dtype = torch.bfloat16, kv_cache=None) -> dict:
-        """Constructor arguments from an HF config; raises on what the family cannot reproduce
-        (without allocating any weights)."""
-        return cls.gqa_parts(cfg, cls.dims_type.from_config(cfg), cls.read_attention(cfg), dtype,
-                             kv_cache)
 
     @staticmethod
     def gqa_parts(cfg, dims, attn: AttnDims, dtype: torch.dtype, kv_cache) -> dict:
@@ -160,3 +137,33 @@ class GQAttention:
         o = linear(attend(i, q, rows).reshape(T, a.heads * a.head_dim),
                    self.proj(p + "o_proj.weight"))
         return o + self.w(p + "o_proj.bias") if a.o_bias else o
+
+
+class GQADecoder(GQAttention):
+    """The skeleton of a family whose every layer is GQA attention + an MLP / MoE (dense,
+    Qwen3-MoE, Mixtral, GLM-4-MoE, GPT-OSS; mixed before :class:`~.base.InvariantCausalLM`): the
+    family sets ``dims_type`` (its ``Dims``, read by ``from_config``) and ``read_attention``
+    (config -> :class:`AttnDims`), and adds its MLP / expert weights in :meth:`add_ffn_weights`;
+    the decoder and attention weights are added here, in that order. (Hybrid families, whose
+    layers differ, mix in :class:`GQAttention` alone.)"""
+
+    dims_type: ClassVar[type]
+    read_attention: ClassVar[Callable]
+
+    def __init__(self, dims, attn: AttnDims, dtype: torch.dtype = torch.bfloat16, kv_cache=None,
+                 rope: Rope | None = None):
+        super().__init__(dtype)
+        self.dims = dims
+        self.add_decoder_weights(tied=getattr(dims, "tied", False))
+        self.init_attention(attn, dtype, kv_cache, rope)
+        self.add_ffn_weights()
+
+    def add_ffn_weights(self) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def config_parts(cls, cfg, dtype: torch.dtype = torch.bfloat16, kv_cache=None) -> dict:
+        """Constructor arguments from an HF config; raises on what the family cannot reproduce
+        (without allocating any weights)."""
+        return cls.gqa_parts(cfg, cls.dims_type.from_config(cfg), cls.read_attention(cfg), dtype,
+                             kv_cache)

@@ -25,7 +25,7 @@ from skyrl_numerics.hf_config import moe_dims
 
 from .base import InvariantCausalLM
 from .blocks import linear, require, routed_experts, softmax_topk
-from .gqa import AttnDims, GQAttention
+from .gqa import AttnDims, GQADecoder
 
 EXPERT_NAMES = ("w1", "w3", "w2")      # gate, up, down
 
@@ -63,7 +63,7 @@ def attention_dims(c) -> AttnDims:
     return AttnDims.from_config(c, qk_norm=False, qkv_bias=False, o_bias=False)
 
 
-class InvariantMixtral(GQAttention, InvariantCausalLM):
+class InvariantMixtral(GQADecoder, InvariantCausalLM):
     """Parameters under HF names; ``forward_tokens`` runs the flat token stream."""
 
     dims_type = Dims

@@ -22,7 +22,7 @@ from skyrl_numerics.kernels import attention as inv_attention
 
 from .base import InvariantCausalLM
 from .blocks import linear, require, routed_experts, softmax_topk, swiglu_mlp
-from .gqa import AttnDims, GQAttention
+from .gqa import AttnDims, GQADecoder
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def attend_one_sequence(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tenso
     return out[0].transpose(0, 1)
 
 
-class InvariantQwen3Moe(GQAttention, InvariantCausalLM):
+class InvariantQwen3Moe(GQADecoder, InvariantCausalLM):
     """Parameters under HF names; ``forward_tokens`` runs the flat token stream."""
 
     dims_type = Dims
