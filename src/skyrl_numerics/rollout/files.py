@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from skyrl_numerics.atomic import atomic_file
+from skyrl_numerics import replay
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.hashing import default_algo, hasher
 from skyrl_numerics.rollout.arrays import F32_MAX, I64_MAX, ID_MAX
@@ -96,6 +97,20 @@ def _check_digest(stored, actual_fn) -> None:
     if actual != stored:
         raise InputError(f"content digest {actual} does not match the stored {stored}: the file changed "
                          "after it was written (remove the 'digest' key to load an edited file)", field="digest")
+
+
+def packed_section(arrays: dict, prefix: str, name: str, default_field: str):
+    """The ``skyrl_numerics.replay.<name>`` stored under the ``<prefix>.`` arrays of a file (None
+    when it has none); its errors are named ``<prefix>.<field>`` (``default_field`` when the
+    error names none)."""
+    part = {k[len(prefix) + 1:]: v for k, v in arrays.items() if k.startswith(prefix + ".")}
+    if not part:
+        return None
+    try:
+        return getattr(replay, name).from_arrays(part)
+    except InputError as e:
+        raise InputError(e.message, row=e.row, field=f"{prefix}.{e.field or default_field}",
+                         index=e.index) from None
 
 
 class RolloutFiles:
@@ -289,38 +304,9 @@ class RolloutFiles:
             if v.dtype != FILE_DTYPES[k] or v.ndim != 1:
                 raise InputError(f"expected 1-D {np.dtype(FILE_DTYPES[k]).name}, got {v.dtype} of shape {v.shape}",
                                  field=k)
-        routes = support = None
-        route_arrays = {k[len("routes."):]: v for k, v in arrays.items() if k.startswith("routes.")}
-        support_arrays = {k[len("support."):]: v for k, v in arrays.items()
-                          if k.startswith("support.")}
-        try:
-            if route_arrays:
-                from skyrl_numerics.replay import PackedRoutes
-                routes = PackedRoutes.from_arrays(route_arrays)
-        except InputError as e:
-            raise InputError(e.message, row=e.row, field=f"routes.{e.field or 'values'}", index=e.index) from None
-        gate_arrays = {k[len("gates."):]: v for k, v in arrays.items() if k.startswith("gates.")}
-        gates = None
-        try:
-            if gate_arrays:
-                from skyrl_numerics.replay import PackedGates
-                gates = PackedGates.from_arrays(gate_arrays)
-        except InputError as e:
-            raise InputError(e.message, row=e.row, field=f"gates.{e.field or 'values'}", index=e.index) from None
-        index_arrays = {k[len("index."):]: v for k, v in arrays.items() if k.startswith("index.")}
-        index = None
-        try:
-            if index_arrays:
-                from skyrl_numerics.replay import PackedIndex
-                index = PackedIndex.from_arrays(index_arrays)
-        except InputError as e:
-            raise InputError(e.message, row=e.row, field=f"index.{e.field or 'values'}", index=e.index) from None
-        try:
-            if support_arrays:
-                from skyrl_numerics.replay import PackedSupport
-                support = PackedSupport.from_arrays(support_arrays)
-        except InputError as e:
-            raise InputError(e.message, row=e.row, field=f"support.{e.field or 'token_ids'}", index=e.index) from None
+        routes, gates, index, support = (packed_section(arrays, prefix, name, default) for prefix, name, default in (
+            ("routes", "PackedRoutes", "values"), ("gates", "PackedGates", "values"),
+            ("index", "PackedIndex", "values"), ("support", "PackedSupport", "token_ids")))
         return cls(prompt_tokens=arrays["prompt_tokens"], prompt_cu=arrays["prompt_cu"],
                    response_tokens=arrays["response_tokens"], response_cu=arrays["response_cu"],
                    rollout_logprobs=arrays["rollout_logprobs"],
