@@ -28,6 +28,8 @@ from torch import nn
 
 from skyrl_numerics.errors import InputError
 
+from .blocks import linear, routed_experts, softmax_topk
+
 # attend(layer, q [T, H, Dq], rows [T, W]) -> out [T, H, Do]
 Attend = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 SWIGLU_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -151,6 +153,16 @@ class InvariantCausalLM(nn.Module):
     def swiglu_weights(self, prefix: str, names: tuple = SWIGLU_NAMES) -> tuple:
         """The projections of the SwiGLU MLP :meth:`add_swiglu` added under ``prefix``."""
         return tuple(self.proj(f"{prefix}{n}.weight") for n in names)
+
+    def softmax_routed(self, moe_layer: int, x: torch.Tensor, prefix: str, num_experts: int,
+                       top_k: int, renormalize: bool, names: tuple = SWIGLU_NAMES) -> torch.Tensor:
+        """Softmax top-k routed SwiGLU experts (Qwen3-MoE, Qwen3-Next, Mixtral): router logits
+        ``x W`` of ``{prefix}gate.weight``, :func:`~.blocks.softmax_topk`, the ids recorded as MoE
+        layer ``moe_layer``, experts ``{prefix}experts.<e>.{names}``."""
+        w, ids = softmax_topk(linear(x, self.w(prefix + "gate.weight")), top_k, renormalize)
+        self._route(moe_layer, ids)
+        experts = self.expert_weights(prefix + "experts.", num_experts, names)
+        return routed_experts(x, ids, w, experts.__getitem__, num_experts=num_experts)
 
     def w(self, name: str) -> torch.Tensor:
         """The weight under an HF name (a packed one decoded: see :meth:`served_weight`)."""

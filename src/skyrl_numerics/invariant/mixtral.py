@@ -24,7 +24,7 @@ import torch
 from skyrl_numerics.hf_config import moe_dims
 
 from .base import InvariantCausalLM
-from .blocks import linear, require, routed_experts, softmax_topk
+from .blocks import require
 from .gqa import AttnDims, GQADecoder
 
 EXPERT_NAMES = ("w1", "w3", "w2")      # gate, up, down
@@ -82,7 +82,4 @@ class InvariantMixtral(GQADecoder, InvariantCausalLM):
 
     def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
         d, p = self.dims, f"model.layers.{i}.block_sparse_moe."
-        w, ids = softmax_topk(linear(x, self.w(p + "gate.weight")), d.top_k, True)
-        self._route(i, ids)
-        experts = self.expert_weights(p + "experts.", d.experts, EXPERT_NAMES)
-        return routed_experts(x, ids, w, experts.__getitem__, num_experts=d.experts)
+        return self.softmax_routed(i, x, p, d.experts, d.top_k, True, EXPERT_NAMES)

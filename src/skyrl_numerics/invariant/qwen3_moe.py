@@ -21,7 +21,7 @@ from skyrl_numerics.hf_config import moe_dims
 from skyrl_numerics.kernels import attention as inv_attention
 
 from .base import InvariantCausalLM
-from .blocks import linear, require, routed_experts, softmax_topk, swiglu_mlp
+from .blocks import require, swiglu_mlp
 from .gqa import AttnDims, GQADecoder
 
 
@@ -99,7 +99,4 @@ class InvariantQwen3Moe(GQADecoder, InvariantCausalLM):
         j = self._moe_index.get(i)
         if j is None:
             return swiglu_mlp(x, *self.swiglu_weights(p))
-        w, ids = softmax_topk(linear(x, self.w(p + "gate.weight")), d.top_k, d.norm_topk_prob)
-        self._route(j, ids)
-        return routed_experts(x, ids, w, self.expert_weights(p + "experts.", d.experts).__getitem__,
-                              num_experts=d.experts)
+        return self.softmax_routed(j, x, p, d.experts, d.top_k, d.norm_topk_prob)

@@ -45,8 +45,8 @@ from skyrl_numerics.hf_config import moe_dims
 from skyrl_numerics.kernels.fixed_order import dot8
 
 from .base import Attend, InvariantCausalLM
-from .blocks import (Rope, linear, linear_many, require, rms_norm, rms_norm_heads, routed_experts,
-                     sigmoid, silu, softmax_topk, swiglu_mlp)
+from .blocks import (Rope, linear, linear_many, require, rms_norm, rms_norm_heads, sigmoid, silu,
+                     swiglu_mlp)
 from .gqa import AttnDims, GQAttention
 from .recurrent import FreshSequences, causal_conv, pointwise
 
@@ -311,10 +311,7 @@ class InvariantQwen3Next(GQAttention, InvariantCausalLM):
         j = self._moe_index.get(i)
         if j is None:
             return swiglu_mlp(x, *self.swiglu_weights(p))
-        w, ids = softmax_topk(linear(x, self.w(p + "gate.weight")), d.top_k, d.norm_topk_prob)
-        self._route(j, ids)
-        out = routed_experts(x, ids, w, self.expert_weights(p + "experts.", d.experts).__getitem__,
-                             num_experts=d.experts)
+        out = self.softmax_routed(j, x, p, d.experts, d.top_k, d.norm_topk_prob)
         if d.shared_inter:
             gate = sigmoid(linear(x, self.w(p + "shared_expert_gate.weight")))
             out = out + gate * swiglu_mlp(x, *self.swiglu_weights(p + "shared_expert."))
