@@ -381,7 +381,9 @@ def test_a_serving_format_update_reaches_an_int4_server(model_dir, tmp_path):
     """ct_int4 payloads (codes + scales, as deltas) through skyrl_delta into a server running
     vLLM's INT4 kernel: afterwards it computes exactly what a fresh engine on the quantized
     checkpoint of the new weights computes (one prompt per request on both sides, so batch
-    composition is the same)."""
+    composition is the same). One engine: the server starts on the new weights' INT4
+    checkpoint (its outputs are the fresh engine's), is sent the old weights (full: its outputs
+    change) and then the new ones as a delta (its outputs are the fresh engine's again)."""
     import shutil
     from pathlib import Path
 
@@ -389,7 +391,6 @@ def test_a_serving_format_update_reaches_an_int4_server(model_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from skyrl_numerics.host import missing_kernel_reason
-    from skyrl_numerics.trainer import VLLMGenerator
     from skyrl_numerics.engine.remote import RemoteGenerator
     from skyrl_numerics.engine.server import VLLMServer
     from skyrl_numerics.engine.serving_checkpoint import write_int4_checkpoint
@@ -408,26 +409,27 @@ def test_a_serving_format_update_reaches_an_int4_server(model_dir, tmp_path):
     for f in src.iterdir():
         if f.suffix != ".safetensors" and f.is_file():
             shutil.copy2(f, new / f.name)
-    int4_old = write_int4_checkpoint(src, out_dir=tmp_path / "int4-old")
     int4_new = write_int4_checkpoint(new, out_dir=tmp_path / "int4-new")
     prompts = [[3, 4, 5, 6], [40, 41, 42, 43, 44, 45]]
 
     def one_by_one(generate):
         return [generate([p], max_tokens=8, seed=i) for i, p in enumerate(prompts)]
 
-    with VLLMServer(int4_old, api_key=API_KEY, sync_key=SYNC_KEY, log_path=tmp_path / "s.log") as srv:
+    def same(xs, ys):
+        return all(np.array_equal(a.response_tokens, b.response_tokens)
+                   and np.array_equal(a.rollout_logprobs.view(np.uint32), b.rollout_logprobs.view(np.uint32))
+                   for a, b in zip(xs, ys))
+
+    with VLLMServer(int4_new, api_key=API_KEY, sync_key=SYNC_KEY, log_path=tmp_path / "s.log") as srv:
+        remote = RemoteGenerator(srv.url, api_key=API_KEY)
+        want = one_by_one(remote.generate)            # a fresh engine on the new INT4 checkpoint
         eng = trainer_engine(srv, tmp_path / "store", weights_format="ct_int4",
                              quantize=["*.self_attn.*_proj.weight"])
-        eng.send_weights(s0)
+        m0 = eng.send_weights(s0)
+        assert m0.is_full and m0.weights_format == "ct_int4"
+        old = one_by_one(remote.generate)
         m1 = eng.send_weights(s1)
         assert not m1.is_full and m1.weights_format == "ct_int4"
-        remote = RemoteGenerator(srv.url, api_key=API_KEY)
         got = one_by_one(remote.generate)
-    fresh = VLLMGenerator(int4_new)
-    try:
-        want = one_by_one(fresh.generate)
-    finally:
-        fresh.close()
-    for a, b in zip(got, want):
-        assert np.array_equal(a.response_tokens, b.response_tokens)
-        assert np.array_equal(a.rollout_logprobs.view(np.uint32), b.rollout_logprobs.view(np.uint32))
+    assert not same(old, want), "sending the old weights changed nothing the server computes"
+    assert same(got, want)
