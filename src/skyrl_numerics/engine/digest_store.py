@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from .sampled_rows import SampledRows, external_id, sampled_positions
 
-class DigestStore:
+
+class DigestStore(SampledRows):
     """A digest of the full logits row of every sampled position, per request
     (:mod:`skyrl_numerics.gap.digest` defines the row and the digest).
 
@@ -15,18 +17,16 @@ class DigestStore:
     structured-output bitmask, if any) before the sampler converts them to float32 and processes them. Each row is converted to
     float32 the same way and hashed; nothing else is kept, unless ``keep_rows`` is on (the one-row
     replay of :meth:`VLLMGenerator.logits_row`). Row ``b`` belongs to position
-    ``positions[query_start_loc[b+1] - 1] + 1`` as in :class:`~.support_store.SupportStore`: a prefix-cache hit
-    changes nothing (a sampled position is always computed), rows of a partial prefill chunk land
-    on prompt positions, which no fetch asks for.
+    given by :func:`~.sampled_rows.sampled_positions`.
     """
 
     def __init__(self, runner, algo: str):
         from skyrl_numerics.hashing import hasher
 
         hasher(algo)   # an algorithm this worker cannot run fails at start, not mid-step
+        super().__init__()                                  # rows: internal req id -> pos -> digest
         self.runner = runner
         self.algo = algo
-        self.rows: dict[str, dict[int, bytes]] = {}        # internal req id -> pos -> digest
         self.keep_rows = False
         self.kept: dict[str, dict[int, np.ndarray]] = {}   # the same, float32 rows (keep_rows)
 
@@ -43,42 +43,25 @@ class DigestStore:
         if logits.shape[0] != n:
             raise RuntimeError(f"logits digest: {logits.shape[0]} logits rows for {n} requests "
                                "(speculative decoding is not supported)")
-        qsl = np.asarray(r.query_start_loc.np[: n + 1], dtype=np.int64)
-        pos = r.positions[: int(qsl[-1])].cpu().numpy().astype(np.int64)[qsl[1:] - 1] + 1
+        pos = sampled_positions(r, n)
         rows = logits.detach().to(torch.float32).cpu().contiguous().numpy()
-        digests = row_digests(rows, self.algo)
-        for b, req in enumerate(ib.req_ids[:n]):
-            self.rows.setdefault(req, {})[int(pos[b])] = digests[b].tobytes()
-            if self.keep_rows:
+        self.file(ib.req_ids[:n], pos, [d.tobytes() for d in row_digests(rows, self.algo)])
+        if self.keep_rows:
+            for b, req in enumerate(ib.req_ids[:n]):
                 self.kept.setdefault(req, {})[int(pos[b])] = rows[b].copy()
 
-    def fetch(self, external_ids: list[str], starts: list[int], lengths: list[int]) -> list:
-        """Digests of positions ``start .. start + length - 1`` per external request id, as
-        ``{"digests": bytes}`` (16 per position, in order); ``None`` for an unknown request,
-        ``("missing", position)`` where a position was not sampled under capture."""
-        by_ext = {req.rsplit("-", 1)[0]: req for req in self.rows}
-        out = []
-        for ext, start, length in zip(external_ids, starts, lengths):
-            req = by_ext.get(ext)
-            if req is None:
-                out.append(None)
-                continue
-            got = self.rows[req]
-            miss = next((q for q in range(start, start + length) if q not in got), None)
-            if miss is not None:
-                out.append(("missing", miss))
-                continue
-            out.append({"digests": b"".join(got[q] for q in range(start, start + length))})
-        return out
+    def pack(self, values: list) -> dict:
+        """A run of digests as ``{"digests": bytes}`` (16 per position, in order)."""
+        return {"digests": b"".join(values)}
 
-    def fetch_row(self, external_id: str, pos: int):
+    def fetch_row(self, ext: str, pos: int):
         """The kept float32 row of one position (``keep_rows``) as ``{"row": bytes, "digest":
         bytes}``, or ``None``."""
         for req, got in self.kept.items():
-            if req.rsplit("-", 1)[0] == external_id and pos in got:
+            if external_id(req) == ext and pos in got:
                 return {"row": got[pos].astype("<f4").tobytes(), "digest": self.rows[req][pos]}
         return None
 
     def clear(self) -> None:
-        self.rows.clear()
+        super().clear()
         self.kept.clear()

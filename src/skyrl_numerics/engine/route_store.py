@@ -35,6 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from .gate_capture import GateRows
+from .sampled_rows import external_id
 
 
 class RouteStore:
@@ -165,7 +166,7 @@ class RouteStore:
                     starts: list[int] | None = None) -> list:
         """The combine weights of :meth:`fetch`'s rows, float32 ``{data, shape, dtype}``; ``None``
         where unknown, ``("missing", position)`` where a row has no weights."""
-        by_ext = {req.rsplit("-", 1)[0]: req for req in self.per_req}
+        by_ext = {external_id(req): req for req in self.per_req}
         starts = [0] * len(lengths) if starts is None else starts
         if self.gates is None:
             return [None] * len(lengths)
@@ -179,7 +180,7 @@ class RouteStore:
         is unknown, ``("missing", position)`` where a row is missing."""
         by_ext: dict[str, str] = {}
         for req in self.per_req:
-            base = req.rsplit("-", 1)[0]   # internal id = f"{external}-{8 random chars}"
+            base = external_id(req)
             by_ext[base] = req
         out = []
         starts = [0] * len(lengths) if starts is None else starts

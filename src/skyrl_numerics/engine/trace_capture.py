@@ -30,6 +30,7 @@ import numpy as np
 from skyrl_numerics.gap.digest import DIGEST_BYTES, row_digests
 from skyrl_numerics.hashing import default_algo
 
+from .sampled_rows import external_id
 from .trace_roles import hook_invariant, hook_modules
 
 
@@ -204,7 +205,7 @@ def step_kinds(runner, lay: RowLayout) -> list:
             kind = "prefill"
         else:
             kind = "chunk"
-        out.append([req.rsplit("-", 1)[0], start, count, kind])
+        out.append([external_id(req), start, count, kind])
     return out
 
 
@@ -246,10 +247,10 @@ class TraceMixin:
         out = {"steps": list(steps), "capture_s": rec.seconds, "notes": list(rec.notes)}
         if external_ids is None:
             keys = list(prompts)
-            out["keys"] = [k.rsplit("-", 1)[0] for k in keys]
+            out["keys"] = [external_id(k) for k in keys]
             out["prompts"] = [prompts[k] for k in keys]
         else:
-            by_ext = {req.rsplit("-", 1)[0]: req for req in prompts}
+            by_ext = {external_id(req): req for req in prompts}
             keys = [by_ext.get(e) for e in external_ids]
         out["modules"] = rec.fetch(keys)
         if b64:
