@@ -112,6 +112,31 @@ def run(args) -> dict:
     return doc
 
 
+SAME = ("family", "steps", "prompts", "samples", "max_tokens", "top_p", "top_k", "serving", "lr")
+
+
+def merge(dirs: list[str]) -> dict:
+    """One document from several runs' ``collapse.json`` (each a part of the configurations and
+    seeds, the same settings ``SAME``); a (configuration, seed) in two of them is refused."""
+    docs = [(d, json.loads((Path(d) / "collapse.json").read_text())) for d in dirs]
+    first, doc = docs[0][1], json.loads(json.dumps(docs[0][1]))
+    doc["command"] = [d["command"] for _, d in docs]
+    doc["seconds"] = {d: x["seconds"] for d, x in docs}
+    for path, other in docs[1:]:
+        diff = [k for k in SAME if other["settings"][k] != first["settings"][k]]
+        if diff:
+            raise SystemExit(f"{path}/collapse.json: settings {diff} differ from {docs[0][0]}'s")
+        for name, by_seed in other["runs"].items():
+            mine = doc["runs"].setdefault(name, {})
+            both = sorted(set(mine) & set(by_seed))
+            if both:
+                raise SystemExit(f"{path}/collapse.json: {name} seeds {both} are in two runs")
+            mine.update(by_seed)
+    doc["settings"]["configs"] = ",".join(doc["runs"])
+    doc["settings"]["seeds"] = {n: sorted(s, key=int) for n, s in doc["runs"].items()}
+    return doc
+
+
 def summary(doc: dict) -> dict:
     """Per configuration: each metric's mean over the seeds, first and last quarter of the steps."""
     import numpy as np
@@ -145,11 +170,16 @@ def plot(doc: dict, path: Path) -> None:
             arr = np.array([[r.get(m, np.nan) for r in rows[:n]] for rows in by_seed.values()], float)
             if np.isnan(arr).all():
                 continue
-            x = np.arange(n)
-            line, = ax.plot(x, np.nanmean(arr, 0), label=f"{name} ({len(by_seed)} seeds)", lw=1.2)
-            ax.fill_between(x, np.nanmin(arr, 0), np.nanmax(arr, 0), color=line.get_color(), alpha=0.15)
+            w = max(1, n // 40)           # a rolling mean over w steps (1 for short runs)
+            x = np.arange(n - w + 1) + (w - 1) / 2
+
+            def smooth(y):
+                return np.convolve(y, np.ones(w) / w, mode="valid")
+            line, = ax.plot(x, smooth(np.nanmean(arr, 0)), label=f"{name} ({len(by_seed)} seeds)", lw=1.2)
+            ax.fill_between(x, smooth(np.nanmin(arr, 0)), smooth(np.nanmax(arr, 0)), color=line.get_color(),
+                            alpha=0.15)
         ax.set_title(m)
-        ax.set_xlabel("step")
+        ax.set_xlabel("step" + (f" (rolling mean over {max(1, n // 40)})" if n >= 80 else ""))
         if m.startswith("gap"):
             ax.set_yscale("symlog", linthresh=1e-4)
     axes.flat[0].legend(fontsize=8)
@@ -179,10 +209,22 @@ def main() -> None:
     p.add_argument("--out", default="artifacts/collapse")
     p.add_argument("--progress", action="store_true")
     p.add_argument("--plot-only", action="store_true", help="redraw OUT/collapse.png from OUT/collapse.json")
+    p.add_argument("--merge", metavar="DIR[,DIR...]",
+                   help="write OUT/collapse.{json,png} from these runs' collapse.json (the same settings, "
+                        "each a part of the configurations and seeds) instead of running")
+    p.add_argument("--threads", type=int,
+                   help="intra-op threads of the trainer and the engine (OMP_NUM_THREADS; the engine's "
+                        "threads unbound): on a shared 2-core host 1 made a step ~7x faster (below)")
     args = p.parse_args()
     args.command = "benchmarks/collapse.py " + " ".join(os.sys.argv[1:])
+    if args.threads:
+        os.environ.update(OMP_NUM_THREADS=str(args.threads), VLLM_CPU_OMP_THREADS_BIND="nobind")
     out = Path(args.out)
-    doc = json.loads((out / "collapse.json").read_text()) if args.plot_only else run(args)
+    if args.merge:
+        out.mkdir(parents=True, exist_ok=True)
+        doc = merge(args.merge.split(","))
+    else:
+        doc = json.loads((out / "collapse.json").read_text()) if args.plot_only else run(args)
     doc["summary"] = summary(doc)
     (out / "collapse.json").write_text(json.dumps(doc, indent=1))
     plot(doc, out / "collapse.png")
