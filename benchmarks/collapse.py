@@ -47,6 +47,8 @@ from pathlib import Path
 METRICS = ("reward", "gap_mean_abs", "gap_max_abs", "entropy", "tis_clip_frac", "grad_cos_onpolicy")
 KEEP = METRICS + ("step", "clipfrac", "grad_relerr_onpolicy", "gap_frac_bitwise_equal", "time_generate_s",
                   "time_old_logprobs_s", "time_train_s", "time_sync_s")
+TITLES = {"entropy": "entropy of what the trainer trains\n(full vocabulary; the sampler's support where replayed)",
+          "tis_clip_frac": "share of tokens with π_trainer/π_engine > 2"}
 ALL_CONFIGS = ("plain", "r3", "support", "tis", "aligned", "bitwise")
 
 
@@ -120,7 +122,8 @@ def merge(dirs: list[str]) -> dict:
     seeds, the same settings ``SAME``); a (configuration, seed) in two of them is refused."""
     docs = [(d, json.loads((Path(d) / "collapse.json").read_text())) for d in dirs]
     first, doc = docs[0][1], json.loads(json.dumps(docs[0][1]))
-    doc["command"] = [d["command"] for _, d in docs]
+    doc.pop("commands", None)
+    doc["command"] = [c for _, d in docs for c in ([d["command"]] if "command" in d else d["commands"])]
     doc["seconds"] = {d: x["seconds"] for d, x in docs}
     for path, other in docs[1:]:
         diff = [k for k in SAME if other["settings"][k] != first["settings"][k]]
@@ -173,12 +176,14 @@ def plot(doc: dict, path: Path) -> None:
             w = max(1, n // 40)           # a rolling mean over w steps (1 for short runs)
             x = np.arange(n - w + 1) + (w - 1) / 2
 
-            def smooth(y):
-                return np.convolve(y, np.ones(w) / w, mode="valid")
+            def smooth(y):               # NaN-aware: a step without the metric does not blank its window
+                win = np.lib.stride_tricks.sliding_window_view(y, w)
+                ok = ~np.isnan(win)
+                return np.where(ok.any(1), np.where(ok, win, 0).sum(1) / np.maximum(ok.sum(1), 1), np.nan)
             line, = ax.plot(x, smooth(np.nanmean(arr, 0)), label=f"{name} ({len(by_seed)} seeds)", lw=1.2)
             ax.fill_between(x, smooth(np.nanmin(arr, 0)), smooth(np.nanmax(arr, 0)), color=line.get_color(),
                             alpha=0.15)
-        ax.set_title(m)
+        ax.set_title(TITLES.get(m, m), fontsize=10)
         ax.set_xlabel("step" + (f" (rolling mean over {max(1, n // 40)})" if n >= 80 else ""))
         if m.startswith("gap"):
             ax.set_yscale("symlog", linthresh=1e-4)
