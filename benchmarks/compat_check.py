@@ -10,11 +10,13 @@ engine at a time, nothing mocked. Writes one record per piece to the JSON file n
    vLLM's router hook and support capture on its sampler; routes replayed into the HF trainer.
 3. ``batch-invariant engine == trainer``: the out-of-tree invariant model vs the invariant trainer,
    every logprob bitwise.
-4. ``VLLMServer + routed_experts``: ``vllm serve`` with our plugin (``--api-key``, dev mode, the
+4. ``seeded sampling under chunked prefill``: the patch that lets vLLM rewind a CPU generator
+   (``vllm_patches._rewindable_cpu_seeds``); seeded requests prefilled in 64-token chunks.
+5. ``VLLMServer + routed_experts``: ``vllm serve`` with our plugin (``--api-key``, dev mode, the
    CPU runner patches for ``--enable-return-routed-experts`` from vLLM 0.31, vLLM's own V1
    capturer on 0.30), one completion, routes decoded; the prompt positions' routes equal those
    the in-process capture (piece 2) recorded for the same prompt.
-5. ``skyrl_delta in-place update``: vLLM's own trainer-side client drives the backend: a full
+6. ``skyrl_delta in-place update``: vLLM's own trainer-side client drives the backend: a full
    snapshot leaves outputs bit-identical, a delta changes them, the checkpoint sent back
    restores them; the control routes refuse a request without the key.
 """
@@ -32,7 +34,7 @@ import numpy as np
 API_KEY, SYNC_KEY = "compat-api-key", "compat-sync-key"
 RECORDS: list[dict] = []
 SERVER_PROMPT = list(range(10, 22))
-# the prompt positions' routes of SERVER_PROMPT, captured in process (piece 2), for piece 4
+# the prompt positions' routes of SERVER_PROMPT, captured in process (piece 2), for piece 5
 IN_PROCESS: dict[str, np.ndarray] = {}
 
 
@@ -133,6 +135,32 @@ def invariant(model_dir):
     return f"{len(tl.logprobs)}/{len(tl.logprobs)} logprobs bitwise equal"
 
 
+@piece("seeded sampling under chunked prefill")
+def seeded_chunked(model_dir):
+    """Seeded requests whose prompts are prefilled in 64-token chunks (vLLM rewinds a discarded
+    draw's generator with ``set_offset``, which a CPU generator refuses: our patch
+    ``_rewindable_cpu_seeds``): the engine lives, a request alone samples what it samples among
+    others, and the invariant trainer's logprobs equal the engine's."""
+    from skyrl_numerics.invariant.qwen3_moe import InvariantQwen3Moe
+    from skyrl_numerics.rollout.prompts import make_prompts
+    from skyrl_numerics.trainer import VLLMGenerator
+    from skyrl_numerics.trainer.logprobs import invariant_trainer_logprobs
+
+    gen = VLLMGenerator(model_dir, batch_invariant=True, max_num_batched_tokens=64)
+    try:
+        prompts = make_prompts(3, 150, gen.vocab_size, seed=44) + make_prompts(2, 20, gen.vocab_size, seed=45)
+        ro = gen.generate(prompts, max_tokens=8, seed=7, temperature=1.0)
+        alone = gen.generate(prompts[:1], max_tokens=8, seed=7, temperature=1.0)
+    finally:
+        gen.close()
+    n = len(alone.response_tokens)
+    assert np.array_equal(alone.response_tokens, ro.response_tokens[:n]), "alone != among others"
+    tl = invariant_trainer_logprobs(InvariantQwen3Moe.from_checkpoint(model_dir), ro, batch_size=2)
+    bad = int(np.count_nonzero(tl.logprobs != ro.rollout_logprobs))
+    assert bad == 0, f"{bad}/{len(tl.logprobs)} logprobs differ"
+    return f"{len(prompts)} seeded requests, 3 of them chunked: alone == among others, {len(tl.logprobs)} logprobs bitwise"
+
+
 def _fingerprint(srv, model_dir):
     import requests
 
@@ -209,6 +237,7 @@ def main(out_path: str) -> int:
         startup_check(model_dir)
         generator_capture(model_dir)
         invariant(model_dir)
+        seeded_chunked(model_dir)
         tmp = tempfile.mkdtemp(prefix="skyrl_compat_")
         held = {}
         try:
