@@ -25,7 +25,9 @@ from skyrl_numerics.invariant import from_checkpoint
 from skyrl_numerics.trainer.logprobs import invariant_trainer_logprobs
 from skyrl_numerics.invariant.blocks import Rope, UnsupportedConfig, sigmoid_group_topk
 
-pytestmark = pytest.mark.isa   # also run under each lower CPU capability (tests/test_isa_matrix.py)
+# The bitwise claims (batch, chunk, position and kernel invariance) are marked ``isa``: they run
+# again under each lower CPU capability (tests/test_isa_matrix.py). The agreements with HF / vLLM
+# within a tolerance, the structure checks and the refusals are not ISA claims and run once.
 
 FORMATS = {"qwen3_moe": ["auto", "fp8"], "deepseek_v3": ["auto", "fp8", "fp8_ds_mla"],
            "qwen3": ["auto", "fp8"], "llama": ["auto"], "qwen2": ["auto"], "mistral": ["auto"],
@@ -129,6 +131,7 @@ class PagedEngine:
         return m.forward_tokens(ids, pos, attend)
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("family,kv,paged_read", [(f, k, False) for f, k in CASES]
                          + [(f, "auto", True) for f in FORMATS])
 def test_paged_chunked_decode_equals_trainer_forward(ckpt, family, kv, paged_read):
@@ -161,6 +164,7 @@ def test_paged_chunked_decode_equals_trainer_forward(ckpt, family, kv, paged_rea
             assert torch.equal(torch.cat(got[r]), full), (family, kv, r)
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("family,kv", CASES)
 def test_packed_trainer_batches_equal_each_sequence_alone(ckpt, family, kv):
     m = _model(ckpt, family, kv)
@@ -172,6 +176,7 @@ def test_packed_trainer_batches_equal_each_sequence_alone(ckpt, family, kv):
             assert torch.equal(torch.cat(parts), torch.cat(alone)), (family, kv, bs)
 
 
+@pytest.mark.isa
 def test_fp8_rows_are_what_the_cache_holds(ckpt):
     """An FP8 format really quantizes: rows read back are E4M3 values (torch's own cast at
     scale 1), and the forward differs from the bf16-cache one."""
@@ -427,6 +432,7 @@ def test_trainer_routes_are_recorded_per_position(ckpt):
     assert int(tl.routes.values.max()) < 8
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("rows", [1, 3, 1000])
 def test_logit_chunks_change_no_bit(ckpt, monkeypatch, rows):
     """The LM head and log-softmax run in chunks of response rows (bounded memory at a 152k
@@ -545,6 +551,7 @@ def test_checkpoint_weights_the_family_would_not_run_are_refused(tmp_path, deeps
     assert e.value.field == "model.layers.0.self_attn.o_proj.weight"
 
 
+@pytest.mark.isa
 @settings(max_examples=40, deadline=None)
 @given(m=st.integers(1, 40), k=st.sampled_from([8, 64, 128, 576]), n=st.sampled_from([1, 8, 17, 64, 512]),
        seed=st.integers(0, 2**16))
@@ -588,6 +595,7 @@ def test_legacy_rope_scaling_config_gives_the_same_yarn_model():
     assert new["scale"] > (64 + 64) ** -0.5      # mscale_all_dim = 1 raises the softmax scale
 
 
+@pytest.mark.isa
 @settings(max_examples=25, deadline=None)
 @given(T=st.integers(1, 90), E=st.sampled_from([1, 3, 8]), k=st.integers(1, 3),
        h=st.sampled_from([16, 40, 128]), inter=st.sampled_from([8, 24, 64]),
@@ -607,6 +615,7 @@ def test_grouped_experts_are_the_per_expert_loop_bitwise(T, E, k, h, inter, seed
         _grouped_vs_loop(blocks, T, E, k, h, inter, seed)
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("unused", [0, 1, 5])
 def test_unused_experts_and_a_decode_step(unused):
     """A decode step (one row per expert in use, some experts unused, the first and the last
@@ -652,6 +661,7 @@ def _grouped_vs_loop(blocks, T, E, k, h, inter, seed):
     assert torch.equal(train.detach(), again)
 
 
+@pytest.mark.isa
 @settings(max_examples=8, deadline=None)
 @given(data=st.data(), family_kv=st.sampled_from(CASES))
 def test_random_schedules_equal_trainer_forward(ckpt, data, family_kv):
