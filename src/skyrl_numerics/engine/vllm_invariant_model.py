@@ -345,7 +345,8 @@ class _SkyrlInvariantHybridForCausalLM(_SkyrlInvariantForCausalLM):
         return {t: funcs for t in mamba_types}
 
 
-HYBRID = {"Qwen3NextForCausalLM", "NemotronHForCausalLM"}
+HYBRID = {"Qwen3NextForCausalLM", "NemotronHForCausalLM", "Qwen3_5ForCausalLM",
+          "Qwen3_5MoeForCausalLM"}
 
 
 def _word(per_slot: int, row_bytes: int) -> torch.dtype:
@@ -374,3 +375,5 @@ SkyrlInvariantMixtralForCausalLM = _make("MixtralForCausalLM")
 SkyrlInvariantGlm4MoeForCausalLM = _make("Glm4MoeForCausalLM")
 SkyrlInvariantQwen3NextForCausalLM = _make("Qwen3NextForCausalLM")
 SkyrlInvariantNemotronHForCausalLM = _make("NemotronHForCausalLM")
+SkyrlInvariantQwen3_5ForCausalLM = _make("Qwen3_5ForCausalLM")
+SkyrlInvariantQwen3_5MoeForCausalLM = _make("Qwen3_5MoeForCausalLM")
