@@ -71,9 +71,10 @@ def engine_overrides(hf_config: dict, kv_cache=None, numerics=None, model_dir=No
     spec = parse_kv_spec(kv_cache)
     # build the family's dims now: an unsupported field fails here, before any engine starts
     cfg = SimpleNamespace(**hf_config)
-    family_class(archs[0]).config_parts(cfg, kv_cache=spec)
+    family = family_class(archs[0])
+    family.config_parts(cfg, kv_cache=spec)
     over = {"architectures": [ARCHS[archs[0]]], "skyrl_base_arch": archs[0],
-            "skyrl_kv_cache": json.dumps(spec)}
+            "skyrl_kv_cache": json.dumps(spec), **family.engine_config_overrides(hf_config)}
     if quant is not None:
         numerics = vendor_plan.vendor_numerics(hf_config, quant, numerics, kv_cache=spec)
         over.update(vendor_plan.vendor_overrides(quant))

@@ -35,6 +35,10 @@ from .blocks import linear_many, require
 from .qwen3_next import Dims, InvariantQwen3Next, hybrid_layer_types
 
 
+# M-RoPE fields of a Qwen3.5 rope_parameters (text positions: plain RoPE, module docstring)
+MROPE_KEYS = {"mrope_section", "mrope_interleaved"}
+
+
 def qwen3_5_dims(c, moe: bool) -> Dims:
     """:class:`~.qwen3_next.Dims` of a Qwen3.5 text config: every layer dense (``moe=False``)
     or every layer routed with a shared expert (``moe=True``)."""
@@ -68,6 +72,16 @@ class InvariantQwen3_5(InvariantQwen3Next):
     @classmethod
     def dims_of_config(cls, cfg) -> Dims:
         return qwen3_5_dims(cfg, cls.moe)
+
+    @staticmethod
+    def engine_config_overrides(hf_config: dict) -> dict:
+        """A text checkpoint's M-RoPE fields dropped for vLLM: with ``mrope_section`` vLLM would
+        hand the model 3-row M-RoPE positions (and ask it for ``get_mrope_input_positions``);
+        for text they are the token positions, which is what the family's RoPE takes."""
+        rp = hf_config.get("rope_parameters")
+        if not isinstance(rp, dict) or not MROPE_KEYS & set(rp):
+            return {}
+        return {"rope_parameters": {k: v for k, v in rp.items() if k not in MROPE_KEYS}}
 
     def add_gdn_projections(self, la: str) -> None:
         g, h = self.gdn, self.dims.hidden
