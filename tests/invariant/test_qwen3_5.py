@@ -184,3 +184,26 @@ def test_the_bitwise_entry_points_accept_qwen3_5(family):
     over = engine_overrides(cfg)
     assert over["architectures"] == [f"SkyrlInvariant{FAMILIES[family][0]}"]
     assert over["skyrl_base_arch"] == FAMILIES[family][0]
+
+
+def test_stock_vllm_without_torchvision_is_refused_in_one_line(capsys):
+    """vLLM's own Qwen3.5 module imports torchvision (through qwen3_vl.py); where it does not
+    import, a stock engine / serve is refused naming it before any engine starts, and the
+    batch-invariant path still builds its command."""
+    pytest.importorskip("vllm")
+    from skyrl_numerics.cli import main
+    from skyrl_numerics.engine.arch_check import missing_stock_import
+    from skyrl_numerics.trainer import VLLMGenerator
+
+    why = missing_stock_import("Qwen3_5ForCausalLM")
+    if why is None:
+        pytest.skip("torchvision imports here: stock vLLM can load its Qwen3.5 module")
+    d = build_tiny_model("qwen3_5")
+    with pytest.raises(InputError, match="torchvision") as e:
+        VLLMGenerator(d)
+    assert e.value.field == "architectures" and "Qwen3_5ForCausalLM" in str(e.value)
+    assert main(["serve", str(d), "--print-command"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and why in err[0], err
+    assert main(["serve", str(d), "--batch-invariant", "--print-command"]) == 0
+    assert "SkyrlInvariantQwen3_5ForCausalLM" in capsys.readouterr().out
