@@ -21,7 +21,9 @@ from transformers 5.19's ``modular_qwen3_5.py`` / ``modular_qwen3_5_moe.py`` and
   positions are all its position, so every frequency sees that one position: plain NeoX RoPE
   (as Qwen3-Next's; a checkpoint's ``mrope_section`` is accepted for text).
 
-Anything else is Qwen3-Next's and refused by the same fields (``hidden_act``, tied embeddings,
+``tie_word_embeddings`` (the small Qwen3.5 models): the lm-head is the embedding parameter itself
+(:meth:`~.base.InvariantCausalLM.add_decoder_weights`), which Qwen3-Next's family refuses.
+Anything else is Qwen3-Next's and refused by the same fields (``hidden_act``,
 ``attention_bias``, ``layer_types``). The multimodal ``Qwen3_5(Moe)ForConditionalGeneration``
 checkpoints (vision tower, ``model.language_model.`` weight names) are other architectures.
 """
@@ -43,10 +45,11 @@ def qwen3_5_dims(c, moe: bool) -> Dims:
     """:class:`~.qwen3_next.Dims` of a Qwen3.5 text config: every layer dense (``moe=False``)
     or every layer routed with a shared expert (``moe=True``)."""
     g = lambda name, default=None: getattr(c, name, default)  # noqa: E731
-    types = hybrid_layer_types(c)
+    types = hybrid_layer_types(c, tied_ok=True)
     n = int(c.num_hidden_layers)
     common = dict(vocab=c.vocab_size, hidden=c.hidden_size, layers=n, layer_types=types,
-                  norm_topk_prob=True, eps=c.rms_norm_eps)
+                  norm_topk_prob=True, eps=c.rms_norm_eps,
+                  tied=bool(g("tie_word_embeddings", False)))
     if not moe:
         inter = int(g("intermediate_size") or 0)
         require(inter > 0, "intermediate_size", g("intermediate_size"), "the dense MLP width")

@@ -67,6 +67,7 @@ class Dims:
     moe_layers: tuple
     norm_topk_prob: bool
     eps: float
+    tied: bool = False       # tie_word_embeddings: the lm-head is the embedding matrix (Qwen3.5)
 
     @classmethod
     def from_config(cls, c) -> "Dims":
@@ -86,13 +87,13 @@ class Dims:
                    norm_topk_prob=bool(g("norm_topk_prob", True)), eps=c.rms_norm_eps)
 
 
-def hybrid_layer_types(c) -> tuple:
+def hybrid_layer_types(c, tied_ok: bool = False) -> tuple:
     """``layer_types`` of a Qwen3-Next-style config, after the checks every such config passes
-    (silu, untied lm-head, no attention biases)."""
+    (silu, no attention biases; an untied lm-head unless ``tied_ok``)."""
     g = lambda name, default=None: getattr(c, name, default)  # noqa: E731
     require(g("hidden_act", "silu") == "silu", "hidden_act", g("hidden_act"), "only silu")
-    require(not g("tie_word_embeddings", False), "tie_word_embeddings", True,
-            "a tied lm-head is not implemented")
+    require(tied_ok or not g("tie_word_embeddings", False), "tie_word_embeddings", True,
+            "Qwen3-Next checkpoints have an untied lm-head")
     require(not g("attention_bias", False), "attention_bias", True,
             "Qwen3-Next checkpoints have no attention biases")
     types = tuple(g("layer_types") or ())
@@ -172,7 +173,7 @@ class InvariantQwen3Next(GQAttention, InvariantCausalLM):
         self.gdn = gdn
         self.recurrent = None          # the engine's state keeper; None: the trainer's rule
         self._moe_index = {layer: j for j, layer in enumerate(d.moe_layers)}
-        self.add_decoder_weights()
+        self.add_decoder_weights(tied=d.tied)
         self.attn_dims = a = attn
         self.rope, self.scale = rope, a.head_dim ** -0.5
         self.kv = a.kv_format(dtype, kv_cache)
