@@ -219,3 +219,17 @@ def test_stock_vllm_without_torchvision_is_refused_in_one_line(capsys):
     assert len(err) == 1 and why in err[0], err
     assert main(["serve", str(d), "--batch-invariant", "--print-command"]) == 0
     assert "SkyrlInvariantQwen3_5ForCausalLM" in capsys.readouterr().out
+
+
+def test_mrope_fields_are_dropped_for_vllm_and_nothing_else():
+    """A text checkpoint's M-RoPE sections would make vLLM hand 3-row positions: the engine
+    overrides drop them (and only them) from ``rope_parameters``; without them nothing is
+    overridden."""
+    from skyrl_numerics.engine.vllm_invariant_model import engine_overrides
+
+    cfg = json.loads((build_tiny_model("qwen3_5_moe", **MROPE) / "config.json").read_text())
+    rp = engine_overrides(cfg)["rope_parameters"]
+    assert rp == {k: v for k, v in MROPE["rope_parameters"].items()
+                  if k not in ("mrope_section", "mrope_interleaved")}
+    plain = json.loads((build_tiny_model("qwen3_5_moe") / "config.json").read_text())
+    assert "rope_parameters" not in engine_overrides(plain)
