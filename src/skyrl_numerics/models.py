@@ -19,7 +19,8 @@ and four dense decoders (GQA, one SwiGLU MLP per layer): ``qwen3`` (q/k RMSNorm)
 ``qwen2`` (q/k/v biases) and ``mistral`` (a sliding window at least as long as the context).
 Issue 38's hardest three: ``deepseek_v32`` (DeepSeek-V3 + the DSA indexer, ``index_topk`` 16),
 ``qwen3_next`` (Gated DeltaNet + gated full attention, MoE) and ``nemotron_h`` (Mamba-2 +
-attention + MLP layers).
+attention + MLP layers); Qwen3.5's text models ``qwen3_5`` (Qwen3-Next's hybrid with separate GDN
+projections, dense MLPs) and ``qwen3_5_moe`` (the same, every MLP routed with a shared expert).
 
 ``build_tiny_model(family, seed=..., dtype=..., **overrides) -> Path`` returns a directory with
 ``config.json`` + ``model.safetensors`` that both HF transformers and vLLM load. The directory name
@@ -41,7 +42,8 @@ from .hashing import json_key
 _FORMAT_VERSION = 1
 
 FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral", "qwen3", "llama", "qwen2", "mistral",
-            "deepseek_v32", "qwen3_next", "nemotron_h", "gpt_oss", "glm4_moe")
+            "deepseek_v32", "qwen3_next", "nemotron_h", "gpt_oss", "glm4_moe", "qwen3_5",
+            "qwen3_5_moe")
 
 # the dense decoders (one SwiGLU MLP per layer, GQA, head_dim 64): what differs is in the
 # modeling code (Qwen3 q/k RMSNorm, Qwen2 q/k/v biases, Mistral's sliding window)
@@ -188,6 +190,23 @@ _BASE: dict[str, dict[str, Any]] = {
         initializer_range=0.05, bos_token_id=0, eos_token_id=1),
 }
 
+# Qwen3.5 text models: Qwen3-Next's hybrid layout (same sizes) with the GDN projections stored
+# separately; a dense MLP in every layer (qwen3_5) or every layer routed + a shared expert
+# (qwen3_5_moe). Their config classes are the text ones (model_type qwen3_5_text /
+# qwen3_5_moe_text), which drop the MoE fields the other does not have.
+_QWEN3_NEXT_HYBRID = {k: v for k, v in _BASE["qwen3_next"].items()
+                      if k not in ("architectures", "intermediate_size", "moe_intermediate_size",
+                                   "shared_expert_intermediate_size", "num_experts",
+                                   "num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step",
+                                   "mlp_only_layers")}
+_BASE["qwen3_5"] = dict(_QWEN3_NEXT_HYBRID, architectures=["Qwen3_5ForCausalLM"],
+                        intermediate_size=256)
+_BASE["qwen3_5_moe"] = dict(_QWEN3_NEXT_HYBRID, architectures=["Qwen3_5MoeForCausalLM"],
+                            moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                            num_experts=8, num_experts_per_tok=2)
+# the HF model_type of a family whose name is not one
+_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+
 # DeepSeek-V3.2: DeepSeek-V3's MLA + MoE with DSA, a lightning indexer that keeps the index_topk
 # highest-scoring keys per query (a top-k shorter than the test sequences, so it selects)
 _BASE["deepseek_v32"] = dict(
@@ -203,7 +222,7 @@ def tiny_config(family: str = "qwen3_moe", **overrides: Any) -> dict[str, Any]:
         raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
     cfg = dict(_BASE[family])
     cfg.update(overrides)
-    cfg["model_type"] = family
+    cfg["model_type"] = _MODEL_TYPES.get(family, family)
     return cfg
 
 

@@ -3,6 +3,7 @@ every user engine argument one vLLM knows (checked before any engine starts)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.host import on_gpu, vllm_version
@@ -14,6 +15,27 @@ CPU_STOCK_BLOCKED = {
         "(get_attn_backend_cls) raises NotImplementedError: Sparse Attention is not supported on "
         "CPU; the batch-invariant path runs it (family deepseek_v32)"),
 }
+
+
+# architectures whose vLLM model module imports an optional package at import time, on any
+# device: vLLM's qwen3_5.py imports qwen3_vl.py, which imports transformers' Qwen2-VL image
+# processor, which imports torchvision (without it vLLM's registry fails to inspect the
+# architecture: "Model architectures [...] failed to be inspected", ModuleNotFoundError: No
+# module named 'torchvision')
+STOCK_NEEDS = {"Qwen3_5ForCausalLM": "torchvision", "Qwen3_5MoeForCausalLM": "torchvision"}
+
+
+def missing_stock_import(arch: str) -> str | None:
+    """The error importing the package vLLM's model module for ``arch`` needs (one line), or
+    None (nothing needed, or it imports)."""
+    need = STOCK_NEEDS.get(arch)
+    if need is None:
+        return None
+    try:
+        importlib.import_module(need)
+    except (ImportError, OSError, RuntimeError) as e:   # absent, or broken (a CUDA wheel, CPU torch)
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def check_vllm_architecture(arch: str, engine_args: dict, src: str = "") -> None:
@@ -36,6 +58,10 @@ def check_vllm_architecture(arch: str, engine_args: dict, src: str = "") -> None
 
 def stock_blocked_reason(arch: str) -> str | None:
     """Why stock vLLM on this host cannot run ``arch`` (one line), or None."""
+    missing = missing_stock_import(arch)
+    if missing:
+        return (f"stock vLLM {vllm_version()} cannot import its model for {arch}: it needs "
+                f"{STOCK_NEEDS[arch]} ({missing}); the batch-invariant path runs it")
     if arch not in CPU_STOCK_BLOCKED or on_gpu():
         return None
     return f"stock vLLM {vllm_version()} on CPU cannot run {arch}: {CPU_STOCK_BLOCKED[arch]}"

@@ -71,9 +71,10 @@ def engine_overrides(hf_config: dict, kv_cache=None, numerics=None, model_dir=No
     spec = parse_kv_spec(kv_cache)
     # build the family's dims now: an unsupported field fails here, before any engine starts
     cfg = SimpleNamespace(**hf_config)
-    family_class(archs[0]).config_parts(cfg, kv_cache=spec)
+    family = family_class(archs[0])
+    family.config_parts(cfg, kv_cache=spec)
     over = {"architectures": [ARCHS[archs[0]]], "skyrl_base_arch": archs[0],
-            "skyrl_kv_cache": json.dumps(spec)}
+            "skyrl_kv_cache": json.dumps(spec), **family.engine_config_overrides(hf_config)}
     if quant is not None:
         numerics = vendor_plan.vendor_numerics(hf_config, quant, numerics, kv_cache=spec)
         over.update(vendor_plan.vendor_overrides(quant))
@@ -345,7 +346,8 @@ class _SkyrlInvariantHybridForCausalLM(_SkyrlInvariantForCausalLM):
         return {t: funcs for t in mamba_types}
 
 
-HYBRID = {"Qwen3NextForCausalLM", "NemotronHForCausalLM"}
+HYBRID = {"Qwen3NextForCausalLM", "NemotronHForCausalLM", "Qwen3_5ForCausalLM",
+          "Qwen3_5MoeForCausalLM"}
 
 
 def _word(per_slot: int, row_bytes: int) -> torch.dtype:
@@ -374,3 +376,5 @@ SkyrlInvariantMixtralForCausalLM = _make("MixtralForCausalLM")
 SkyrlInvariantGlm4MoeForCausalLM = _make("Glm4MoeForCausalLM")
 SkyrlInvariantQwen3NextForCausalLM = _make("Qwen3NextForCausalLM")
 SkyrlInvariantNemotronHForCausalLM = _make("NemotronHForCausalLM")
+SkyrlInvariantQwen3_5ForCausalLM = _make("Qwen3_5ForCausalLM")
+SkyrlInvariantQwen3_5MoeForCausalLM = _make("Qwen3_5MoeForCausalLM")

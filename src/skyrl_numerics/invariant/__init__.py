@@ -31,6 +31,8 @@ FAMILIES = {
     "Glm4MoeForCausalLM": ("glm4_moe", "skyrl_numerics.invariant.glm4_moe:InvariantGlm4Moe"),
     "Qwen3NextForCausalLM": ("qwen3_next",
                              "skyrl_numerics.invariant.qwen3_next:InvariantQwen3Next"),
+    "Qwen3_5ForCausalLM": ("qwen3_5", "skyrl_numerics.invariant.qwen3_5:InvariantQwen3_5"),
+    "Qwen3_5MoeForCausalLM": ("qwen3_5_moe", "skyrl_numerics.invariant.qwen3_5:InvariantQwen3_5Moe"),
     "NemotronHForCausalLM": ("nemotron_h",
                              "skyrl_numerics.invariant.nemotron_h:InvariantNemotronH"),
 }

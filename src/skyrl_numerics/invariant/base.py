@@ -262,6 +262,12 @@ class InvariantCausalLM(nn.Module):
     def config_parts(cls, cfg, dtype: torch.dtype = torch.bfloat16, kv_cache=None) -> dict:
         raise NotImplementedError
 
+    @staticmethod
+    def engine_config_overrides(hf_config: dict) -> dict:
+        """Config fields the vLLM engine must see changed for this family (``hf_overrides``; a
+        ``config.json`` dict in): none by default."""
+        return {}
+
     @classmethod
     def from_config(cls, cfg, dtype: torch.dtype = torch.bfloat16, kv_cache=None, numerics=None,
                     pack: bool | None = None):

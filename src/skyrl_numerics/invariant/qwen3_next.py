@@ -67,18 +67,12 @@ class Dims:
     moe_layers: tuple
     norm_topk_prob: bool
     eps: float
+    tied: bool = False       # tie_word_embeddings: the lm-head is the embedding matrix (Qwen3.5)
 
     @classmethod
     def from_config(cls, c) -> "Dims":
         g = lambda name, default=None: getattr(c, name, default)  # noqa: E731
-        require(g("hidden_act", "silu") == "silu", "hidden_act", g("hidden_act"), "only silu")
-        require(not g("tie_word_embeddings", False), "tie_word_embeddings", True,
-                "a tied lm-head is not implemented")
-        require(not g("attention_bias", False), "attention_bias", True,
-                "Qwen3-Next checkpoints have no attention biases")
-        types = tuple(g("layer_types") or ())
-        require(len(types) == c.num_hidden_layers and set(types) <= {LINEAR, FULL}, "layer_types",
-                list(types), "one of 'linear_attention' / 'full_attention' per layer")
+        types = hybrid_layer_types(c)
         moe = moe_dims(c)
         require(moe.num_experts > 0, "num_experts", moe.num_experts, "a routed expert count is needed")
         layers = tuple(moe.moe_layers())
@@ -91,6 +85,21 @@ class Dims:
                    shared_inter=int(g("shared_expert_intermediate_size") or 0),
                    inter=int(inter or 0), moe_layers=layers,
                    norm_topk_prob=bool(g("norm_topk_prob", True)), eps=c.rms_norm_eps)
+
+
+def hybrid_layer_types(c, tied_ok: bool = False) -> tuple:
+    """``layer_types`` of a Qwen3-Next-style config, after the checks every such config passes
+    (silu, no attention biases; an untied lm-head unless ``tied_ok``)."""
+    g = lambda name, default=None: getattr(c, name, default)  # noqa: E731
+    require(g("hidden_act", "silu") == "silu", "hidden_act", g("hidden_act"), "only silu")
+    require(tied_ok or not g("tie_word_embeddings", False), "tie_word_embeddings", True,
+            "Qwen3-Next checkpoints have an untied lm-head")
+    require(not g("attention_bias", False), "attention_bias", True,
+            "Qwen3-Next checkpoints have no attention biases")
+    types = tuple(g("layer_types") or ())
+    require(len(types) == c.num_hidden_layers and set(types) <= {LINEAR, FULL}, "layer_types",
+            list(types), "one of 'linear_attention' / 'full_attention' per layer")
+    return types
 
 
 @dataclass(frozen=True)
@@ -164,7 +173,7 @@ class InvariantQwen3Next(GQAttention, InvariantCausalLM):
         self.gdn = gdn
         self.recurrent = None          # the engine's state keeper; None: the trainer's rule
         self._moe_index = {layer: j for j, layer in enumerate(d.moe_layers)}
-        self.add_decoder_weights()
+        self.add_decoder_weights(tied=d.tied)
         self.attn_dims = a = attn
         self.rope, self.scale = rope, a.head_dim ** -0.5
         self.kv = a.kv_format(dtype, kv_cache)
@@ -179,15 +188,21 @@ class InvariantQwen3Next(GQAttention, InvariantCausalLM):
                 self.add(p + "self_attn.k_norm.weight", a.head_dim)
             else:
                 g, la = gdn, p + "linear_attn."
-                self.add(la + "in_proj_qkvz.weight", 2 * g.k_heads * g.k_dim + 2 * g.v_heads * g.v_dim,
-                         d.hidden)
-                self.add(la + "in_proj_ba.weight", 2 * g.v_heads, d.hidden)
+                self.add_gdn_projections(la)
                 self.add(la + "conv1d.weight", g.conv_dim, 1, g.kernel)
                 self.add(la + "A_log", g.v_heads)
                 self.add(la + "dt_bias", g.v_heads)
                 self.add(la + "norm.weight", g.v_dim)
                 self.add(la + "out_proj.weight", d.hidden, g.v_heads * g.v_dim)
             self._add_ffn(i)
+
+    def add_gdn_projections(self, la: str) -> None:
+        """The Gated DeltaNet input projections under ``la`` (Qwen3-Next: fused ``in_proj_qkvz``
+        and ``in_proj_ba``, grouped per key head)."""
+        g = self.gdn
+        self.add(la + "in_proj_qkvz.weight", 2 * g.k_heads * g.k_dim + 2 * g.v_heads * g.v_dim,
+                 self.dims.hidden)
+        self.add(la + "in_proj_ba.weight", 2 * g.v_heads, self.dims.hidden)
 
     def _add_ffn(self, i: int) -> None:
         d, p = self.dims, f"model.layers.{i}.mlp."
@@ -204,7 +219,7 @@ class InvariantQwen3Next(GQAttention, InvariantCausalLM):
     def config_parts(cls, cfg, dtype: torch.dtype = torch.bfloat16, kv_cache=None) -> dict:
         """Constructor arguments from an HF config; raises on what the family cannot reproduce
         (without allocating any weights)."""
-        dims = Dims.from_config(cfg)
+        dims = cls.dims_of_config(cfg)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         attn = AttnDims(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers,
                         heads=cfg.num_attention_heads,
@@ -214,6 +229,10 @@ class InvariantQwen3Next(GQAttention, InvariantCausalLM):
         attn.kv_format(dtype, kv_cache)
         return dict(dims=dims, attn=attn, gdn=GDNDims.from_config(cfg), dtype=dtype,
                     kv_cache=kv_cache, rope=partial_rope(cfg, head_dim))
+
+    @staticmethod
+    def dims_of_config(cfg) -> Dims:
+        return Dims.from_config(cfg)
 
     @staticmethod
     def state_shapes_of_config(cfg) -> tuple:
@@ -260,7 +279,11 @@ class InvariantQwen3Next(GQAttention, InvariantCausalLM):
         o = attend(i, q, rows).reshape(T, H * D) * sigmoid(gate)
         return linear(o, self.proj(p + "o_proj.weight"))
 
-    def gated_delta_net(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def gdn_projections(self, i: int, x: torch.Tensor) -> tuple:
+        """Linear layer ``i``'s inputs ``(qkv [T, conv_dim], z [T, Hv dv], b, a [T, Hv])``, each
+        in vLLM's flat order (``qkv`` = all q heads, all k heads, all v heads; value head ``h``
+        = key head ``h // r``, ``r = Hv / Hk``): Qwen3-Next's fused projections are grouped per
+        key head (HF's ``fix_query_key_value_ordering``) and regrouped here."""
         g, p, T = self.gdn, f"model.layers.{i}.linear_attn.", x.shape[0]
         r = g.v_heads // g.k_heads
         qkvz, ba = linear_many(x, [self.proj(p + "in_proj_qkvz.weight"), self.proj(p + "in_proj_ba.weight")])
@@ -268,9 +291,13 @@ class InvariantQwen3Next(GQAttention, InvariantCausalLM):
         q, k, v, z = torch.split(qkvz, [g.k_dim, g.k_dim, r * g.v_dim, r * g.v_dim], dim=-1)
         b, a = torch.split(ba.view(T, g.k_heads, 2 * r), [r, r], dim=-1)
         qkv = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
-        beta = sigmoid(b.reshape(T, g.v_heads))
-        softplus = pointwise(torch.nn.functional.softplus,
-                              a.reshape(T, g.v_heads).float() + self.w(p + "dt_bias").float())
+        return qkv, z.reshape(T, -1), b.reshape(T, g.v_heads), a.reshape(T, g.v_heads)
+
+    def gated_delta_net(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        g, p, T = self.gdn, f"model.layers.{i}.linear_attn.", x.shape[0]
+        qkv, z, b, a = self.gdn_projections(i, x)
+        beta = sigmoid(b)
+        softplus = pointwise(torch.nn.functional.softplus, a.float() + self.w(p + "dt_bias").float())
         decay_log = -pointwise(torch.exp, self.w(p + "A_log").float()) * softplus
         keeper = self.recurrent if self.recurrent is not None else FreshSequences()
         o = keeper.mix(self, i, qkv, beta, decay_log, positions)         # [T, Hv, dv] model dtype
