@@ -19,7 +19,8 @@ and four dense decoders (GQA, one SwiGLU MLP per layer): ``qwen3`` (q/k RMSNorm)
 ``qwen2`` (q/k/v biases) and ``mistral`` (a sliding window at least as long as the context).
 Issue 38's hardest three: ``deepseek_v32`` (DeepSeek-V3 + the DSA indexer, ``index_topk`` 16),
 ``qwen3_next`` (Gated DeltaNet + gated full attention, MoE) and ``nemotron_h`` (Mamba-2 +
-attention + MLP layers).
+attention + MLP layers); ``nemotron_h_moe`` is Nemotron 3 (Nano): Mamba-2 + attention + MoE
+blocks (``model_type`` ``nemotron_h``; ``moe_latent_size=32`` makes it Super's LatentMoE).
 
 ``build_tiny_model(family, seed=..., dtype=..., **overrides) -> Path`` returns a directory with
 ``config.json`` + ``model.safetensors`` that both HF transformers and vLLM load. The directory name
@@ -41,7 +42,9 @@ from .hashing import json_key
 _FORMAT_VERSION = 1
 
 FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral", "qwen3", "llama", "qwen2", "mistral",
-            "deepseek_v32", "qwen3_next", "nemotron_h", "gpt_oss", "glm4_moe")
+            "deepseek_v32", "qwen3_next", "nemotron_h", "gpt_oss", "glm4_moe", "nemotron_h_moe")
+# a family whose model_type is another's (the same config class, other blocks)
+_MODEL_TYPE = {"nemotron_h_moe": "nemotron_h"}
 
 # the dense decoders (one SwiGLU MLP per layer, GQA, head_dim 64): what differs is in the
 # modeling code (Qwen3 q/k RMSNorm, Qwen2 q/k/v biases, Mistral's sliding window)
@@ -188,6 +191,15 @@ _BASE: dict[str, dict[str, Any]] = {
         initializer_range=0.05, bos_token_id=0, eos_token_id=1),
 }
 
+# Nemotron 3 (Nano): Mamba-2, MoE, attention, MoE blocks; the MoE routes with a sigmoid
+# router (e_score_correction_bias, two groups of which one is kept, routed_scaling_factor) over
+# 8 non-gated ReLU² experts plus a shared expert
+_BASE["nemotron_h_moe"] = dict(
+    _BASE["nemotron_h"], layer_types=["linear_attention", "moe", "full_attention", "moe"],
+    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+    moe_shared_expert_intermediate_size=64, n_shared_experts=1, n_group=2, topk_group=1,
+    norm_topk_prob=True, routed_scaling_factor=2.5)
+
 # DeepSeek-V3.2: DeepSeek-V3's MLA + MoE with DSA, a lightning indexer that keeps the index_topk
 # highest-scoring keys per query (a top-k shorter than the test sequences, so it selects)
 _BASE["deepseek_v32"] = dict(
@@ -203,7 +215,7 @@ def tiny_config(family: str = "qwen3_moe", **overrides: Any) -> dict[str, Any]:
         raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
     cfg = dict(_BASE[family])
     cfg.update(overrides)
-    cfg["model_type"] = family
+    cfg["model_type"] = _MODEL_TYPE.get(family, family)
     return cfg
 
 
