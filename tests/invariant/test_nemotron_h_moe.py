@@ -163,9 +163,10 @@ def test_mtp_tensors_are_skipped_like_hf_and_vllm():
 
 
 def test_moe_dims_reads_nemotrons_moe_blocks():
-    """``hf_config.moe_dims`` on Nemotron-H: the MoE layers are the ``moe`` blocks (from the
-    saved config.json, transformers' config object, or NVIDIA's ``hybrid_override_pattern``);
-    a dense config stays dense although its config class stores ``n_routed_experts``."""
+    """``hf_config.moe_dims`` on the tiny checkpoints: the MoE layers are the ``moe`` blocks
+    (from the saved config.json and from transformers' config object; NVIDIA's
+    ``hybrid_override_pattern`` too); a dense config stays dense although its config class
+    stores ``n_routed_experts``."""
     from transformers import AutoConfig
 
     d = build_tiny_model("nemotron_h_moe")
