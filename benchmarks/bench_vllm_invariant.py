@@ -56,6 +56,9 @@ def main() -> None:
                     help="JSON object of extra engine arguments for every engine (both kinds)")
     ap.add_argument("--peak-rss", action="store_true",
                     help="report each engine's worker peak RSS (VmHWM) in GiB")
+    ap.add_argument("--no-stock", action="store_true",
+                    help="invariant engines only, no ratio: for a model stock vLLM CPU cannot run "
+                         "(Nemotron-H's MoE: non-gated fused experts are GPU-only in vLLM 0.32)")
     ap.add_argument("--sequential", action="store_true",
                     help="one engine alive at a time: its rounds back to back, then closed")
     args = ap.parse_args()
@@ -76,7 +79,7 @@ def main() -> None:
         model_dir = build_tiny_model(args.family, **json.loads(args.config))
     prompts = make_prompts(args.prompts, args.prompt_len, 512, seed=0)
     results = {}
-    variants = [("stock", {})] + [
+    variants = ([] if args.no_stock else [("stock", {})]) + [
         (f"invariant-{kv}", {"batch_invariant": True, **({} if kv == "auto" else {"kv_cache": kv})})
         for kv in args.kv_cache.split(",")]
     gens = {}
@@ -108,7 +111,8 @@ def main() -> None:
             round_of(name, r)
     for name, kw in variants if not args.sequential else ():
         _summarize(args, name, kw, gens, last, rates, results, model_dir)
-    _ratios(args, variants, rates, results)
+    if not args.no_stock:
+        _ratios(args, variants, rates, results)
     print(json.dumps(results, indent=2))
 
 

@@ -22,9 +22,10 @@ that never counts shared experts); the expert width is ``moe_intermediate_size``
 ``text_config`` is read when the top level names no experts. Layer ``i`` is an MoE layer when
 ``i >= first_k_dense_replace``, ``i % moe_layer_freq == 0``, ``i not in mlp_only_layers`` and
 ``(i + 1) % decoder_sparse_step == 0`` (each family's own rule; the others' fields are absent and
-hold their neutral defaults). Nemotron-H names each block's kind (``layers_block_type``): its MoE
-layers are the ``moe`` blocks, and a config without any is dense whatever expert count it
-carries (its config class stores ``n_routed_experts`` by default).
+hold their neutral defaults). Nemotron-H names each block's kind (``layers_block_type``, or
+NVIDIA's ``hybrid_override_pattern`` letters in a ``config.json``): its MoE layers are the
+``moe`` blocks, and a config without any is dense whatever expert count it carries (its config
+class stores ``n_routed_experts`` by default).
 """
 from __future__ import annotations
 
@@ -81,6 +82,25 @@ def _text(cfg):
     return sub if sub is not None and not _num_experts(cfg) and _num_experts(sub) else cfg
 
 
+#: Nemotron-H's one-letter block kinds (``hybrid_override_pattern``, NVIDIA's config.json)
+NEMOTRON_PATTERN = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+
+
+def nemotron_block_types(cfg) -> list | None:
+    """A Nemotron-H config's block kind per layer: ``layers_block_type`` (transformers 5's
+    name; ``layer_types`` its alias), else NVIDIA's ``hybrid_override_pattern`` string (``M``
+    Mamba-2, ``E`` MoE, ``*`` attention, ``-`` MLP), read as transformers reads it; ``None``
+    when the config has neither."""
+    for key in ("layers_block_type", "layer_types"):
+        v = _get(cfg, key)
+        if isinstance(v, (list, tuple)):
+            return list(v)
+    pattern = _get(cfg, "hybrid_override_pattern")
+    if isinstance(pattern, str) and set(pattern) <= set(NEMOTRON_PATTERN):
+        return [NEMOTRON_PATTERN[ch] for ch in pattern]
+    return None
+
+
 def moe_dims(cfg) -> MoEDims:
     """The :class:`MoEDims` of an HF config: a ``config.json`` dict, a ``PretrainedConfig`` or any
     object with the fields as attributes (module docstring: names and precedence)."""
@@ -90,8 +110,7 @@ def moe_dims(cfg) -> MoEDims:
         return MoEDims(num_layers=_pos_int(_get(c, "num_hidden_layers")) or 0)
     # Nemotron-H: the MoE layers are its moe blocks (GraniteMoeHybrid's block types name the
     # mixer only: every one of its layers is MoE)
-    blocks = _get(c, "layers_block_type") if _get(c, "model_type") == "nemotron_h" else None
-    blocks = list(blocks) if isinstance(blocks, (list, tuple)) else None
+    blocks = nemotron_block_types(c) if _get(c, "model_type") == "nemotron_h" else None
     n_layers = _pos_int(_get(c, "num_hidden_layers")) or (len(blocks) if blocks else 0)
     if blocks is not None and "moe" not in blocks:
         return MoEDims(num_layers=n_layers)

@@ -20,7 +20,9 @@ and four dense decoders (GQA, one SwiGLU MLP per layer): ``qwen3`` (q/k RMSNorm)
 Issue 38's hardest three: ``deepseek_v32`` (DeepSeek-V3 + the DSA indexer, ``index_topk`` 16),
 ``qwen3_next`` (Gated DeltaNet + gated full attention, MoE) and ``nemotron_h`` (Mamba-2 +
 attention + MLP layers); Qwen3.5's text models ``qwen3_5`` (Qwen3-Next's hybrid with separate GDN
-projections, dense MLPs) and ``qwen3_5_moe`` (the same, every MLP routed with a shared expert).
+projections, dense MLPs) and ``qwen3_5_moe`` (the same, every MLP routed with a shared expert);
+``nemotron_h_moe`` is Nemotron 3 (Nano): Mamba-2 + attention + MoE blocks (``model_type``
+``nemotron_h``; ``moe_latent_size=32`` makes it Super's LatentMoE).
 
 ``build_tiny_model(family, seed=..., dtype=..., **overrides) -> Path`` returns a directory with
 ``config.json`` + ``model.safetensors`` that both HF transformers and vLLM load. The directory name
@@ -43,7 +45,7 @@ _FORMAT_VERSION = 1
 
 FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral", "qwen3", "llama", "qwen2", "mistral",
             "deepseek_v32", "qwen3_next", "nemotron_h", "gpt_oss", "glm4_moe", "qwen3_5",
-            "qwen3_5_moe")
+            "qwen3_5_moe", "nemotron_h_moe")
 
 # the dense decoders (one SwiGLU MLP per layer, GQA, head_dim 64): what differs is in the
 # modeling code (Qwen3 q/k RMSNorm, Qwen2 q/k/v biases, Mistral's sliding window)
@@ -204,8 +206,16 @@ _BASE["qwen3_5"] = dict(_QWEN3_NEXT_HYBRID, architectures=["Qwen3_5ForCausalLM"]
 _BASE["qwen3_5_moe"] = dict(_QWEN3_NEXT_HYBRID, architectures=["Qwen3_5MoeForCausalLM"],
                             moe_intermediate_size=64, shared_expert_intermediate_size=64,
                             num_experts=8, num_experts_per_tok=2)
+# Nemotron 3 (Nano): Mamba-2, MoE, attention, MoE blocks; the MoE routes with a sigmoid
+# router (e_score_correction_bias, two groups of which one is kept, routed_scaling_factor) over
+# 8 non-gated ReLU² experts plus a shared expert
+_BASE["nemotron_h_moe"] = dict(
+    _BASE["nemotron_h"], layer_types=["linear_attention", "moe", "full_attention", "moe"],
+    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+    moe_shared_expert_intermediate_size=64, n_shared_experts=1, n_group=2, topk_group=1,
+    norm_topk_prob=True, routed_scaling_factor=2.5)
 # the HF model_type of a family whose name is not one
-_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "nemotron_h_moe": "nemotron_h"}
 
 # DeepSeek-V3.2: DeepSeek-V3's MLA + MoE with DSA, a lightning indexer that keeps the index_topk
 # highest-scoring keys per query (a top-k shorter than the test sequences, so it selects)

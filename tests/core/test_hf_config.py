@@ -122,3 +122,20 @@ def test_the_readers_agree_on_the_tiny_models(qwen_moe_dir, deepseek_v3_dir):
         assert dims.experts == e
         shapes = hf_shapes(cfg)
         assert max(int(n.split(".experts.")[1].split(".")[0]) for n in shapes if ".mlp.experts." in n) == e - 1
+
+
+def test_nemotron_h_hybrid_override_pattern_is_read():
+    """NVIDIA's ``config.json`` names the blocks with ``hybrid_override_pattern`` letters (``M``
+    Mamba-2, ``E`` MoE, ``*`` attention, ``-`` MLP) and no ``layers_block_type``: read as
+    transformers reads it (Nemotron 3 Nano's pattern starts ``MEMEM*E``)."""
+    from skyrl_numerics.hf_config import nemotron_block_types
+
+    cfg = {"model_type": "nemotron_h", "hybrid_override_pattern": "MEMEM*E", "num_hidden_layers": 7,
+           "n_routed_experts": 128, "num_experts_per_tok": 6, "moe_intermediate_size": 1856,
+           "n_shared_experts": 1}
+    assert nemotron_block_types(cfg)[:3] == ["linear_attention", "moe", "linear_attention"]
+    d = moe_dims(cfg)
+    assert (d.num_experts, d.top_k, d.moe_intermediate, d.n_shared) == (128, 6, 1856, 1)
+    assert moe_layout(cfg) == (128, [1, 3, 6])
+    assert moe_layout({**cfg, "hybrid_override_pattern": "M-M*M-M"}) is None
+    assert nemotron_block_types({"hybrid_override_pattern": "MX"}) is None

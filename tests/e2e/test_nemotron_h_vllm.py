@@ -1,10 +1,13 @@
-"""Nemotron-H (Mamba-2 + attention + ReLU² MLP blocks) bitwise between the real vLLM CPU engine
-and the trainer.
+"""Nemotron-H bitwise between the real vLLM CPU engine and the trainer: Mamba-2 + attention +
+ReLU² MLP blocks (``nemotron_h``), and Nemotron 3's MoE blocks (``nemotron_h_moe``: sigmoid
+group-limited router with ``e_score_correction_bias``, non-gated ReLU² experts, a shared
+expert; and Super's LatentMoE, ``moe_latent_size``) with every route captured in the engine
+equal to the trainer's.
 
 As Qwen3-Next (tests/e2e/test_qwen3_next_vllm.py): the invariant out-of-tree model keeps each
 request's Mamba-2 state (conv inputs + the fp32 SSM state) in vLLM's own Mamba state cache
 (``engine/vllm_hybrid_state.py``) and runs the trainer's fixed-order recurrence on it. One engine
-for the module (prefix caching on, "align" mode) with a 64-token step budget. Nothing is mocked.
+per config (prefix caching on, "align" mode) with a 64-token step budget. Nothing is mocked.
 Opt-in (``SKYRL_NUMERICS_HYBRID_ALL=1``: one more engine than the suite's time budget holds; the
 default suite runs the same state keeper on Qwen3-Next, tests/e2e/test_qwen3_next_vllm.py).
 """
@@ -25,11 +28,23 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow,
                                  reason="one engine more: set SKYRL_NUMERICS_HYBRID_ALL=1")]
 
 
-@pytest.fixture(scope="module")
-def nh_dir():
+# name -> (tiny family, overrides): one engine each, in turn
+CONFIGS = {"dense": ("nemotron_h", {}), "moe": ("nemotron_h_moe", {}),
+           "latent_moe": ("nemotron_h_moe", {"moe_latent_size": 32})}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def nh_dir(request):
     from skyrl_numerics.models import build_tiny_model
 
-    return build_tiny_model("nemotron_h")
+    family, over = CONFIGS[request.param]
+    return build_tiny_model(family, **over)
+
+
+def _is_moe(d) -> bool:
+    import json
+
+    return "moe" in json.loads((d / "config.json").read_text())["layers_block_type"]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +52,8 @@ def nh_engine(nh_dir):
     pytest.importorskip("vllm")
     from skyrl_numerics.trainer import VLLMGenerator
 
-    gen = VLLMGenerator(nh_dir, batch_invariant=True, max_num_batched_tokens=64)
+    gen = VLLMGenerator(nh_dir, batch_invariant=True, max_num_batched_tokens=64,
+                        capture_routes=_is_moe(nh_dir))
     yield gen
     gen.close()
 
@@ -53,6 +69,18 @@ def _assert_bitwise(tl, ro, what=""):
                            f"{bad[0]}: {tl.logprobs[bad[0]]} vs {ro.rollout_logprobs[bad[0]]}")
 
 
+def _trainer(model, ro, bs):
+    """The trainer's logprobs; with routes (equal to the engine's) on an MoE config."""
+    moe = model.route_info()["layers"] > 0
+    tl = invariant_trainer_logprobs(model, ro, batch_size=bs, return_routes=moe)
+    if moe:
+        assert ro.routes is not None and tl.routes == ro.routes
+        assert ro.routes.num_layers == model.route_info()["layers"]
+    else:
+        assert ro.routes is None
+    return tl
+
+
 def test_every_token_and_logits_row_bitwise_at_engine_and_trainer_batch_sizes(nh_engine,
                                                                               nh_trainer):
     gen = nh_engine
@@ -60,8 +88,7 @@ def test_every_token_and_logits_row_bitwise_at_engine_and_trainer_batch_sizes(nh
                                                                          seed=2)
     ro = gen.generate(prompts, max_tokens=16, seed=None, temperature=0.8, logits_digest=True)
     for bs in (1, 3):
-        _assert_bitwise(invariant_trainer_logprobs(nh_trainer, ro, batch_size=bs), ro,
-                        f"trainer batch {bs}")
+        _assert_bitwise(_trainer(nh_trainer, ro, bs), ro, f"trainer batch {bs}")
     digest = invariant_logits_digest(nh_trainer, ro, batch_size=4)
     assert digest["frac_bitwise"] == 1.0 and digest["positions"] == ro.num_response_tokens, digest
 
@@ -77,7 +104,7 @@ def test_bitwise_under_chunked_prefill_and_prefix_cache_hits(nh_engine, nh_train
     prompts += make_prompts(2, 90, gen.vocab_size, seed=33)
     ro = gen.generate(prompts, max_tokens=10, seed=None, temperature=0.0)
     assert min(ro.meta["num_cached_tokens"][:3]) >= 512, ro.meta["num_cached_tokens"]
-    _assert_bitwise(invariant_trainer_logprobs(nh_trainer, ro, batch_size=3), ro)
+    _assert_bitwise(_trainer(nh_trainer, ro, 3), ro)
     alone = gen.generate([prompts[3]], max_tokens=10, seed=None, temperature=0.0)
     cu = ro.response_cu
     assert alone.response(0).tolist() == ro.response(3).tolist()

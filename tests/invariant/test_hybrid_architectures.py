@@ -6,8 +6,10 @@
   reproduce are refused naming the field (the engine side: tests/e2e/test_deepseek_v32_vllm.py);
 - Qwen3-Next and Nemotron-H have families (``qwen3_next``, ``nemotron_h``: tests/invariant/
   test_qwen3_next.py, test_nemotron_h.py; the engine side tests/e2e/test_qwen3_next_vllm.py,
-  test_nemotron_h_vllm.py): the bitwise entry points accept them; a Nemotron-H with MoE blocks
-  is refused before an engine starts, naming ``layers_block_type``.
+  test_nemotron_h_vllm.py): the bitwise entry points accept them, Nemotron 3's MoE blocks
+  included (``nemotron_h_moe``: tests/invariant/test_nemotron_h_moe.py); a Nemotron-H MoE whose
+  shared expert HF and vLLM build differently is refused before an engine starts, naming
+  ``n_shared_experts``.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from skyrl_numerics.invariant.blocks import UnsupportedConfig
 from skyrl_numerics.models import build_tiny_model, load_hf_model, tiny_config
 
 HYBRID = {"qwen3_next": ("Qwen3NextForCausalLM", "Qwen3NextConfig", "GatedDeltaNet"),
-          "nemotron_h": ("NemotronHForCausalLM", "NemotronHConfig", "Mamba-2")}
+          "nemotron_h": ("NemotronHForCausalLM", "NemotronHConfig", "Mamba-2"),
+          "nemotron_h_moe": ("NemotronHForCausalLM", "NemotronHConfig", "Mamba-2")}
 
 
 def _ids(n: int, seed: int) -> torch.Tensor:
@@ -65,15 +68,18 @@ def test_a_hybrid_gets_the_invariant_engine(hybrid_dirs, family, capsys):
     assert f"SkyrlInvariant{arch}" in capsys.readouterr().out
 
 
-def test_a_nemotron_h_with_moe_blocks_is_refused_naming_the_field(hybrid_dirs):
-    """Nemotron 3's MoE blocks are not in the family: refused before any engine starts."""
+def test_a_nemotron_h_moe_hf_and_vllm_disagree_on_is_refused_naming_the_field(hybrid_dirs):
+    """Two shared experts: HF builds one of ``moe_shared_expert_intermediate_size``, vLLM one
+    twice as wide — refused before any engine starts; an unknown block kind names
+    ``layers_block_type``."""
     from skyrl_numerics.engine.vllm_invariant_model import engine_overrides
 
-    cfg = json.loads((hybrid_dirs["nemotron_h"] / "config.json").read_text())
-    cfg["layers_block_type"] = ["linear_attention", "full_attention", "moe"]
-    with pytest.raises(UnsupportedConfig) as e:
-        engine_overrides(cfg)
-    assert e.value.field == "layers_block_type" and "'moe'" in str(e.value)
+    cfg = json.loads((hybrid_dirs["nemotron_h_moe"] / "config.json").read_text())
+    for over, field in (({"n_shared_experts": 2}, "n_shared_experts"),
+                        ({"layers_block_type": ["linear_attention", "conv"]}, "layers_block_type")):
+        with pytest.raises(UnsupportedConfig) as e:
+            engine_overrides({**cfg, **over})
+        assert e.value.field == field
 
 
 def test_an_unknown_architecture_still_lists_the_supported_ones():

@@ -123,7 +123,8 @@ def test_fp32_gradient_is_hf_autograds():
 
 
 @pytest.mark.parametrize("over, field", [
-    ({"layers_block_type": ["linear_attention", "moe", "mlp"]}, "layers_block_type"),
+    ({"layers_block_type": ["linear_attention", "sliding_attention", "mlp"]}, "layers_block_type"),
+    ({"layers_block_type": ["linear_attention", "moe", "mlp"]}, "n_routed_experts"),   # no experts
     ({"mlp_hidden_act": "silu"}, "mlp_hidden_act"),
     ({"use_bias": True}, "use_bias"),
 ])

@@ -1,5 +1,5 @@
 """route_replay / record_routes on tiny HF MoE models built from configs (Qwen3-MoE, OLMoE, Mixtral, DeepSeek-V3,
-GLM-4-MoE)."""
+GLM-4-MoE, Nemotron 3's Nemotron-H MoE)."""
 import pytest
 import torch
 
@@ -69,8 +69,23 @@ def glm4_moe():
     return _init(transformers.Glm4MoeForCausalLM(cfg), 4)
 
 
+def nemotron_h_moe():
+    # Nemotron 3: Mamba-2, MoE, attention, MoE blocks; DeepSeek-V3's router over non-gated
+    # ReLU² experts, a shared expert
+    cfg = transformers.NemotronHConfig(vocab_size=512, hidden_size=128, num_attention_heads=2,
+                                       num_key_value_heads=1, head_dim=64, mamba_num_heads=4,
+                                       mamba_head_dim=32, ssm_state_size=16, n_groups=1, expand=1,
+                                       chunk_size=32, layers_block_type=["linear_attention", "moe",
+                                                                         "full_attention", "moe"],
+                                       n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                                       moe_shared_expert_intermediate_size=64, n_group=2, topk_group=1,
+                                       norm_topk_prob=True, routed_scaling_factor=2.5,
+                                       max_position_embeddings=256)
+    return _init(transformers.NemotronHForCausalLM(cfg), 5)
+
+
 FAMILIES = {"qwen3_moe": qwen3_moe, "olmoe": olmoe, "mixtral": mixtral, "deepseek_v3": deepseek_v3,
-            "glm4_moe": glm4_moe}
+            "glm4_moe": glm4_moe, "nemotron_h_moe": nemotron_h_moe}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

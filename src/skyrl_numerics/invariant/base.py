@@ -28,7 +28,9 @@ from torch import nn
 
 from skyrl_numerics.errors import InputError
 
-from .blocks import linear, routed_experts, softmax_topk
+from skyrl_numerics.kernels import matmul as inv_matmul
+
+from .blocks import linear, routed_experts, sigmoid_group_topk, softmax_topk
 
 # attend(layer, q [T, H, Dq], rows [T, W]) -> out [T, H, Do]
 Attend = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -164,6 +166,27 @@ class InvariantCausalLM(nn.Module):
         experts = self.expert_weights(prefix + "experts.", num_experts, names)
         return routed_experts(x, ids, w, experts.__getitem__, num_experts=num_experts)
 
+    def sigmoid_routed(self, moe_layer: int, x: torch.Tensor, prefix: str, d,
+                       names: tuple = SWIGLU_NAMES, latent: tuple | None = None) -> torch.Tensor:
+        """Sigmoid group-limited top-k routed experts (DeepSeek-V3 ``noaux_tc``, GLM-4-MoE,
+        Nemotron-H): fp32 router logits ``x W`` of ``{prefix}gate.weight``,
+        :func:`~.blocks.sigmoid_group_topk` with ``{prefix}gate.e_score_correction_bias`` (when
+        the model has one) and ``d``'s ``experts, top_k, n_group, topk_group, norm_topk_prob,
+        routed_scaling``, the ids recorded as MoE layer ``moe_layer``, experts
+        ``{prefix}experts.<e>.{names}`` (three names: SwiGLU, two: ReLU²). ``latent = (W1, W2)``
+        (Nemotron-H's LatentMoE): the experts run on ``x W1^T`` and their weighted sum is
+        projected back, ``(sum_s w_s expert_s(x W1^T)) W2^T``."""
+        logits = inv_matmul(x.float(), self.w(prefix + "gate.weight").float().t())   # fp32 router
+        bias_name = prefix + "gate.e_score_correction_bias"
+        w, ids = sigmoid_group_topk(logits, self.w(bias_name) if bias_name in self._names else None,
+                                    d.top_k, d.n_group, d.topk_group, d.norm_topk_prob,
+                                    d.routed_scaling)
+        self._route(moe_layer, ids)
+        experts = self.expert_weights(prefix + "experts.", d.experts, names)
+        xe = x if latent is None else linear(x, latent[0])
+        out = routed_experts(xe, ids, w, experts.__getitem__, num_experts=d.experts)
+        return out if latent is None else linear(out, latent[1])
+
     def w(self, name: str) -> torch.Tensor:
         """The weight under an HF name (a packed one decoded: see :meth:`served_weight`)."""
         name = self._alias.get(name, name)
@@ -208,7 +231,7 @@ class InvariantCausalLM(nn.Module):
         hit = self._expert_lists.get(prefix)
         if (hit is None or len(hit) != num_experts
                 or hit[0][0] is not self.w(f"{prefix}0.{names[0]}.weight")
-                or hit[-1][2] is not self.w(f"{prefix}{num_experts - 1}.{names[2]}.weight")):
+                or hit[-1][-1] is not self.w(f"{prefix}{num_experts - 1}.{names[-1]}.weight")):
             hit = [tuple(self.w(f"{prefix}{e}.{n}.weight") for n in names)
                    for e in range(num_experts)]
             self._expert_lists[prefix] = hit

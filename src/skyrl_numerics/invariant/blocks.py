@@ -27,7 +27,8 @@ not depend on which other tokens share the call, nor on prefill vs decode:
   ``noaux_tc``, GLM-4-MoE), both per token with ``torch.topk`` over one row;
 - :func:`routed_experts`: each expert runs its tokens through invariant matmuls; a token's k
   expert outputs are summed in top-k slot order (never by an index_add over tokens);
-- :func:`swiglu_mlp`: ``down(silu(gate x) * up x)`` (dense layers and shared experts).
+- :func:`swiglu_mlp`: ``down(silu(gate x) * up x)`` (dense layers and shared experts);
+  :func:`relu2_mlp`: ``down(relu(up x)^2)`` (Nemotron-H's non-gated MLPs and experts).
 
 A config a block cannot reproduce raises :class:`UnsupportedConfig` naming the config field.
 """
@@ -333,11 +334,25 @@ def swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     return linear(h, w_down)
 
 
+def relu2_mlp(x: torch.Tensor, w_up, w_down) -> torch.Tensor:
+    """``down(relu(up x)^2)``, the square of the model-dtype ``relu`` rounded once (HF's
+    ``relu2``): Nemotron-H's MLP blocks, shared and routed experts."""
+    u = torch.relu(linear(x, w_up))
+    return linear(u * u, w_down)
+
+
+def expert_mlp(x: torch.Tensor, mats: tuple) -> torch.Tensor:
+    """One expert: :func:`swiglu_mlp` for ``(w_gate, w_up, w_down)``, :func:`relu2_mlp` for
+    ``(w_up, w_down)`` (a non-gated expert)."""
+    return swiglu_mlp(x, *mats) if len(mats) == 3 else relu2_mlp(x, *mats)
+
+
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert,
                    num_experts: int | None = None) -> torch.Tensor:
     """``sum_s weights[:, s] * expert(ids[:, s])(x)`` summed in slot order ``s = 0 .. k-1``.
 
-    ``expert(e) -> (w_gate, w_up, w_down)``. Weights are cast to ``x.dtype`` before the products
+    ``expert(e) -> (w_gate, w_up, w_down)`` (SwiGLU) or ``(w_up, w_down)`` (non-gated ReLU²,
+    :func:`expert_mlp`). Weights are cast to ``x.dtype`` before the products
     (as the fused MoE kernels do); each token's result uses only its own rows.
 
     On CPU without autograd (the engine, and the trainer's no-grad logprobs) in bfloat16 with
@@ -363,7 +378,7 @@ def _looped_expert_rows(x, ids, expert) -> torch.Tensor:
     out = torch.zeros(T, k, x.shape[-1], dtype=x.dtype)
     for e in torch.unique(ids).tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
-        out[tok, slot] = swiglu_mlp(x[tok], *expert(e))
+        out[tok, slot] = expert_mlp(x[tok], expert(e))
     return out
 
 
@@ -397,10 +412,14 @@ def _grouped_expert_rows(x, ids, expert, E: int, weights=None) -> torch.Tensor:
     trios = [expert(e) if counts[e] else None for e in range(E)]
     rows = np.arange(flat.size, dtype=np.int64)
     a = cpu_moe.gather_rows(x, order // k, rows, flat.size)[0]          # fp32, sorted by expert
-    g = cpu_gemm_bf16.grouped_f32(a, [t and t[0] for t in trios], off)
-    u = cpu_gemm_bf16.grouped_f32(a, [t and t[1] for t in trios], off)
-    h = (silu(g.to(x.dtype)) * u.to(x.dtype)).float()
-    y = cpu_gemm_bf16.grouped_f32(h, [t and t[2] for t in trios], off)
+    gated = len(next(t for t in trios if t is not None)) == 3
+    u = cpu_gemm_bf16.grouped_f32(a, [t and t[-2] for t in trios], off).to(x.dtype)
+    if gated:
+        h = silu(cpu_gemm_bf16.grouped_f32(a, [t and t[0] for t in trios], off).to(x.dtype)) * u
+    else:                                                  # relu2_mlp's activation
+        h = torch.relu(u)
+        h = h * h
+    y = cpu_gemm_bf16.grouped_f32(h.float(), [t and t[-1] for t in trios], off)
     rowmap = np.empty(flat.size, dtype=np.int64)
     rowmap[order] = rows                              # the sorted row of pair (t, s) = t k + s
     if weights is None:

@@ -33,7 +33,7 @@ from skyrl_numerics.kernels import matmul as inv_matmul
 
 from .base import Attend, InvariantCausalLM
 from .blocks import (Rope, yarn_mscale, head_matmuls, linear, require, rms_norm, routed_experts,
-                     sigmoid_group_topk, softmax_topk, swiglu_mlp)
+                     softmax_topk, swiglu_mlp)
 from .kv_format import KVFormat, parse_kv_spec
 
 
@@ -216,17 +216,15 @@ class InvariantDeepseekV3(InvariantCausalLM):
         d, p = self.dims, f"model.layers.{i}.mlp."
         if i < d.first_dense:
             return swiglu_mlp(x, *self.swiglu_weights(p))
-        logits = inv_matmul(x.float(), self.w(p + "gate.weight").float().t())   # fp32 router
-        if d.scoring == "sigmoid":
-            bias = self.w(p + "gate.e_score_correction_bias") if d.use_bias else None
-            w, ids = sigmoid_group_topk(logits, bias, d.top_k, d.n_group, d.topk_group,
-                                        d.norm_topk_prob, d.routed_scaling)
+        if d.scoring == "sigmoid":     # (the bias only when d.use_bias: only then is it a weight)
+            out = self.sigmoid_routed(i - d.first_dense, x, p, d)
         else:
+            logits = inv_matmul(x.float(), self.w(p + "gate.weight").float().t())   # fp32 router
             w, ids = softmax_topk(logits, d.top_k, d.norm_topk_prob)
-            w = w * d.routed_scaling
-        self._route(i - d.first_dense, ids)
-        out = routed_experts(x, ids, w, self.expert_weights(p + "experts.", d.experts).__getitem__,
-                             num_experts=d.experts)
+            self._route(i - d.first_dense, ids)
+            out = routed_experts(x, ids, w * d.routed_scaling,
+                                 self.expert_weights(p + "experts.", d.experts).__getitem__,
+                                 num_experts=d.experts)
         if d.n_shared:
             out = out + swiglu_mlp(x, *self.swiglu_weights(p + "shared_experts."))
         return out

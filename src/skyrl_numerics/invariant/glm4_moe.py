@@ -26,10 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from skyrl_numerics.hf_config import moe_dims
-from skyrl_numerics.kernels import matmul as inv_matmul
 
 from .base import InvariantCausalLM
-from .blocks import Rope, require, routed_experts, sigmoid_group_topk, swiglu_mlp
+from .blocks import Rope, require, swiglu_mlp
 from .gqa import AttnDims, GQADecoder
 
 
@@ -129,12 +128,7 @@ class InvariantGlm4Moe(GQADecoder, InvariantCausalLM):
         d, p = self.dims, f"model.layers.{i}.mlp."
         if i < d.first_dense:
             return swiglu_mlp(x, *self.swiglu_weights(p))
-        logits = inv_matmul(x.float(), self.w(p + "gate.weight").float().t())   # fp32 router
-        w, ids = sigmoid_group_topk(logits, self.w(p + "gate.e_score_correction_bias"), d.top_k,
-                                    d.n_group, d.topk_group, d.norm_topk_prob, d.routed_scaling)
-        self._route(i - d.first_dense, ids)
-        out = routed_experts(x, ids, w, self.expert_weights(p + "experts.", d.experts).__getitem__,
-                             num_experts=d.experts)
+        out = self.sigmoid_routed(i - d.first_dense, x, p, d)
         if d.n_shared:
             out = out + swiglu_mlp(x, *self.swiglu_weights(p + "shared_experts."))
         return out

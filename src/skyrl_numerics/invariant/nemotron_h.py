@@ -2,14 +2,24 @@
 
 One mixer per block, ``h = h + mixer(rms_norm(h))`` (weights under ``backbone.``), the mixer
 chosen by ``layers_block_type``: Mamba-2 (``linear_attention``), GQA attention without any
-position embedding (``full_attention``), or a ReLU² MLP (``mlp``: ``down(relu(up x)^2)``).
-HF transformers 5.19's ``modeling_nemotron_h.py`` math, ops from :mod:`.blocks`::
+position embedding (``full_attention``), a ReLU² MLP (``mlp``: ``down(relu(up x)^2)``), or a
+routed MoE (``moe``, Nemotron 3). HF transformers 5.19's ``modeling_nemotron_h.py`` math, ops
+from :mod:`.blocks`::
 
     Mamba-2:  [z | xBC | dt] = x W_in;  xBC = silu(causal_conv1d(xBC) + conv_bias)
               x, B, C = split(xBC)  (x: H heads of P, B/C: G groups of N, shared by H/G heads)
               dt = max(softplus(dt + dt_bias), time_step_min);  A = -exp(A_log)     (fp32)
               per token, per head (fp32):  S = S exp(dt A) + (dt x) B^T;  y = S C + D x
               y = group_rms_norm(y * silu(z)) * w;   out = y W_out
+    MoE:      s = sigmoid(x W_gate in fp32);  ids = group-limited top-k of s + e_score_correction_bias
+              (n_group groups, topk_group kept);  w = s[ids] / (sum + 1e-20) (norm_topk_prob)
+              · routed_scaling_factor                      (:meth:`~.base.InvariantCausalLM.sigmoid_routed`)
+              out = sum_s w_s relu2_expert_{ids_s}(x) + shared(x)        (non-gated ReLU² experts)
+              LatentMoE (``moe_latent_size`` L):  out = (sum_s w_s expert_{ids_s}(x W1^T)) W2^T
+              + shared(x), experts of width L (``fc1_latent_proj`` W1, ``fc2_latent_proj`` W2)
+
+Routes are numbered over the ``moe`` blocks in layer order (vLLM's ``moe_layers``). MTP draft
+layers (``mtp.*`` tensors) are skipped, as HF and vLLM skip them.
 
 Fixed order as :mod:`.qwen3_next`'s Gated DeltaNet (the same causal conv; every dot product over
 ``N`` with :func:`~skyrl_numerics.kernels.fixed_order.dot8`; transcendentals elementwise), so a
@@ -26,12 +36,15 @@ import torch
 
 from skyrl_numerics.kernels.fixed_order import dot8
 
+from skyrl_numerics.hf_config import moe_dims, nemotron_block_types
+
 from .base import Attend, InvariantCausalLM
-from .blocks import linear, linear_many, require, rms_norm
+from .blocks import linear, linear_many, relu2_mlp, require, rms_norm
 from .gqa import AttnDims, GQAttention
 from .recurrent import FreshSequences, causal_conv, pointwise
 
-MAMBA, ATTN, MLP = "linear_attention", "full_attention", "mlp"
+MAMBA, ATTN, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
+EXPERT_NAMES = ("up_proj", "down_proj")      # the non-gated experts' two projections
 
 
 @dataclass(frozen=True)
@@ -42,6 +55,56 @@ class Dims:
     block_types: tuple
     inter: int
     eps: float
+    moe: "MoEBlockDims | None" = None
+
+    @property
+    def moe_layers(self) -> tuple:
+        """The ``moe`` blocks' layer indices (route ``j`` is layer ``moe_layers[j]``)."""
+        return tuple(i for i, t in enumerate(self.block_types) if t == MOE)
+
+
+@dataclass(frozen=True)
+class MoEBlockDims:
+    """The ``moe`` blocks' sizes and router (the names :meth:`~.base.InvariantCausalLM.
+    sigmoid_routed` reads); ``latent``: ``moe_latent_size`` (None: the experts see the hidden
+    state itself)."""
+    experts: int
+    top_k: int
+    moe_inter: int
+    shared_inter: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling: float
+    latent: int | None
+
+
+def moe_block_dims(c) -> MoEBlockDims:
+    """The MoE of a config with ``moe`` blocks; refuses what HF's and vLLM's NemotronH do not
+    agree on, naming the field."""
+    g = lambda name, default=None: getattr(c, name, default)  # noqa: E731
+    moe = moe_dims(c)
+    experts = moe.num_experts
+    require(experts > 0, "n_routed_experts", g("n_routed_experts"), "a routed expert count is needed")
+    require(0 < moe.top_k <= experts, "num_experts_per_tok", g("num_experts_per_tok"),
+            f"must be in 1 .. n_routed_experts {experts}")
+    n_group, topk_group = int(g("n_group", 1) or 1), int(g("topk_group", 1) or 1)
+    require(experts % n_group == 0, "n_group", n_group, f"must divide n_routed_experts {experts}")
+    require(n_group == 1 or experts // n_group >= 2, "n_group", n_group,
+            "group scores sum the top-2 experts of a group: groups need >= 2 experts")
+    require(1 <= topk_group <= n_group, "topk_group", topk_group, f"must be in 1 .. n_group {n_group}")
+    # HF always adds one shared expert of moe_shared_expert_intermediate_size; vLLM one of
+    # n_shared_experts times that width, none for 0: they agree at 1 only
+    require(g("n_shared_experts", 1) == 1, "n_shared_experts", g("n_shared_experts"),
+            "HF's NemotronH always has one shared expert; vLLM's width scales with this count")
+    latent = g("moe_latent_size")
+    require(latent is None or int(latent) > 0, "moe_latent_size", latent, "must be positive")
+    return MoEBlockDims(experts=experts, top_k=moe.top_k, moe_inter=int(moe.moe_intermediate),
+                        shared_inter=int(g("moe_shared_expert_intermediate_size")),
+                        n_group=n_group, topk_group=topk_group,
+                        norm_topk_prob=bool(g("norm_topk_prob", True)),
+                        routed_scaling=float(g("routed_scaling_factor", 1.0) or 1.0),
+                        latent=None if latent is None else int(latent))
 
 
 @dataclass(frozen=True)
@@ -70,11 +133,13 @@ class MambaDims:
 
 def config_dims(c):
     g = lambda name, default=None: getattr(c, name, default)  # noqa: E731
-    types = tuple(g("layers_block_type") or g("layer_types") or ())
+    types = tuple(nemotron_block_types(c) or ())
     n_layers = int(g("num_hidden_layers") or len(types))     # (HF derives it from the types)
-    require(len(types) == n_layers and set(types) <= {MAMBA, ATTN, MLP},
+    require(len(types) == n_layers and set(types) <= {MAMBA, ATTN, MLP, MOE},
             "layers_block_type", list(types),
-            "the invariant Nemotron-H runs Mamba-2, attention and MLP blocks (not 'moe')")
+            "the invariant Nemotron-H runs Mamba-2, attention, MLP and MoE blocks, one per layer")
+    require(g("block_configs") is None, "block_configs", "(per-layer)",
+            "heterogeneous (per-layer) Nemotron-H configs are not implemented")
     require(g("mlp_hidden_act", "relu2") == "relu2", "mlp_hidden_act", g("mlp_hidden_act"), "only relu2")
     require(g("mamba_hidden_act", "silu") == "silu", "mamba_hidden_act", g("mamba_hidden_act"), "only silu")
     for f in ("use_bias", "mlp_bias", "attention_bias", "tie_word_embeddings", "residual_in_fp32"):
@@ -88,7 +153,8 @@ def config_dims(c):
                     kv_heads=g("num_key_value_heads") or c.num_attention_heads, head_dim=head_dim,
                     eps=c.layer_norm_epsilon, qk_norm=False, qkv_bias=False, o_bias=False)
     dims = Dims(vocab=c.vocab_size, hidden=c.hidden_size, layers=n_layers,
-                block_types=types, inter=int(g("intermediate_size") or 0), eps=c.layer_norm_epsilon)
+                block_types=types, inter=int(g("intermediate_size") or 0), eps=c.layer_norm_epsilon,
+                moe=moe_block_dims(c) if MOE in types else None)
     return dims, attn, m
 
 
@@ -113,6 +179,7 @@ class InvariantNemotronH(GQAttention, InvariantCausalLM):
         super().__init__(dtype)
         self.dims, self.mamba_dims, self.attn_dims = d, m, a = dims, mamba, attn
         self.recurrent = None
+        self._moe_index = {layer: j for j, layer in enumerate(d.moe_layers)}
         self.rope, self.scale = None, a.head_dim ** -0.5
         self.kv = a.kv_format(dtype, kv_cache)
         self.add("backbone.embeddings.weight", d.vocab, d.hidden)
@@ -135,9 +202,26 @@ class InvariantNemotronH(GQAttention, InvariantCausalLM):
                 for n, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
                     self.add(p + f"{n}.weight", rows, d.hidden)
                 self.add(p + "o_proj.weight", d.hidden, q)
+            elif kind == MOE:
+                self.add_moe(p)
             else:
                 self.add(p + "up_proj.weight", d.inter, d.hidden)
                 self.add(p + "down_proj.weight", d.hidden, d.inter)
+
+    def add_moe(self, p: str) -> None:
+        """One ``moe`` block's weights under ``p`` (``backbone.layers.<i>.mixer.``)."""
+        d, m = self.dims, self.dims.moe
+        width = m.latent or d.hidden
+        self.add(p + "gate.weight", m.experts, d.hidden)
+        self.add(p + "gate.e_score_correction_bias", m.experts, dtype=torch.float32)
+        for e in range(m.experts):
+            self.add(p + f"experts.{e}.up_proj.weight", m.moe_inter, width)
+            self.add(p + f"experts.{e}.down_proj.weight", width, m.moe_inter)
+        self.add(p + "shared_experts.up_proj.weight", m.shared_inter, d.hidden)
+        self.add(p + "shared_experts.down_proj.weight", d.hidden, m.shared_inter)
+        if m.latent:
+            self.add(p + "fc1_latent_proj.weight", m.latent, d.hidden)
+            self.add(p + "fc2_latent_proj.weight", d.hidden, m.latent)
 
     @classmethod
     def config_parts(cls, cfg, dtype: torch.dtype = torch.bfloat16, kv_cache=None) -> dict:
@@ -150,10 +234,16 @@ class InvariantNemotronH(GQAttention, InvariantCausalLM):
         return config_dims(cfg)[2].state_shapes()
 
     def route_info(self) -> dict:
-        return {"layers": 0, "k": 0, "num_experts": 0}
+        m = self.dims.moe
+        if m is None:
+            return {"layers": 0, "k": 0, "num_experts": 0}
+        return {"layers": len(self.dims.moe_layers), "k": m.top_k, "num_experts": m.experts}
 
     def moe_layer_ids(self):
-        return None
+        return list(self.dims.moe_layers) if self.dims.moe is not None else None
+
+    def ignored_weight(self, name: str) -> bool:
+        return super().ignored_weight(name) or name.startswith("mtp.")
 
     def linear_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.dims.block_types) if t == MAMBA]
@@ -173,10 +263,22 @@ class InvariantNemotronH(GQAttention, InvariantCausalLM):
                 h = h + self.mamba(i, x, positions)
             elif kind == ATTN:
                 h = h + self.attention(i, x, positions, attend)
+            elif kind == MOE:
+                h = h + self.moe(i, x)
             else:
-                u = torch.relu(linear(x, self.proj(p + "mixer.up_proj.weight")))
-                h = h + linear(u * u, self.proj(p + "mixer.down_proj.weight"))
+                h = h + relu2_mlp(x, self.proj(p + "mixer.up_proj.weight"),
+                                  self.proj(p + "mixer.down_proj.weight"))
         return rms_norm(h, self.w("backbone.norm_f.weight"), d.eps)
+
+    def moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """HF's ``NemotronHMoE``: the routed experts' weighted sum (through the latent when
+        there is one), then the shared expert's output added."""
+        d, p = self.dims, f"backbone.layers.{i}.mixer."
+        latent = ((self.proj(p + "fc1_latent_proj.weight"), self.proj(p + "fc2_latent_proj.weight"))
+                  if d.moe.latent else None)
+        out = self.sigmoid_routed(self._moe_index[i], x, p, d.moe, names=EXPERT_NAMES, latent=latent)
+        return out + relu2_mlp(x, self.proj(p + "shared_experts.up_proj.weight"),
+                               self.proj(p + "shared_experts.down_proj.weight"))
 
     def attention(self, i, x, positions, attend):
         a, p, T = self.attn_dims, f"backbone.layers.{i}.mixer.", x.shape[0]

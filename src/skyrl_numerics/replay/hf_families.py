@@ -12,7 +12,8 @@ bit for bit.
 - Mixtral: ``w = softmax(logits.float())[idx] / sum(...)`` (always renormalized, stays fp32).
 - GPT-OSS: ``w = softmax(logits[idx])`` over the chosen experts' logits only, in the logits dtype
   (the router's bias is already in the logits; ``idx`` in the router's top-k order).
-- DeepSeek-V3 (``noaux_tc``) and GLM-4.5/4.7 (``Glm4MoeTopkRouter``, the same router):
+- DeepSeek-V3 (``noaux_tc``), GLM-4.5/4.7 (``Glm4MoeTopkRouter``) and Nemotron 3 (Nemotron-H's
+  ``moe`` blocks, ``NemotronHTopkRouter``), the same router:
   ``s = sigmoid(logits)``; ``w = s[idx]``; if ``norm_topk_prob``:
   ``w /= sum(w) + 1e-20``; ``w *= routed_scaling_factor``. The ``e_score_correction_bias`` and the
   group limit only steer *which* experts are chosen, not their weights, so they drop out under replay;
@@ -59,4 +60,5 @@ ROUTER_FAMILIES = {
     "GptOssTopKRouter": (gpt_oss_weights, "num_experts"),
     "DeepseekV3TopkRouter": (deepseek_v3_weights, "num_experts"),
     "Glm4MoeTopkRouter": (deepseek_v3_weights, "num_experts"),
+    "NemotronHTopkRouter": (deepseek_v3_weights, "num_experts"),
 }
