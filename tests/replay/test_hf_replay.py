@@ -72,13 +72,14 @@ def glm4_moe():
 
 def qwen3_next():
     # Gated DeltaNet (linear attention) + gated full attention, softmax top-k router, shared expert
-    return _init(init_tiny_model(tiny_config("qwen3_next"), 0), 5)
+    return _init(init_tiny_model(tiny_config("qwen3_next", linear_key_head_dim=32, linear_value_head_dim=32), 0), 5)
 
 
 def deepseek_v32():
     # DeepSeek-V3's router (sigmoid, bias, groups) in a model with the DSA indexer (index_topk 16
     # covers the 12-token batches, so attention reaches every earlier key); a dense first layer
-    return _init(init_tiny_model(tiny_config("deepseek_v32", num_hidden_layers=3), 0), 6)
+    return _init(init_tiny_model(tiny_config("deepseek_v32", num_hidden_layers=3, kv_lora_rank=64,
+                                             index_n_heads=2), 0), 6)
 
 
 def nemotron_h_moe():

@@ -19,8 +19,11 @@ from skyrl_numerics.rollout import Rollout
 from skyrl_numerics.trainer.config import TrainerConfig
 from skyrl_numerics.trainer.fsdp.trainer import FSDPTrainer
 
-FAMILIES = {"mixtral": {}, "glm4_moe": {}, "gpt_oss": {}, "qwen3_next": {},
-            "deepseek_v32": {"num_hidden_layers": 3}}
+# smaller than the engine-shaped tiny models where vLLM CPU's kernel constraints set the size
+# (MLA latent 512, Gated DeltaNet head dim 128): the HF model has no such limit
+FAMILIES = {"mixtral": {}, "glm4_moe": {}, "gpt_oss": {},
+            "qwen3_next": {"linear_key_head_dim": 32, "linear_value_head_dim": 32},
+            "deepseek_v32": {"kv_lora_rank": 64, "index_n_heads": 2}}
 LENS = [5, 9, 3, 7]
 
 
