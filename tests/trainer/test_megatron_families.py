@@ -117,3 +117,16 @@ def test_mixtral_tp2_ep2_shards_and_back(tmp_path):
     assert set(full) == set(mc) and all(torch.equal(full[k], mc[k]) for k in mc)
     assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight" in parts[1][2]
     assert "decoder.layers.0.mlp.experts.local_experts.4.linear_fc1.weight" not in parts[1][2]
+
+
+@pytest.mark.parametrize("family,field", [("glm4_moe", "model_type"), ("gpt_oss", "model_type")])
+def test_train_cli_refuses_an_unmapped_family_in_one_line(tmp_path, capsys, family, field):
+    """``train --backend megatron`` on a family megatron is not mapped for: exit 2, one line naming
+    the field, before any engine starts."""
+    from skyrl_numerics.cli import main
+
+    assert main(["train", "--backend", "megatron", "--family", family, "--configs", "plain,aligned",
+                 "--steps", "1", "--out", str(tmp_path / "x"), "--no-progress"]) == 2
+    # one error line (first imports of torchao/vLLM may log their own lines to stderr)
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error")]
+    assert len(err) == 1 and f"field '{field}'" in err[0], err
