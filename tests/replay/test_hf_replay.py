@@ -1,9 +1,10 @@
 """route_replay / record_routes on tiny HF MoE models built from configs (Qwen3-MoE, OLMoE, Mixtral, DeepSeek-V3,
-GLM-4-MoE, Nemotron 3's Nemotron-H MoE)."""
+GLM-4-MoE, and the hybrids' / DSA's routers: Qwen3-Next, DeepSeek-V3.2, Nemotron-H MoE)."""
 import pytest
 import torch
 
 from skyrl_numerics.errors import InputError
+from skyrl_numerics.models import init_tiny_model, tiny_config
 from skyrl_numerics.replay import PackedRoutes, packed_token_index, record_routes, route_replay
 from skyrl_numerics.replay.hf_replay import find_routers
 
@@ -69,23 +70,34 @@ def glm4_moe():
     return _init(transformers.Glm4MoeForCausalLM(cfg), 4)
 
 
+def qwen3_next():
+    # Gated DeltaNet (linear attention) + gated full attention, softmax top-k router, shared expert
+    return _init(init_tiny_model(tiny_config("qwen3_next", linear_key_head_dim=32, linear_value_head_dim=32), 0), 5)
+
+
+def deepseek_v32():
+    # DeepSeek-V3's router (sigmoid, bias, groups) in a model with the DSA indexer (index_topk 16
+    # covers the 12-token batches, so attention reaches every earlier key); a dense first layer
+    return _init(init_tiny_model(tiny_config("deepseek_v32", num_hidden_layers=3, kv_lora_rank=64,
+                                             index_n_heads=2), 0), 6)
+
+
 def nemotron_h_moe():
-    # Nemotron 3: Mamba-2, MoE, attention, MoE blocks; DeepSeek-V3's router over non-gated
-    # ReLU² experts, a shared expert
-    cfg = transformers.NemotronHConfig(vocab_size=512, hidden_size=128, num_attention_heads=2,
-                                       num_key_value_heads=1, head_dim=64, mamba_num_heads=4,
-                                       mamba_head_dim=32, ssm_state_size=16, n_groups=1, expand=1,
-                                       chunk_size=32, layers_block_type=["linear_attention", "moe",
-                                                                         "full_attention", "moe"],
-                                       n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
-                                       moe_shared_expert_intermediate_size=64, n_group=2, topk_group=1,
-                                       norm_topk_prob=True, routed_scaling_factor=2.5,
-                                       max_position_embeddings=256)
-    return _init(transformers.NemotronHForCausalLM(cfg), 5)
+    # Nemotron-H MoE layers (sigmoid group-limited router, non-gated experts, a shared expert)
+    # between a Mamba-2 mixer and attention
+    cfg = transformers.NemotronHConfig(
+        vocab_size=512, hidden_size=128, layers_block_type=["linear_attention", "moe", "full_attention", "moe"],
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, intermediate_size=256, mamba_num_heads=4,
+        mamba_head_dim=32, ssm_state_size=16, n_groups=1, conv_kernel=4, expand=1, chunk_size=32,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=64,
+        moe_shared_expert_intermediate_size=64, routed_scaling_factor=2.5, norm_topk_prob=True,
+        max_position_embeddings=256, tie_word_embeddings=False)
+    return _init(transformers.NemotronHForCausalLM(cfg), 7)
 
 
 FAMILIES = {"qwen3_moe": qwen3_moe, "olmoe": olmoe, "mixtral": mixtral, "deepseek_v3": deepseek_v3,
-            "glm4_moe": glm4_moe, "nemotron_h_moe": nemotron_h_moe}
+            "glm4_moe": glm4_moe, "qwen3_next": qwen3_next, "deepseek_v32": deepseek_v32,
+            "nemotron_h_moe": nemotron_h_moe}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

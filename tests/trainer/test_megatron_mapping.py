@@ -91,18 +91,32 @@ def test_hf_megatron_hf_round_trip_is_bitwise(case, seed, ep):
         _bitwise(megatron_to_hf(unshard(parts, cfg), cfg), hf)
 
 
+def _hf_model_checkpoint(cfg):
+    """Checkpoint-named weights of the HF model of ``cfg`` (transformers' own classes: Mixtral's
+    ``block_sparse_moe`` names, Qwen2's q/k/v biases), for the families ``hf_shapes`` does not lay out."""
+    from skyrl_numerics.engine.weight_update import checkpoint_state_dict
+    from skyrl_numerics.models import init_tiny_model
+
+    return {k: v.detach().clone() for k, v in checkpoint_state_dict(init_tiny_model(cfg, 0)).items()}
+
+
+_SMALL = {"qwen3_moe": {"head_dim": 2},
+          "deepseek_v3": {"kv_lora_rank": 2, "q_lora_rank": 2, "qk_nope_head_dim": 2, "qk_rope_head_dim": 2,
+                          "v_head_dim": 2, "first_k_dense_replace": 1}}
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_both_directions_check_the_same_shapes(family):
     cfg = tiny_config(family, hidden_size=4, vocab_size=6, num_hidden_layers=2, moe_intermediate_size=2,
-                      intermediate_size=2, **({"head_dim": 2} if family == "qwen3_moe" else
-                                              {"kv_lora_rank": 2, "q_lora_rank": 2, "qk_nope_head_dim": 2,
-                                               "qk_rope_head_dim": 2, "v_head_dim": 2, "first_k_dense_replace": 1}))
-    hf = _checkpoint(cfg, 0)
+                      intermediate_size=2, **_SMALL.get(family, {"head_dim": 2}))
+    hf = _checkpoint(cfg, 0) if family in _SMALL else _hf_model_checkpoint(cfg)
     mc = hf_to_megatron(hf, cfg)
+    _bitwise(megatron_to_hf(mc, cfg), hf)
     for name in (next(iter(hf)), "model.norm.weight"):
         with pytest.raises(InputError, match="shape"):
             hf_to_megatron(dict(hf, **{name: hf[name][..., :-1]}), cfg)
-    for name in ("decoder.layers.1.input_layernorm.weight", "decoder.layers.1.mlp.router.weight"):
+    mlp = "router" if "decoder.layers.1.mlp.router.weight" in mc else "linear_fc1"
+    for name in ("decoder.layers.1.input_layernorm.weight", f"decoder.layers.1.mlp.{mlp}.weight"):
         with pytest.raises(InputError, match="shape") as e:
             megatron_to_hf(dict(mc, **{name: mc[name][..., :-1]}), cfg)
         assert e.value.field == name

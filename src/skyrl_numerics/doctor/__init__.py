@@ -106,11 +106,14 @@ def skip_reason(row: Row, ctx: DoctorContext, *, load: bool = True) -> str | Non
             except (ValueError, NotImplementedError) as e:
                 return f"{row.scenario}: {e}"
     elif not spec.engine.get("model_impl"):
-        from skyrl_numerics.engine.arch_check import stock_blocked_reason
+        from skyrl_numerics.engine.arch_check import stock_blocked_reason, stock_config_problem
 
         why = stock_blocked_reason(info.architecture)
         if why:
             return why
+        bad = stock_config_problem(info.config)
+        if bad:
+            return f"{bad[0]}: {bad[1]}"
     if row.families != GENERIC_FAMILIES and ctx.family not in row.families:
         return f"a row for {', '.join(row.families)} only"
     if spec.serve is not None:

@@ -67,13 +67,35 @@ def stock_blocked_reason(arch: str) -> str | None:
     return f"stock vLLM {vllm_version()} on CPU cannot run {arch}: {CPU_STOCK_BLOCKED[arch]}"
 
 
+def stock_config_problem(hf_config: dict) -> tuple[str, str] | None:
+    """``(field, why)`` of a config setting stock vLLM's model for its architecture would not
+    honour — it would serve another model than the checkpoint, silently — or None (any platform).
+
+    Qwen2: vLLM's ``Qwen2Attention`` takes ``head_dim = hidden_size // num_attention_heads`` and
+    ignores ``config.head_dim`` (HF honours it); with another ``head_dim`` its q/k/v loaders slice
+    the weights to the wrong rows (measured on the tiny Qwen2, head_dim 64 ≠ 128 / 4: engine vs HF
+    mean |Δlogprob| 0.57 in `train --configs aligned`, against 2.5e-3 for the same-shaped Llama)."""
+    archs = hf_config.get("architectures") or [None]
+    if archs[0] == "Qwen2ForCausalLM" and hf_config.get("head_dim") is not None:
+        heads, hidden = hf_config.get("num_attention_heads"), hf_config.get("hidden_size")
+        if heads and hidden and int(hf_config["head_dim"]) != hidden // heads:
+            return "head_dim", (f"stock vLLM's Qwen2ForCausalLM ignores head_dim={hf_config['head_dim']} "
+                                f"(it uses hidden_size // num_attention_heads = {hidden // heads}) and "
+                                "would serve another model; the batch-invariant path honours it")
+    return None
+
+
 def check_stock_architecture(hf_config: dict, engine_args: dict | None = None,
                              src: str = "") -> None:
     """InputError before a stock engine starts on a checkpoint this host's vLLM cannot run
-    (:data:`CPU_STOCK_BLOCKED`); vLLM's Transformers backend is not judged here."""
+    (:data:`CPU_STOCK_BLOCKED`) or would run as another model (:func:`stock_config_problem`);
+    vLLM's Transformers backend is not judged here."""
     if (engine_args or {}).get("model_impl") == "transformers":
         return
     archs = hf_config.get("architectures") or []
     why = stock_blocked_reason(archs[0]) if len(archs) == 1 else None
     if why:
         raise InputError(why, source=src or None, field="architectures")
+    bad = stock_config_problem(hf_config)
+    if bad:
+        raise InputError(bad[1], source=src or None, field=bad[0])

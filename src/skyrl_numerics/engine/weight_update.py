@@ -54,6 +54,29 @@ from skyrl_numerics.sync.load_blocks import check_complete_blocks, checkpoint_na
 WORKER_EXTENSION = "skyrl_numerics.engine.vllm_ext.SkyrlWorkerExtension"
 _STAGING_FILE = "model.safetensors"
 
+#: stock vLLM CPU 0.32 models that do not take new weights in place, with what goes wrong
+#: (measured: perturb the HF weights group by group, sync, compare the engine's logprobs with HF's)
+STOCK_RELOAD_BROKEN_CPU = {
+    "GptOssForCausalLM": "new expert weights and biases do not reach its experts (engine vs "
+                         "trainer mean |Δ| 2.2e-3 -> 7.7e-2 after one sync of perturbed experts; "
+                         "attention, sinks and router follow); its load_weights copies them with "
+                         "param.copy_, not through the weight loaders vLLM's layerwise reload tracks",
+    "NemotronHForCausalLM": "new Mamba-2 conv1d weights do not reach its mixers (engine vs trainer "
+                            "mean |Δ| 3.6e-3 -> 6.9e-2 after one sync of a perturbed conv1d; A_log, "
+                            "dt_bias and D follow)",
+}
+
+
+def stock_reload_problem(architecture: str | None) -> str | None:
+    """Why a stock (not batch-invariant) vLLM engine of ``architecture`` cannot follow the trainer
+    through in-place weight updates on this platform, or None. CPU only: measured there (GPU: not
+    measured)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return STOCK_RELOAD_BROKEN_CPU.get(architecture or "")
+
 
 def engine_kwargs() -> dict[str, Any]:
     """Extra ``vllm.LLM`` / ``get_generator`` arguments an engine needs for in-place updates."""
@@ -76,6 +99,10 @@ def load_into_model(vllm_config, model, weights: Iterable[tuple[str, Any]], *, r
     ``model.load_weights(...)``, ``finalize_layerwise_reload(model, model_config)`` — the same in
     vLLM 0.30 - 0.32 (0.32 wraps them in ``reload.inplace.reload_weights``, a module 0.30 and
     0.31 do not have; their runners run the three calls inline)."""
+    problem = None if getattr(model, "skyrl_invariant", False) else stock_reload_problem(type(model).__name__)
+    if problem:     # the one load path: no caller gets a silently stale engine
+        raise InputError(f"{type(model).__name__}: in-place weight update refused: {problem}",
+                         field="architectures")
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
                                                          initialize_layerwise_reload)
@@ -196,6 +223,11 @@ def update_vllm_weights(llm, named_tensors: Mapping[str, Any] | Iterable[tuple[s
         raise InputError(f"expected a running vllm.LLM or a VLLMGenerator, got "
                          f"{type(llm).__name__} (closed?)", field="llm")
     _require_extension(engine)
+    arch = (getattr(engine.llm_engine.model_config.hf_config, "architectures", None) or [None])[0]
+    problem = stock_reload_problem(arch)
+    if problem:
+        raise InputError(f"{arch}: in-place weight update refused: {problem}; the batch-invariant "
+                         "engine takes them (batch_invariant=True)", field="architectures")
     items = dict(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
     if not items:
         raise InputError("no tensors to load", field="named_tensors")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from skyrl_numerics.engine.weight_update import stock_reload_problem
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.host import isa_mismatch
 from skyrl_numerics.invariant import from_checkpoint
@@ -50,6 +51,12 @@ def check_in_place_sync(model_dir, configs) -> None:
                          "which vLLM CPU 0.32 cannot do for MLA models (layerwise reload of the "
                          "processed MLA weights fails); run --configs bitwise for this family",
                          field="configs")
+    arch = (cfg.get("architectures") or [None])[0]
+    problem = stock_reload_problem(arch)
+    if problem and stock:
+        raise InputError(f"configs {stock} need the stock vLLM engine to take new weights in place, "
+                         f"which vLLM CPU 0.32 does not do for {arch}: {problem}; run --configs "
+                         "bitwise for this family", field="configs")
 
 
 class LoopActors:

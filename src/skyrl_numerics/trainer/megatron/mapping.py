@@ -1,4 +1,5 @@
-"""HF Qwen3-MoE / DeepSeek-V3 <-> megatron-core GPTModel weight mapping (full tensors), and TP/EP sharding.
+"""HF Qwen3-MoE / DeepSeek-V3 / Mixtral / dense (Qwen3, Llama, Qwen2, Mistral) <-> megatron-core GPTModel
+weight mapping (full tensors), and TP/EP sharding.
 
 megatron-bridge does this for real models but needs CUDA Transformer Engine and transformers < 5 (a GPU
 extra); this module is the small CPU mapping the issue allows, for the layout of
@@ -34,6 +35,12 @@ DeepSeek-V3 (MLA) swaps the attention rows for ``linear_q_down_proj`` / ``q_laye
 permuted for ``rope_interleave=False``), adds ``mlp.router.expert_bias`` (``e_score_correction_bias``) and
 ``mlp.shared_experts.linear_fc1/2``, and has dense ``mlp.linear_fc1/2`` layers before
 ``first_k_dense_replace``; its experts use the same two layouts (:class:`_Experts`, one unstack / stack).
+
+Mixtral is Qwen3-MoE's table without the q/k norms, its router and experts under its checkpoint names
+``block_sparse_moe.gate`` and ``block_sparse_moe.experts.<e>.w1`` (gate) / ``w3`` (up) / ``w2`` (down)
+(transformers>=5 memory: ``mlp.gate``, ``mlp.experts.gate_up_proj`` / ``down_proj``). The dense decoders
+replace the router and experts with one SwiGLU ``mlp.linear_fc1/2`` (``mlp.{gate,up,down}_proj``); Qwen2's
+q/k/v biases become ``linear_qkv.bias`` in the same per-group row order as the weight; Qwen3 keeps the q/k norms.
 
 Sharding (:func:`shard_for_rank`): vocabulary rows of the embedding and lm-head, and ``linear_qkv`` rows
 (whole KV groups), split in ``tp`` contiguous blocks; ``linear_proj`` columns likewise; experts by EP rank
@@ -81,34 +88,41 @@ class _Taker:
 
 # ---- rules: one group of HF tensors <-> one group of megatron-core tensors, both directions ---------------
 class _Same:
-    """One tensor, the same layout on both sides."""
+    """One tensor, the same layout on both sides (``fused_hf``: its transformers>=5 in-memory name, where
+    that differs from the checkpoint's ``hf``)."""
 
-    def __init__(self, mc: str, hf: str, shape: tuple):
-        self.mc, self.hf, self.shape = mc, hf, shape
+    def __init__(self, mc: str, hf: str, shape: tuple, fused_hf: str | None = None):
+        self.mc, self.hf, self.shape, self.fused_hf = mc, hf, shape, fused_hf or hf
 
     def to_mc(self, take, m, p, grouped):
-        return {m + self.mc: take(p + self.hf, self.shape)}
+        hf = self.hf if p + self.hf in take or p + self.fused_hf not in take else self.fused_hf
+        return {m + self.mc: take(p + hf, self.shape)}
 
     def to_hf(self, take, m, p, fused):
-        return {p + self.hf: take(m + self.mc, self.shape)}
+        return {p + (self.fused_hf if fused else self.hf): take(m + self.mc, self.shape)}
 
 
 class _Interleave:
     """megatron rows per group ``g`` = ``[hf_0 rows of g; hf_1 rows of g; ...]`` (``groups`` = 1: a plain
-    ``cat``, e.g. SwiGLU ``linear_fc1 = [gate; up]``; ``linear_qkv``: ``[q; k; v]`` per KV group)."""
+    ``cat``, e.g. SwiGLU ``linear_fc1 = [gate; up]``; ``linear_qkv``: ``[q; k; v]`` per KV group).
+    ``cols=None``: 1-D tensors (biases), the same row order."""
 
-    def __init__(self, mc: str, hfs: tuple, rows: tuple, cols: int, groups: int = 1):
+    def __init__(self, mc: str, hfs: tuple, rows: tuple, cols: int | None, groups: int = 1):
         self.mc, self.hfs, self.rows, self.cols, self.groups = mc, hfs, rows, cols, groups
 
+    def _shape(self, rows: int) -> tuple:
+        return (rows,) if self.cols is None else (rows, self.cols)
+
     def to_mc(self, take, m, p, grouped):
-        g, c = self.groups, self.cols
-        parts = [take(p + h, (g * r, c)).reshape(g, r, c) for h, r in zip(self.hfs, self.rows)]
-        return {m + self.mc: torch.cat(parts, dim=1).reshape(-1, c)}
+        g, c = self.groups, self.cols or 1
+        parts = [take(p + h, self._shape(g * r)).reshape(g, r, c) for h, r in zip(self.hfs, self.rows)]
+        return {m + self.mc: torch.cat(parts, dim=1).reshape(self._shape(-1))}
 
     def to_hf(self, take, m, p, fused):
-        g, c = self.groups, self.cols
-        t = take(m + self.mc, (g * sum(self.rows), c)).reshape(g, -1, c)
-        return {p + h: x.reshape(g * r, c) for h, r, x in zip(self.hfs, self.rows, t.split(self.rows, dim=1))}
+        g, c = self.groups, self.cols or 1
+        t = take(m + self.mc, self._shape(g * sum(self.rows))).reshape(g, -1, c)
+        return {p + h: x.reshape(self._shape(g * r))
+                for h, r, x in zip(self.hfs, self.rows, t.split(self.rows, dim=1))}
 
 
 def _rope_perm(r: int) -> torch.Tensor:
@@ -141,23 +155,28 @@ def grouped_shapes(E: int, f: int, H: int) -> tuple[tuple, tuple]:
 
 
 class _Experts:
-    """``E`` SwiGLU experts: HF per-expert ``experts.<e>.{gate,up,down}_proj.weight`` or fused
-    ``experts.gate_up_proj [E, 2f, H]`` / ``experts.down_proj [E, H, f]``; megatron sequential
-    ``experts.local_experts.<e>.linear_fc{1,2}.weight`` or grouped ``experts.weight1`` / ``weight2``. Every
-    form is read into (unstacked to) per-expert ``fc1_e = [gate_e; up_e]`` ``[2f, H]``, ``fc2_e`` ``[H, f]``
-    lists and written (stacked) from them."""
+    """``E`` SwiGLU experts: HF per-expert ``experts.<e>.{gate,up,down}_proj.weight`` (``proj``: the
+    checkpoint's names of gate, up, down — Mixtral's ``w1``, ``w3``, ``w2`` under ``hf`` =
+    ``block_sparse_moe.experts.``) or fused ``experts.gate_up_proj [E, 2f, H]`` / ``experts.down_proj
+    [E, H, f]`` under ``fused_hf``; megatron sequential ``experts.local_experts.<e>.linear_fc{1,2}.weight``
+    or grouped ``experts.weight1`` / ``weight2``. Every form is read into (unstacked to) per-expert
+    ``fc1_e = [gate_e; up_e]`` ``[2f, H]``, ``fc2_e`` ``[H, f]`` lists and written (stacked) from them."""
 
-    def __init__(self, E: int, f: int, H: int, hf: str = "mlp.experts.", mc: str = "mlp.experts."):
+    def __init__(self, E: int, f: int, H: int, hf: str = "mlp.experts.", mc: str = "mlp.experts.",
+                 proj: tuple = ("gate_proj", "up_proj", "down_proj"), fused_hf: str = "mlp.experts."):
         self.E, self.f, self.H, self.hf, self.mc = E, f, H, hf, mc
+        self.proj, self.fused_hf = proj, fused_hf
 
     def _from_hf(self, take, p):
         E, f, H, x = self.E, self.f, self.H, p + self.hf
-        if x + "gate_up_proj" in take:
-            gu, dn = take(x + "gate_up_proj", (E, 2 * f, H)), take(x + "down_proj", (E, H, f))
+        xf = p + self.fused_hf
+        if xf + "gate_up_proj" in take:
+            gu, dn = take(xf + "gate_up_proj", (E, 2 * f, H)), take(xf + "down_proj", (E, H, f))
             return list(gu.unbind(0)), list(dn.unbind(0))
-        fc1 = [torch.cat([take(f"{x}{e}.gate_proj.weight", (f, H)), take(f"{x}{e}.up_proj.weight", (f, H))])
+        g, u, d = self.proj
+        fc1 = [torch.cat([take(f"{x}{e}.{g}.weight", (f, H)), take(f"{x}{e}.{u}.weight", (f, H))])
                for e in range(E)]
-        return fc1, [take(f"{x}{e}.down_proj.weight", (H, f)) for e in range(E)]
+        return fc1, [take(f"{x}{e}.{d}.weight", (H, f)) for e in range(E)]
 
     def _from_mc(self, take, m):
         E, f, H, x = self.E, self.f, self.H, m + self.mc
@@ -181,11 +200,12 @@ class _Experts:
     def to_hf(self, take, m, p, fused):
         fc1, fc2, x = *self._from_mc(take, m), p + self.hf
         if fused:
-            return {x + "gate_up_proj": torch.stack(fc1), x + "down_proj": torch.stack(fc2)}
-        out = {}
+            xf = p + self.fused_hf
+            return {xf + "gate_up_proj": torch.stack(fc1), xf + "down_proj": torch.stack(fc2)}
+        out, (g, u, d) = {}, self.proj
         for e, (w1, w2) in enumerate(zip(fc1, fc2)):
-            out[f"{x}{e}.gate_proj.weight"], out[f"{x}{e}.up_proj.weight"] = w1.split([self.f, self.f])
-            out[f"{x}{e}.down_proj.weight"] = w2
+            out[f"{x}{e}.{g}.weight"], out[f"{x}{e}.{u}.weight"] = w1.split([self.f, self.f])
+            out[f"{x}{e}.{d}.weight"] = w2
         return out
 
 
@@ -196,18 +216,42 @@ def _swiglu(mc: str, hf: str, f: int, H: int) -> list:
             _Same(mc + "linear_fc2.weight", hf + "down_proj.weight", (H, f))]
 
 
-def _qwen3_moe_layer(cfg: dict, l: int) -> list:
+def _gqa_attention(cfg: dict, *, qk_norm: bool, qkv_bias: bool) -> list:
+    """Norms and GQA attention of one layer (``linear_qkv`` rows ``[q; k; v]`` per KV group)."""
     nh, ng, H = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
-    d, E, f = cfg.get("head_dim") or H // nh, cfg["num_experts"], cfg["moe_intermediate_size"]
-    qkv = tuple(f"self_attn.{x}_proj.weight" for x in "qkv")
-    return [_Same("input_layernorm.weight", "input_layernorm.weight", (H,)),
-            _Interleave("self_attention.linear_qkv.weight", qkv, (nh // ng * d, d, d), H, groups=ng),
-            _Same("self_attention.linear_proj.weight", "self_attn.o_proj.weight", (H, nh * d)),
-            _Same("self_attention.q_layernorm.weight", "self_attn.q_norm.weight", (d,)),
-            _Same("self_attention.k_layernorm.weight", "self_attn.k_norm.weight", (d,)),
-            _Same("pre_mlp_layernorm.weight", "post_attention_layernorm.weight", (H,)),
-            _Same("mlp.router.weight", "mlp.gate.weight", (E, H)),
-            _Experts(E, f, H)]
+    d = cfg.get("head_dim") or H // nh
+    rows = (nh // ng * d, d, d)
+    rules = [_Same("input_layernorm.weight", "input_layernorm.weight", (H,)),
+             _Interleave("self_attention.linear_qkv.weight", tuple(f"self_attn.{x}_proj.weight" for x in "qkv"),
+                         rows, H, groups=ng),
+             _Same("self_attention.linear_proj.weight", "self_attn.o_proj.weight", (H, nh * d)),
+             _Same("pre_mlp_layernorm.weight", "post_attention_layernorm.weight", (H,))]
+    if qkv_bias:
+        rules.append(_Interleave("self_attention.linear_qkv.bias", tuple(f"self_attn.{x}_proj.bias" for x in "qkv"),
+                                 rows, None, groups=ng))
+    if qk_norm:
+        rules += [_Same("self_attention.q_layernorm.weight", "self_attn.q_norm.weight", (d,)),
+                  _Same("self_attention.k_layernorm.weight", "self_attn.k_norm.weight", (d,))]
+    return rules
+
+
+def _qwen3_moe_layer(cfg: dict, l: int) -> list:
+    E, f, H = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["hidden_size"]
+    return _gqa_attention(cfg, qk_norm=True, qkv_bias=False) + [
+        _Same("mlp.router.weight", "mlp.gate.weight", (E, H)), _Experts(E, f, H)]
+
+
+def _mixtral_layer(cfg: dict, l: int) -> list:
+    E, f, H = cfg["num_experts"], cfg["intermediate_size"], cfg["hidden_size"]
+    return _gqa_attention(cfg, qk_norm=False, qkv_bias=False) + [
+        _Same("mlp.router.weight", "block_sparse_moe.gate.weight", (E, H), fused_hf="mlp.gate.weight"),
+        _Experts(E, f, H, hf="block_sparse_moe.experts.", proj=("w1", "w3", "w2"))]
+
+
+def _dense_layer(cfg: dict, l: int) -> list:
+    mt = cfg["model_type"]
+    return (_gqa_attention(cfg, qk_norm=mt == "qwen3", qkv_bias=mt == "qwen2")
+            + _swiglu("mlp.", "mlp.", cfg["intermediate_size"], cfg["hidden_size"]))
 
 
 def _deepseek_v3_layer(cfg: dict, l: int) -> list:
@@ -240,7 +284,8 @@ def _deepseek_v3_layer(cfg: dict, l: int) -> list:
 
 
 #: model_type -> the rules of layer ``l`` (``(cfg, l) -> [rule]``); both directions read them
-FAMILIES = {"qwen3_moe": _qwen3_moe_layer, "deepseek_v3": _deepseek_v3_layer}
+FAMILIES = {"qwen3_moe": _qwen3_moe_layer, "deepseek_v3": _deepseek_v3_layer, "mixtral": _mixtral_layer,
+            "qwen3": _dense_layer, "llama": _dense_layer, "qwen2": _dense_layer, "mistral": _dense_layer}
 
 
 def _table(cfg: dict) -> list:
@@ -253,7 +298,7 @@ def _table(cfg: dict) -> list:
 
 
 def hf_to_megatron(hf_sd: dict, config, *, grouped_experts: bool = False) -> dict:
-    """Full megatron-core state dict (tp = ep = 1 names) from an HF Qwen3-MoE or DeepSeek-V3 state dict.
+    """Full megatron-core state dict (tp = ep = 1 names) from an HF state dict of a :data:`FAMILIES` model.
 
     ``hf_sd``: checkpoint names (``experts.<e>.gate_proj.weight`` …) or transformers>=5 in-memory fused
     experts (``experts.gate_up_proj`` / ``experts.down_proj``). Unknown, missing or mis-shaped weights raise
@@ -282,8 +327,13 @@ def megatron_to_hf(mc_sd: dict, config, *, fused: bool = False) -> dict:
 _EXPERT = re.compile(r"(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)")
 
 
+def _expert_width(cfg: dict) -> int:
+    """An expert's FFN width (Mixtral's is its ``intermediate_size``; a dense model's: unused)."""
+    return cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 1
+
+
 def tp_dim(name: str) -> int | None:
-    if name.endswith(("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight")):
+    if name.endswith(("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias")):
         return 0
     if name.endswith("self_attention.linear_proj.weight"):
         return 1
@@ -293,8 +343,8 @@ def tp_dim(name: str) -> int | None:
 def shard_for_rank(full: dict, config, *, tp_rank: int = 0, tp: int = 1, ep_rank: int = 0, ep: int = 1) -> dict:
     """This rank's megatron-core state dict from the full one (see the module doc)."""
     cfg = hf_config_dict(config)
-    E, H = cfg["num_experts"], cfg["hidden_size"]
-    s1, s2 = grouped_shapes(E, cfg["moe_intermediate_size"], H)
+    E, H = cfg.get("num_experts") or 1, cfg["hidden_size"]
+    s1, s2 = grouped_shapes(E, _expert_width(cfg), H)
     El = E // ep
     out = {}
     for name, t in full.items():
@@ -319,7 +369,7 @@ def unshard(parts, config) -> dict:
     """Full state dict from ``parts``: ``(ep_rank, tp_rank, state_dict)`` triples (:func:`shard_for_rank`
     outputs) covering every TP rank and every EP rank (not necessarily every pair)."""
     cfg = hf_config_dict(config)
-    E, H = cfg["num_experts"], cfg["hidden_size"]
+    E, H = cfg.get("num_experts") or 1, cfg["hidden_size"]
     by_ep, by_tp = {}, {}
     for er, tr, sd in parts:
         by_ep.setdefault(int(er), sd)
@@ -328,7 +378,7 @@ def unshard(parts, config) -> dict:
     if sorted(by_ep) != list(range(ep)) or sorted(by_tp) != list(range(tp)):
         raise InputError(f"shards cover EP ranks {sorted(by_ep)} and TP ranks {sorted(by_tp)}", field="shards")
     El = E // ep
-    s1, s2 = grouped_shapes(El, cfg["moe_intermediate_size"], H)
+    s1, s2 = grouped_shapes(El, _expert_width(cfg), H)
     out = {}
     for name, t in by_ep[0].items():
         m = _EXPERT.match(name)

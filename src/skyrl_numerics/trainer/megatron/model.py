@@ -1,4 +1,5 @@
-"""A megatron-core 0.16.1 ``GPTModel`` (MoE layers) built from an HF Qwen3-MoE config, with TP / EP.
+"""A megatron-core 0.16.1 ``GPTModel`` built from an HF Qwen3-MoE, DeepSeek-V3, Mixtral or dense
+(Qwen3, Llama, Qwen2, Mistral) config, with TP / EP.
 
 Layout: ``tensor_model_parallel_size = tp`` for attention, embedding and lm-head;
 ``expert_model_parallel_size = ep`` with ``expert_tensor_parallel_size = 1`` (whole experts per rank), so
@@ -10,6 +11,14 @@ Qwen3-MoE in megatron-core terms: RMSNorm, per-head q/k RMSNorm (``qk_layernorm`
 (``num_query_groups``), RoPE (non-interleaved = HF's rotate_half), SwiGLU experts (``gated_linear_unit``),
 softmax router with top-k then renormalize (``moe_router_pre_softmax=False`` — the same as HF's
 ``norm_topk_prob=True``: softmax over all experts, top-k, divide by their sum), no biases, untied lm-head.
+Mixtral is the same without the q/k norm (its router: softmax over all experts, top-k, renormalized,
+the same ``moe_router_pre_softmax=False``). The dense decoders have one SwiGLU MLP per layer
+(``num_moe_experts=None``): Qwen3 with q/k norm, Qwen2 with q/k/v biases (``add_qkv_bias``), Llama and
+Mistral plain. What megatron-core's GPT layer cannot express is refused by :func:`check_parallel_config`
+naming the field (:func:`unsupported_field`): a RoPE scaling type other than the default, a sliding
+window shorter than the context, Llama's / Qwen3's ``attention_bias`` (it also biases ``o_proj``),
+an activation other than SiLU, Mixtral's router jitter, ``tp > 1`` for the dense decoders (their MLP's
+TP layout is not mapped).
 Local (non-Transformer-Engine) layer spec; experts are ``SequentialMLP`` (one ColumnParallel/RowParallel
 MLP per expert) or, with ``grouped_experts=True``, the legacy ``GroupedMLP`` (``weight1``/``weight2``;
 megatron-core requires ``bf16`` for it).
@@ -33,7 +42,11 @@ from skyrl_numerics.hf_config import moe_dims
 __all__ = ["ParallelConfig", "hf_config_dict", "check_parallel_config", "transformer_config", "init_parallel",
            "build_gpt_model", "destroy_parallel", "tp_group", "tp_rank_size"]
 
-SUPPORTED = ("qwen3_moe", "deepseek_v3")
+SUPPORTED = ("qwen3_moe", "deepseek_v3", "mixtral", "qwen3", "llama", "qwen2", "mistral")
+#: one SwiGLU MLP per layer, no experts
+DENSE = ("qwen3", "llama", "qwen2", "mistral")
+#: per-head q/k RMSNorm
+QK_NORM = ("qwen3_moe", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -101,9 +114,14 @@ def check_parallel_config(config, tp: int = 1, ep: int = 1, *, world_size: int |
     for name, v in (("tp", tp), ("ep", ep)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise InputError(f"{name} must be a positive int, got {v!r}", field=name)
+    bad = unsupported_field(cfg)
+    if bad is not None:
+        raise InputError(f"{mt}: {bad[1]}: the megatron trainer cannot reproduce it", field=bad[0])
     heads, kv = _int(cfg, "num_attention_heads"), _int(cfg, "num_key_value_heads")
-    vocab, experts = _int(cfg, "vocab_size"), _int(cfg, "num_experts")
-    k = _int(cfg, "num_experts_per_tok")
+    vocab = _int(cfg, "vocab_size")
+    if mt in DENSE:
+        return _check_dense(cfg, heads, kv, vocab, tp, ep, world_size)
+    experts, k = _int(cfg, "num_experts"), _int(cfg, "num_experts_per_tok")
     if heads % tp:
         raise InputError(f"tp={tp} does not divide num_attention_heads={heads}", field="tp")
     if kv % tp:
@@ -138,25 +156,74 @@ def check_parallel_config(config, tp: int = 1, ep: int = 1, *, world_size: int |
     return cfg
 
 
+def _check_dense(cfg: dict, heads: int, kv: int, vocab: int, tp: int, ep: int, world_size) -> dict:
+    if tp > 1:
+        raise InputError(f"{cfg['model_type']}: the dense MLP's tensor-parallel layout is not mapped "
+                         "(tp=1 only)", field="tp")
+    if ep > 1:
+        raise InputError(f"{cfg['model_type']} is dense: no experts to split over ep={ep}", field="ep")
+    if cfg.get("tie_word_embeddings"):
+        raise InputError("tied embeddings are not supported", field="tie_word_embeddings")
+    if world_size is not None and world_size != 1:
+        raise InputError(f"world_size={world_size}, but tp=1 / ep=1 need 1 rank", field="world_size")
+    return cfg
+
+
+def unsupported_field(cfg: dict) -> tuple[str, str] | None:
+    """``(field, what)`` of the first setting of a Mixtral or dense config that megatron-core's GPT
+    layer (as built here) would not reproduce, or None. Each would otherwise train a different
+    model than the engine serves, silently."""
+    mt = cfg.get("model_type")
+    if mt not in DENSE and mt != "mixtral":
+        return None
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        return "rope_parameters", f"RoPE type {rope.get('rope_type', rope.get('type'))!r} (only 'default')"
+    if float(rope.get("partial_rotary_factor", 1.0) or 1.0) != 1.0:
+        return "partial_rotary_factor", "partial RoPE"
+    window = cfg.get("sliding_window")
+    if mt == "qwen2" and not cfg.get("use_sliding_window"):
+        window = None                      # Qwen2 reads the window only with use_sliding_window
+    if window is not None and int(window) < int(cfg.get("max_position_embeddings") or 0):
+        return "sliding_window", f"a sliding window of {window} shorter than the context"
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        return "hidden_act", f"activation {act!r} (only SwiGLU with 'silu')"
+    if mt in ("llama", "qwen3") and cfg.get("attention_bias"):
+        return "attention_bias", "attention biases (q/k/v and o_proj)"
+    if mt == "llama" and cfg.get("mlp_bias"):
+        return "mlp_bias", "MLP biases"
+    if mt == "mixtral" and float(cfg.get("router_jitter_noise") or 0.0) != 0.0:
+        return "router_jitter_noise", "router jitter noise"
+    return None
+
+
 def transformer_config(config, *, tp: int = 1, ep: int = 1, dtype: torch.dtype = torch.float32,
                        grouped_experts: bool = False, route_replay: bool = True):
-    """The megatron-core ``TransformerConfig`` of an HF Qwen3-MoE config (fusions off: they need CUDA)."""
+    """The megatron-core ``TransformerConfig`` of an HF config (fusions off: they need CUDA)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cfg = check_parallel_config(config, tp, ep)
     H = cfg["hidden_size"]
     if cfg["model_type"] == "deepseek_v3":
         return _mla_config(cfg, tp=tp, ep=ep, dtype=dtype, grouped_experts=grouped_experts, route_replay=route_replay)
+    mt = cfg["model_type"]
+    if mt in DENSE:
+        moe = {}
+    else:   # Mixtral's expert width is its intermediate_size; softmax, top-k, renormalized
+        moe = dict(moe_ffn_hidden_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+                   num_moe_experts=cfg["num_experts"], moe_router_topk=cfg["num_experts_per_tok"],
+                   moe_router_pre_softmax=mt != "mixtral" and not cfg.get("norm_topk_prob", True),
+                   moe_router_score_function="softmax", moe_router_load_balancing_type="none",
+                   moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=grouped_experts,
+                   moe_enable_routing_replay=route_replay, moe_permute_fusion=False)
     return TransformerConfig(
         num_layers=cfg["num_hidden_layers"], hidden_size=H, num_attention_heads=cfg["num_attention_heads"],
         num_query_groups=cfg["num_key_value_heads"], kv_channels=cfg.get("head_dim") or H // cfg["num_attention_heads"],
-        ffn_hidden_size=cfg.get("intermediate_size", 4 * H), moe_ffn_hidden_size=cfg["moe_intermediate_size"],
-        num_moe_experts=cfg["num_experts"], moe_router_topk=cfg["num_experts_per_tok"],
-        moe_router_pre_softmax=not cfg.get("norm_topk_prob", True), moe_router_score_function="softmax",
-        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall",
-        moe_grouped_gemm=grouped_experts, moe_enable_routing_replay=route_replay, moe_permute_fusion=False,
-        normalization="RMSNorm", layernorm_epsilon=cfg.get("rms_norm_eps", 1e-6), qk_layernorm=True,
-        add_bias_linear=False, add_qkv_bias=bool(cfg.get("attention_bias", False)), gated_linear_unit=True,
+        ffn_hidden_size=cfg.get("intermediate_size", 4 * H), **moe,
+        normalization="RMSNorm", layernorm_epsilon=cfg.get("rms_norm_eps", 1e-6), qk_layernorm=mt in QK_NORM,
+        add_bias_linear=False, add_qkv_bias=mt == "qwen2" or bool(cfg.get("attention_bias", False)),
+        gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
         sequence_parallel=tp > 1, params_dtype=dtype, bf16=dtype == torch.bfloat16 or grouped_experts,
@@ -284,18 +351,21 @@ class CoreAttention(torch.nn.Module):
         return out.permute(2, 0, 1, 3).reshape(sq, out.shape[0], -1)
 
 
-def layer_spec(num_experts: int, *, grouped_experts: bool = False, num_layers: int):
-    """megatron-core's local GPT layer spec with :class:`RMSNorm` for every norm (block spec for GPTModel)."""
+def layer_spec(num_experts: int | None, *, grouped_experts: bool = False, num_layers: int,
+               qk_layernorm: bool = True):
+    """megatron-core's local GPT layer spec with :class:`RMSNorm` for every norm (block spec for GPTModel);
+    ``num_experts=None``: a dense MLP."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=grouped_experts,
-                                    qk_layernorm=True, normalization="RMSNorm")
+                                    qk_layernorm=qk_layernorm, normalization="RMSNorm")
     sub = spec.submodules
     sub.input_layernorm = RMSNorm
     sub.pre_mlp_layernorm = RMSNorm
-    sub.self_attention.submodules.q_layernorm = RMSNorm
-    sub.self_attention.submodules.k_layernorm = RMSNorm
+    if qk_layernorm:
+        sub.self_attention.submodules.q_layernorm = RMSNorm
+        sub.self_attention.submodules.k_layernorm = RMSNorm
     return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=RMSNorm)
 
 
@@ -332,7 +402,8 @@ def build_gpt_model(config, *, tp: int = 1, ep: int = 1, dtype: torch.dtype = to
     if cfg["model_type"] == "deepseek_v3":
         spec = mla_block_spec(tc)
     else:
-        spec = layer_spec(cfg["num_experts"], grouped_experts=grouped_experts, num_layers=cfg["num_hidden_layers"])
+        spec = layer_spec(None if cfg["model_type"] in DENSE else cfg["num_experts"], grouped_experts=grouped_experts,
+                          num_layers=cfg["num_hidden_layers"], qk_layernorm=cfg["model_type"] in QK_NORM)
     if route_replay:  # one RouterReplay per TopKRouter, in layer order: start from none
         RouterReplay.clear_global_router_replay_instances()
     rope = cfg["rope_theta"]
