@@ -196,11 +196,11 @@ def test_packed_layout_matches_padded():
     m = qwen3_moe()
     ids, mask, lens = _batch()
     with record_routes(m) as rec:
-        ref = _logits(m, ids, mask)
+        _logits(m, ids, mask)
     routes = rec.routes(lens, drop_last=True)
     packed_ids = torch.cat([ids[b, :lens[b]] for b in range(3)])[None]
     pos = torch.cat([torch.arange(int(n)) for n in lens])[None]
-    with record_routes(m) as rec_p:
+    with record_routes(m):
         with torch.no_grad():
             m(input_ids=packed_ids, position_ids=pos)
     # own routing on packed input differs only where attention differs (cross-sequence); replay forces ours
