@@ -14,13 +14,10 @@ from hypothesis import strategies as st
 from skyrl_numerics.invariant import from_checkpoint
 from skyrl_numerics.invariant.blocks import UnsupportedConfig
 from skyrl_numerics.invariant.nemotron_h import InvariantNemotronH
+from hf_agreement import assert_fp32_within_hfs_own_error, assert_packing_and_prefix_invariant, token_ids
 from skyrl_numerics.models import build_tiny_model, load_hf_model, tiny_config
 
-F32_ULP = 2.0 ** -23
 
-
-def _ids(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(2, 512, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("over", [{}, {"n_groups": 2, "layers_block_type": [
@@ -31,14 +28,7 @@ def test_fp32_logits_are_hfs_within_hfs_own_error(over):
     64 ulps of the logit scale (measured: ours 2.0e-6, HF's 1.5e-6 at scale 2.2)."""
     d = build_tiny_model("nemotron_h", dtype="float32", **over)
     m = from_checkpoint(d, dtype=torch.float32)
-    ids = _ids(56, 1)
-    with torch.no_grad():
-        ours = m.logits(m.sequence_hidden(ids)).double()
-        hf32 = load_hf_model(d, dtype="float32")(ids[None]).logits[0].double()
-        ref = load_hf_model(d, dtype="float64")(ids[None]).logits[0]
-    scale = ref.abs().max().item()
-    hf_err, ours_err = (hf32 - ref).abs().max().item(), (ours - ref).abs().max().item()
-    assert ours_err <= 4 * hf_err + 64 * F32_ULP * scale, (ours_err, hf_err, scale)
+    assert_fp32_within_hfs_own_error(d, m, token_ids(56, 1))
 
 
 def test_bf16_logits_follow_hf_bf16():
@@ -46,7 +36,7 @@ def test_bf16_logits_follow_hf_bf16():
     (measured 1 ulp)."""
     d = build_tiny_model("nemotron_h")
     m = from_checkpoint(d)
-    ids = _ids(40, 2)
+    ids = token_ids(40, 2)
     with torch.no_grad():
         ours = m.logits(m.sequence_hidden(ids)).float()
         ref = load_hf_model(d)(ids[None]).logits[0].float()
@@ -61,14 +51,7 @@ def bf16_model():
 @settings(max_examples=5)
 @given(lens=st.lists(st.integers(1, 30), min_size=1, max_size=3), seed=st.integers(0, 2 ** 16))
 def test_bf16_forward_is_prefix_and_packing_invariant(bf16_model, lens, seed):
-    m = bf16_model
-    seqs = [_ids(n, seed + j) for j, n in enumerate(lens)]
-    with torch.no_grad():
-        alone = [m.sequence_hidden(s) for s in seqs]
-        packed = m.packed_hidden(seqs)
-        pre = m.sequence_hidden(seqs[0][:max(1, lens[0] // 2)])
-    assert torch.equal(packed, torch.cat(alone))
-    assert torch.equal(alone[0][:pre.shape[0]], pre)
+    assert_packing_and_prefix_invariant(bf16_model, lens, seed)
 
 
 @settings(max_examples=6)
@@ -105,7 +88,7 @@ def test_fp32_gradient_is_hf_autograds():
     hf, h64 = load_hf_model(d, dtype="float32"), load_hf_model(d, dtype="float64")
     for p in m.parameters():
         p.requires_grad_(True)
-    ids = _ids(40, 3)
+    ids = token_ids(40, 3)
     with torch.enable_grad():
         for out in (lambda: m.logits(m.sequence_hidden(ids)), lambda: hf(ids[None]).logits[0],
                     lambda: h64(ids[None]).logits[0]):

@@ -18,22 +18,12 @@ from skyrl_numerics.hf_config import moe_dims, moe_layout, nemotron_block_types
 from skyrl_numerics.invariant import from_checkpoint
 from skyrl_numerics.invariant.blocks import UnsupportedConfig, routed_experts, sigmoid_group_topk
 from skyrl_numerics.invariant.nemotron_h import InvariantNemotronH
+from hf_agreement import assert_fp32_within_hfs_own_error, hf_eager, token_ids
 from skyrl_numerics.models import build_tiny_model, load_hf_model, tiny_config
 
-F32_ULP = 2.0 ** -23
 LATENT = {"moe_latent_size": 32}
 
 
-def _ids(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(2, 512, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-def _hf64(d):
-    from transformers import AutoModelForCausalLM
-
-    # (HF's grouped-mm experts take no float64: its eager experts)
-    return AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float64,
-                                                experts_implementation="eager").eval()
 
 
 @pytest.mark.parametrize("over", [{}, LATENT], ids=["nano", "latent"])
@@ -44,14 +34,7 @@ def test_fp32_logits_are_hfs_within_hfs_own_error(over):
     d = build_tiny_model("nemotron_h_moe", dtype="float32", **over)
     m = from_checkpoint(d, dtype=torch.float32)
     assert m.dims.moe is not None and m.dims.moe_layers == (1, 3)
-    ids = _ids(56, 1)
-    with torch.no_grad():
-        ours = m.logits(m.sequence_hidden(ids)).double()
-        hf32 = load_hf_model(d, dtype="float32")(ids[None]).logits[0].double()
-        ref = _hf64(d)(ids[None]).logits[0]
-    scale = ref.abs().max().item()
-    hf_err, ours_err = (hf32 - ref).abs().max().item(), (ours - ref).abs().max().item()
-    assert ours_err <= 4 * hf_err + 64 * F32_ULP * scale, (ours_err, hf_err, scale)
+    assert_fp32_within_hfs_own_error(d, m, token_ids(56, 1))
 
 
 def test_bf16_logits_as_close_to_hf_fp64_as_hfs_own_bf16():
@@ -60,11 +43,11 @@ def test_bf16_logits_as_close_to_hf_fp64_as_hfs_own_bf16():
     measured 0.025 vs HF's 0.023 at scale 2.3)."""
     d = build_tiny_model("nemotron_h_moe")
     m = from_checkpoint(d)
-    ids = _ids(40, 2)
+    ids = token_ids(40, 2)
     with torch.no_grad():
         ours = m.logits(m.sequence_hidden(ids)).double()
         hf = load_hf_model(d)(ids[None]).logits[0].double()
-        ref = _hf64(d)(ids[None]).logits[0]
+        ref = hf_eager(d)(ids[None]).logits[0]
     assert (ours - ref).abs().max() <= 2 * (hf - ref).abs().max()
 
 
@@ -124,7 +107,7 @@ def test_hidden_states_and_routes_do_not_depend_on_the_batch(latent_bf16, lens, 
     """Packed with others == alone, hidden states and every MoE layer's routes; a prefix's
     rows are the whole sequence's."""
     m = latent_bf16
-    seqs = [_ids(n, seed + j) for j, n in enumerate(lens)]
+    seqs = [token_ids(n, seed + j) for j, n in enumerate(lens)]
     routes: dict = {}
     m.route_hook = lambda layer, ids: routes.setdefault(layer, []).append(ids.clone())
     try:

@@ -19,16 +19,13 @@ from skyrl_numerics.invariant import from_checkpoint
 from skyrl_numerics.invariant.blocks import UnsupportedConfig
 from skyrl_numerics.invariant.qwen3_5 import InvariantQwen3_5, InvariantQwen3_5Moe
 from skyrl_numerics.invariant.qwen3_next import InvariantQwen3Next
+from hf_agreement import assert_fp32_within_hfs_own_error, assert_packing_and_prefix_invariant, hf_eager, token_ids
 from skyrl_numerics.models import build_tiny_model, load_hf_model, tiny_config
 
-F32_ULP = 2.0 ** -23
 BF16_ULP = 2.0 ** -8
 FAMILIES = {"qwen3_5": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig"),
             "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig")}
 
-
-def _ids(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(2, 512, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def _tensor_names(d) -> set:
@@ -37,13 +34,6 @@ def _tensor_names(d) -> set:
     with safe_open(str(d / "model.safetensors"), "pt") as f:
         return set(f.keys())
 
-
-def _hf(d, dtype):
-    from transformers import AutoModelForCausalLM
-
-    # (HF's grouped-mm experts take no float64: its eager experts)
-    return AutoModelForCausalLM.from_pretrained(str(d), dtype=dtype,
-                                                experts_implementation="eager").eval()
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -76,15 +66,7 @@ def test_fp32_logits_are_hfs_within_hfs_own_error(family, over):
                                                                       **over))
     d = build_tiny_model(family, dtype="float32", **over)
     m = from_checkpoint(d, dtype=torch.float32)
-    ids = _ids(56, 1)
-    with torch.no_grad():
-        ours = m.logits(m.sequence_hidden(ids)).double()
-        hf32 = load_hf_model(d, dtype="float32")(ids[None]).logits[0].double()
-        ref = _hf(d, torch.float64)(ids[None]).logits[0]
-    scale = ref.abs().max().item()
-    hf_err = (hf32 - ref).abs().max().item()
-    ours_err = (ours - ref).abs().max().item()
-    assert ours_err <= 4 * hf_err + 64 * F32_ULP * scale, (ours_err, hf_err, scale)
+    assert_fp32_within_hfs_own_error(d, m, token_ids(56, 1))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -94,11 +76,11 @@ def test_bf16_logits_within_hf_bf16s_own_error(family):
     we stay fp32)."""
     d = build_tiny_model(family)
     m = from_checkpoint(d)
-    ids = _ids(40, 2)
+    ids = token_ids(40, 2)
     with torch.no_grad():
         ours = m.logits(m.sequence_hidden(ids)).double()
         hf = load_hf_model(d)(ids[None]).logits[0].double()
-        ref = _hf(d, torch.float64)(ids[None]).logits[0]
+        ref = hf_eager(d, torch.float64)(ids[None]).logits[0]
     scale = ref.abs().max().item()
     hf_err = (hf - ref).abs().max().item()
     assert (ours - ref).abs().max().item() <= 2 * hf_err + BF16_ULP * scale, hf_err
@@ -133,7 +115,7 @@ def test_qwen3_5_moe_is_qwen3_nexts_code():
     family give the same bits: only the projection layout differs."""
     m = from_checkpoint(build_tiny_model("qwen3_5_moe"))
     nx = _as_qwen3_next(m)
-    ids = _ids(33, 4)
+    ids = token_ids(33, 4)
     with torch.no_grad():
         assert torch.equal(m.sequence_hidden(ids), nx.sequence_hidden(ids))
 
@@ -148,14 +130,7 @@ def moe_model():
 def test_bf16_forward_is_prefix_and_packing_invariant(moe_model, lens, seed):
     """Several sequences packed into one forward: each gets the bits it gets alone, and a
     prefix's rows are the whole sequence's first rows."""
-    m = moe_model
-    seqs = [_ids(n, seed + j) for j, n in enumerate(lens)]
-    with torch.no_grad():
-        alone = [m.sequence_hidden(s) for s in seqs]
-        packed = m.packed_hidden(seqs)
-        pre = m.sequence_hidden(seqs[0][:max(1, lens[0] // 2)])
-    assert torch.equal(packed, torch.cat(alone))
-    assert torch.equal(alone[0][:pre.shape[0]], pre)
+    assert_packing_and_prefix_invariant(moe_model, lens, seed)
 
 
 def test_routes_every_layer_of_the_moe_and_none_of_the_dense():

@@ -14,21 +14,11 @@ from hypothesis import strategies as st
 from skyrl_numerics.invariant import from_checkpoint
 from skyrl_numerics.invariant.blocks import UnsupportedConfig
 from skyrl_numerics.invariant.qwen3_next import InvariantQwen3Next
+from hf_agreement import assert_fp32_within_hfs_own_error, assert_packing_and_prefix_invariant, hf_eager, token_ids
 from skyrl_numerics.models import build_tiny_model, load_hf_model, tiny_config
 
-F32_ULP = 2.0 ** -23
 
 
-def _ids(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(2, 512, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-def _hf64(d):
-    from transformers import AutoModelForCausalLM
-
-    # (HF's grouped-mm experts take no float64: its eager experts)
-    return AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float64,
-                                                experts_implementation="eager").eval()
 
 
 @pytest.mark.parametrize("over", [{}, {"layer_types": ["full_attention", "linear_attention",
@@ -41,15 +31,7 @@ def test_fp32_logits_are_hfs_within_hfs_own_error(over):
     the gated delta rule, the shared expert's gate."""
     d = build_tiny_model("qwen3_next", dtype="float32", **over)
     m = from_checkpoint(d, dtype=torch.float32)
-    ids = _ids(56, 1)
-    with torch.no_grad():
-        ours = m.logits(m.sequence_hidden(ids)).double()
-        hf32 = load_hf_model(d, dtype="float32")(ids[None]).logits[0].double()
-        ref = _hf64(d)(ids[None]).logits[0]
-    scale = ref.abs().max().item()
-    hf_err = (hf32 - ref).abs().max().item()
-    ours_err = (ours - ref).abs().max().item()
-    assert ours_err <= 4 * hf_err + 64 * F32_ULP * scale, (ours_err, hf_err, scale)
+    assert_fp32_within_hfs_own_error(d, m, token_ids(56, 1))
 
 
 def test_bf16_logits_follow_hf_bf16():
@@ -57,7 +39,7 @@ def test_bf16_logits_follow_hf_bf16():
     (HF rounds its RoPE cos/sin and the conv in bf16 where we stay fp32; measured 1 ulp)."""
     d = build_tiny_model("qwen3_next")
     m = from_checkpoint(d)
-    ids = _ids(40, 2)
+    ids = token_ids(40, 2)
     with torch.no_grad():
         ours = m.logits(m.sequence_hidden(ids)).float()
         ref = load_hf_model(d)(ids[None]).logits[0].float()
@@ -74,14 +56,7 @@ def bf16_model():
 def test_bf16_forward_is_prefix_and_packing_invariant(bf16_model, lens, seed):
     """Several sequences packed into one forward: each gets the bits it gets alone, and a
     prefix's rows are the whole sequence's first rows."""
-    m = bf16_model
-    seqs = [_ids(n, seed + j) for j, n in enumerate(lens)]
-    with torch.no_grad():
-        alone = [m.sequence_hidden(s) for s in seqs]
-        packed = m.packed_hidden(seqs)
-        pre = m.sequence_hidden(seqs[0][:max(1, lens[0] // 2)])
-    assert torch.equal(packed, torch.cat(alone))
-    assert torch.equal(alone[0][:pre.shape[0]], pre)
+    assert_packing_and_prefix_invariant(bf16_model, lens, seed)
 
 
 @settings(max_examples=8)
@@ -118,7 +93,7 @@ def test_decode_from_the_state_is_the_prefill(bf16_model):
     linear layer's state handed on (a keeper like the engine's) and the attention reading the
     cached rows, gives the rows of one prefill of the whole sequence."""
     m = bf16_model
-    ids = _ids(20, 7)
+    ids = token_ids(20, 7)
 
     class Keeper:
         def __init__(self):
@@ -157,10 +132,10 @@ def test_fp32_gradient_is_hf_autograds():
     dt_bias are ill-conditioned: HF's own error 3.7e-4, ours 1.1e-3; the projections 1e-6)."""
     d = build_tiny_model("qwen3_next", dtype="float32")
     m = from_checkpoint(d, dtype=torch.float32)
-    hf, h64 = load_hf_model(d, dtype="float32"), _hf64(d)
+    hf, h64 = load_hf_model(d, dtype="float32"), hf_eager(d)
     for p in m.parameters():
         p.requires_grad_(True)
-    ids = _ids(24, 3)
+    ids = token_ids(24, 3)
     with torch.enable_grad():
         for model, out in ((m, lambda: m.logits(m.sequence_hidden(ids))),
                            (hf, lambda: hf(ids[None]).logits[0]), (h64, lambda: h64(ids[None]).logits[0])):
