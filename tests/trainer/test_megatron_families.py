@@ -18,22 +18,6 @@ FAMILIES = ("mixtral", "qwen3", "llama", "qwen2", "mistral")
 LOGITS_ATOL = 1e-5  # fp32, as tests/trainer/test_megatron_model.py (Qwen3-MoE measured ~1e-6)
 
 
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    import torch.distributed as dist
-
-    own = not dist.is_initialized()
-    if own:  # file rendezvous: no TCP port to collide with other test processes
-        store = tmp_path_factory.mktemp("gloo") / "store"
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    from skyrl_numerics.trainer.megatron.model import destroy_parallel
-
-    destroy_parallel()
-    if own:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_round_trip_bitwise_and_logits_match_hf(group, family):
     from skyrl_numerics.engine.weight_update import checkpoint_state_dict

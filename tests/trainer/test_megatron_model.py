@@ -36,22 +36,6 @@ def test_spawn_and_trainer_refuse_bad_layout_before_any_group(qwen_moe_dir):
 
 
 @pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    import torch.distributed as dist
-
-    own = not dist.is_initialized()
-    if own:  # file rendezvous: no TCP port to collide with other test processes
-        store = tmp_path_factory.mktemp("gloo") / "store"
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    from skyrl_numerics.trainer.megatron.model import destroy_parallel
-
-    destroy_parallel()
-    if own:
-        dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
 def hf(qwen_moe_dir):
     from skyrl_numerics.models import load_hf_model
 
