@@ -14,7 +14,8 @@ whose logprobs equal the trainer's bitwise for each engine.
         [--config '{"hidden_size": 1024, ...}']   # overrides of the tiny config (a larger model)
         [--forward-times] [--engine-args '{"kv_cache_memory_bytes": 1073741824}']
         [--peak-rss]   # each engine's peak RSS (its worker process), from /proc
-        [--real-dims]  # the real-dims checkpoint of benchmarks/real_dims.py (issue 26)
+        [--real-dims]  # the real-dims checkpoint of benchmarks/real_dims.py (issue 26);
+                       # --config then overrides its entries (e.g. fewer experts)
         [--sequential] # one engine alive at a time (a shared host): each engine's rounds run
                        # back to back, then it closes before the next starts
 
@@ -72,9 +73,9 @@ def main() -> None:
     from skyrl_numerics.trainer import VLLMGenerator
 
     if args.real_dims:
-        from real_dims import CONFIGS     # (benchmarks/real_dims.py, beside this script)
+        from real_dims import build       # (benchmarks/real_dims.py, beside this script)
 
-        model_dir = build_tiny_model(args.family, **CONFIGS[args.family], **json.loads(args.config))
+        model_dir = build(args.family, **json.loads(args.config))
     else:
         model_dir = build_tiny_model(args.family, **json.loads(args.config))
     prompts = make_prompts(args.prompts, args.prompt_len, 512, seed=0)
