@@ -9,11 +9,12 @@ overrides: built once, cached under the project cache folder by a hash of the co
   width 1408 + 2 shared, first layer dense (11264), vocab 163,840 (~1.34 B parameters);
 - ``qwen3_next``: Qwen3-Next-80B-A3B's hybrid layers — hidden 2048; a Gated DeltaNet layer
   (16 key / 32 value heads of 128, conv kernel 4) then a gated full-attention layer (16 q / 2 kv
-  heads of 256, partial RoPE 0.25: the config default); 512 experts top-10 of width 512 + a shared expert of 512 in
-  both; vocab 151,936 (~3.5 B parameters, 7 GB in bf16: the benchmarks override
+  heads of 256, partial RoPE 0.25: the config default); 512 experts top-10 of width 512 + a
+  shared expert of 512 in both; vocab 151,936 (~3.9 B parameters, 7.3 GiB in bf16: the benchmarks override
   ``num_experts`` and ``vocab_size`` on a 24 GB host, and say so).
 
-    .venv/bin/python benchmarks/real_dims.py [qwen3_moe|deepseek_v3 ...]   # prints the paths
+    .venv/bin/python benchmarks/real_dims.py [qwen3_moe|deepseek_v3|qwen3_next ...]   # prints the paths
+    (no argument: the first two; ``qwen3_next`` at 512 experts needs ~14 GB free to build)
 """
 from __future__ import annotations
 
@@ -48,5 +49,5 @@ def build(family: str, **overrides):
 
 
 if __name__ == "__main__":
-    for fam in sys.argv[1:] or list(CONFIGS):
+    for fam in sys.argv[1:] or ["qwen3_moe", "deepseek_v3"]:
         print(fam, build(fam))
