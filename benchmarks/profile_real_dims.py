@@ -5,8 +5,12 @@ in-process on the real-dims checkpoint (``real_dims.py``) for a prefill of P pro
 tokens and for decode-shaped calls (P rows, one token per prompt: the GEMM and expert shapes
 of a decode step; the attention there reads one key, so it understates a real decode's).
 
-    .venv/bin/python benchmarks/profile_real_dims.py [--family qwen3_moe|deepseek_v3]
+    .venv/bin/python benchmarks/profile_real_dims.py [--family qwen3_moe|deepseek_v3|qwen3_next]
         [--prompts 4] [--prompt-len 32] [--repeats 3]
+        [--config '{"num_experts": 128}']   # overrides of the real-dims config (a small host)
+
+Qwen3-Next's Gated DeltaNet is split into its fp32 token-by-token scan (``delta_scan``), the
+causal conv and the q/k l2norm (the projections count as projections).
 
 Prints JSON: per phase, ms per call of the forward and each block type's share; and the
 physical bound of a decode step on this machine: the bytes of the weights it reads (LM head,
@@ -27,6 +31,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--config", default="{}", help="JSON object of overrides of the real-dims config")
     args = ap.parse_args()
 
     import torch
@@ -34,7 +39,7 @@ def main() -> None:
     from real_dims import build
     from skyrl_numerics.invariant import base, from_checkpoint
 
-    model = from_checkpoint(build(args.family))
+    model = from_checkpoint(build(args.family, **json.loads(args.config)))
     fam = __import__(type(model).__module__, fromlist=["x"])
     spent: dict[str, float] = defaultdict(float)
 
@@ -51,7 +56,8 @@ def main() -> None:
              "head_matmuls": "MLA absorbed products", "routed_experts": "routed experts",
              "swiglu_mlp": "dense / shared MLP", "softmax_topk": "router top-k",
              "sigmoid_group_topk": "router top-k", "rms_norm": "norms", "rms_norm_heads": "norms",
-             "qk_norm_rope_rows": "q/k norm + rope"}
+             "qk_norm_rope_rows": "q/k norm + rope", "delta_scan": "Gated DeltaNet scan",
+             "causal_conv": "GDN causal conv", "l2norm": "GDN q/k l2norm"}
     for mod in (fam, base):
         for n, label in names.items():
             if hasattr(mod, n):
