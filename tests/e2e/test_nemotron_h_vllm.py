@@ -28,17 +28,25 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow,
                                  reason="one engine more: set SKYRL_NUMERICS_HYBRID_ALL=1")]
 
 
-# name -> (tiny family, overrides): one engine each, in turn
-CONFIGS = {"dense": ("nemotron_h", {}), "moe": ("nemotron_h_moe", {}),
-           "latent_moe": ("nemotron_h_moe", {"moe_latent_size": 32})}
+# name -> (tiny family, overrides, KV cache format of the attention layers): one engine each,
+# in turn; "fp8": E4M3 rows with per-layer scales (the GQA ``KVFormat``, engine and trainer)
+CONFIGS = {"dense": ("nemotron_h", {}, None), "moe": ("nemotron_h_moe", {}, None),
+           "latent_moe": ("nemotron_h_moe", {"moe_latent_size": 32}, None),
+           "dense-fp8": ("nemotron_h", {}, "fp8"), "moe-fp8": ("nemotron_h_moe", {}, "fp8")}
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
-def nh_dir(request):
+def nh_case(request):
+    """``(checkpoint dir, kv_cache)`` of one config."""
     from skyrl_numerics.models import build_tiny_model
 
-    family, over = CONFIGS[request.param]
-    return build_tiny_model(family, **over)
+    family, over, kv = CONFIGS[request.param]
+    return build_tiny_model(family, **over), kv
+
+
+@pytest.fixture(scope="module")
+def nh_dir(nh_case):
+    return nh_case[0]
 
 
 def _is_moe(d) -> bool:
@@ -48,19 +56,20 @@ def _is_moe(d) -> bool:
 
 
 @pytest.fixture(scope="module")
-def nh_engine(nh_dir):
+def nh_engine(nh_case):
     pytest.importorskip("vllm")
     from skyrl_numerics.trainer import VLLMGenerator
 
+    nh_dir, kv = nh_case
     gen = VLLMGenerator(nh_dir, batch_invariant=True, max_num_batched_tokens=64,
-                        capture_routes=_is_moe(nh_dir))
+                        capture_routes=_is_moe(nh_dir), kv_cache=kv)
     yield gen
     gen.close()
 
 
 @pytest.fixture(scope="module")
-def nh_trainer(nh_dir):
-    return from_checkpoint(nh_dir)
+def nh_trainer(nh_case):
+    return from_checkpoint(nh_case[0], kv_cache=nh_case[1])
 
 
 def _assert_bitwise(tl, ro, what=""):
@@ -91,6 +100,9 @@ def test_every_token_and_logits_row_bitwise_at_engine_and_trainer_batch_sizes(nh
         _assert_bitwise(_trainer(nh_trainer, ro, bs), ro, f"trainer batch {bs}")
     digest = invariant_logits_digest(nh_trainer, ro, batch_size=4)
     assert digest["frac_bitwise"] == 1.0 and digest["positions"] == ro.num_response_tokens, digest
+    if nh_trainer.kv.format == "fp8":      # the FP8 rows are in effect: a bf16-cache trainer is off
+        off = invariant_trainer_logprobs(from_checkpoint(gen.model_dir), ro, batch_size=3)
+        assert (off.logprobs != ro.rollout_logprobs).mean() > 0.5
 
 
 def test_bitwise_under_chunked_prefill_and_prefix_cache_hits(nh_engine, nh_trainer):

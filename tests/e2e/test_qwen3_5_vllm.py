@@ -4,12 +4,13 @@ between the real vLLM CPU engine and the trainer.
 The families reuse Qwen3-Next's module (``invariant/qwen3_5.py``), so the engine path is Qwen3-Next's:
 each request's Gated DeltaNet state in vLLM's own Mamba state cache
 (``engine/vllm_hybrid_state.py``), the full-attention layers on the paged rows. One engine per
-family, each for its tests (module-scoped, parametrized: the dense one is closed before the MoE
-one starts), prefix caching on ("align" mode) and a 64-token step budget, so long prompts are
-prefilled in chunks. Nothing is mocked. Opt-in (``SKYRL_NUMERICS_HYBRID_ALL=1``): two engines
-more than the suite's time budget holds; the default suite runs their trainer side
-(tests/invariant/test_qwen3_5.py) and the same engine path on Qwen3-Next
-(tests/e2e/test_qwen3_next_vllm.py).
+family and cache format, each for its tests (module-scoped, parametrized: one is closed before
+the next starts), prefix caching on ("align" mode) and a 64-token step budget, so long prompts are
+prefilled in chunks; the ``-fp8`` params store the full-attention rows as E4M3
+(tests/invariant/test_hybrid_kv_fp8.py checks those rows without an engine). Nothing is mocked.
+Opt-in (``SKYRL_NUMERICS_HYBRID_ALL=1``): four engines more than the suite's time budget holds;
+the default suite runs their trainer side (tests/invariant/test_qwen3_5.py) and the same engine
+path on Qwen3-Next (tests/e2e/test_qwen3_next_vllm.py).
 """
 from __future__ import annotations
 
@@ -25,21 +26,23 @@ from skyrl_numerics.trainer.logprobs import invariant_trainer_logprobs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(os.environ.get("SKYRL_NUMERICS_HYBRID_ALL", "") != "1",
-                                 reason="two engines more: set SKYRL_NUMERICS_HYBRID_ALL=1")]
+                                 reason="four engines more: set SKYRL_NUMERICS_HYBRID_ALL=1")]
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_5-fp8", "qwen3_5_moe-fp8"])
 def q35(request):
-    """``(family, checkpoint dir, engine, trainer)`` of one Qwen3.5 text model."""
+    """``(family, checkpoint dir, engine, trainer)`` of one Qwen3.5 text model; ``-fp8``: the
+    full-attention layers' cache rows in E4M3 (``kv_cache="fp8"``, the trainer likewise)."""
     pytest.importorskip("vllm")
     from skyrl_numerics.models import build_tiny_model
     from skyrl_numerics.trainer import VLLMGenerator
 
-    family = request.param
+    family, _, kv = request.param.partition("-")
+    kv = kv or None
     d = build_tiny_model(family)
     gen = VLLMGenerator(d, batch_invariant=True, capture_routes=family == "qwen3_5_moe",
-                        max_num_batched_tokens=64)
-    yield family, d, gen, from_checkpoint(d)
+                        max_num_batched_tokens=64, kv_cache=kv)
+    yield family, d, gen, from_checkpoint(d, kv_cache=kv)
     gen.close()
 
 
@@ -65,6 +68,9 @@ def test_every_token_route_and_logits_row_bitwise_at_engine_and_trainer_batch_si
             assert ro.routes is not None and tl.routes == ro.routes
     digest = invariant_logits_digest(trainer, ro, batch_size=4)
     assert digest["frac_bitwise"] == 1.0 and digest["positions"] == ro.num_response_tokens, digest
+    if trainer.kv.format == "fp8":         # the FP8 rows are in effect: a bf16-cache trainer is off
+        off = invariant_trainer_logprobs(from_checkpoint(gen.model_dir), ro, batch_size=3)
+        assert (off.logprobs != ro.rollout_logprobs).mean() > 0.5
 
 
 def test_bitwise_under_chunked_prefill_and_prefix_cache_hits(q35):

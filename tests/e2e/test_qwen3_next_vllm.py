@@ -6,9 +6,12 @@ delta-rule state) in vLLM's own Mamba state cache (``engine/vllm_hybrid_state.py
 trainer's fixed-order recurrence on it; the full-attention layers use the paged rows as every
 family does. One engine for the module (prefix caching on: vLLM's "align" Mamba cache mode,
 block size raised to 640 tokens so an attention page holds a state page) with a 64-token step
-budget, so long prompts are prefilled in chunks. Nothing is mocked.
+budget, so long prompts are prefilled in chunks. Nothing is mocked. The FP8-cache case starts its
+own engine: opt-in (``SKYRL_NUMERICS_HYBRID_ALL=1``).
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -102,3 +105,39 @@ def test_the_recurrent_state_is_in_effect(qn_engine, qn_dir):
     diff = np.abs(invariant_trainer_logprobs(other, ro, batch_size=2).logprobs
                   - ro.rollout_logprobs)
     assert (diff > 0).mean() > 0.5, (diff > 0).mean()
+
+
+@pytest.mark.skipif(os.environ.get("SKYRL_NUMERICS_HYBRID_ALL", "") != "1",
+                    reason="one engine more: set SKYRL_NUMERICS_HYBRID_ALL=1")
+def test_fp8_kv_cache_on_the_full_attention_layers_is_bitwise(qn_dir):
+    """``kv_cache="fp8"``: the full-attention layers' rows stored as E4M3 in the paged cache (the
+    GQA ``KVFormat``; tests/invariant/test_hybrid_kv_fp8.py checks those rows without an engine).
+    Tokens, routes and full logits rows equal the fp8 trainer's, under chunked prefill and a
+    640-token prefix-cache hit; a bf16-cache trainer is off. Its own engine (opt-in: the module's
+    engine cannot switch cache format), closed at the end."""
+    from skyrl_numerics.trainer import VLLMGenerator
+
+    trainer = from_checkpoint(qn_dir, kv_cache="fp8")
+    gen = VLLMGenerator(qn_dir, batch_invariant=True, capture_routes=True,
+                        max_num_batched_tokens=64, kv_cache="fp8")
+    try:
+        prompts = make_prompts(5, 30, gen.vocab_size, seed=1) + make_prompts(2, 100, gen.vocab_size,
+                                                                             seed=2)
+        ro = gen.generate(prompts, max_tokens=16, seed=None, temperature=0.8, logits_digest=True)
+        tl = invariant_trainer_logprobs(trainer, ro, batch_size=3, return_routes=True)
+        _assert_bitwise(tl, ro, "fp8")
+        assert tl.routes == ro.routes
+        digest = invariant_logits_digest(trainer, ro, batch_size=4)
+        assert digest["frac_bitwise"] == 1.0, digest
+        off = invariant_trainer_logprobs(from_checkpoint(qn_dir), ro, batch_size=3)
+        assert (off.logprobs != ro.rollout_logprobs).mean() > 0.5
+        shared = make_prompts(1, 700, gen.vocab_size, seed=31)[0]
+        gen.generate([shared + [5, 6]], max_tokens=2, seed=None)
+        hit = gen.generate([shared + t for t in make_prompts(3, 5, gen.vocab_size, seed=32)],
+                           max_tokens=8, seed=None, temperature=0.0)
+        assert min(hit.meta["num_cached_tokens"]) >= 640, hit.meta["num_cached_tokens"]
+        tl = invariant_trainer_logprobs(trainer, hit, batch_size=3, return_routes=True)
+        _assert_bitwise(tl, hit, "fp8 prefix hit")
+        assert tl.routes == hit.routes
+    finally:
+        gen.close()
