@@ -33,13 +33,14 @@ def _stored_names(d) -> set:
         return set(f.keys())
 
 
-def build_pair(root, family: str, dtype: torch.dtype):
+def build_pair(root, family: str, dtype: torch.dtype, **text_over):
     """``(hub_dir, text_dir)``: a hub-layout checkpoint saved by transformers' multimodal class,
-    and the text-only ``Qwen3_5(Moe)ForCausalLM`` checkpoint of its language model + lm-head."""
+    and the text-only ``Qwen3_5(Moe)ForCausalLM`` checkpoint of its language model + lm-head
+    (``text_over``: text config overrides)."""
     import transformers
 
     cfg_cls, arch, _ = MULTIMODAL[family]
-    text = {k: v for k, v in tiny_config(family).items() if k != "architectures"}
+    text = {k: v for k, v in tiny_config(family, **text_over).items() if k != "architectures"}
     cfg = getattr(transformers, cfg_cls)(text_config=text, vision_config=VISION)
     torch.manual_seed(0)
     mm = getattr(transformers, arch)(cfg).to(dtype)
@@ -110,3 +111,35 @@ def test_a_language_model_weight_the_family_lacks_is_refused(pairs, tmp_path):
     with pytest.raises(InputError) as e:
         from_checkpoint(d)
     assert e.value.field == "model.layers.0.stray.weight"
+
+
+# M-RoPE as the hub's Qwen3.5 text_config carries it (interleaved sections over the 8 rotated
+# frequencies of head_dim 64 x 0.25): for text positions it is plain RoPE
+MROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                             "partial_rotary_factor": 0.25, "mrope_section": [3, 3, 2],
+                             "mrope_interleaved": True}}
+
+
+def test_engine_config_is_the_text_model_without_mrope(tmp_path):
+    """vLLM's own ModelConfig of the hub checkpoint under the engine's ``hf_overrides``: the
+    invariant model's architecture, not multimodal (no vision processor, no torchvision), and its
+    text config's M-RoPE sections gone (vLLM merges a nested override key by key: they are set
+    to None), so vLLM hands the model plain token positions; the rest of rope_parameters kept."""
+    pytest.importorskip("vllm")
+    from vllm.config import ModelConfig
+
+    from skyrl_numerics.engine.vllm_invariant_model import engine_overrides
+    from skyrl_numerics.engine.vllm_plugin import register
+
+    register()
+    hub, _ = build_pair(tmp_path, "qwen3_5_moe", torch.bfloat16, **MROPE)
+    raw = json.loads((hub / "config.json").read_text())
+    assert raw["text_config"]["rope_parameters"]["mrope_section"] == [3, 3, 2]
+    over = engine_overrides(raw)
+    mc = ModelConfig(model=str(hub), hf_overrides=over, skip_tokenizer_init=True,
+                     dtype="bfloat16")
+    assert mc.architectures == ["SkyrlInvariantQwen3_5MoeForConditionalGeneration"]
+    assert not mc.is_multimodal_model and not mc.uses_mrope
+    rp = mc.hf_text_config.rope_parameters
+    assert rp.get("mrope_section") is None and not rp.get("mrope_interleaved")
+    assert rp["partial_rotary_factor"] == 0.25 and rp["rope_theta"] == 10000.0

@@ -11,6 +11,8 @@ to the text model's name (``None``: a vision-tower tensor, not loaded).
 """
 from __future__ import annotations
 
+import copy
+
 #: multimodal architecture -> the text architecture whose family runs its language model
 TEXT_ARCHITECTURE = {
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
@@ -31,14 +33,29 @@ def is_multimodal(cfg) -> bool:
     return len(archs) == 1 and archs[0] in TEXT_ARCHITECTURE
 
 
-def text_config(cfg):
-    """The language model's config of a multimodal ``cfg`` (its ``text_config``, naming the text
-    architecture); any other config as it is."""
-    if not is_multimodal(cfg):
+def text_config(cfg, arch: str | None = None):
+    """The language model's config of a multimodal ``cfg`` (a copy of its ``text_config``, naming
+    the text architecture); any other config as it is. ``arch``: the checkpoint's architecture
+    where ``cfg`` names another (an engine's config names the invariant model)."""
+    arch = arch or (_archs(cfg) or [None])[0]
+    if arch not in TEXT_ARCHITECTURE:
         return cfg
-    sub = getattr(cfg, "text_config", None)
-    sub.architectures = [TEXT_ARCHITECTURE[_archs(cfg)[0]]]
+    sub = copy.copy(getattr(cfg, "text_config"))
+    sub.architectures = [TEXT_ARCHITECTURE[arch]]
     return sub
+
+
+def nested_overrides(over: dict, text: dict) -> dict:
+    """Text-config ``hf_overrides`` (``over``, for a ``config.json`` dict ``text``) as a
+    multimodal config's ``{"text_config": ...}``: vLLM merges a nested override into the stored
+    dicts key by key, so a key the override drops from a dict field is set to ``None`` instead."""
+    nested = {}
+    for k, v in over.items():
+        old = text.get(k)
+        if isinstance(v, dict) and isinstance(old, dict):
+            v = {**{kk: None for kk in old if kk not in v}, **v}
+        nested[k] = v
+    return {"text_config": nested} if nested else {}
 
 
 def text_weight_name(name: str) -> str | None:
