@@ -12,18 +12,9 @@ import torch
 
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.invariant import FAMILIES, from_checkpoint
-from skyrl_numerics.invariant.multimodal import TEXT_ARCHITECTURE, text_weight_name
-from skyrl_numerics.invariant.qwen3_5 import InvariantQwen3_5, InvariantQwen3_5Moe
-from skyrl_numerics.models import tiny_config
+from skyrl_numerics.invariant.multimodal import TEXT_ARCHITECTURE
 from hf_agreement import token_ids
-
-MULTIMODAL = {"qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", InvariantQwen3_5),
-              "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration",
-                              InvariantQwen3_5Moe)}
-# a tiny vision tower (one block) whose output width is the text model's hidden size
-VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=128,
-              patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
-              num_position_embeddings=16)
+from qwen3_5_hub import MROPE, MULTIMODAL, build_pair
 
 
 def _stored_names(d) -> set:
@@ -33,32 +24,15 @@ def _stored_names(d) -> set:
         return set(f.keys())
 
 
-def build_pair(root, family: str, dtype: torch.dtype, **text_over):
-    """``(hub_dir, text_dir)``: a hub-layout checkpoint saved by transformers' multimodal class,
-    and the text-only ``Qwen3_5(Moe)ForCausalLM`` checkpoint of its language model + lm-head
-    (``text_over``: text config overrides)."""
-    import transformers
-
-    cfg_cls, arch, _ = MULTIMODAL[family]
-    text = {k: v for k, v in tiny_config(family, **text_over).items() if k != "architectures"}
-    cfg = getattr(transformers, cfg_cls)(text_config=text, vision_config=VISION)
-    torch.manual_seed(0)
-    mm = getattr(transformers, arch)(cfg).to(dtype)
-    hub, txt = root / f"{family}-hub", root / f"{family}-text"
-    mm.save_pretrained(str(hub))
-    causal = transformers.AutoModelForCausalLM.from_config(cfg.text_config).to(dtype)
-    state = {text_weight_name(k): v for k, v in mm.state_dict().items()
-             if text_weight_name(k) is not None}
-    causal.load_state_dict(state, strict=True)
-    causal.save_pretrained(str(txt))
-    return hub, txt
-
-
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
     root = tmp_path_factory.mktemp("q35vl")
-    return {(f, dt): build_pair(root / str(dt).split(".")[1], f, dt)
-            for f in MULTIMODAL for dt in (torch.float32, torch.bfloat16)}
+    out = {(f, dt): build_pair(root / str(dt).split(".")[1], f, dt)
+           for f in MULTIMODAL for dt in (torch.float32, torch.bfloat16)}
+    # tied embeddings (the small Qwen3.5 models): no lm_head.weight in the checkpoint
+    out[("qwen3_5", "tied")] = build_pair(root / "tied", "qwen3_5", torch.bfloat16,
+                                          tie_word_embeddings=True)
+    return out
 
 
 @pytest.mark.parametrize("family", list(MULTIMODAL))
@@ -75,12 +49,17 @@ def test_hub_layout_is_transformers_own(pairs, family):
         TEXT_ARCHITECTURE[MULTIMODAL[family][1]]]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("family", list(MULTIMODAL))
+@pytest.mark.parametrize("family, dtype", [(f, dt) for f in MULTIMODAL
+                                           for dt in (torch.float32, torch.bfloat16)]
+                         + [("qwen3_5", "tied")])
 def test_logits_are_the_text_checkpoints_bit_for_bit(pairs, family, dtype):
     """The hub checkpoint gives the text family (vision tower not loaded) and the same logits,
-    every bit, as the text-only checkpoint of the same weights, in the checkpoint's dtype."""
+    every bit, as the text-only checkpoint of the same weights, in the checkpoint's dtype (also
+    with tied embeddings)."""
     hub, txt = pairs[(family, dtype)]
+    if dtype == "tied":
+        assert "lm_head.weight" not in _stored_names(hub)
+        dtype = torch.bfloat16
     a, b = from_checkpoint(hub, dtype=dtype), from_checkpoint(txt, dtype=dtype)
     assert type(a) is MULTIMODAL[family][2] and type(b) is type(a)
     assert sorted(a.hf_names()) == sorted(b.hf_names())
@@ -113,13 +92,6 @@ def test_a_language_model_weight_the_family_lacks_is_refused(pairs, tmp_path):
     assert e.value.field == "model.layers.0.stray.weight"
 
 
-# M-RoPE as the hub's Qwen3.5 text_config carries it (interleaved sections over the 8 rotated
-# frequencies of head_dim 64 x 0.25): for text positions it is plain RoPE
-MROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                             "partial_rotary_factor": 0.25, "mrope_section": [3, 3, 2],
-                             "mrope_interleaved": True}}
-
-
 def test_engine_config_is_the_text_model_without_mrope(tmp_path):
     """vLLM's own ModelConfig of the hub checkpoint under the engine's ``hf_overrides``: the
     invariant model's architecture, not multimodal (no vision processor, no torchvision), and its
@@ -143,3 +115,26 @@ def test_engine_config_is_the_text_model_without_mrope(tmp_path):
     rp = mc.hf_text_config.rope_parameters
     assert rp.get("mrope_section") is None and not rp.get("mrope_interleaved")
     assert rp["partial_rotary_factor"] == 0.25 and rp["rope_theta"] == 10000.0
+
+
+def test_the_top_level_tie_word_embeddings_is_the_one_honoured():
+    """transformers' multimodal model ties by the top-level field, whatever text_config says:
+    the text config the family reads (trainer and engine) carries the top level's."""
+    import transformers
+
+    from skyrl_numerics.invariant.multimodal import text_config, text_fields
+    from skyrl_numerics.models import tiny_config
+    from qwen3_5_hub import VISION
+
+    text = {k: v for k, v in tiny_config("qwen3_5", tie_word_embeddings=True).items()
+            if k != "architectures"}
+    for top in (False, True):
+        cfg = transformers.Qwen3_5Config(text_config=dict(text, tie_word_embeddings=not top),
+                                         vision_config=VISION, tie_word_embeddings=top)
+        cfg.architectures = ["Qwen3_5ForConditionalGeneration"]
+        m = transformers.Qwen3_5ForConditionalGeneration(cfg)
+        tied = m.lm_head.weight is m.model.language_model.embed_tokens.weight
+        assert tied == top
+        assert text_config(cfg).tie_word_embeddings == top
+        assert text_fields(cfg.to_dict())["tie_word_embeddings"] == top
+        assert cfg.text_config.tie_word_embeddings == (not top)     # not changed in place

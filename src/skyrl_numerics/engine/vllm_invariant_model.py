@@ -40,7 +40,7 @@ from torch import nn
 
 from skyrl_numerics.invariant import FAMILIES, family_class, unsupported_message
 from skyrl_numerics.invariant.multimodal import (TEXT_ARCHITECTURE, nested_overrides, text_config,
-                                                 text_weight_name)
+                                                 text_fields, text_weight_name)
 
 SLOT_HEAD = 64
 # HF architecture -> the architecture name vLLM knows our invariant model by
@@ -72,12 +72,12 @@ def engine_overrides(hf_config: dict, kv_cache=None, numerics=None, model_dir=No
     quant = vendor_plan.vendor_quant_config(model_dir, hf_config)
     spec = parse_kv_spec(kv_cache)
     multimodal = archs[0] in TEXT_ARCHITECTURE    # its language model, text only (.multimodal)
-    text = hf_config.get("text_config") if multimodal else hf_config
-    if multimodal and (not isinstance(text, dict) or quant is not None):
+    if multimodal and (not isinstance(hf_config.get("text_config"), dict) or quant is not None):
         raise InputError(f"{archs[0]}: " + ("a vendor-quantized multimodal checkpoint is not "
                                             "served by the batch-invariant path" if quant else
                                             "no text_config"),
                          field="quantization_config" if quant else "text_config")
+    text = text_fields(hf_config)
     # build the family's dims now: an unsupported field fails here, before any engine starts
     cfg = SimpleNamespace(**text)
     family = family_class(archs[0])
@@ -85,7 +85,7 @@ def engine_overrides(hf_config: dict, kv_cache=None, numerics=None, model_dir=No
     text_over = family.engine_config_overrides(text)
     over = {"architectures": [ARCHS[archs[0]]], "skyrl_base_arch": archs[0],
             "skyrl_kv_cache": json.dumps(spec),
-            **(nested_overrides(text_over, text) if multimodal else text_over)}
+            **(nested_overrides(text_over, hf_config["text_config"]) if multimodal else text_over)}
     if quant is not None:
         numerics = vendor_plan.vendor_numerics(hf_config, quant, numerics, kv_cache=spec)
         over.update(vendor_plan.vendor_overrides(quant))

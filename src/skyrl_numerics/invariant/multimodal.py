@@ -8,6 +8,10 @@ tower's ``model.visual.*``, and ``lm_head.*`` keeps its name. For text tokens th
 never runs, so the text family of :data:`TEXT_ARCHITECTURE` is the whole model:
 :func:`text_config` is the config it reads and :func:`text_weight_name` maps a checkpoint tensor
 to the text model's name (``None``: a vision-tower tensor, not loaded).
+
+``tie_word_embeddings`` is the top level's: transformers' multimodal class ties (and saves no
+``lm_head.weight``) by the top-level field whatever ``text_config`` says (checked: top-level
+``False`` with ``text_config`` ``True`` keeps and saves a separate lm-head, and the reverse ties).
 """
 from __future__ import annotations
 
@@ -42,7 +46,16 @@ def text_config(cfg, arch: str | None = None):
         return cfg
     sub = copy.copy(getattr(cfg, "text_config"))
     sub.architectures = [TEXT_ARCHITECTURE[arch]]
+    sub.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
     return sub
+
+
+def text_fields(hf_config: dict) -> dict:
+    """:func:`text_config` of a multimodal ``config.json`` dict (any other as it is)."""
+    if not is_multimodal(hf_config):
+        return hf_config
+    return {**hf_config["text_config"], "architectures": [TEXT_ARCHITECTURE[_archs(hf_config)[0]]],
+            "tie_word_embeddings": bool(hf_config.get("tie_word_embeddings", False))}
 
 
 def nested_overrides(over: dict, text: dict) -> dict:
