@@ -138,3 +138,36 @@ def test_the_top_level_tie_word_embeddings_is_the_one_honoured():
         assert text_config(cfg).tie_word_embeddings == top
         assert text_fields(cfg.to_dict())["tie_word_embeddings"] == top
         assert cfg.text_config.tie_word_embeddings == (not top)     # not changed in place
+
+
+def test_stock_vllm_without_torchvision_is_refused_and_the_invariant_command_built(pairs, capsys):
+    """vLLM's own multimodal Qwen3.5 imports torchvision: where it does not import, a stock
+    serve of the hub checkpoint is refused in one line naming it, before any engine starts; the
+    batch-invariant serve command names the invariant model of the multimodal architecture."""
+    pytest.importorskip("vllm")
+    from skyrl_numerics.cli import main
+    from skyrl_numerics.engine.arch_check import missing_stock_import
+
+    hub, _ = pairs[("qwen3_5_moe", torch.bfloat16)]
+    why = missing_stock_import("Qwen3_5MoeForConditionalGeneration")
+    if why is None:
+        pytest.skip("torchvision imports here: stock vLLM can load its Qwen3.5 module")
+    assert main(["serve", str(hub), "--print-command"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and why in err[0] and "Qwen3_5MoeForConditionalGeneration" in err[0], err
+    assert main(["serve", str(hub), "--batch-invariant", "--print-command"]) == 0
+    assert "SkyrlInvariantQwen3_5MoeForConditionalGeneration" in capsys.readouterr().out
+
+
+def test_a_lora_plan_sees_the_text_models_adapters(pairs):
+    """A LoRA plan for the hub config: the adapters are the text checkpoint's (the shapes an
+    engine of either serves), checked on the multimodal config.json as it is."""
+    from skyrl_numerics.invariant.numerics import NumericsPlan, check_plan_for_config, plan_adapter_shapes
+
+    hub, txt = pairs[("qwen3_5_moe", torch.bfloat16)]
+    plan = NumericsPlan(formats={}, lora_rank=4, lora_alpha=8.0,
+                        lora_targets=("attention", "experts"))
+    mm, text = (json.loads((d / "config.json").read_text()) for d in (hub, txt))
+    check_plan_for_config(plan, mm)
+    shapes = plan_adapter_shapes(plan, mm)
+    assert shapes and shapes == plan_adapter_shapes(plan, text)
