@@ -171,3 +171,22 @@ def test_a_lora_plan_sees_the_text_models_adapters(pairs):
     check_plan_for_config(plan, mm)
     shapes = plan_adapter_shapes(plan, mm)
     assert shapes and shapes == plan_adapter_shapes(plan, text)
+
+
+def test_the_engines_checkpoint_names_are_the_text_models(pairs):
+    """What a weight sync may send to an engine of the hub checkpoint: the text checkpoint's
+    names (the trainer's), the vision tower's left out."""
+    from skyrl_numerics.sync.load_blocks import checkpoint_names
+
+    hub, txt = pairs[("qwen3_5_moe", torch.bfloat16)]
+    assert checkpoint_names(hub) == checkpoint_names(txt) == frozenset(_stored_names(txt))
+    assert not any(n.startswith("model.visual.") for n in checkpoint_names(hub))
+    # what restoring the engine's own weights sends (trainer/workers.py): those names, those bits
+    from safetensors.torch import load_file
+
+    from skyrl_numerics.invariant.multimodal import text_weights
+
+    own = text_weights(json.loads((hub / "config.json").read_text()),
+                       load_file(str(hub / "model.safetensors")))
+    twin = load_file(str(txt / "model.safetensors"))
+    assert set(own) == set(twin) and all(torch.equal(own[k], twin[k]) for k in twin)

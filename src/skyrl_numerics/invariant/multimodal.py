@@ -79,3 +79,11 @@ def text_weight_name(name: str) -> str | None:
     if name.startswith(LANGUAGE_PREFIX):
         return "model." + name[len(LANGUAGE_PREFIX):]
     return name
+
+
+def text_weights(hf_config: dict, tensors: dict) -> dict:
+    """A checkpoint's ``{name: tensor}`` under the text model's names (vision tower left out)
+    when ``hf_config`` (its ``config.json`` dict) is multimodal; as it is otherwise."""
+    if not is_multimodal(hf_config):
+        return tensors
+    return {t: v for n, v in tensors.items() if (t := text_weight_name(n)) is not None}
