@@ -22,7 +22,10 @@ CPU_STOCK_BLOCKED = {
 # processor, which imports torchvision (without it vLLM's registry fails to inspect the
 # architecture: "Model architectures [...] failed to be inspected", ModuleNotFoundError: No
 # module named 'torchvision')
-STOCK_NEEDS = {"Qwen3_5ForCausalLM": "torchvision", "Qwen3_5MoeForCausalLM": "torchvision"}
+STOCK_NEEDS = {arch: "torchvision" for arch in (
+    "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+    # the hub's multimodal Qwen3.5: the same vLLM module (its vision tower needs it too)
+    "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")}
 
 
 def missing_stock_import(arch: str) -> str | None:

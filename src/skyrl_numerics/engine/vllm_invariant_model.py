@@ -39,6 +39,8 @@ import torch
 from torch import nn
 
 from skyrl_numerics.invariant import FAMILIES, family_class, unsupported_message
+from skyrl_numerics.invariant.multimodal import (TEXT_ARCHITECTURE, nested_overrides, text_config,
+                                                 text_fields, text_weight_name)
 
 SLOT_HEAD = 64
 # HF architecture -> the architecture name vLLM knows our invariant model by
@@ -69,12 +71,21 @@ def engine_overrides(hf_config: dict, kv_cache=None, numerics=None, model_dir=No
 
     quant = vendor_plan.vendor_quant_config(model_dir, hf_config)
     spec = parse_kv_spec(kv_cache)
+    multimodal = archs[0] in TEXT_ARCHITECTURE    # its language model, text only (.multimodal)
+    if multimodal and (not isinstance(hf_config.get("text_config"), dict) or quant is not None):
+        raise InputError(f"{archs[0]}: " + ("a vendor-quantized multimodal checkpoint is not "
+                                            "served by the batch-invariant path" if quant else
+                                            "no text_config"),
+                         field="quantization_config" if quant else "text_config")
+    text = text_fields(hf_config)
     # build the family's dims now: an unsupported field fails here, before any engine starts
-    cfg = SimpleNamespace(**hf_config)
+    cfg = SimpleNamespace(**text)
     family = family_class(archs[0])
     family.config_parts(cfg, kv_cache=spec)
+    text_over = family.engine_config_overrides(text)
     over = {"architectures": [ARCHS[archs[0]]], "skyrl_base_arch": archs[0],
-            "skyrl_kv_cache": json.dumps(spec), **family.engine_config_overrides(hf_config)}
+            "skyrl_kv_cache": json.dumps(spec),
+            **(nested_overrides(text_over, hf_config["text_config"]) if multimodal else text_over)}
     if quant is not None:
         numerics = vendor_plan.vendor_numerics(hf_config, quant, numerics, kv_cache=spec)
         over.update(vendor_plan.vendor_overrides(quant))
@@ -119,7 +130,8 @@ class _SkyrlInvariantForCausalLM(nn.Module):
         base = getattr(cfg, "skyrl_base_arch", None) or self.hf_arch
         spec = json.loads(getattr(cfg, "skyrl_kv_cache", None) or '{"format": "auto"}')
         # the engine never trains: quantized weights are kept packed (codes + scales)
-        self.core = family_class(base).from_config(cfg, dtype=vllm_config.model_config.dtype,
+        self.core = family_class(base).from_config(text_config(cfg, base),
+                                                   dtype=vllm_config.model_config.dtype,
                                                    kv_cache=spec, pack=True,
                                                    numerics=getattr(cfg, "skyrl_numerics", None))
         self.kv = self.core.kv
@@ -289,7 +301,9 @@ class _SkyrlInvariantForCausalLM(nn.Module):
         return self.core.logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        kept = ((n, t) for n, t in weights if not self.core.ignored_weight(n))
+        if self.hf_arch in TEXT_ARCHITECTURE:     # a multimodal checkpoint: its language model
+            weights = ((text_weight_name(n), t) for n, t in weights)
+        kept = ((n, t) for n, t in weights if n is not None and not self.core.ignored_weight(n))
         loaded = self.core.load_named(kept)
         # adapters start at the plan's own values (numerics.init_adapter), as the trainer's do
         return {f"core.params.{self.core._names[n]}"
@@ -347,7 +361,7 @@ class _SkyrlInvariantHybridForCausalLM(_SkyrlInvariantForCausalLM):
 
 
 HYBRID = {"Qwen3NextForCausalLM", "NemotronHForCausalLM", "Qwen3_5ForCausalLM",
-          "Qwen3_5MoeForCausalLM"}
+          "Qwen3_5MoeForCausalLM", *TEXT_ARCHITECTURE}
 
 
 def _word(per_slot: int, row_bytes: int) -> torch.dtype:
@@ -378,3 +392,5 @@ SkyrlInvariantQwen3NextForCausalLM = _make("Qwen3NextForCausalLM")
 SkyrlInvariantNemotronHForCausalLM = _make("NemotronHForCausalLM")
 SkyrlInvariantQwen3_5ForCausalLM = _make("Qwen3_5ForCausalLM")
 SkyrlInvariantQwen3_5MoeForCausalLM = _make("Qwen3_5MoeForCausalLM")
+SkyrlInvariantQwen3_5ForConditionalGeneration = _make("Qwen3_5ForConditionalGeneration")
+SkyrlInvariantQwen3_5MoeForConditionalGeneration = _make("Qwen3_5MoeForConditionalGeneration")

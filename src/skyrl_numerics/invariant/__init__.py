@@ -16,6 +16,8 @@ import importlib
 
 from skyrl_numerics.errors import InputError
 
+from .multimodal import TEXT_ARCHITECTURE
+
 # HF architecture -> (family, "module:Class")
 FAMILIES = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "skyrl_numerics.invariant.qwen3_moe:InvariantQwen3Moe"),
@@ -36,6 +38,8 @@ FAMILIES = {
     "NemotronHForCausalLM": ("nemotron_h",
                              "skyrl_numerics.invariant.nemotron_h:InvariantNemotronH"),
 }
+# a multimodal checkpoint run text only: its language model's family (.multimodal)
+FAMILIES.update({mm: FAMILIES[text] for mm, text in TEXT_ARCHITECTURE.items()})
 
 
 def family_class(architecture: str):

@@ -31,6 +31,7 @@ from skyrl_numerics.errors import InputError
 from skyrl_numerics.kernels import matmul as inv_matmul
 
 from .blocks import linear, routed_experts, sigmoid_group_topk, softmax_topk
+from .multimodal import is_multimodal, text_config, text_weight_name
 
 # attend(layer, q [T, H, Dq], rows [T, W]) -> out [T, H, Do]
 Attend = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -324,8 +325,12 @@ class InvariantCausalLM(nn.Module):
             return from_vendor_checkpoint(cls, model_dir, quant, kv_cache=kv_cache, dtype=dtype,
                                           numerics=numerics)
         cfg = AutoConfig.from_pretrained(str(model_dir))
-        model = cls.from_config(cfg, dtype=dtype, kv_cache=kv_cache, numerics=numerics)
-        tensors = checkpoint_tensor_names(model_dir)   # read one at a time below
+        # a multimodal checkpoint: its language model's config and weight names (vision skipped)
+        rename = text_weight_name if is_multimodal(cfg) else (lambda n: n)
+        model = cls.from_config(text_config(cfg), dtype=dtype, kv_cache=kv_cache,
+                                numerics=numerics)
+        as_text = {n: rename(n) for n in checkpoint_tensor_names(model_dir)}  # read one at a time below
+        tensors = [t for t in as_text.values() if t is not None]
         missing = set(model.hf_names()) - set(tensors) - set(model.adapter_names())
         if missing:
             raise InputError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}",
@@ -335,7 +340,8 @@ class InvariantCausalLM(nn.Module):
             raise InputError(f"checkpoint has {len(extra)} weights the invariant "
                              f"{type(model).__name__} does not use (it would not reproduce "
                              f"them), e.g. {extra[:3]}", source=str(model_dir), field=extra[0])
-        model.load_named(iter_checkpoint_tensors(model_dir, names=model._names))
+        stored = {n for n, t in as_text.items() if t in model._names}
+        model.load_named((as_text[n], t) for n, t in iter_checkpoint_tensors(model_dir, names=stored))
         return model.eval()
 
     def ignored_weight(self, name: str) -> bool:

@@ -72,6 +72,8 @@ import torch
 
 from skyrl_numerics.errors import InputError
 
+from .multimodal import text_fields
+
 GROUPS = ("attention", "dense", "shared", "experts")
 #: weight format -> (quant recipe, options); a name in ``quant.RECIPES`` maps to that recipe
 WEIGHT_FORMATS = {
@@ -397,7 +399,7 @@ def check_plan_for_config(plan: NumericsPlan, hf_config: dict, kv_cache=None) ->
 
     from . import architecture_of, family_class
 
-    cfg = SimpleNamespace(**hf_config)
+    cfg = SimpleNamespace(**text_fields(hf_config))     # a multimodal one's language model
     cls = family_class(architecture_of(cfg))
     with torch.device("meta"):
         model = cls(**cls.config_parts(cfg, kv_cache=kv_cache))
@@ -412,7 +414,7 @@ def plan_adapter_shapes(plan: NumericsPlan, hf_config: dict) -> dict:
 
     from . import architecture_of, family_class
 
-    cfg = SimpleNamespace(**hf_config)
+    cfg = SimpleNamespace(**text_fields(hf_config))     # a multimodal one's language model
     cls = family_class(architecture_of(cfg))
     with torch.device("meta"):
         model = cls(**cls.config_parts(cfg))

@@ -24,8 +24,8 @@ from transformers 5.19's ``modular_qwen3_5.py`` / ``modular_qwen3_5_moe.py`` and
 ``tie_word_embeddings`` (the small Qwen3.5 models): the lm-head is the embedding parameter itself
 (:meth:`~.base.InvariantCausalLM.add_decoder_weights`), which Qwen3-Next's family refuses.
 Anything else is Qwen3-Next's and refused by the same fields (``hidden_act``,
-``attention_bias``, ``layer_types``). The multimodal ``Qwen3_5(Moe)ForConditionalGeneration``
-checkpoints (vision tower, ``model.language_model.`` weight names) are other architectures.
+``attention_bias``, ``layer_types``). The hub's multimodal ``Qwen3_5(Moe)ForConditionalGeneration``
+checkpoints run text only through these families (:mod:`.multimodal`).
 """
 from __future__ import annotations
 

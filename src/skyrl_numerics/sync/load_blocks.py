@@ -8,11 +8,13 @@ or the tensor's parent module outside the layers (``lm_head``, ``model.embed_tok
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Iterable
 
 from skyrl_numerics.errors import InputError
+from skyrl_numerics.invariant.multimodal import is_multimodal, text_weight_name
 
 
 def block_of(name: str) -> str:
@@ -28,7 +30,9 @@ _NAME_CACHE: dict[str, frozenset[str]] = {}
 
 
 def checkpoint_names(model_dir: str | os.PathLike) -> frozenset[str]:
-    """Tensor names stored in a checkpoint directory's ``*.safetensors`` files (headers only)."""
+    """Tensor names stored in a checkpoint directory's ``*.safetensors`` files (headers only);
+    of a multimodal checkpoint run text only (``invariant/multimodal.py``), its language model's
+    under the text names the trainer sends (the vision tower's left out)."""
     key = str(model_dir)
     if key not in _NAME_CACHE:
         from safetensors import safe_open
@@ -37,6 +41,9 @@ def checkpoint_names(model_dir: str | os.PathLike) -> frozenset[str]:
         for f in sorted(Path(model_dir).glob("*.safetensors")):
             with safe_open(str(f), framework="pt") as h:
                 names.update(h.keys())
+        cfg = Path(model_dir) / "config.json"
+        if cfg.is_file() and is_multimodal(json.loads(cfg.read_text())):
+            names = {t for t in map(text_weight_name, names) if t is not None}
         _NAME_CACHE[key] = frozenset(names)
     return _NAME_CACHE[key]
 

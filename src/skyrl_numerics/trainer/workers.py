@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from skyrl_numerics.hf_config import moe_layout
+from skyrl_numerics.invariant.multimodal import text_weights
 from skyrl_numerics.rollout import Rollout
 
 from .published import plain_names, published_trainer_kwargs
@@ -52,8 +53,9 @@ class GeneratorWorker:
 
         from skyrl_numerics.engine.weight_update import update_vllm_weights
 
-        update_vllm_weights(self.gen, {**load_file(str(Path(self.model_dir) / "model.safetensors")),
-                                       **self.initial_adapters})
+        cfg = json.loads((Path(self.model_dir) / "config.json").read_text())
+        own = text_weights(cfg, load_file(str(Path(self.model_dir) / "model.safetensors")))
+        update_vllm_weights(self.gen, {**own, **self.initial_adapters})
 
     def close(self) -> None:
         """Shut the engine down (its worker processes would outlive a killed Ray actor)."""
