@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from skyrl_numerics.errors import InputError
 from skyrl_numerics.invariant import from_checkpoint
 from skyrl_numerics.invariant.blocks import UnsupportedConfig
 from skyrl_numerics.invariant.qwen3_next import InvariantQwen3Next
@@ -164,3 +165,28 @@ def test_configs_it_cannot_reproduce_are_refused(over, field):
     with pytest.raises(UnsupportedConfig) as e:
         InvariantQwen3Next.config_parts(cfg)
     assert e.value.field == field
+
+
+def test_mtp_draft_tensors_are_skipped_and_others_refused(tmp_path):
+    """A hub Qwen3-Next checkpoint ships its multi-token-prediction module under ``mtp.`` (vLLM
+    drops the prefix): the invariant model loads such a checkpoint with the same bits as without
+    it; any other tensor it would not run is still refused, naming it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = build_tiny_model("qwen3_next")
+    d = tmp_path / "with_mtp"
+    shutil.copytree(src, d)
+    tensors = load_file(str(d / "model.safetensors"))
+    extra = {"mtp.fc.weight": torch.zeros(8, 8, dtype=torch.bfloat16),
+             "mtp.layers.0.input_layernorm.weight": torch.ones(8, dtype=torch.bfloat16)}
+    save_file({**tensors, **extra}, str(d / "model.safetensors"))
+    ids = token_ids(20, 9)
+    with torch.no_grad():
+        assert torch.equal(from_checkpoint(d).sequence_hidden(ids), from_checkpoint(src).sequence_hidden(ids))
+    save_file({**tensors, "model.extra.weight": torch.zeros(4, dtype=torch.bfloat16)},
+              str(d / "model.safetensors"))
+    with pytest.raises(InputError, match="does not use") as e:
+        from_checkpoint(d)
+    assert e.value.field == "model.extra.weight"

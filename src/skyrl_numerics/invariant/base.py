@@ -345,9 +345,11 @@ class InvariantCausalLM(nn.Module):
         return model.eval()
 
     def ignored_weight(self, name: str) -> bool:
-        """Checkpoint tensors the engine does not run either (e.g. MTP draft layers; a tied
-        lm-head's copy)."""
-        return name in self._alias
+        """Checkpoint tensors the engine does not run either: a tied lm-head's copy, and the
+        multi-token-prediction draft module under ``mtp.`` (Qwen3-Next, Qwen3.5, Nemotron-H ship
+        one; vLLM's models drop the prefix unless speculative decoding runs, which the invariant
+        engine refuses). Families with MTP layers inside ``model.layers`` add their own rule."""
+        return name in self._alias or name.startswith("mtp.")
 
     # ---- to be provided by the family -----------------------------------------------------
     kv = None   # KVFormat

@@ -242,9 +242,6 @@ class InvariantNemotronH(GQAttention, InvariantCausalLM):
     def moe_layer_ids(self):
         return list(self.dims.moe_layers) if self.dims.moe is not None else None
 
-    def ignored_weight(self, name: str) -> bool:
-        return super().ignored_weight(name) or name.startswith("mtp.")
-
     def linear_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.dims.block_types) if t == MAMBA]
 
