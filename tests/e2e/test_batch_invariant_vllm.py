@@ -56,7 +56,7 @@ def test_the_whole_top_k_distribution_is_bitwise(vllm_qwen_invariant, trainer_mo
     """Not only the sampled token: the engine's top-40 processed logprobs at every position equal
     the invariant trainer's log-softmax at the same ids, bit for bit, and are its top-40 (with
     top-k 16, entries 17.. are -inf on both sides)."""
-    from skyrl_numerics.invariant.base import invariant_topk
+    from skyrl_numerics.invariant.rollout_forward import invariant_topk
 
     gen = vllm_qwen_invariant
     ro = gen.generate(make_prompts(5, 10, gen.vocab_size, seed=31), max_tokens=12, seed=2,

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from skyrl_numerics.invariant import from_checkpoint
-from skyrl_numerics.invariant.base import invariant_logits_digest
+from skyrl_numerics.invariant.rollout_forward import invariant_logits_digest
 from skyrl_numerics.rollout.prompts import make_prompts
 from skyrl_numerics.trainer.logprobs import invariant_trainer_logprobs
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from skyrl_numerics.rollout.prompts import make_prompts
-from skyrl_numerics.invariant.base import invariant_logits_digest
+from skyrl_numerics.invariant.rollout_forward import invariant_logits_digest
 from skyrl_numerics.invariant.qwen3_moe import InvariantQwen3Moe
 
 pytestmark = pytest.mark.vllm

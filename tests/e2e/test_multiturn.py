@@ -97,12 +97,12 @@ def test_invariant_trainer_bitwise_every_turn(qwen_moe_dir, inv_traj):
     assert out.routes == ro.routes
     # beyond the sampled token: the engine's top-8 (processed: within the top-16 support) of
     # every model token equals the trainer's, bit for bit and as a set
-    from skyrl_numerics.invariant.base import invariant_topk
+    from skyrl_numerics.invariant.rollout_forward import invariant_topk
 
     d = invariant_topk(model, ro, use_support=True)
     assert d["positions"] == int(ro.loss_mask.sum()) and d["frac_bitwise"] == 1.0, d
     # and the whole distribution: every model token's full logits row, by digest
-    from skyrl_numerics.invariant.base import invariant_logits_digest
+    from skyrl_numerics.invariant.rollout_forward import invariant_logits_digest
 
     g = invariant_logits_digest(model, ro)
     assert g["positions"] == int(ro.loss_mask.sum()) and g["frac_bitwise"] == 1.0, g

@@ -14,7 +14,7 @@ import vendor_ckpts as V     # tests/vendor_ckpts.py (tests/ is on the path: its
 
 from skyrl_numerics.rollout.prompts import make_prompts
 from skyrl_numerics.invariant import from_checkpoint
-from skyrl_numerics.invariant.base import invariant_logits_digest
+from skyrl_numerics.invariant.rollout_forward import invariant_logits_digest
 from skyrl_numerics.trainer.logprobs import invariant_trainer_logprobs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.filterwarnings("ignore")]

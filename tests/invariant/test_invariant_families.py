@@ -439,7 +439,7 @@ def test_logit_chunks_change_no_bit(ckpt, monkeypatch, rows):
     vocabulary): any chunk size gives the same logprobs, entropies, routes, top-K check and
     differentiable logprobs bit for bit (an empty response included)."""
     from skyrl_numerics.rollout import Rollout
-    from skyrl_numerics.invariant import base
+    from skyrl_numerics.invariant import rollout_forward as base
     from skyrl_numerics.trainer.invariant_trainer import onpolicy_gradient, sequence_logprobs
 
     m = _model(ckpt, "qwen3_moe", "auto")

@@ -296,14 +296,14 @@ def _invariant_trainer(kv_cache: str | None = None, plan_of: str | None = None, 
 
     def distribution(ctx: DoctorContext, rollout: Rollout) -> dict:
         """The engine's top-K logprobs vs the invariant forward's rows (gap/topk.py)."""
-        from skyrl_numerics.invariant.base import invariant_topk
+        from skyrl_numerics.invariant.rollout_forward import invariant_topk
 
         return invariant_topk(ctx._models[key], rollout)
 
     def logits_digest(ctx: DoctorContext, rollout: Rollout) -> dict:
         """The engine's full-row digests vs the invariant forward's rows (gap/digest.py). The
         engine may be closed by now: a mismatch names its position, not its token id."""
-        from skyrl_numerics.invariant.base import invariant_logits_digest
+        from skyrl_numerics.invariant.rollout_forward import invariant_logits_digest
 
         return invariant_logits_digest(ctx._models[key], rollout)
     compute.distribution, compute.trainer = distribution, key

@@ -43,7 +43,7 @@ def sequence_logprobs(model: InvariantCausalLM, rollout: Rollout, *, batch_size:
                       use_support: bool = False, temperature: float | None = None):
     """Differentiable float32 response-token logprobs ``[Σ response_len]`` (same numbers as
     :func:`~skyrl_numerics.trainer.logprobs.invariant_trainer_logprobs`) and the no-grad entropy."""
-    from skyrl_numerics.invariant.base import entropy_of, response_logps, support_mask
+    from skyrl_numerics.invariant.rollout_forward import entropy_of, response_logps, support_mask
 
     if temperature is None:
         temperature = float(rollout.sampling.get("temperature", 1.0) or 1.0)

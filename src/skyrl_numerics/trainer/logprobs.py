@@ -18,7 +18,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from skyrl_numerics.invariant.base import InvariantCausalLM, entropy_of, response_logps, support_mask
+from skyrl_numerics.invariant.base import InvariantCausalLM
+from skyrl_numerics.invariant.rollout_forward import entropy_of, response_logps, support_mask
 from skyrl_numerics.replay import PackedRoutes
 from skyrl_numerics.replay.index_replay import index_modes
 from skyrl_numerics.rollout import Rollout
