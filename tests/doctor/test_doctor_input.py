@@ -154,6 +154,9 @@ def test_engine_args_and_options(tmp_path, capsys, dense_dir):
     _bad(capsys, tmp_path, ["--model", str(dense_dir), "--family", "qwen3_moe"], "not both")
     _bad(capsys, tmp_path, ["--model", str(dense_dir), "--prompt-len", "100", "--max-tokens", "64"],
          "exceeds max_model_len 128")
+    err = _bad(capsys, tmp_path, ["--model", str(dense_dir), "--row", "baseline: HF trainer, bf16",
+                                  "--row", "batch-invariant"], "unknown doctor row 'batch-invariant'",
+               "field 'row', index 1", "'+ batch-invariant (trainer and vLLM)'")
 
 
 def test_engine_arg_values_are_json():

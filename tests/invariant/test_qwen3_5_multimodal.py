@@ -190,3 +190,40 @@ def test_the_engines_checkpoint_names_are_the_text_models(pairs):
                        load_file(str(hub / "model.safetensors")))
     twin = load_file(str(txt / "model.safetensors"))
     assert set(own) == set(twin) and all(torch.equal(own[k], twin[k]) for k in twin)
+
+
+def test_the_doctor_reads_the_language_model_of_a_hub_checkpoint(pairs, tmp_path):
+    """What the doctor checks before any engine starts, on the hub checkpoint: its language
+    model's layers, vocabulary and experts (text_config's, the weights under
+    ``model.language_model.``), the engine memory plan and a seed recipe's plan — the same as on
+    the text-only twin; a hub checkpoint missing a language-model layer is refused naming
+    ``num_hidden_layers``."""
+    from safetensors.torch import load_file, save_file
+
+    from skyrl_numerics.doctor.engine_memory import plan_table
+    from skyrl_numerics.doctor.model_check import inspect_checkpoint
+    from skyrl_numerics.doctor.rows import ROWS
+    from skyrl_numerics.trainer.seed_recipes import get_recipe, resolve
+
+    hub, txt = pairs[("qwen3_5_moe", torch.bfloat16)]
+    h, t = inspect_checkpoint(hub), inspect_checkpoint(txt)
+    assert h.architecture == "Qwen3_5MoeForConditionalGeneration"
+    assert (h.vocab_size, h.num_experts) == (t.vocab_size, t.num_experts) and h.num_experts > 1
+    assert h.model_config["num_hidden_layers"] == t.config["num_hidden_layers"]
+    rows = [r for r in ROWS if r.name == "+ batch-invariant (trainer and vLLM)"]
+    kw = dict(n_prompts=4, seq_len=64, free=8 << 30, total=16 << 30, on_gpu=False)
+    (_, _, need_h), (_, _, need_t) = (plan_table(i, rows, {"dtype": "bfloat16"}, **kw)
+                                      for i in (h, t))
+    assert need_h == need_t
+    assert resolve(get_recipe("beam"), hub)[:2] == resolve(get_recipe("beam"), txt)[:2]
+
+    bad = tmp_path / "missing-layer"
+    bad.mkdir()
+    (bad / "config.json").write_text((hub / "config.json").read_text())
+    last = h.model_config["num_hidden_layers"] - 1
+    save_file({k: v for k, v in load_file(str(hub / "model.safetensors")).items()
+               if not k.startswith(f"model.language_model.layers.{last}.")},
+              str(bad / "model.safetensors"))
+    with pytest.raises(InputError, match=f"no model.layers.{last}") as e:
+        inspect_checkpoint(bad, count_params=False)
+    assert e.value.field == "num_hidden_layers"

@@ -20,7 +20,7 @@ import numpy as np
 from skyrl_numerics.doctor.engines import EngineStarts, ServedInPlace, room_for_engine
 from skyrl_numerics.doctor.engines import engine_kinds, engine_plan, prefetch_enabled
 from skyrl_numerics.doctor.rows import (FULL, ROWS, SCENARIOS, TOPK, DoctorContext, Row, Scenario,
-                                        register_row)
+                                        check_row_names, register_row)
 from skyrl_numerics.doctor.engine_memory import (plan_for_doctor, release_engines,
                                                  scoring_needs_the_engines_memory)
 from skyrl_numerics.doctor.model_check import inspect_checkpoint
@@ -323,11 +323,7 @@ def _doctor_inputs(family: str, rows, seed: int, model_dir, ekw: dict, dtype, ch
     """Check the row names and the checkpoint (default: the tiny ``family`` model, built), and
     select the rows for its family; ``(context, selected rows, prompts)`` (``check`` may replace
     the prompts)."""
-    if rows:
-        unknown = set(rows) - {r.name for r in ROWS}
-        if unknown:
-            raise ValueError(f"unknown doctor rows {sorted(unknown)}; known: "
-                             f"{[r.name for r in ROWS]}")
+    check_row_names(rows)
     if model_dir is None:
         model_dir = build_tiny_model(family, seed=seed)
     ckpt = inspect_checkpoint(model_dir, engine_args=ekw)

@@ -452,7 +452,7 @@ def plan_table(info, rows: list, engine_args: dict, *, n_prompts: int, seq_len: 
     from .trainer_memory import copy_need
 
     max_model_len = engine_args.get("max_model_len", 1024)
-    cfg = info.config
+    cfg = info.model_config
     params = info.params or checkpoint_params(info.path)[0]
     stored = info.stored_dtype if info.stored_dtype in _BYTES else "float32"
     edtype = engine_args.get("dtype", "bfloat16")

@@ -29,6 +29,7 @@ from skyrl_numerics.engine.arch_check import check_vllm_architecture
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.hashing import json_key
 from skyrl_numerics.hf_config import moe_dims
+from skyrl_numerics.invariant.multimodal import text_fields, text_weight_name
 from skyrl_numerics.safetensors_header import read_header
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8}
@@ -52,6 +53,12 @@ class CheckpointInfo:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 1
+
+    @property
+    def model_config(self) -> dict:
+        """The language model's fields: ``config`` itself, or a multimodal checkpoint's
+        ``text_config`` (:func:`~skyrl_numerics.invariant.multimodal.text_fields`)."""
+        return text_fields(self.config)
 
     def to_dict(self) -> dict:
         return {"path": str(self.path), "architecture": self.architecture,
@@ -192,14 +199,17 @@ def inspect_checkpoint(path: str | os.PathLike, *, engine_args: dict | None = No
         raise InputError("config.json has no 'model_type'", source=src, field="model_type")
     entries = weight_headers(path)
     names = list(entries)
-    _check_weights_match_config(config, entries, src)
-    vocab = config.get("vocab_size")
+    text = text_fields(config)      # a multimodal checkpoint's language model (its text_config)
+    if text is not config:
+        entries = {t: e for n, e in entries.items() if (t := text_weight_name(n)) is not None}
+    _check_weights_match_config(text, entries, src)
+    vocab = text.get("vocab_size")
     if vocab is None and isinstance(config.get("text_config"), dict):
         vocab = config["text_config"].get("vocab_size")
     if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 2:
         raise InputError(f"config.json: vocab_size must be an integer >= 2, got {vocab!r}",
                          source=src, field="vocab_size")
-    experts = moe_dims(config).num_experts
+    experts = moe_dims(text).num_experts
     stored = config.get("torch_dtype") or config.get("dtype") or "float32"
     stored = str(stored).replace("torch.", "")
     check_vllm_architecture(arch, engine_args or {}, src)
@@ -262,7 +272,7 @@ def check_memory(info: CheckpointInfo, *, engine_dtype: str, trainer_dtype: str,
     t, f = em.free_memory()
     avail = f if available is None else available
     total = t if total is None else total
-    need = em.engine_need(info.config, params, dtype=engine_dtype, n_prompts=n_prompts,
+    need = em.engine_need(info.model_config, params, dtype=engine_dtype, n_prompts=n_prompts,
                           seq_len=seq_len, max_model_len=max_model_len,
                           kv_cache_dtype=engine_args.get("kv_cache_dtype", "auto"))
     if "kv_cache_memory_bytes" in engine_args:

@@ -53,15 +53,13 @@ def run_doctor_remote(url: str, model_dir: str | Path, *, api_key: str | None = 
     from skyrl_numerics.doctor import (GENERIC_FAMILIES, ROWS, SCENARIOS, DoctorContext,
                                        DoctorResult, engine_contract, one_line, make_prompts, score_rows,
                                        skip_reason)
+    from skyrl_numerics.doctor.rows import check_row_names
     from skyrl_numerics.errors import InputError
     from skyrl_numerics.host import host_info, host_report, vllm_capabilities
     from skyrl_numerics.doctor.model_check import inspect_checkpoint
     from skyrl_numerics.engine.remote import RemoteGenerator
 
-    if rows:
-        unknown = set(rows) - {r.name for r in ROWS}
-        if unknown:
-            raise ValueError(f"unknown doctor rows {sorted(unknown)}; known: {[r.name for r in ROWS]}")
+    check_row_names(rows)
     remote = RemoteGenerator(url, api_key=api_key, model_dir=str(model_dir))
     served = Path(remote.server_config.get("model_config", {}).get("model") or remote.model_dir)
     if served.is_dir() and served.resolve() != Path(model_dir).resolve():

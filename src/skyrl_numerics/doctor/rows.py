@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 
 from skyrl_numerics.doctor.engine_memory import make_room_for
-from skyrl_numerics.errors import ContractMismatch
+from skyrl_numerics.errors import ContractMismatch, InputError
 from skyrl_numerics.hf_config import moe_layout
 from skyrl_numerics.rollout import Rollout
 
@@ -182,6 +182,16 @@ class Row:
 
 
 ROWS: list[Row] = []
+
+
+def check_row_names(names) -> None:
+    """InputError (field ``row``) naming each of ``names`` that is no registered row."""
+    known = {r.name for r in ROWS}
+    unknown = [n for n in names or () if n not in known]
+    if unknown:
+        raise InputError(f"unknown doctor row {unknown[0]!r}; the rows are: "
+                         + "; ".join(repr(r.name) for r in ROWS), field="row",
+                         index=list(names).index(unknown[0]))
 
 
 def register_row(row: Row) -> Row:

@@ -81,7 +81,9 @@ def _meta_module(info, key: tuple):
     cfg = AutoConfig.from_pretrained(str(info.path))
     if key[0] == "invariant":
         from skyrl_numerics.invariant import architecture_of, family_class
+        from skyrl_numerics.invariant.multimodal import text_config
 
+        cfg = text_config(cfg)      # a multimodal checkpoint's language model
         cls = family_class(architecture_of(cfg))
         with torch.device("meta"):
             return cls.from_config(cfg, dtype=torch.bfloat16, kv_cache=key[1])

@@ -51,6 +51,7 @@ import torch
 from skyrl_numerics.errors import InputError
 from skyrl_numerics.invariant import FAMILIES, family_class
 from skyrl_numerics.invariant.kv_format import parse_kv_spec
+from skyrl_numerics.invariant.multimodal import text_fields
 from skyrl_numerics.invariant.numerics import LinearFormat, NumericsPlan, check_plan_for_config, group_of
 from skyrl_numerics.invariant.vendor_plan import vendor_numerics, vendor_quant_config
 
@@ -251,12 +252,13 @@ def resolve(recipe: SeedRecipe, model_dir) -> tuple:
     """``(NumericsPlan, kv_cache format, notes)`` of ``recipe`` on the checkpoint at
     ``model_dir``; groups the model does not have are dropped (noted), and what cannot apply is
     refused naming the recipe field — all before any engine starts."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = text_fields(raw)      # a multimodal checkpoint's language model
     arch = (cfg.get("architectures") or ["?"])[0]
     if arch not in FAMILIES:
         raise InputError(f"recipe {recipe.name!r}: its bitwise config needs a batch-invariant family; "
                          f"{arch} is not one of {sorted(FAMILIES)}", field="model")
-    quant = vendor_quant_config(model_dir, cfg)    # a vendor-quantized base: its own formats
+    quant = vendor_quant_config(model_dir, raw)    # a vendor-quantized base: its own formats
     if quant is not None and not recipe.numerics.lora_rank:
         raise InputError(f"recipe {recipe.name!r} fine-tunes every weight, but {model_dir} is "
                          "quantized (its packed weights are not trainable): set lora_rank",
@@ -265,7 +267,7 @@ def resolve(recipe: SeedRecipe, model_dir) -> tuple:
     kv = _kv_format(recipe, cfg)
     plan = recipe.plan_for_groups(have)
     if quant is not None:
-        plan = vendor_numerics(cfg, quant, dataclasses.replace(plan, formats={}), kv_cache=parse_kv_spec(kv))
+        plan = vendor_numerics(raw, quant, dataclasses.replace(plan, formats={}), kv_cache=parse_kv_spec(kv))
         method = (quant.get("config") or {}).get("quant_method", "?")
         notes.append(f"formats: the checkpoint's own ({method}), not the recipe's")
     check_plan_for_config(plan, cfg, kv_cache=kv)
