@@ -11,6 +11,7 @@ the trainer side and vLLM's own config of it (tests/invariant/test_qwen3_5_multi
 """
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -59,3 +60,18 @@ def test_every_token_route_and_logits_row_is_the_trainers(hub_engine):
             assert tl.routes == ro.routes
         digest = invariant_logits_digest(trainer, ro, batch_size=4)
         assert digest["frac_bitwise"] == 1.0, digest
+
+
+def test_the_doctors_bitwise_row_on_the_hub_checkpoint(tmp_path, capfd):
+    """``doctor --model HUB_DIR`` with the batch-invariant row: the checkpoint is read as its
+    language model (text_config, ``model.language_model.*``) and the row is 100 % bitwise."""
+    from skyrl_numerics.cli import main
+
+    hub, _ = build_pair(tmp_path, "qwen3_5_moe", torch.bfloat16, **MROPE)
+    out, row = tmp_path / "out", "+ batch-invariant (trainer and vLLM)"
+    assert main(["doctor", "--model", str(hub), "--prompts", "4", "--max-tokens", "8",
+                 "--out", str(out), "--no-progress", "--row", row]) == 0, capfd.readouterr().err
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["model"]["architecture"] == "Qwen3_5MoeForConditionalGeneration"
+    (inv,) = [r for r in rep["rows"] if r["name"] == row]
+    assert inv["status"] == "measured" and inv["summary"]["frac_bitwise_equal"] == 1.0, inv
