@@ -158,11 +158,12 @@ def test_mixtral_family(tmp_path, closes_engines):
     assert "*.mlp.experts" in by["int4 experts: plain bf16 trainer"]["status"]
 
 
-def test_glm4_moe_user_model_r3_and_bitwise(tmp_path, closes_engines):
+def test_glm4_moe_user_model_r3(tmp_path, closes_engines):
     """A user's GLM-4.5-style checkpoint (transformers' own ``Glm4MoeConfig``: partial RoPE,
     q/k norm, biases, sigmoid grouped router with a correction bias, a shared expert, a dense
-    first layer): the stock rows run on vLLM's own Glm4-MoE, R3 replays its routes into HF's
-    ``Glm4MoeTopkRouter``, and the glm4_moe family's bitwise row is 100 %."""
+    first layer): the stock rows run on vLLM's own Glm4-MoE and R3 replays its routes into HF's
+    ``Glm4MoeTopkRouter``. (The glm4_moe family's engine == trainer, bitwise, is
+    tests/e2e/test_moe_families_vllm.py's: a second engine here would check it again.)"""
     import torch
     from transformers import Glm4MoeConfig
 
@@ -187,8 +188,7 @@ def test_glm4_moe_user_model_r3_and_bitwise(tmp_path, closes_engines):
                 b.copy_(torch.randn_like(b) * 0.01)
     m.to(torch.bfloat16).save_pretrained(d)
     out = tmp_path / "out"
-    rows = ["baseline: HF trainer, bf16", "+ R3 (router replay)",
-            "+ batch-invariant (trainer and vLLM)"]
+    rows = ["baseline: HF trainer, bf16", "+ R3 (router replay)"]
     assert main(["doctor", "--model", str(d), "--prompts", "3", "--max-tokens", "16",
                  "--out", str(out), "--no-progress",
                  *[a for r in rows for a in ("--row", r)]]) == 0
@@ -197,5 +197,3 @@ def test_glm4_moe_user_model_r3_and_bitwise(tmp_path, closes_engines):
     assert all(r["status"] == "measured" for r in by.values()), {n: r["status"] for n, r in by.items()}
     s = {n: r["summary"] for n, r in by.items()}
     assert s["+ R3 (router replay)"]["max_abs"] <= s["baseline: HF trainer, bf16"]["max_abs"]
-    inv = s["+ batch-invariant (trainer and vLLM)"]
-    assert inv["frac_bitwise_equal"] == 1.0 and inv["max_abs"] == 0.0, inv
