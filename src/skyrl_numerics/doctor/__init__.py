@@ -323,7 +323,7 @@ def _doctor_inputs(family: str, rows, seed: int, model_dir, ekw: dict, dtype, ch
     """Check the row names and the checkpoint (default: the tiny ``family`` model, built), and
     select the rows for its family; ``(context, selected rows, prompts)`` (``check`` may replace
     the prompts)."""
-    check_row_names(rows)
+    check_row_names(rows, ROWS)
     if model_dir is None:
         model_dir = build_tiny_model(family, seed=seed)
     ckpt = inspect_checkpoint(model_dir, engine_args=ekw)

@@ -59,7 +59,7 @@ def run_doctor_remote(url: str, model_dir: str | Path, *, api_key: str | None = 
     from skyrl_numerics.doctor.model_check import inspect_checkpoint
     from skyrl_numerics.engine.remote import RemoteGenerator
 
-    check_row_names(rows)
+    check_row_names(rows, ROWS)
     remote = RemoteGenerator(url, api_key=api_key, model_dir=str(model_dir))
     served = Path(remote.server_config.get("model_config", {}).get("model") or remote.model_dir)
     if served.is_dir() and served.resolve() != Path(model_dir).resolve():

@@ -184,13 +184,13 @@ class Row:
 ROWS: list[Row] = []
 
 
-def check_row_names(names) -> None:
-    """InputError (field ``row``) naming each of ``names`` that is no registered row."""
-    known = {r.name for r in ROWS}
+def check_row_names(names, rows: list) -> None:
+    """InputError (field ``row``) naming the first of ``names`` that is none of ``rows``."""
+    known = {r.name for r in rows}
     unknown = [n for n in names or () if n not in known]
     if unknown:
         raise InputError(f"unknown doctor row {unknown[0]!r}; the rows are: "
-                         + "; ".join(repr(r.name) for r in ROWS), field="row",
+                         + "; ".join(repr(r.name) for r in rows), field="row",
                          index=list(names).index(unknown[0]))
 
 
