@@ -5,12 +5,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
-# make test: three pytest-xdist workers on the 2-core budget (tests/conftest.py keeps a file's tests,
-# and all users of the session engines, in one worker). A third worker fills the time one worker
-# waits on a single-threaded phase (an engine's spawned processes importing vLLM, a server's start):
-# a fresh clone here took 1,922 s of tests with three against 2,123 s with two, peak RAM 18.6 of
-# 24 GiB. TEST_WORKERS=0 runs everything in one process.
-TEST_WORKERS ?= 3
+# make test: two pytest-xdist workers, the 2-core budget (tests/conftest.py keeps a file's tests, and
+# all users of the session engines, in one worker). Three were tried on a fresh clone: 1,922 s of
+# tests against 2,123 s with two, but 18.6 of 24 GiB RAM at peak and a load of 22 — too close to
+# the machine's memory for a suite that must not fail on a draw; the engines' thread binding
+# (tests/conftest.py) was the idle time a third worker filled. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 
 .PHONY: venv demo test test-fast bench compat clean
 
