@@ -7,7 +7,8 @@ the median over rounds of stock / library (> 1: faster than stock).
 
 Libraries: ``host`` (this checkout's kernels built for this CPU, as the engine runs them),
 ``avx2`` (the same sources built with ``-march=x86-64-v3``: what an AVX2 + FMA host runs; the
-same bits, tested) and any ``--lib NAME=PATH`` (e.g. a build of an earlier commit's ``csrc``:
+same bits, tested), ``amx`` (the host build's AMX arithmetic, ``SKYRL_NUMERICS_GEMM=amx``,
+``kernels/cpu_gemm_amx.py``; where the CPU has AMX) and any ``--lib NAME=PATH`` (e.g. a build of an earlier commit's ``csrc``:
 ``cc -O3 -march=native -std=c11 -ffp-contract=off -fno-fast-math -fPIC -shared -I csrc -o
 old.so csrc/*.c -lm``).
 
@@ -59,10 +60,14 @@ def main() -> None:
 
     import torch
 
-    from skyrl_numerics.kernels import cpu_gemm_bf16, native
+    from skyrl_numerics.kernels import cpu_gemm_amx, cpu_gemm_bf16, native
 
     torch.set_num_threads(1)
     libs = _libraries(args.lib)
+    arith = {k: "fma" for k in libs}
+    native._LIB = libs["host"]
+    if cpu_gemm_amx.available():
+        libs["amx"], arith["amx"] = libs["host"], "amx"
     print(f"host: torch CPU capability {torch.backends.cpu.get_cpu_capability()}")
     print("| shape (M × K × N) | stock ms | " + " | ".join(f"{k} ms" for k in libs)
           + " | " + " | ".join(f"stock / {k}" for k in libs) + " |")
@@ -73,8 +78,9 @@ def main() -> None:
         w = (torch.randn(N, K, generator=g) / K ** 0.5).bfloat16()
         fns = {"stock": lambda: torch.nn.functional.linear(x, w)}
         for k, lib in libs.items():
-            def run(lib=lib):
+            def run(lib=lib, a=arith[k]):
                 native._LIB = lib            # the library cpu_gemm_bf16 calls (native.lib())
+                os.environ[cpu_gemm_amx.GEMM_ENV] = a
                 cpu_gemm_bf16.linear_f32(x, w)
             fns[k] = run
         for f in fns.values():

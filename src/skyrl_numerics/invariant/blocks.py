@@ -88,7 +88,7 @@ def linear_many(x: torch.Tensor, ws) -> list[torch.Tensor]:
         return [linear(x, w) for w in ws]
     from skyrl_numerics.kernels import cpu_gemm_bf16
 
-    x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1]).float()
+    x2 = cpu_gemm_bf16.operand(x.reshape(x.shape[:-1].numel(), x.shape[-1]))
     return [cpu_gemm_bf16.linear_f32(x2, w).to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
             for w in ws]
 
@@ -411,7 +411,7 @@ def _grouped_expert_rows(x, ids, expert, E: int, weights=None) -> torch.Tensor:
     off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     trios = [expert(e) if counts[e] else None for e in range(E)]
     rows = np.arange(flat.size, dtype=np.int64)
-    a = cpu_moe.gather_rows(x, order // k, rows, flat.size)[0]          # fp32, sorted by expert
+    a = cpu_moe.expert_operand(x, order // k)                           # sorted by expert
     gated = len(next(t for t in trios if t is not None)) == 3
     u = cpu_gemm_bf16.grouped_f32(a, [t and t[-2] for t in trios], off).to(x.dtype)
     if gated:
@@ -419,7 +419,7 @@ def _grouped_expert_rows(x, ids, expert, E: int, weights=None) -> torch.Tensor:
     else:                                                  # relu2_mlp's activation
         h = torch.relu(u)
         h = h * h
-    y = cpu_gemm_bf16.grouped_f32(h.float(), [t and t[-1] for t in trios], off)
+    y = cpu_gemm_bf16.grouped_f32(h, [t and t[-1] for t in trios], off)
     rowmap = np.empty(flat.size, dtype=np.int64)
     rowmap[order] = rows                              # the sorted row of pair (t, s) = t k + s
     if weights is None:

@@ -16,7 +16,9 @@ the same torch and vLLM. An :class:`ExecutionContract` names each of those as on
     kv_format     the KV-cache spec (format, k_scale, v_scale), JSON    model.kv.spec
     mode_ops      digest of kernels.mode.op_table (op -> kernel)        kernels/mode.py
     kernel_build  digest of the compiled C kernels (sources, library,   kernels/native.py,
-                  binary) and the kernels package's Python sources      kernels/*.py
+                  binary) and the kernels package's Python sources,     kernels/*.py,
+                  plus " gemm_bf16=amx" where the bf16 GEMMs run on     SKYRL_NUMERICS_GEMM
+                  AMX tiles (kernels/cpu_gemm_amx.py)
     isa           host ISA, torch's CPU capability, ISA caps            host.host_info
                   (GPU: device name and compute capability)
     torch         torch.__version__
@@ -45,7 +47,7 @@ import torch
 from skyrl_numerics.errors import ContractMismatch, InputError
 from skyrl_numerics.hashing import json_key
 from skyrl_numerics.host import host_info, vllm_version
-from skyrl_numerics.kernels import native
+from skyrl_numerics.kernels import cpu_gemm_amx, native
 from skyrl_numerics.kernels.mode import op_table
 
 from . import FAMILIES
@@ -190,14 +192,21 @@ def _isa() -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def process_fields() -> dict:
-    """The fields every model of this process shares (computed once): ``mode_ops``,
-    ``kernel_build``, ``isa``, ``torch``, ``vllm``."""
+def _static_fields() -> tuple[dict, dict]:
+    """What :func:`process_fields` computes once: the fields, and the kernel build's parts."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return {"mode_ops": json_key(op_table(device)),
-            "kernel_build": json_key({"native": native.build_digest(),
-                                      "python": _python_kernel_sources()}),
-            "isa": _isa(), "torch": str(torch.__version__), "vllm": vllm_version()}
+    return ({"mode_ops": json_key(op_table(device)), "isa": _isa(), "torch": str(torch.__version__),
+             "vllm": vllm_version()},
+            {"native": native.build_digest(), "python": _python_kernel_sources()})
+
+
+def process_fields() -> dict:
+    """The fields every model of this process shares: ``mode_ops``, ``kernel_build`` (with the
+    bf16 GEMM arithmetic, ``SKYRL_NUMERICS_GEMM``, read now), ``isa``, ``torch``, ``vllm``."""
+    fields, build = _static_fields()
+    gemm = cpu_gemm_amx.arithmetic()
+    # the default arithmetic leaves the field as it was before there were two; another is named
+    return {**fields, "kernel_build": json_key(build) + ("" if gemm == "fma" else f" gemm_bf16={gemm}")}
 
 
 def family_of(model) -> str:

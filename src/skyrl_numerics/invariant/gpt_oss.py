@@ -221,9 +221,9 @@ class InvariantGptOss(GQADecoder, InvariantCausalLM):
 
         def proj(a, j, b):     # bf16(a W_j) + b[expert of the row]
             return cpu_gemm_bf16.grouped_f32(a, [t and t[j] for t in used], off).to(x.dtype) + b[es]
-        a = cpu_moe.gather_rows(x, order // k, rows, flat.size)[0]
+        a = cpu_moe.expert_operand(x, order // k)
         h = clamped_swiglu(proj(a, 0, bg), proj(a, 1, bu), self.dims.alpha, self.dims.limit)
-        y = proj(h.float(), 2, bd)
+        y = proj(h, 2, bd)
         rowmap = np.empty(flat.size, dtype=np.int64)
         rowmap[order] = rows
         return cpu_moe.combine(y.float(), rowmap, w, H, x.dtype)

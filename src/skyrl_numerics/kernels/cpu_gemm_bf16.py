@@ -22,6 +22,10 @@ This is the spec of every bfloat16 GEMM the invariant CPU path runs with a weigh
 two bfloat16 operands (the trainer's autograd forward), on the engine and the trainer side alike.
 float32/float16 GEMMs and the attention products keep :mod:`.cpu_gemm`'s MKL row blocks.
 
+A second arithmetic, for AMX hosts: with ``SKYRL_NUMERICS_GEMM=amx`` the GEMMs whose activations
+are bfloat16 run on AMX tiles instead (:mod:`.cpu_gemm_amx`: batch-invariant, reproducible
+between AMX CPUs, no torch specification; the contract names it). The default is this fma one.
+
 The kernel is ``csrc/gemm_bf16.c`` (tiles of up to 4 rows x 4 columns of 16-lane accumulators
 sharing each loaded vector on AVX-512, 2 x 3 on AVX2; column panels of 48); :func:`linear_spec`
 is its torch specification (the fallback without a C compiler: the same bits, much slower).
@@ -33,6 +37,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import cpu_gemm_amx
 from .fixed_order import fma, lib
 from .pool import parallel
 
@@ -64,6 +69,12 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def operand(x: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` as the activations of several GEMMs on one input: widened to float32 once
+    (exact) for the fma arithmetic; bfloat16 as it is where the GEMMs run on AMX tiles."""
+    return x if cpu_gemm_amx.uses_amx(x) else _rows(x)
+
+
 def linear_spec(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """:func:`linear`'s float32 result with torch ops (the module doc's formula, op for op)."""
     x, wf = _rows(x), w.float()
@@ -93,6 +104,8 @@ def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     N = w.shape[0]
     if w.shape[1] != K:
         raise ValueError(f"x has K = {K}, weight {tuple(w.shape)}")
+    if cpu_gemm_amx.uses_amx(x):
+        return cpu_gemm_amx.linear_f32(x, w, _ld)
     L = lib()
     if L is None:
         return linear_spec(x, w)
@@ -138,8 +151,13 @@ def grouped_f32(x: torch.Tensor, ws, row_off) -> torch.Tensor:
     N, ld = wl[0].shape[0], _ld(wl[0])
     if wl[0].shape[1] != K:
         raise ValueError(f"x has K = {K}, expert weights {tuple(wl[0].shape)}")
+    same = all(w.shape == wl[0].shape and _ld(w) == ld for w in wl)
+    # groups without rows drop out; the others' rows stay contiguous and in order
+    goff = np.array([offs[g] for g in used] + [offs[used[-1] + 1]], dtype=np.int64)
+    if same and cpu_gemm_amx.uses_amx(x):
+        return cpu_gemm_amx.grouped_f32(x, wl, goff, _ld)
     L = lib()
-    if L is None or any(w.shape != wl[0].shape or _ld(w) != ld for w in wl):
+    if L is None or not same:
         out = torch.zeros(R, N)
         for g, w in zip(used, wl):
             out[offs[g]:offs[g + 1]] = linear_f32(x[offs[g]:offs[g + 1]], w)
@@ -147,8 +165,6 @@ def grouped_f32(x: torch.Tensor, ws, row_off) -> torch.Tensor:
     x = _rows(x)
     out = torch.zeros(R, N)
     ptrs = np.array([w.data_ptr() for w in wl], dtype=np.uint64)
-    # groups without rows drop out; the others' rows stay contiguous and in order
-    goff = np.array([offs[g] for g in used] + [offs[used[-1] + 1]], dtype=np.int64)
 
     def run(lo: int, hi: int) -> None:
         rc = L.skyrl_gemm_bf16_grouped(x.data_ptr(), _ld(x), ptrs.ctypes.data, ld,

@@ -4,7 +4,8 @@
 ``p = t·k + s`` by expert, pads each expert's rows to whole GEMM row blocks, and calls:
 
 - :func:`gather_rows`: ``out[c, dest[p]] = float32(x[src[p]])`` for each copy ``c``, every other
-  row +0 (the blocks' padding) — the GEMM operands of the gate and up projections;
+  row +0 (the blocks' padding) — the GEMM operands of the gate and up projections
+  (:func:`expert_operand`: the same rows kept in bfloat16 where the GEMM runs on AMX tiles);
 - :func:`slot_rows`: ``rows[t, s] = y[rowmap[t·k + s], :H]`` rounded to the model dtype;
 - :func:`combine`: the slot-order weighted sum of those rows, every product and sum rounded to
   the model dtype as torch's ops round them (:func:`weighted_slot_sum`)::
@@ -19,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import cpu_gemm_amx
 from .fixed_order import lib
 
 
@@ -49,6 +51,15 @@ def gather_rows(x: torch.Tensor, src, dest, out_rows: int, copies: int = 1) -> t
     if rc != 0:
         raise RuntimeError(f"skyrl_moe_gather failed (rc {rc})")
     return out
+
+
+def expert_operand(x: torch.Tensor, src) -> torch.Tensor:
+    """Rows ``x[src[p]]`` in order, as the experts' GEMM operand: bfloat16 as stored where that
+    GEMM runs on AMX tiles (:func:`.cpu_gemm_amx.uses_amx`), else :func:`gather_rows`' float32."""
+    if cpu_gemm_amx.uses_amx(x):
+        return x.index_select(0, torch.from_numpy(_index(src)))
+    n = len(src)
+    return gather_rows(x, src, np.arange(n, dtype=np.int64), n)[0]
 
 
 def slot_rows(y: torch.Tensor, rowmap, T: int, k: int, H: int, dtype) -> torch.Tensor:
