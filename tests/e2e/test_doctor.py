@@ -41,6 +41,10 @@ def test_doctor_writes_ablation_report(tmp_path, vllm_qwen, capsys):
     if assumed_build() is None:
         assert eh["vllm_build_loaded"] == h["vllm_kernels"]["build"]
     assert eh["torch_cpu_capability"] == h["torch_cpu_capability"] and rep["isa_mismatch"] is False
+    # the bf16 GEMM arithmetic it ran, and the AMX advice exactly where the CPU has AMX
+    from skyrl_numerics.kernels import cpu_gemm_amx
+
+    assert rep["gemm_bf16"] == "fma" and (rep["gemm_advice"] is not None) == cpu_gemm_amx.available()
     # the written rollout is a complete dump: `gap FILE` reproduces the baseline row
     assert main(["gap", str(out / "rollout-full.safetensors"), "--out", str(tmp_path / "g")]) == 0
     again = json.loads((tmp_path / "g" / "report.json").read_text())

@@ -152,6 +152,18 @@ def test_the_arithmetic_is_named_and_refused_by_name(monkeypatch):
     assert torch.equal(_bits(gb.linear_f32(x, w)), _bits(gb.linear_spec(x, w)))   # default: fma
 
 
+def test_the_advice_names_the_variable_only_where_it_would_help(monkeypatch):
+    monkeypatch.delenv(amx.GEMM_ENV, raising=False)
+    monkeypatch.setattr(amx, "available", lambda: True)
+    assert amx.GEMM_ENV + "=amx" in amx.advice()
+    monkeypatch.setattr(amx, "available", lambda: False)     # a CPU without AMX (mocked)
+    assert amx.advice() is None
+    if amx.native.lib() is not None and amx.native.lib().skyrl_amx_available():
+        monkeypatch.undo()
+        monkeypatch.setenv(amx.GEMM_ENV, "amx")
+        assert amx.advice() is None                          # already on it
+
+
 @needs_amx
 def test_the_contract_tells_the_two_arithmetics_apart(monkeypatch, qwen_moe_dir):
     """A trainer on fma and an engine on amx (or the reverse) are refused, naming kernel_build

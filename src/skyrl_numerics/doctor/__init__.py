@@ -27,6 +27,7 @@ from skyrl_numerics.doctor.model_check import inspect_checkpoint
 from skyrl_numerics.engine import generator as engine_generator
 from skyrl_numerics.errors import ContractMismatch, NotEnoughMemory
 from skyrl_numerics.host import host_info, host_report, vllm_capabilities, vllm_version
+from skyrl_numerics.kernels import cpu_gemm_amx
 from skyrl_numerics.models import build_tiny_model
 from skyrl_numerics.rollout import Rollout
 from skyrl_numerics.rollout.prompts import make_prompts
@@ -356,6 +357,9 @@ def _host_report(hosts: list) -> dict:
     rep = host_report({**host_info(), "vllm_kernels": vllm_capabilities()}, hosts)
     if rep["isa_warning"]:
         LOG.warning("doctor: %s", rep["isa_warning"])
+    rep["gemm_bf16"], rep["gemm_advice"] = cpu_gemm_amx.arithmetic(), cpu_gemm_amx.advice()
+    if rep["gemm_advice"]:
+        LOG.warning("doctor: %s", rep["gemm_advice"])
     return rep
 
 
