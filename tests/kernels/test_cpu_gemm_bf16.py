@@ -171,6 +171,20 @@ def test_other_builds_give_the_same_bits(flags, tmp_path, monkeypatch):
     monkeypatch.setattr(native, "_LIB", other)
     for (x, w), ref in zip(cases, want):
         assert torch.equal(_bits(gb.linear_f32(x, w)), _bits(ref))
+    assert other.skyrl_amx_available() == 0     # neither build targets AMX: amx refuses there
+
+
+def test_the_march_variable_names_another_cpus_build(monkeypatch):
+    """``SKYRL_NUMERICS_NATIVE_MARCH`` builds (and caches apart) what another CPU runs; a value
+    that is not a -march name is refused naming the variable, before any compiler runs."""
+    monkeypatch.delenv(native.MARCH_ENV, raising=False)
+    assert native.host_flags() == native.FLAGS
+    monkeypatch.setenv(native.MARCH_ENV, "x86-64-v3")
+    assert native.host_flags() == AVX2_FLAGS
+    assert native.library_path() == native.library_path(AVX2_FLAGS) != native.library_path(native.FLAGS)
+    monkeypatch.setenv(native.MARCH_ENV, "native -fno-strict; rm")
+    with pytest.raises(native.NativeBuildError, match=native.MARCH_ENV):
+        native.host_flags()
 
 
 def _libm_fmaf():

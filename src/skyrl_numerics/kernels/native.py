@@ -12,7 +12,10 @@ Flags: ``-O3 -march=native -ffp-contract=off -fno-fast-math``: every float opera
 IEEE binary32 operation the source writes, rounded on its own (no fused multiply-add, no
 reassociation), so the results do not depend on the compiler, its vector width or the CPU
 (a baseline ``-O2`` build gives the same bits: tested), and each kernel's torch specification
-reproduces them bit for bit (tested). ``-march=native`` only picks the vector instructions.
+reproduces them bit for bit (tested). ``-march=native`` only picks the vector instructions
+(``SKYRL_NUMERICS_NATIVE_MARCH`` picks another, e.g. ``x86-64-v3`` to run an AVX2 host's build).
+The one exception is opt-in: the AMX arithmetic of the bf16 GEMM (``cpu_gemm_amx``), built only
+where ``-march`` targets AMX.
 
 ``SKYRL_NUMERICS_NATIVE=0`` never builds or loads it (the torch specifications run instead:
 the same bits, slower); ``=1`` makes a failed build an error instead of a fallback. ``CC``
@@ -24,6 +27,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -35,7 +39,7 @@ from skyrl_numerics import paths
 CSRC = Path(__file__).with_name("csrc")
 BASE_FLAGS = ("-O2", "-std=c11", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared")
 FLAGS = ("-O3", "-march=native") + BASE_FLAGS[1:]
-FLAG_SETS = (FLAGS, BASE_FLAGS)     # the second when the compiler refuses -march=native
+MARCH_ENV = "SKYRL_NUMERICS_NATIVE_MARCH"   # another -march than native (e.g. x86-64-v3: AVX2)
 
 _LOCK = threading.Lock()
 _LIB: ctypes.CDLL | None = None
@@ -54,6 +58,18 @@ def _mode() -> str:
 
 def cache_dir() -> Path:
     return paths.cache_dir()
+
+
+def host_flags() -> tuple[str, ...]:
+    """The flags of this process's build: :data:`FLAGS`, with ``-march`` from
+    ``SKYRL_NUMERICS_NATIVE_MARCH`` when set (to run what another CPU's build runs, e.g.
+    ``x86-64-v3`` for an AVX2 + FMA host: the same bits, tested, other speed)."""
+    march = os.environ.get(MARCH_ENV, "").strip()
+    if not march:
+        return FLAGS
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", march):
+        raise NativeBuildError(f"{MARCH_ENV}={march!r}: expected a -march name such as x86-64-v3")
+    return ("-O3", f"-march={march}") + BASE_FLAGS[1:]
 
 
 def _compiler() -> str:
@@ -81,8 +97,10 @@ def _headers() -> list[Path]:
     return sorted(CSRC.glob("*.h"))
 
 
-def library_path(flags=FLAGS) -> Path:
-    """Where the library built with ``flags`` lives (whether or not it exists yet)."""
+def library_path(flags=None) -> Path:
+    """Where the library built with ``flags`` (default :func:`host_flags`) lives (whether or not
+    it exists yet)."""
+    flags = host_flags() if flags is None else flags
     cc = _compiler()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True,
@@ -98,11 +116,12 @@ def library_path(flags=FLAGS) -> Path:
 
 
 def build(flags=None) -> Path:
-    """Compile the library if it is not in the cache yet; its path. Without ``flags``: the
-    first of :data:`FLAG_SETS` the compiler accepts. Raises NativeBuildError."""
+    """Compile the library if it is not in the cache yet; its path. Without ``flags``:
+    :func:`host_flags`, or :data:`BASE_FLAGS` when the compiler refuses them. Raises
+    NativeBuildError."""
     if flags is None:
         errors = []
-        for fs in FLAG_SETS:
+        for fs in (host_flags(), BASE_FLAGS):
             try:
                 return build(fs)
             except NativeBuildError as e:
