@@ -157,47 +157,30 @@ def load(path) -> ctypes.CDLL:
     return loaded
 
 
+_I64, _I32, _F32, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+SIGNATURES = {   # every kernel returns an int status (0: done)
+    "skyrl_attention_fwd": ([_PTR, _I32, _I64, _I64, _I64] * 3 + [_PTR, _I64, _PTR, _I32, _PTR]
+                            + [_I32] * 7 + [_F32, _I32, _I64, _I64, _PTR, _I64]),
+    "skyrl_rms_norm_fwd": [_PTR, _I32, _I64, _PTR, _I32, _I64, _PTR, _I32, _PTR, _I64, _I64, _I32, _F32],
+    "skyrl_moe_gather": [_PTR, _I64, _I32, _PTR, _PTR, _I64, _PTR, _I64, _I32],
+    "skyrl_moe_combine": [_PTR, _I64, _I32, _PTR, _PTR, _I64, _I32, _PTR],
+    "skyrl_row_sum": [_PTR, _I64, _I64, _PTR, _I64, _I64],
+    "skyrl_gemm_bf16": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64],
+    "skyrl_gemm_bf16_grouped": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64],
+    "skyrl_amx_available": [],
+    "skyrl_amx_pack_x": [_PTR, _I64, _I64, _I64, _PTR],
+    "skyrl_gemm_bf16_amx": [_PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64],
+    "skyrl_amx_pack_grouped": [_PTR, _I64, _PTR, _I64, _I64, _PTR],
+    "skyrl_gemm_bf16_amx_grouped": [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64],
+    "skyrl_qk_norm_rope": [_PTR, _I64, _I32, _PTR, _I64, _I32, _PTR, _PTR, _PTR, _PTR, _I32, _F32, _I32,
+                           _PTR, _PTR, _I64, _I64, _I64],
+}
+
+
 def _declare(lib: ctypes.CDLL) -> None:
-    i64, i32, f32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-    fn = lib.skyrl_attention_fwd
-    fn.restype = i32
-    fn.argtypes = ([vp, i32, i64, i64, i64] * 3 + [vp, i64, vp, i32, vp]
-                   + [i32] * 7 + [f32, i32, i64, i64, vp, i64])
-    fn = lib.skyrl_rms_norm_fwd
-    fn.restype = i32
-    fn.argtypes = [vp, i32, i64, vp, i32, i64, vp, i32, vp, i64, i64, i32, f32]
-    fn = lib.skyrl_moe_gather
-    fn.restype = i32
-    fn.argtypes = [vp, i64, i32, vp, vp, i64, vp, i64, i32]
-    fn = lib.skyrl_moe_combine
-    fn.restype = i32
-    fn.argtypes = [vp, i64, i32, vp, vp, i64, i32, vp]
-    fn = lib.skyrl_row_sum
-    fn.restype = i32
-    fn.argtypes = [vp, i64, i64, vp, i64, i64]
-    fn = lib.skyrl_gemm_bf16
-    fn.restype = i32
-    fn.argtypes = [vp, i64, vp, i64, vp, i64, i64, i64, i64, i64]
-    fn = lib.skyrl_gemm_bf16_grouped
-    fn.restype = i32
-    fn.argtypes = [vp, i64, vp, i64, vp, i64, vp, i64, i64, i64, i64]
-    lib.skyrl_amx_available.restype = i32
-    lib.skyrl_amx_available.argtypes = []
-    fn = lib.skyrl_amx_pack_x
-    fn.restype = i32
-    fn.argtypes = [vp, i64, i64, i64, vp]
-    fn = lib.skyrl_gemm_bf16_amx
-    fn.restype = i32
-    fn.argtypes = [vp, vp, i64, vp, i64, i64, i64, i64, i64]
-    fn = lib.skyrl_amx_pack_grouped
-    fn.restype = i32
-    fn.argtypes = [vp, i64, vp, i64, i64, vp]
-    fn = lib.skyrl_gemm_bf16_amx_grouped
-    fn.restype = i32
-    fn.argtypes = [vp, vp, i64, vp, i64, vp, i64, i64, i64, i64]
-    fn = lib.skyrl_qk_norm_rope
-    fn.restype = i32
-    fn.argtypes = [vp, i64, i32, vp, i64, i32, vp, vp, vp, vp, i32, f32, i32, vp, vp, i64, i64, i64]
+    for name, args in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = _I32, args
 
 
 def lib() -> ctypes.CDLL | None:
