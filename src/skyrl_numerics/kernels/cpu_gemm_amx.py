@@ -81,8 +81,8 @@ def advice() -> str | None:
     if arithmetic() != "fma" or not available():
         return None
     return (f"this CPU has AMX: {GEMM_ENV}=amx on both the trainer and the engine runs the "
-            "invariant bf16 GEMMs on AMX tiles, as stock vLLM's oneDNN does (1.0-1.9x stock "
-            "tok/s vs 0.5-0.8x with the default fma arithmetic; BENCHMARKS.md)")
+            "invariant bf16 GEMMs on AMX tiles, as stock vLLM's oneDNN does (at real layer dims "
+            "1.0-1.5x stock tok/s against 0.4-0.8x with the default fma arithmetic; BENCHMARKS.md)")
 
 
 def uses_amx(x: torch.Tensor) -> bool:
