@@ -137,40 +137,43 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
 
 def grouped_f32(x: torch.Tensor, ws, row_off) -> torch.Tensor:
     """Rows ``row_off[g] .. row_off[g + 1]`` of ``x [R, K]`` times ``ws[g]`` (bfloat16 ``[N, K]``,
-    one per group: an MoE layer's experts) -> float32 ``[R, N]``; each row is :func:`linear_f32`'s
-    of its group (the same bits as one call per group, in one C call)."""
+    one per group: an MoE layer's experts; None for a group without rows) -> float32 ``[R, N]``;
+    each row is :func:`linear_f32`'s of its group (the same bits as one call per group, in one C
+    call). Rows after the last group are +0."""
     offs = np.ascontiguousarray(row_off, dtype=np.int64)
-    if offs.ndim != 1 or offs.size < 1 or np.any(np.diff(offs) < 0) or offs[0] != 0:
+    if offs.ndim != 1 or offs.size < 1 or offs[0] != 0 or bool((offs[1:] < offs[:-1]).any()):
         raise ValueError(f"row_off {offs.tolist()}: expected non-decreasing offsets from 0")
-    G = offs.size - 1
     R, K = x.shape
-    used = [g for g in range(G) if offs[g + 1] > offs[g]]
+    used = np.flatnonzero(offs[1:] > offs[:-1]).tolist()
     if not used:
-        return torch.zeros(R, ws[0].shape[0] if G else 0)
-    wl = [_weight(ws[g]) for g in used]
-    N, ld = wl[0].shape[0], _ld(wl[0])
-    if wl[0].shape[1] != K:
-        raise ValueError(f"x has K = {K}, expert weights {tuple(wl[0].shape)}")
-    same = all(w.shape == wl[0].shape and _ld(w) == ld for w in wl)
-    # groups without rows drop out; the others' rows stay contiguous and in order
-    goff = np.array([offs[g] for g in used] + [offs[used[-1] + 1]], dtype=np.int64)
-    if same and cpu_gemm_amx.uses_amx(x):
-        return cpu_gemm_amx.grouped_f32(x, wl, goff, _ld)
+        first = next((w for w in ws if w is not None), None)
+        return torch.zeros(R, first.shape[0] if first is not None else 0)
+    w0 = _weight(ws[used[0]])
+    N, ld = w0.shape[0], _ld(w0)
+    if w0.shape[1] != K:
+        raise ValueError(f"x has K = {K}, expert weights {tuple(w0.shape)}")
+    # one C call when every used weight is laid out as the first (checked without copies)
+    same = all(ws[g].dtype == torch.bfloat16 and ws[g].shape == w0.shape and ws[g].stride() == w0.stride()
+               for g in used[1:])
     L = lib()
+    if same and cpu_gemm_amx.uses_amx(x):
+        goff = np.append(offs[used], offs[used[-1] + 1])   # groups without rows drop out
+        return cpu_gemm_amx.grouped_f32(x, [w0] + [ws[g] for g in used[1:]], goff, _ld)
     if L is None or not same:
         out = torch.zeros(R, N)
-        for g, w in zip(used, wl):
-            out[offs[g]:offs[g + 1]] = linear_f32(x[offs[g]:offs[g + 1]], w)
+        for g in used:
+            out[offs[g]:offs[g + 1]] = linear_f32(x[offs[g]:offs[g + 1]], ws[g])
         return out
     x = _rows(x)
     out = torch.zeros(R, N)
-    ptrs = np.array([w.data_ptr() for w in wl], dtype=np.uint64)
+    ptrs = np.zeros(len(offs) - 1, dtype=np.uint64)       # 0 for a group without rows (skipped)
+    ptrs[used] = [w0.data_ptr()] + [ws[g].data_ptr() for g in used[1:]]
 
     def run(lo: int, hi: int) -> None:
         rc = L.skyrl_gemm_bf16_grouped(x.data_ptr(), _ld(x), ptrs.ctypes.data, ld,
-                                       goff.ctypes.data, len(used), out.data_ptr(), N, K, lo, hi)
+                                       offs.ctypes.data, len(ptrs), out.data_ptr(), N, K, lo, hi)
         if rc != 0:
             raise RuntimeError(f"skyrl_gemm_bf16_grouped failed (rc {rc})")
 
-    parallel(run, N, (int(goff[-1]) - int(goff[0])) * N * K)
+    parallel(run, N, (int(offs[-1]) - int(offs[0])) * N * K)
     return out

@@ -17,7 +17,9 @@
  *
  * Tiles of MR rows x NR columns share each loaded vector; the columns are walked in panels of NB
  * so a panel of w stays in cache while all rows pass over it. The tile shapes depend on the ISA
- * (register count), never the bits.
+ * (register count), never the bits. On AVX-512 a tile's tail and fold run on whole registers
+ * (fold16: the same additions in the same association, up to 16 outputs at once, where a scalar
+ * fold per output cost more than the dot products at K = 64..256).
  */
 #include "fixed_order.h"
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -34,6 +36,30 @@ static inline v16 v16_w(const uint16_t *p) {
 }
 static inline v16 v16_fma(v16 a, v16 b, v16 c) { return (v16){_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 static inline void v16_store(float *p, v16 a) { _mm512_storeu_ps(p, a.v); }
+/* the tail: lanes c < n run acc_c = fma(x[c], w[c], acc_c); the others keep their bits */
+static inline v16 v16_tail(v16 acc, const float *x, const uint16_t *w, int n) {
+    const __mmask16 m = (__mmask16)((1u << n) - 1u);
+    const __m512 xv = _mm512_maskz_loadu_ps(m, x);
+    const __m512i u = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w));
+    return (v16){_mm512_mask3_fmadd_ps(xv, _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)), acc.v, m)};
+}
+/* a + b over 128-bit blocks picked by shuffle_f32x4 (P) and its complement (Q) */
+#define FOLD_X4(a, b, ip, iq) _mm512_add_ps(_mm512_shuffle_f32x4(a, b, ip), _mm512_shuffle_f32x4(a, b, iq))
+#define FOLD_PS(a, b, ip, iq) _mm512_add_ps(_mm512_shuffle_ps(a, b, ip), _mm512_shuffle_ps(a, b, iq))
+/* fold16: out[4j + q] = finish's fold of v[4q + j] (j, q = 0..3), every output's additions the
+ * scalar fold's, in its association:
+ *   C: lanes 0-7 h_i = l_i + l_(i+8) of v[2k], lanes 8-15 of v[2k+1]
+ *   E: block r of E_m = b_0..3 (b_j = h_j + h_(j+4)) of v[4m + r]
+ *   G: block j of G_p = (b0 + b2, b1 + b3) of v[8p + j], then of v[8p + 4 + j]
+ *   R: lane 4j + q = (b0 + b2) + (b1 + b3) of v[4q + j] */
+static inline void fold16(const v16 *v, float *out) {
+    __m512 C[8], E[4], G[2];
+    for (int k = 0; k < 8; k++) C[k] = FOLD_X4(v[2 * k].v, v[2 * k + 1].v, 0x44, 0xEE);
+    for (int m = 0; m < 4; m++) E[m] = FOLD_X4(C[2 * m], C[2 * m + 1], 0x88, 0xDD);
+    for (int p = 0; p < 2; p++) G[p] = FOLD_PS(E[2 * p], E[2 * p + 1], 0x44, 0xEE);
+    _mm512_storeu_ps(out, FOLD_PS(G[0], G[1], 0x88, 0xDD));
+}
+#define VECTOR_FOLD 1
 #define MR_MAX 4
 #define NR_WIDE 4
 #define NR_ONE 8
@@ -86,6 +112,32 @@ static inline float finish(v16 acc, const float *x, const uint16_t *w, int64_t k
     return (b0 + b2) + (b1 + b3);
 }
 
+/* The outputs of a tile's accumulators acc[i * nr + j] (row i, column j; mr * nr <= 16 on
+ * AVX-512): each one's tail and fold, into out[i * ldo + j]. */
+static inline void store_tile(v16 *acc, int mr, int nr, const float *x, int64_t ldx,
+                              const uint16_t *w, int64_t ldw, float *out, int64_t ldo,
+                              int64_t k16, int64_t K) {
+#ifdef VECTOR_FOLD
+    v16 v[16];
+    float res[16];
+    for (int c = 0; c < 16; c++) v[c] = v16_zero();
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) {
+            const int c = i * nr + j;                 /* lands in res[c] (fold16's lane map) */
+            v16 a = acc[c];
+            if (K > k16) a = v16_tail(a, x + i * ldx + k16, w + j * ldw + k16, (int)(K - k16));
+            v[4 * (c % 4) + c / 4] = a;
+        }
+    fold16(v, res);
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) out[i * ldo + j] = res[i * nr + j];
+#else
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++)
+            out[i * ldo + j] = finish(acc[i * nr + j], x + i * ldx, w + j * ldw, k16, K);
+#endif
+}
+
 #define TILE(MR, NR)                                                                           \
     static void tile_##MR##x##NR(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw,    \
                                  float *out, int64_t ldo, int64_t K) {                          \
@@ -101,9 +153,7 @@ static inline float finish(v16 acc, const float *x, const uint16_t *w, int64_t k
                 for (int i = 0; i < MR; i++) acc[i][j] = v16_fma(xv[i], wv, acc[i][j]);        \
             }                                                                                  \
         }                                                                                      \
-        for (int i = 0; i < MR; i++)                                                           \
-            for (int j = 0; j < NR; j++)                                                       \
-                out[i * ldo + j] = finish(acc[i][j], x + i * ldx, w + j * ldw, k16, K);        \
+        store_tile(&acc[0][0], MR, NR, x, ldx, w, ldw, out, ldo, k16, K);                      \
     }
 
 #define DEF_TILE(MR, NR) TILE(MR, NR)   /* expands NR_ONE / NR_WIDE first */
