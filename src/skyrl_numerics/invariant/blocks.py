@@ -247,7 +247,10 @@ class Rope:
     def cos_sin(self, positions: torch.Tensor):
         """``(cos, sin)`` ``[T, 1, dim/2]`` fp32 (times ``mscale``) at ``positions``."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]        # [T, dim/2]
-        return (freqs.cos() * self.mscale)[:, None, :], (freqs.sin() * self.mscale)[:, None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.mscale != 1.0:          # (x * 1.0 is x: the same bits without the two ops)
+            cos, sin = cos * self.mscale, sin * self.mscale
+        return cos[:, None, :], sin[:, None, :]
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cos_sin=None) -> torch.Tensor:
         """Rotate ``x [T, H, dim]`` at ``positions [T]``, fp32 math, back to ``x.dtype``

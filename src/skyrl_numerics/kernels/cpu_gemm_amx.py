@@ -39,6 +39,7 @@ from .pool import parallel
 
 GEMM_ENV = "SKYRL_NUMERICS_GEMM"
 ARITHMETICS = ("fma", "amx")
+_CHECKED: dict[str, str] = {}         # SKYRL_NUMERICS_GEMM's raw values that name fma
 
 
 class GemmArithmeticError(RuntimeError):
@@ -67,11 +68,17 @@ def arithmetic() -> str:
     """The bf16 GEMM arithmetic this process runs: ``SKYRL_NUMERICS_GEMM`` (``fma``, the
     default, or ``amx``). ``amx`` on a host that cannot run it raises
     :class:`GemmArithmeticError` (never a silent fallback: the other side would disagree)."""
-    name = os.environ.get(GEMM_ENV, "").strip().lower() or "fma"
+    raw = os.environ.get(GEMM_ENV, "")
+    name = _CHECKED.get(raw)           # (every GEMM asks: fma's spellings are checked once)
+    if name is not None:
+        return name
+    name = raw.strip().lower() or "fma"
     if name not in ARITHMETICS:
         raise GemmArithmeticError(f"{GEMM_ENV}={name!r}: expected one of {', '.join(ARITHMETICS)}")
     if name == "amx" and not available():
         raise GemmArithmeticError(f"{GEMM_ENV}=amx: {unavailable_reason()}")
+    if name == "fma":                  # (amx's answer depends on the host: asked every time)
+        _CHECKED[raw] = name
     return name
 
 

@@ -153,8 +153,15 @@ def grouped_f32(x: torch.Tensor, ws, row_off) -> torch.Tensor:
     if w0.shape[1] != K:
         raise ValueError(f"x has K = {K}, expert weights {tuple(w0.shape)}")
     # one C call when every used weight is laid out as the first (checked without copies)
-    same = all(ws[g].dtype == torch.bfloat16 and ws[g].shape == w0.shape and ws[g].stride() == w0.stride()
-               for g in used[1:])
+    ptrs = np.zeros(len(offs) - 1, dtype=np.uint64)       # 0 for a group without rows (skipped)
+    ptrs[used[0]] = w0.data_ptr()
+    shape, stride, same = w0.shape, w0.stride(), True
+    for g in used[1:]:
+        w = ws[g]
+        if w.dtype != torch.bfloat16 or w.shape != shape or w.stride() != stride:
+            same = False
+            break
+        ptrs[g] = w.data_ptr()
     L = lib()
     if same and cpu_gemm_amx.uses_amx(x):
         goff = np.append(offs[used], offs[used[-1] + 1])   # groups without rows drop out
@@ -166,8 +173,6 @@ def grouped_f32(x: torch.Tensor, ws, row_off) -> torch.Tensor:
         return out
     x = _rows(x)
     out = torch.zeros(R, N)
-    ptrs = np.zeros(len(offs) - 1, dtype=np.uint64)       # 0 for a group without rows (skipped)
-    ptrs[used] = [w0.data_ptr()] + [ws[g].data_ptr() for g in used[1:]]
 
     def run(lo: int, hi: int) -> None:
         rc = L.skyrl_gemm_bf16_grouped(x.data_ptr(), _ld(x), ptrs.ctypes.data, ld,
