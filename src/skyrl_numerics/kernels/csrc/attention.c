@@ -30,26 +30,32 @@
 
 /* s[t][j] = dot8(q_t, k_{j0+j}) * scale for the first T rows of a tile: lane c adds
  * q[8u + c] k[8u + c] over u in order from +0, then ((a0 + a4) + (a2 + a6)) + ((a1 + a5) +
- * (a3 + a7)). The T rows' chains are interleaved (one key load for all); T is a constant in
- * each copy, so the loops unroll. Rows past the tile's real rows are computed, never used. */
+ * (a3 + a7)) (fold8, 8 keys at a time). The T rows' chains are interleaved (one key load for
+ * all); T is a constant in each copy, so the loops unroll. Rows past the tile's real rows are
+ * computed, never used. */
 #define SCORES(T)                                                                        \
     static void scores_##T(float s[][MAX_BLOCK], float qf[][MAX_D], const float *K,      \
                            int64_t ksd, int64_t j0, int cnt, int D, float scale) {        \
         const int D8 = D - D % 8;                                                        \
-        for (int j = 0; j < cnt; j++) {                                                  \
-            const float *kr = K + (j0 + j) * ksd;                                        \
-            v8f a[T];                                                                    \
-            for (int t = 0; t < T; t++) a[t] = (v8f){0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}; \
-            for (int u = 0; u < D8; u += 8) {                                            \
-                const v8f kv = load8(kr + u);                                            \
-                for (int t = 0; t < T; t++) a[t] = a[t] + load8(qf[t] + u) * kv;         \
+        const v8f sc = (v8f){scale, scale, scale, scale, scale, scale, scale, scale};    \
+        for (int j = 0; j < cnt; j += 8) {                                               \
+            const int nj = (cnt - j) < 8 ? (cnt - j) : 8;                                \
+            v8f a[T][8];                                                                 \
+            for (int jj = 0; jj < 8; jj++) {                                             \
+                for (int t = 0; t < T; t++) a[t][jj] = (v8f){0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}; \
+                if (jj >= nj) continue;                                                  \
+                const float *kr = K + (j0 + j + jj) * ksd;                               \
+                for (int u = 0; u < D8; u += 8) {                                        \
+                    const v8f kv = load8(kr + u);                                        \
+                    for (int t = 0; t < T; t++) a[t][jj] = a[t][jj] + load8(qf[t] + u) * kv; \
+                }                                                                        \
+                for (int c = 0; D8 + c < D; c++)                                         \
+                    for (int t = 0; t < T; t++)                                          \
+                        a[t][jj][c] = a[t][jj][c] + qf[t][D8 + c] * kr[D8 + c];          \
             }                                                                            \
-            for (int c = 0; D8 + c < D; c++)                                             \
-                for (int t = 0; t < T; t++) a[t][c] = a[t][c] + qf[t][D8 + c] * kr[D8 + c]; \
             for (int t = 0; t < T; t++) {                                                \
-                const float b0 = a[t][0] + a[t][4], b1 = a[t][1] + a[t][5];              \
-                const float b2 = a[t][2] + a[t][6], b3 = a[t][3] + a[t][7];              \
-                s[t][j] = ((b0 + b2) + (b1 + b3)) * scale;                               \
+                const v8f r = fold8(a[t]) * sc;                                          \
+                memcpy(&s[t][j], &r, (size_t)nj * 4);                                    \
             }                                                                            \
         }                                                                                \
     }

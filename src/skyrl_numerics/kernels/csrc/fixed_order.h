@@ -61,6 +61,30 @@ static inline v8f load8(const float *p) {
     return x;
 }
 
+/* fold8: out[i] = dot8's fold ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) of v[i], for 8
+ * lane vectors at once: the same additions in the same association, on whole registers
+ * (attention's scores, the AVX2 GEMM's tiles: a fold per output cost about what its dot
+ * product did at 64 values). Slot s of the network takes
+ * v[SLOT[s]] so that the outputs come out in order:
+ *   C_p = (b_0..3 of slot 2p, b_0..3 of slot 2p + 1)             b_i = l_i + l_(i+4)
+ *   D_q = (b0 + b2, b1 + b3) of slots 4q, 4q + 2, 4q + 1, 4q + 3
+ *   out = (b0 + b2) + (b1 + b3) of slots 0, 2, 1, 3, 4, 6, 5, 7   (= v[0] .. v[7]) */
+static const int SLOT[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+
+static inline v8f fold8(const v8f *v) {
+    v8f C[4], Dq[2];
+    for (int p = 0; p < 4; p++) {
+        const v8f a = v[SLOT[2 * p]], b = v[SLOT[2 * p + 1]];
+        C[p] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11)
+             + __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+    }
+    for (int q = 0; q < 2; q++)
+        Dq[q] = __builtin_shufflevector(C[2 * q], C[2 * q + 1], 0, 1, 8, 9, 4, 5, 12, 13)
+              + __builtin_shufflevector(C[2 * q], C[2 * q + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(Dq[0], Dq[1], 0, 2, 4, 6, 8, 10, 12, 14)
+         + __builtin_shufflevector(Dq[0], Dq[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
 /* float32 -> bfloat16, round to nearest even (NaN -> 0x7FC0), as torch's conversion */
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;

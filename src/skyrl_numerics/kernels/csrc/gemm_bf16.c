@@ -79,6 +79,9 @@ static inline void v16_store(float *p, v16 a) {
     _mm256_storeu_ps(p, a.lo);
     _mm256_storeu_ps(p + 8, a.hi);
 }
+/* h_i = l_i + l_(i+8), i = 0..7: the fold's first step is one vector addition here */
+static inline v8f v16_halves(v16 a) { return (v8f)_mm256_add_ps(a.lo, a.hi); }
+#define HALVES_FOLD 1
 #define MR_MAX 2
 #define NR_WIDE 3
 #define NR_ONE 6
@@ -113,7 +116,7 @@ static inline float finish(v16 acc, const float *x, const uint16_t *w, int64_t k
 }
 
 /* The outputs of a tile's accumulators acc[i * nr + j] (row i, column j; mr * nr <= 16 on
- * AVX-512): each one's tail and fold, into out[i * ldo + j]. */
+ * AVX-512, <= 8 on AVX2): each one's tail and fold, into out[i * ldo + j]. */
 static inline void store_tile(v16 *acc, int mr, int nr, const float *x, int64_t ldx,
                               const uint16_t *w, int64_t ldw, float *out, int64_t ldo,
                               int64_t k16, int64_t K) {
@@ -132,6 +135,19 @@ static inline void store_tile(v16 *acc, int mr, int nr, const float *x, int64_t 
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) out[i * ldo + j] = res[i * nr + j];
 #else
+#ifdef HALVES_FOLD
+    if (K == k16) {                   /* no tail: the halves' sums, folded 8 outputs at once */
+        v8f h[8];
+        float res[8];
+        for (int c = 0; c < 8; c++) h[c] = (v8f){0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int c = 0; c < mr * nr; c++) h[c] = v16_halves(acc[c]);
+        const v8f r = fold8(h);
+        memcpy(res, &r, sizeof res);
+        for (int i = 0; i < mr; i++)
+            for (int j = 0; j < nr; j++) out[i * ldo + j] = res[i * nr + j];
+        return;
+    }
+#endif
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++)
             out[i * ldo + j] = finish(acc[i * nr + j], x + i * ldx, w + j * ldw, k16, K);
