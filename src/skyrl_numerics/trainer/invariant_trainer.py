@@ -72,7 +72,9 @@ def _surrogate(lp, old, adv, *, weights=None, mask=None, eps_low=0.2, eps_high=0
 
 
 def _grads(model: InvariantCausalLM, names) -> dict[str, torch.Tensor]:
-    return {n: (model.w(n).grad.detach().float().clone() if model.w(n).grad is not None
+    """The weights' gradients in fp32 (a bf16 gradient widened: a new tensor; an fp32 one taken
+    as it is — the caller sets ``.grad`` to None right after, so nothing else writes it)."""
+    return {n: (model.w(n).grad.detach().float() if model.w(n).grad is not None
                 else torch.zeros(model.w(n).shape)) for n in names}
 
 
@@ -182,14 +184,23 @@ class InvariantTrainer:
                 self.model.w(n).grad = None
 
     def _update(self) -> tuple[float, int]:
-        for n, p in self.master.items():
-            p.grad = self.last_grads[n].clone()
-        params = list(self.master.values())
-        gn = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip else math.inf))
+        """``clip_grad_norm_`` then AdamW on the fp32 masters, the masters rounded into the
+        model's weights. The clip's arithmetic is torch's (``get_total_norm``, then every
+        gradient times ``clamp(max_norm / (norm + 1e-6), max=1)``); when that factor is 1 the
+        product is the gradient itself, so ``last_grads`` serve as the masters' gradients
+        without a copy (AdamW does not write its gradients), else scaled copies do."""
+        grads = [self.last_grads[n] for n in self.master]
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        max_norm = self.grad_clip if self.grad_clip else math.inf
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        keep = bool(coef == 1.0)
+        for p, g in zip(self.master.values(), grads):
+            p.grad = g if keep else g * coef
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             for n, p in self.master.items():
-                self.model.w(n).copy_(p.detach().to(self.model.dtype))
+                self.model.w(n).copy_(p.detach())       # (rounded to the model dtype as .to())
+        gn = float(norm)
         self.global_step += 1
         return gn, self.global_step
