@@ -82,12 +82,19 @@ def checkpoint(a) -> Path:
                                            "vocab_size": a.vocab, "num_experts": a.experts})
 
 
-def configs(every: int) -> list:
+def configs(every: int, stock_backward: bool = False) -> list:
+    """plain, aligned, bitwise, bitwise_recompute; with ``stock_backward`` also
+    ``bitwise_stock_bwd``: bitwise with ``invariant_backward="stock"`` (the matmuls' gradient
+    GEMMs on torch's fp32 GEMM; the forward, and Δ = 0, unchanged)."""
     from skyrl_numerics.trainer.loop import CONFIGS
 
-    bw = CONFIGS["bitwise"]
-    return [CONFIGS["plain"], CONFIGS["aligned"], dataclasses.replace(bw, recompute_old_every=every),
-            dataclasses.replace(bw, name="bitwise_recompute", recompute_old_every=1)]
+    bw = dataclasses.replace(CONFIGS["bitwise"], recompute_old_every=every)
+    out = [CONFIGS["plain"], CONFIGS["aligned"], bw,
+           dataclasses.replace(bw, name="bitwise_recompute", recompute_old_every=1)]
+    if stock_backward:
+        out.append(dataclasses.replace(bw, name="bitwise_stock_bwd", trainer=dataclasses.replace(
+            bw.trainer, invariant_backward="stock")))
+    return out
 
 
 def close_stock_engine(model) -> None:
@@ -159,6 +166,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--every", type=int, default=10, help="bitwise: recompute_old_every")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--stock-backward", action="store_true",
+                    help="also bitwise with invariant_backward='stock' (bitwise_stock_bwd)")
     a = ap.parse_args()
 
     from skyrl_numerics.host import host_info
@@ -173,7 +182,7 @@ def main() -> None:
     t0 = time.perf_counter()
     history: dict = {}
     stock_open = True
-    for cfg in configs(a.every):     # one loop run per configuration: each one's rows kept at once
+    for cfg in configs(a.every, a.stock_backward):     # one loop run per configuration: each one's rows kept at once
         if cfg.bitwise and stock_open:
             close_stock_engine(model)     # its memory, before the invariant engine and trainer
             stock_open = False

@@ -13,13 +13,13 @@ ops of an unmodified model (mm, addmm, bmm, _log_softmax, mean, ...) through the
 
 from .mode import (batch_invariant_mode, disable_batch_invariant_cpu, enable_batch_invariant_cpu,
                    is_batch_invariant_mode_enabled)
-from .ops import (attention, bmm, grouped_matmul, log_softmax, matmul, mean, rms_norm, sum,
-                  token_logprob_entropy)
+from .ops import (attention, bmm, grouped_matmul, log_softmax, matmul, mean, rms_norm,
+                  stock_backward, sum, token_logprob_entropy)
 from .cpu import check_cpu_invariance
 
 __all__ = [
     "batch_invariant_mode", "enable_batch_invariant_cpu", "disable_batch_invariant_cpu",
     "is_batch_invariant_mode_enabled", "check_cpu_invariance",
     "matmul", "bmm", "grouped_matmul", "log_softmax", "token_logprob_entropy", "rms_norm",
-    "mean", "sum", "attention",
+    "mean", "sum", "attention", "stock_backward",
 ]

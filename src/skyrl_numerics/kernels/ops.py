@@ -7,6 +7,8 @@ Autograd: ``matmul`` (grads through the same invariant matmul), ``log_softmax``,
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from skyrl_numerics.errors import InputError
@@ -21,6 +23,30 @@ def _tl(name: str):
 
 
 # ---------------------------------------------------------------- matmul
+_STOCK_BACKWARD = [False]      # set by stock_backward(); read when a matmul is recorded
+
+
+@contextlib.contextmanager
+def stock_backward():
+    """Matmuls recorded for autograd inside take their two gradient GEMMs from torch's float32
+    GEMM (MKL on CPU) instead of the fixed-order kernel, however late the backward runs.
+
+    The forward is untouched, so its bits stay the engine's (Δ = 0 holds); only the gradients
+    change: fp32 accumulation rounded once to the operand dtype still, but in MKL's order, so not
+    batch-invariant and not guaranteed identical from run to run. For a trainer whose forward
+    must equal its engine's and whose backward needs only to be accurate (the invariant
+    trainer's ``invariant_backward="stock"``). Process-wide while open."""
+    prev, _STOCK_BACKWARD[0] = _STOCK_BACKWARD[0], True
+    try:
+        yield
+    finally:
+        _STOCK_BACKWARD[0] = prev
+
+
+def _stock_mm(a, b, dtype):
+    return torch.mm(a.float(), b.float()).to(dtype)
+
+
 def _matmul_impl(a, b, bias, be):
     if be == "triton":
         return _tl("tl_matmul").matmul(a, b, bias)
@@ -33,14 +59,18 @@ class _Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, bias, be):
         ctx.save_for_backward(a, b)
-        ctx.be, ctx.has_bias = be, bias is not None
+        ctx.be, ctx.has_bias, ctx.stock = be, bias is not None, _STOCK_BACKWARD[0] and be != "triton"
         return _matmul_impl(a, b, bias, be)
 
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved_tensors
-        ga = _matmul_impl(g, b.t(), None, ctx.be) if ctx.needs_input_grad[0] else None
-        gb = _matmul_impl(a.t(), g, None, ctx.be) if ctx.needs_input_grad[1] else None
+        if ctx.stock:                                   # (stock_backward(): MKL's fp32 GEMM)
+            ga = _stock_mm(g, b.t(), a.dtype) if ctx.needs_input_grad[0] else None
+            gb = _stock_mm(a.t(), g, b.dtype) if ctx.needs_input_grad[1] else None
+        else:
+            ga = _matmul_impl(g, b.t(), None, ctx.be) if ctx.needs_input_grad[0] else None
+            gb = _matmul_impl(a.t(), g, None, ctx.be) if ctx.needs_input_grad[1] else None
         gbias = _reduce(g, [0], False, False, None, ctx.be) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return ga, gb, gbias, None
 

@@ -49,6 +49,10 @@ class TrainerConfig:
     token_chunk: int = 1024              # lm-head rows per chunk
     pad_id: int = 0
     temperature: float | None = None     # None: the rollout's sampling temperature
+    # the invariant trainer's backward: "fixed" (the fixed-order kernels: run-to-run identical
+    # gradients) or "stock" (torch's fp32 GEMM for the matmuls' gradients; the forward, and so
+    # Δ = 0, unchanged: kernels.stock_backward)
+    invariant_backward: str = "fixed"
     # alignment pieces
     batch_invariant: bool = False
     use_support: bool = False
@@ -75,6 +79,9 @@ class TrainerConfig:
             raise InputError(f"grad_clip must be > 0 or None, got {self.grad_clip}", field="grad_clip")
         if not (0 <= self.eps_low < 1 and 0 <= self.eps_high):
             raise InputError(f"clip range eps_low={self.eps_low}, eps_high={self.eps_high}", field="eps_low")
+        if self.invariant_backward not in ("fixed", "stock"):
+            raise InputError(f"unknown invariant_backward {self.invariant_backward!r}; expected 'fixed' "
+                             "or 'stock'", field="invariant_backward")
         if isinstance(self.correction, str):
             correction_fn(self.correction)      # a known name, refused here otherwise
 

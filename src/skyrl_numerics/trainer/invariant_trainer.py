@@ -7,6 +7,10 @@ ratio is exactly 1. The backward flows through the invariant ops' own backward
 (``skyrl_numerics.kernels.matmul``/``rms_norm``); attention, whose kernel is forward-only, keeps its
 forward bits and takes its backward from the fp64 reference formula recomputed on the same inputs
 (:class:`skyrl_numerics.invariant.autograd.TrainableAttention`, used by ``InvariantCausalLM.attention_op`` whenever grad is on). The update: gradients of the bf16 copy -> fp32 master -> AdamW -> bf16 copy.
+With ``TrainerConfig(invariant_backward="stock")`` the matmuls' gradient GEMMs run on torch's fp32
+GEMM instead (:func:`skyrl_numerics.kernels.stock_backward`): the forward, hence Δ = 0 with the
+engine, is unchanged; the gradients are no longer identical from run to run (BENCHMARKS.md, RL
+step cost: what it saves).
 
 :func:`onpolicy_gradient` is the reference the other configurations are measured against: the
 gradient of the PPO surrogate at ratio 1 — ``-(1/N) Σ_t A_t ∇ log π(y_t)`` — where ``π`` is the
@@ -25,6 +29,7 @@ import numpy as np
 import torch
 
 from skyrl_numerics.invariant.base import InvariantCausalLM
+from skyrl_numerics.kernels import stock_backward
 from skyrl_numerics.rollout import Rollout
 
 from .config import TrainerConfig
@@ -174,8 +179,10 @@ class InvariantTrainer:
         for n in self.names:
             self.model.w(n).requires_grad_(True)
             self.model.w(n).grad = None
+        backward = (stock_backward() if self.config.invariant_backward == "stock"
+                    else contextlib.nullcontext())
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), backward:
                 yield
             self.last_grads = _grads(self.model, self.names)
         finally:
