@@ -2,7 +2,8 @@
 
 Each op takes ``backend=`` (see ``_util``): ``"auto"`` runs the Triton kernels on CUDA tensors
 and the batch-invariant CPU path (``cpu.py``) on CPU tensors.
-Autograd: ``matmul`` (grads through the same invariant matmul), ``log_softmax``,
+Autograd: ``matmul`` (grads through the same invariant matmul; inside :func:`stock_backward`,
+through torch's fp32 GEMM), ``log_softmax``,
 ``token_logprob_entropy`` and ``rms_norm`` (dW in a fixed row-block order).
 """
 from __future__ import annotations
