@@ -1,6 +1,7 @@
 """The grouped MoE layer's data movement (``kernels/csrc/moe_rows.c`` through
-:mod:`skyrl_numerics.kernels.cpu_moe`): the gather into zero-padded row blocks and the
-slot-order weighted combine equal their torch specifications bit for bit."""
+:mod:`skyrl_numerics.kernels.cpu_moe`): the sort of the (token, slot) pairs by expert is torch's
+stable sort, the gather into zero-padded row blocks and the slot-order weighted combine equal
+their torch specifications bit for bit."""
 import numpy as np
 import pytest
 import torch
@@ -14,6 +15,42 @@ def _bits(t):
 
 
 needs_lib = pytest.mark.skipif(native.lib() is None, reason="compiled kernels unavailable")
+
+
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(0, 60), k=st.integers(1, 8), E=st.integers(1, 130), skew=st.booleans(),
+       native_on=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_sort_pairs_is_torchs_stable_sort(T, k, E, skew, native_on, seed):
+    """The pairs p = t k + s ordered as torch.sort(stable=True) orders the flat ids (the C
+    counting sort and its numpy spec alike): offsets per expert, the token of each sorted row,
+    and each pair's sorted row."""
+    if native_on and native.lib() is None:
+        pytest.skip(f"compiled kernels unavailable: {native.unavailable_reason()}")
+    g = torch.Generator().manual_seed(seed)
+    hi = min(E, 3) if skew else E             # skew: a few experts take every pair (ties)
+    ids = torch.randint(0, hi, (T, k), generator=g)
+    with pytest.MonkeyPatch.context() as mp:
+        if not native_on:
+            mp.setattr(cpu_moe, "lib", lambda: None)
+        off, src, rowmap = cpu_moe.sort_pairs(ids, E)
+    order = torch.sort(ids.reshape(-1), stable=True).indices.numpy()
+    counts = torch.bincount(ids.reshape(-1), minlength=E).numpy()
+    assert off.dtype == src.dtype == rowmap.dtype == np.int64
+    assert np.array_equal(off, np.concatenate([[0], np.cumsum(counts)]))
+    assert np.array_equal(src, order // k)
+    assert np.array_equal(rowmap[order], np.arange(T * k))
+
+
+@pytest.mark.parametrize("native_on", [True, False])
+def test_sort_pairs_refuses_an_id_outside_the_experts(native_on, monkeypatch):
+    if native_on and native.lib() is None:
+        pytest.skip(f"compiled kernels unavailable: {native.unavailable_reason()}")
+    if not native_on:
+        monkeypatch.setattr(cpu_moe, "lib", lambda: None)
+    for bad in (8, -1):
+        ids = torch.tensor([[0, 3], [bad, 1]])
+        with pytest.raises(ValueError, match=str(bad) if native_on or bad > 0 else "negative"):
+            cpu_moe.sort_pairs(ids, 8)
 
 
 @needs_lib

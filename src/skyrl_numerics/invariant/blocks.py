@@ -398,23 +398,15 @@ def _grouped_expert_rows(x, ids, expert, E: int, weights=None) -> torch.Tensor:
     bits, tested)."""
     from skyrl_numerics.kernels import cpu_gemm_bf16, cpu_moe
 
-    import numpy as np
-
     T, k = ids.shape
     H = x.shape[-1]
     if T == 0:
         return torch.zeros(0, k, H, dtype=x.dtype) if weights is None else torch.zeros(0, H, dtype=x.dtype)
-    # the bookkeeping is integer arithmetic on a few hundred ids: numpy, not dozens of tiny
-    # torch calls (stable argsort: the same order torch's stable sort gives)
-    flat = ids.reshape(-1).numpy()
-    order = np.argsort(flat, kind="stable")
-    counts = np.bincount(flat, minlength=E)
-    if counts.size > E:
-        raise ValueError(f"expert id {int(flat.max())} >= num_experts {E}")
-    off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    trios = [expert(e) if counts[e] else None for e in range(E)]
-    rows = np.arange(flat.size, dtype=np.int64)
-    a = cpu_moe.expert_operand(x, order // k)                           # sorted by expert
+    # (stable by expert: the order torch's stable sort gives; one C call for the bookkeeping)
+    off, src, rowmap = cpu_moe.sort_pairs(ids, E)
+    bounds = off.tolist()
+    trios = [expert(e) if bounds[e + 1] > bounds[e] else None for e in range(E)]
+    a = cpu_moe.expert_operand(x, src)                                  # sorted by expert
     gated = len(next(t for t in trios if t is not None)) == 3
     u = cpu_gemm_bf16.grouped_f32(a, [t and t[-2] for t in trios], off).to(x.dtype)
     if gated:
@@ -423,8 +415,6 @@ def _grouped_expert_rows(x, ids, expert, E: int, weights=None) -> torch.Tensor:
         h = torch.relu(u)
         h = h * h
     y = cpu_gemm_bf16.grouped_f32(h, [t and t[-1] for t in trios], off)
-    rowmap = np.empty(flat.size, dtype=np.int64)
-    rowmap[order] = rows                              # the sorted row of pair (t, s) = t k + s
     if weights is None:
         return cpu_moe.slot_rows(y, rowmap, T, k, H, x.dtype)
     return cpu_moe.combine(y, rowmap, weights, H, x.dtype)

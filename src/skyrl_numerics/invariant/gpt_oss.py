@@ -211,19 +211,14 @@ class InvariantGptOss(GQADecoder, InvariantCausalLM):
         H, E = x.shape[-1], len(mats)
         if T == 0:
             return torch.zeros(0, H, dtype=x.dtype)
-        flat = ids.reshape(-1).numpy()
-        order = np.argsort(flat, kind="stable")
-        off = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=E))]).astype(np.int64)
+        off, src, rowmap = cpu_moe.sort_pairs(ids, E)
         used = [mats[e] if off[e + 1] > off[e] else None for e in range(E)]
-        rows = np.arange(flat.size, dtype=np.int64)
-        es = torch.from_numpy(flat[order])
+        es = torch.from_numpy(np.repeat(np.arange(E), np.diff(off)))     # each sorted row's expert
         (bg, bu, bd) = biases
 
         def proj(a, j, b):     # bf16(a W_j) + b[expert of the row]
             return cpu_gemm_bf16.grouped_f32(a, [t and t[j] for t in used], off).to(x.dtype) + b[es]
-        a = cpu_moe.expert_operand(x, order // k)
+        a = cpu_moe.expert_operand(x, src)
         h = clamped_swiglu(proj(a, 0, bg), proj(a, 1, bu), self.dims.alpha, self.dims.limit)
         y = proj(h, 2, bd)
-        rowmap = np.empty(flat.size, dtype=np.int64)
-        rowmap[order] = rows
         return cpu_moe.combine(y.float(), rowmap, w, H, x.dtype)

@@ -141,9 +141,11 @@ def grouped_f32(x: torch.Tensor, ws, row_off) -> torch.Tensor:
     each row is :func:`linear_f32`'s of its group (the same bits as one call per group, in one C
     call). Rows after the last group are +0."""
     offs = np.ascontiguousarray(row_off, dtype=np.int64)
-    if offs.ndim != 1 or offs.size < 1 or offs[0] != 0 or bool((offs[1:] < offs[:-1]).any()):
-        raise ValueError(f"row_off {offs.tolist()}: expected non-decreasing offsets from 0")
     R, K = x.shape
+    if (offs.ndim != 1 or offs.size < 1 or offs[0] != 0 or offs[-1] > R
+            or bool((offs[1:] < offs[:-1]).any())):
+        raise ValueError(f"row_off {offs.tolist()}: expected non-decreasing offsets from 0 to at "
+                         f"most {R} (the rows of x)")
     used = np.flatnonzero(offs[1:] > offs[:-1]).tolist()
     if not used:
         first = next((w for w in ws if w is not None), None)

@@ -12,8 +12,9 @@
 
       w_s = dtype(weights[t, s]);  acc = r_0 · w_0;  acc = acc + r_s · w_s   for s = 1 .. k-1
 
-The C kernels run for bf16 when the library is built; the index arrays are numpy ``int64``
-(the bookkeeping around them is numpy).
+The order itself is :func:`sort_pairs` (a counting sort in C, numpy's stable argsort without
+it: the same order). The C kernels run for bf16 when the library is built; the index arrays are
+numpy ``int64``.
 """
 from __future__ import annotations
 
@@ -26,6 +27,42 @@ from .fixed_order import lib
 
 def _index(a) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def sort_pairs_spec(ids: torch.Tensor, E: int):
+    """:func:`sort_pairs` with numpy (its stable argsort)."""
+    flat = ids.reshape(-1).numpy()
+    order = np.argsort(flat, kind="stable")
+    counts = np.bincount(flat, minlength=E)
+    if counts.size > E:
+        raise ValueError(f"expert id {int(flat.max())} >= num_experts {E}")
+    rowmap = np.empty(flat.size, dtype=np.int64)
+    rowmap[order] = np.arange(flat.size, dtype=np.int64)
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), order // ids.shape[1], rowmap
+
+
+def sort_pairs(ids: torch.Tensor, E: int):
+    """The (token, slot) pairs ``p = t·k + s`` of ``ids (T, k)`` (expert ids in ``0 .. E-1``)
+    sorted by expert, stably: ``(off (E+1,), src (T·k,), rowmap (T·k,))`` int64 — expert ``e``'s
+    rows are ``off[e] .. off[e+1]-1``, sorted row ``r`` holds token ``src[r]``, pair ``p`` sits at
+    sorted row ``rowmap[p]``. An id outside ``0 .. E-1`` raises ``ValueError`` naming it."""
+    L = lib()
+    if L is None:
+        return sort_pairs_spec(ids, E)
+    T, k = ids.shape
+    flat = _index(ids.reshape(-1).numpy())
+    off = np.empty(E + 1, dtype=np.int64)
+    src = np.empty(flat.size, dtype=np.int64)
+    rowmap = np.empty(flat.size, dtype=np.int64)
+    bad = np.zeros(1, dtype=np.int64)
+    rc = L.skyrl_moe_sort(flat.ctypes.data, flat.size, k, E, off.ctypes.data, src.ctypes.data,
+                          rowmap.ctypes.data, bad.ctypes.data)
+    if rc == -1:
+        raise ValueError(f"expert id {int(flat[bad[0]])} (token {int(bad[0]) // k}, slot "
+                         f"{int(bad[0]) % k}) outside 0 .. {E - 1} (num_experts {E})")
+    if rc != 0:
+        raise RuntimeError(f"skyrl_moe_sort failed (rc {rc})")
+    return off, src, rowmap
 
 
 def gather_rows_spec(x: torch.Tensor, src, dest, out_rows: int, copies: int) -> torch.Tensor:

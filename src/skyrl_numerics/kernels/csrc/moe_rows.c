@@ -2,6 +2,10 @@
  * beyond what the unfused torch ops do; wrapped by skyrl_numerics.kernels.cpu_moe, whose torch
  * specifications give the same bits, tested):
  *
+ *   skyrl_moe_sort:    the pairs p = t k + s in the order of a stable sort by expert ids[p] (a
+ *                      counting sort: numpy's stable argsort order): off[e] .. off[e + 1] - 1
+ *                      are expert e's sorted rows, src[r] = the token (p / k) of sorted row r,
+ *                      rowmap[p] = the sorted row of pair p (integer bookkeeping only)
  *   skyrl_moe_gather:  out[c, dest[p], :] = float(x[src[p], :])  for every (token, slot) pair p
  *                      and copy c; every other row of out is +0 (the padding of each expert's
  *                      row blocks)
@@ -11,6 +15,30 @@
  *                      (torch's bf16 mul and add: float32 op, one rounding each)
  */
 #include "fixed_order.h"
+
+/* Returns 0; -1 (with *bad the first pair's index) when an id is outside 0 .. E - 1; -2 without memory. */
+int skyrl_moe_sort(const int64_t *ids, int64_t P, int k, int64_t E, int64_t *off, int64_t *src,
+                   int64_t *rowmap, int64_t *bad) {
+    for (int64_t e = 0; e <= E; e++) off[e] = 0;
+    for (int64_t p = 0; p < P; p++) {
+        if (ids[p] < 0 || ids[p] >= E) {
+            *bad = p;
+            return -1;
+        }
+        off[ids[p] + 1]++;
+    }
+    for (int64_t e = 0; e < E; e++) off[e + 1] += off[e];
+    int64_t *next = (int64_t *)malloc((size_t)(E > 0 ? E : 1) * sizeof(int64_t));
+    if (!next) return -2;
+    memcpy(next, off, (size_t)E * sizeof(int64_t));
+    for (int64_t p = 0; p < P; p++) {
+        const int64_t r = next[ids[p]]++;
+        src[r] = p / k;
+        rowmap[p] = r;
+    }
+    free(next);
+    return 0;
+}
 
 int skyrl_moe_gather(const uint16_t *x, int64_t x_ld, int H, const int64_t *src,
                      const int64_t *dest, int64_t npairs, float *out, int64_t out_rows,
