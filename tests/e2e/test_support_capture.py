@@ -23,15 +23,25 @@ def test_sampler_capture_equals_logprob_capture(vllm_qwen):
     kw = dict(temperature=1.0, top_p=0.9, top_k=8, max_tokens=16, seed=3)
     # the stock engine is not batch-invariant: a prompt found in the prefix cache (the first call
     # leaves it there, earlier tests may too) is prefilled by another computation whose logits
-    # can differ in the last bits, enough to move a sampled token or the top-p boundary (this
-    # test once failed so). Both calls start from an empty cache: the same computation twice.
+    # can differ in the last bits. Both calls start from an empty cache: the same computation.
     vllm_qwen.llm.reset_prefix_cache()
     a = vllm_qwen.generate(PROMPTS, capture_support="logprobs", **kw)
     vllm_qwen.llm.reset_prefix_cache()
     b = vllm_qwen.generate(PROMPTS, capture_support="sampler", **kw)
     assert np.array_equal(a.response_tokens, b.response_tokens)
-    assert a.support == b.support and b.support.num_tokens == a.num_response_tokens
-    assert b.support.sizes.max() <= 16  # ties with the 8th logit can add a few
+    sa, sb = a.support, b.support
+    assert sb.num_tokens == a.num_response_tokens and np.array_equal(sa.offsets, sb.offsets)
+    assert sb.sizes.max() <= 16  # ties with the 8th logit can add a few
+    # Where two tokens' logits tie exactly at the top-k boundary, vLLM keeps one of them, and not
+    # always the same one from call to call (measured: tokens 195 / 196 of one row swapped between
+    # runs of this test, either way, both routes alike). Every other row is the same set; a tied
+    # row differs by that one token and still holds the sampled one.
+    rows = lambda s, t: set(s.token_ids[s.offsets[t]:s.offsets[t + 1]].tolist())  # noqa: E731
+    differ = [t for t in range(sa.num_tokens) if rows(sa, t) != rows(sb, t)]
+    assert len(differ) <= 2, differ
+    for t in differ:
+        assert len(rows(sa, t) - rows(sb, t)) == 1 and len(rows(sb, t) - rows(sa, t)) == 1, t
+        assert a.response_tokens[t] in rows(sa, t) & rows(sb, t)
 
 
 def test_top_p_only_support_and_replay(vllm_qwen, hf):
