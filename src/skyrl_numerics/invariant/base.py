@@ -30,7 +30,7 @@ from skyrl_numerics.errors import InputError
 
 from skyrl_numerics.kernels import matmul as inv_matmul
 
-from .blocks import linear, routed_experts, sigmoid_group_topk, softmax_topk
+from .blocks import linear, rms_norm, routed_experts, sigmoid_group_topk, softmax_topk
 from .multimodal import is_multimodal, text_config, text_weight_name
 
 # attend(layer, q [T, H, Dq], rows [T, W]) -> out [T, H, Do]
@@ -365,8 +365,6 @@ class InvariantCausalLM(nn.Module):
                        attend: Attend) -> torch.Tensor:
         """Final-norm hidden states ``[T, hidden]`` of a flat token stream: pre-norm decoder
         layers ``h += attention(rms_norm(h)); h += ffn(rms_norm(h))`` (HF layer norm names)."""
-        from .blocks import rms_norm
-
         eps = self.dims.eps
         self._cos_sin = None          # RoPE's cos/sin of these positions: once per forward
         h = self.embed(input_ids)
@@ -418,8 +416,6 @@ class InvariantCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm-head in the model dtype, as vLLM computes logits."""
-        from .blocks import linear
-
         return linear(hidden, self.w("lm_head.weight"))
 
     def route_info(self) -> dict:

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from skyrl_numerics.errors import InputError
+from skyrl_numerics.kernels import cpu, cpu_gemm_bf16, cpu_moe, cpu_norm
 from skyrl_numerics.kernels import matmul as inv_matmul
 from skyrl_numerics.kernels import rms_norm as _inv_rms_norm
 from skyrl_numerics.kernels.cpu_moe import weighted_slot_sum
@@ -71,8 +72,6 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if not isinstance(w, torch.Tensor):
         return w(x)
     if _no_grad_bf16(x, (w,)):
-        from skyrl_numerics.kernels import cpu_gemm_bf16
-
         return cpu_gemm_bf16.linear(x, w)
     return inv_matmul(x, w.t())
 
@@ -86,8 +85,6 @@ def linear_many(x: torch.Tensor, ws) -> list[torch.Tensor]:
         return project_many(x, ws)
     if not _no_grad_bf16(x, ws):
         return [linear(x, w) for w in ws]
-    from skyrl_numerics.kernels import cpu_gemm_bf16
-
     x2 = cpu_gemm_bf16.operand(x.reshape(x.shape[:-1].numel(), x.shape[-1]))
     return [cpu_gemm_bf16.linear_f32(x2, w).to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
             for w in ws]
@@ -103,8 +100,6 @@ def head_matmuls(x: torch.Tensor, mats) -> torch.Tensor:
     T, H, K = x.shape
     if not _no_grad_bf16(x, mats):
         return torch.stack([inv_matmul(x[:, h].contiguous(), mats[h]) for h in range(H)], dim=1)
-    from skyrl_numerics.kernels import cpu_gemm_bf16
-
     wt = _head_weights(mats)                                          # H x [N, K]
     out = torch.stack([cpu_gemm_bf16.linear_f32(x[:, h], wt[h]) for h in range(H)], dim=1)
     return out.to(x.dtype)
@@ -138,8 +133,6 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
-        from skyrl_numerics.kernels import cpu
-
         return cpu.rms_norm(x2, w, eps)[0].reshape(*lead, x.shape[-1])
     return _inv_rms_norm(x2, w, eps).reshape(*lead, x.shape[-1])
 
@@ -152,8 +145,6 @@ def rms_norm_heads(parts, eps: float) -> torch.Tensor:
     if not (all(x.device.type == "cpu" for x in xs)
             and not (torch.is_grad_enabled() and any(x.requires_grad or w.requires_grad for x, w in parts))):
         return torch.cat([rms_norm(x, w, eps) for x, w in parts], dim=1)
-    from skyrl_numerics.kernels import cpu
-
     x = torch.cat(xs, dim=1)
     T, H, D = x.shape
     # each head's weight row in fp32 (cpu.rms_norm's own w.float()), laid out beside its row
@@ -170,8 +161,6 @@ def qk_norm_rope_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_w: to
     bf16 tensors :func:`skyrl_numerics.kernels.cpu_norm.qk_norm_rope` (the fused kernel
     ``kernels/csrc/qk_norm_rope.c``, or its torch specification) performs exactly those
     operations; otherwise those functions run. ``None`` when the fused path does not apply."""
-    from skyrl_numerics.kernels import cpu_norm
-
     D = q.shape[-1]
     bf = torch.bfloat16
     if (q.device.type != "cpu" or D % 2 or rope.dim != D
@@ -278,8 +267,6 @@ def _elementwise(fn, x: torch.Tensor) -> torch.Tensor:
     tail elements differently); on GPU the op as it is."""
     if x.device.type != "cpu":
         return fn(x)
-    from skyrl_numerics.kernels import cpu
-
     return cpu.elementwise(fn, x)
 
 
@@ -396,25 +383,25 @@ def _grouped_expert_rows(x, ids, expert, E: int, weights=None) -> torch.Tensor:
     rows' gather and the slot-order sum are :mod:`skyrl_numerics.kernels.cpu_moe`'s (C,
     ``kernels/csrc/moe_rows.c``, for bf16 when built, else their torch specification: the same
     bits, tested)."""
-    from skyrl_numerics.kernels import cpu_gemm_bf16, cpu_moe
-
     T, k = ids.shape
     H = x.shape[-1]
     if T == 0:
         return torch.zeros(0, k, H, dtype=x.dtype) if weights is None else torch.zeros(0, H, dtype=x.dtype)
     # (stable by expert: the order torch's stable sort gives; one C call for the bookkeeping)
     off, src, rowmap = cpu_moe.sort_pairs(ids, E)
-    bounds = off.tolist()
-    trios = [expert(e) if bounds[e + 1] > bounds[e] else None for e in range(E)]
+    groups = cpu_gemm_bf16.Groups.of(off)        # checked once for the three projections
+    trios = [None] * E
+    for e in groups.used:
+        trios[e] = expert(e)
     a = cpu_moe.expert_operand(x, src)                                  # sorted by expert
     gated = len(next(t for t in trios if t is not None)) == 3
-    u = cpu_gemm_bf16.grouped_f32(a, [t and t[-2] for t in trios], off).to(x.dtype)
+    u = cpu_gemm_bf16.grouped_f32(a, [t and t[-2] for t in trios], groups).to(x.dtype)
     if gated:
-        h = silu(cpu_gemm_bf16.grouped_f32(a, [t and t[0] for t in trios], off).to(x.dtype)) * u
+        h = silu(cpu_gemm_bf16.grouped_f32(a, [t and t[0] for t in trios], groups).to(x.dtype)) * u
     else:                                                  # relu2_mlp's activation
         h = torch.relu(u)
         h = h * h
-    y = cpu_gemm_bf16.grouped_f32(h, [t and t[-1] for t in trios], off)
+    y = cpu_gemm_bf16.grouped_f32(h, [t and t[-1] for t in trios], groups)
     if weights is None:
         return cpu_moe.slot_rows(y, rowmap, T, k, H, x.dtype)
     return cpu_moe.combine(y, rowmap, weights, H, x.dtype)

@@ -212,12 +212,15 @@ class InvariantGptOss(GQADecoder, InvariantCausalLM):
         if T == 0:
             return torch.zeros(0, H, dtype=x.dtype)
         off, src, rowmap = cpu_moe.sort_pairs(ids, E)
-        used = [mats[e] if off[e + 1] > off[e] else None for e in range(E)]
+        groups = cpu_gemm_bf16.Groups.of(off)        # checked once for the three projections
+        used = [None] * E
+        for e in groups.used:
+            used[e] = mats[e]
         es = torch.from_numpy(np.repeat(np.arange(E), np.diff(off)))     # each sorted row's expert
         (bg, bu, bd) = biases
 
         def proj(a, j, b):     # bf16(a W_j) + b[expert of the row]
-            return cpu_gemm_bf16.grouped_f32(a, [t and t[j] for t in used], off).to(x.dtype) + b[es]
+            return cpu_gemm_bf16.grouped_f32(a, [t and t[j] for t in used], groups).to(x.dtype) + b[es]
         a = cpu_moe.expert_operand(x, src)
         h = clamped_swiglu(proj(a, 0, bg), proj(a, 1, bu), self.dims.alpha, self.dims.limit)
         y = proj(h, 2, bd)

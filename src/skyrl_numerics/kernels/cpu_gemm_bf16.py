@@ -34,6 +34,8 @@ split changes no bit).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -135,18 +137,31 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     return out.to(out_dtype or x.dtype).reshape(*lead, w.shape[0])
 
 
+@dataclass(frozen=True)
+class Groups:
+    """The row groups of grouped GEMMs, checked once for every call that shares them (an MoE
+    layer's gate, up and down projections): group ``g`` is rows ``off[g] .. off[g + 1] - 1``."""
+    off: np.ndarray        # int64 [G + 1], non-decreasing from 0
+    used: list             # the groups with rows
+
+    @classmethod
+    def of(cls, row_off) -> "Groups":
+        offs = np.ascontiguousarray(row_off, dtype=np.int64)
+        if offs.ndim != 1 or offs.size < 1 or offs[0] != 0 or bool((offs[1:] < offs[:-1]).any()):
+            raise ValueError(f"row_off {offs.tolist()}: expected non-decreasing offsets from 0")
+        return cls(offs, np.flatnonzero(offs[1:] > offs[:-1]).tolist())
+
+
 def grouped_f32(x: torch.Tensor, ws, row_off) -> torch.Tensor:
     """Rows ``row_off[g] .. row_off[g + 1]`` of ``x [R, K]`` times ``ws[g]`` (bfloat16 ``[N, K]``,
     one per group: an MoE layer's experts; None for a group without rows) -> float32 ``[R, N]``;
     each row is :func:`linear_f32`'s of its group (the same bits as one call per group, in one C
-    call). Rows after the last group are +0."""
-    offs = np.ascontiguousarray(row_off, dtype=np.int64)
+    call). Rows after the last group are +0. ``row_off``: the offsets, or their :class:`Groups`."""
+    grp = row_off if isinstance(row_off, Groups) else Groups.of(row_off)
+    offs, used = grp.off, grp.used
     R, K = x.shape
-    if (offs.ndim != 1 or offs.size < 1 or offs[0] != 0 or offs[-1] > R
-            or bool((offs[1:] < offs[:-1]).any())):
-        raise ValueError(f"row_off {offs.tolist()}: expected non-decreasing offsets from 0 to at "
-                         f"most {R} (the rows of x)")
-    used = np.flatnonzero(offs[1:] > offs[:-1]).tolist()
+    if offs[-1] > R:
+        raise ValueError(f"row_off {offs.tolist()}: groups past the {R} rows of x")
     if not used:
         first = next((w for w in ws if w is not None), None)
         return torch.zeros(R, first.shape[0] if first is not None else 0)
