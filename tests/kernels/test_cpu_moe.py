@@ -88,6 +88,19 @@ def test_combine_equals_its_specification(T, k, H, scale, seed):
     assert torch.equal(_bits(got), _bits(want))
 
 
+@needs_lib
+def test_indices_outside_their_arrays_are_refused_by_name():
+    """Nothing is read or written out of bounds: a bad index is a ValueError naming it."""
+    x = torch.randn(3, 8).bfloat16()
+    with pytest.raises(ValueError, match=r"src\[1\] = 3 is outside 0 .. 2"):
+        cpu_moe.gather_rows(x, np.array([0, 3]), np.array([0, 1]), 4)
+    with pytest.raises(ValueError, match=r"dest\[0\] = -1"):
+        cpu_moe.gather_rows(x, np.array([0, 2]), np.array([-1, 1]), 4)
+    y = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"rowmap\[1\] = 4 is outside 0 .. 3"):
+        cpu_moe.combine(y, np.array([0, 4]), torch.tensor([[0.5, 0.5]]), 8, torch.bfloat16)
+
+
 def test_without_the_library_the_specifications_run(monkeypatch):
     monkeypatch.setattr(cpu_moe, "lib", lambda: None)
     x = torch.randn(3, 8).bfloat16()

@@ -83,11 +83,22 @@ def gather_rows(x: torch.Tensor, src, dest, out_rows: int, copies: int = 1) -> t
     xc = x.contiguous()
     src, dest = _index(src), _index(dest)
     out = torch.empty(copies, out_rows, H)
-    rc = L.skyrl_moe_gather(xc.data_ptr(), xc.stride(0), H, src.ctypes.data, dest.ctypes.data,
-                            src.size, out.data_ptr(), out_rows, copies)
+    if src.size != dest.size:
+        raise ValueError(f"gather_rows: {src.size} source rows for {dest.size} destinations")
+    rc = L.skyrl_moe_gather(xc.data_ptr(), xc.stride(0), xc.shape[0], H, src.ctypes.data,
+                            dest.ctypes.data, src.size, out.data_ptr(), out_rows, copies)
+    if rc == -1:
+        raise ValueError(_outside("src", src, xc.shape[0], "rows of x"))
+    if rc == -2:
+        raise ValueError(_outside("dest", dest, out_rows, "out_rows"))
     if rc != 0:
         raise RuntimeError(f"skyrl_moe_gather failed (rc {rc})")
     return out
+
+
+def _outside(name: str, idx: np.ndarray, n: int, what: str) -> str:
+    p = int(np.flatnonzero((idx < 0) | (idx >= n))[0])
+    return f"{name}[{p}] = {int(idx[p])} is outside 0 .. {n - 1} ({n} {what})"
 
 
 def expert_operand(x: torch.Tensor, src) -> torch.Tensor:
@@ -131,8 +142,13 @@ def combine(y: torch.Tensor, rowmap, weights: torch.Tensor, H: int, dtype) -> to
     rowmap = _index(rowmap)
     wf = weights.float().contiguous()
     out = torch.empty(T, H, dtype=dtype)
-    rc = L.skyrl_moe_combine(y.data_ptr(), y.stride(0), H, rowmap.ctypes.data, wf.data_ptr(), T, k,
-                             out.data_ptr())
+    if rowmap.size != T * k or H > y.shape[-1]:
+        raise ValueError(f"combine: rowmap of {rowmap.size} for weights {tuple(weights.shape)}, "
+                         f"H {H} of y's {y.shape[-1]} columns")
+    rc = L.skyrl_moe_combine(y.data_ptr(), y.stride(0), y.shape[0], H, rowmap.ctypes.data,
+                             wf.data_ptr(), T, k, out.data_ptr())
+    if rc == -1:
+        raise ValueError(_outside("rowmap", rowmap, y.shape[0], "rows of y"))
     if rc != 0:
         raise RuntimeError(f"skyrl_moe_combine failed (rc {rc})")
     return out

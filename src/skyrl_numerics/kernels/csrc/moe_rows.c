@@ -40,9 +40,15 @@ int skyrl_moe_sort(const int64_t *ids, int64_t P, int k, int64_t E, int64_t *off
     return 0;
 }
 
-int skyrl_moe_gather(const uint16_t *x, int64_t x_ld, int H, const int64_t *src,
+/* Returns 0; -1 when a src[p] is outside 0 .. x_rows - 1, -2 when a dest[p] is outside
+ * 0 .. out_rows - 1 (checked before anything is written). */
+int skyrl_moe_gather(const uint16_t *x, int64_t x_ld, int64_t x_rows, int H, const int64_t *src,
                      const int64_t *dest, int64_t npairs, float *out, int64_t out_rows,
                      int copies) {
+    for (int64_t p = 0; p < npairs; p++) {
+        if (src[p] < 0 || src[p] >= x_rows) return -1;
+        if (dest[p] < 0 || dest[p] >= out_rows) return -2;
+    }
     memset(out, 0, (size_t)copies * out_rows * H * 4);
     for (int64_t p = 0; p < npairs; p++) {
         const uint16_t *xr = x + src[p] * x_ld;
@@ -56,8 +62,11 @@ int skyrl_moe_gather(const uint16_t *x, int64_t x_ld, int H, const int64_t *src,
 
 static inline float rb(float v) { return bf16_to_f32(f32_to_bf16(v)); }
 
-int skyrl_moe_combine(const float *y, int64_t y_ld, int H, const int64_t *rowmap,
+/* Returns 0; -1 when a rowmap entry is outside 0 .. y_rows - 1 (checked first). */
+int skyrl_moe_combine(const float *y, int64_t y_ld, int64_t y_rows, int H, const int64_t *rowmap,
                       const float *weights, int64_t T, int k, uint16_t *out) {
+    for (int64_t p = 0; p < T * k; p++)
+        if (rowmap[p] < 0 || rowmap[p] >= y_rows) return -1;
     for (int64_t t = 0; t < T; t++) {
         uint16_t *o = out + t * H;
         const float w0 = rb(weights[t * k]);
