@@ -179,6 +179,24 @@ def test_without_a_compiler_the_specification_runs(monkeypatch, tmp_path):
         native.lib()
 
 
+def test_paged_attention_refuses_a_counted_slot_outside_the_pools():
+    """A slot within kv_lens outside the pools is refused before it is read; slots past kv_lens
+    are never read, whatever they hold."""
+    if native.lib() is None:
+        pytest.skip(f"compiled kernels unavailable: {native.unavailable_reason()}")
+    pool = torch.randn(10, 2, 16)
+    q = torch.randn(2, 2, 1, 16)
+    rows = torch.tensor([[0, 3, 9], [4, 5, -7]])
+    lens = torch.tensor([3, 2])
+    out = ca.paged_attention(q, pool, pool, rows, lens)          # -7 is past kv_lens: fine
+    assert torch.isfinite(out).all()
+    for bad in (10, -1):
+        r = rows.clone()
+        r[1, 1] = bad
+        with pytest.raises(ValueError, match="outside the pools' 10 rows"):
+            ca.paged_attention(q, pool, pool, r, lens)
+
+
 @settings(max_examples=40, deadline=None)
 @given(B=st.integers(1, 6), Hkv=st.sampled_from([1, 2]), g=st.sampled_from([1, 2, 4]),
        D=st.sampled_from([16, 64, 72]), dv_cut=st.sampled_from([0, 8]), L=st.integers(1, 150),

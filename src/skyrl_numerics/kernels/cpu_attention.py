@@ -221,7 +221,7 @@ def _forward(q, k, v, causal, scale, block_n, kv_lens, sinks=None, window=None) 
         args += [t.data_ptr(), _CODES[t.dtype], t.stride(0), t.stride(1), t.stride(2)]
 
     def run(lo: int, hi: int) -> None:
-        rc = lib.skyrl_attention_fwd(*args, None, 0, out.data_ptr(), _CODES[o_dtype], lens.data_ptr(),
+        rc = lib.skyrl_attention_fwd(*args, None, 0, 0, out.data_ptr(), _CODES[o_dtype], lens.data_ptr(),
                                      B, H, Hkv, Sq, D, Dv,
                                      int(bool(causal)), sc, int(block_n), lo, hi,
                                      None if s32 is None else s32.data_ptr(), w)
@@ -237,7 +237,8 @@ def paged_attention(q, k_pool, v_pool, rows, kv_lens, scale: float | None = None
     """Causal attention reading keys and values straight from a paged cache: ``k_pool (S, Hkv,
     D)`` and ``v_pool (S, Hkv, Dv)`` are views of the cache's slots (any strides with a
     contiguous last dim), ``rows (B, L)`` int64 the slot of each sequence's keys in order and
-    ``kv_lens (B,)`` how many of them count (the rest of a row of ``rows`` is never read).
+    ``kv_lens (B,)`` how many of them count (the rest of a row of ``rows`` is never read; a
+    counted slot outside the pools is a ``ValueError``).
     Bit for bit :func:`attention` over ``k_pool[rows]`` / ``v_pool[rows]`` (tested); without
     the C library it runs exactly that. No autograd (the engine's decode). ``sinks``,
     ``window``: as :func:`attention`."""
@@ -260,12 +261,16 @@ def paged_attention(q, k_pool, v_pool, rows, kv_lens, scale: float | None = None
     args = [qo.data_ptr(), _CODES[qo.dtype], qo.stride(0), qo.stride(1), qo.stride(2)]
     for t in (ko, vo):        # (b stride unused: rows give each key's slot)
         args += [t.data_ptr(), _CODES[t.dtype], 0, t.stride(1), t.stride(0)]
+    pool_rows = min(k_pool.shape[0], v_pool.shape[0])
 
     def run(lo: int, hi: int) -> None:
-        rc = lib.skyrl_attention_fwd(*args, rows.data_ptr(), rows.stride(0), out.data_ptr(),
-                                     _CODES[o_dtype], lens.data_ptr(), B, H, Hkv, Sq, D, Dv, 1,
-                                     sc, int(block_n), lo, hi,
+        rc = lib.skyrl_attention_fwd(*args, rows.data_ptr(), rows.stride(0), pool_rows,
+                                     out.data_ptr(), _CODES[o_dtype], lens.data_ptr(), B, H, Hkv,
+                                     Sq, D, Dv, 1, sc, int(block_n), lo, hi,
                                      None if s32 is None else s32.data_ptr(), w)
+        if rc == -3:
+            raise ValueError(f"paged_attention: a slot of rows (within kv_lens) is outside the "
+                             f"pools' {pool_rows} rows")
         if rc != 0:
             raise RuntimeError(f"skyrl_attention_fwd refused its sizes (rc {rc})")
 

@@ -159,7 +159,7 @@ def load(path) -> ctypes.CDLL:
 
 _I64, _I32, _F32, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 SIGNATURES = {   # every kernel returns an int status (0: done)
-    "skyrl_attention_fwd": ([_PTR, _I32, _I64, _I64, _I64] * 3 + [_PTR, _I64, _PTR, _I32, _PTR]
+    "skyrl_attention_fwd": ([_PTR, _I32, _I64, _I64, _I64] * 3 + [_PTR, _I64, _I64, _PTR, _I32, _PTR]
                             + [_I32] * 7 + [_F32, _I32, _I64, _I64, _PTR, _I64]),
     "skyrl_rms_norm_fwd": [_PTR, _I32, _I64, _PTR, _I32, _I64, _PTR, _I32, _PTR, _I64, _I64, _I32, _F32],
     "skyrl_moe_sort": [_PTR, _I64, _I32, _I64, _PTR, _PTR, _PTR, _PTR],

@@ -94,11 +94,13 @@ static const float *kv_rows(const void *t, int dtype, int64_t sb, int64_t sh, in
  * denominator as a key with a zero value, taken first (m = sinks[h], l = 1). window: 0, or
  * the sliding window W (a row sees its last W keys: lo = max(0, n - W)).
  * Returns 0; -1 on a size this build cannot take (block_n > MAX_BLOCK, D or Dv > MAX_D,
- * H not a multiple of Hkv); -2 when memory for the converted rows is not available. */
+ * H not a multiple of Hkv); -2 when memory for the converted rows is not available; -3 when
+ * a key's row (paged: rows[b * rows_ld + j], j < kv_lens[b]) is outside 0 .. pool_rows - 1
+ * (checked before that pair reads any). */
 int skyrl_attention_fwd(const void *q, int q_dtype, int64_t q_sb, int64_t q_sh, int64_t q_ss,
                         const void *k, int k_dtype, int64_t k_sb, int64_t k_sh, int64_t k_ss,
                         const void *v, int v_dtype, int64_t v_sb, int64_t v_sh, int64_t v_ss,
-                        const int64_t *rows, int64_t rows_ld,
+                        const int64_t *rows, int64_t rows_ld, int64_t pool_rows,
                         void *out, int out_dtype, const int64_t *kv_lens,
                         int B, int H, int Hkv, int Sq, int D, int Dv, int causal, float scale,
                         int block_n, int64_t pair_lo, int64_t pair_hi, const float *sinks,
@@ -132,6 +134,9 @@ int skyrl_attention_fwd(const void *q, int q_dtype, int64_t q_sb, int64_t q_sh, 
             if (!kbuf || !vbuf) { rc = -2; break; }
         }
         const int64_t *rb = rows ? rows + b * rows_ld : NULL;
+        for (int64_t j = 0; rb && j < L; j++)
+            if (rb[j] < 0 || rb[j] >= pool_rows) rc = -3;
+        if (rc) break;
         K = kv_rows(k, k_dtype, k_sb, k_sh, k_ss, rb, b, hk, L, D, kbuf, &ksd);
         V = kv_rows(v, v_dtype, v_sb, v_sh, v_ss, rb, b, hk, L, Dv, vbuf, &vsd);
         for (int64_t r0 = 0; r0 < R; r0 += TILE) {
