@@ -152,3 +152,57 @@ def test_qk_norm_rope_kernel_equals_its_specification():
         got = cn.qk_norm_rope(q, k, v, qw, kw, cos, sin, 1e-6, style == "gptj")
         want = cn.qk_norm_rope_spec(q, k, v, qw, kw, cos, sin, 1e-6, style == "gptj")
         assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, want)), (D, style)
+
+
+@pytest.mark.skipif(native.lib() is None, reason="compiled kernels unavailable")
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(1, 24), K=st.sampled_from([8, 40, 128, 200]), Hq=st.sampled_from([1, 2, 4]),
+       Hk=st.sampled_from([1, 2]), D=st.sampled_from([2, 16, 64]),
+       style=st.sampled_from(["neox", "gptj"]), scale=st.sampled_from([1e-3, 1.0, 300.0]),
+       strided=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_projections_norms_and_rope_in_one_call_equal_the_separate_calls(T, K, Hq, Hk, D, style,
+                                                                          scale, strided, seed):
+    """A small decode step's q/k/v projections + per-head norms + RoPE + cache rows in one C call
+    (``blocks.qkv_norm_rope_rows``): the bits of ``linear_many`` then ``qk_norm_rope_rows`` (the
+    calls it replaces), weights read in place (``strided``: rows of a wider tensor)."""
+    from skyrl_numerics.invariant import blocks
+
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(T, K, generator=g) * scale).bfloat16()
+
+    def weight(rows):
+        w = (torch.randn(rows, K + (8 if strided else 0), generator=g) * K ** -0.5).bfloat16()
+        return w[:, :K]
+    ws = [weight(Hq * D), weight(Hk * D), weight(Hk * D)]
+    qw, kw = (torch.randn(D, generator=g).bfloat16() for _ in range(2))
+    rope = blocks.Rope(D, 1.0 / (1e4 ** (torch.arange(0, D, 2, dtype=torch.float32) / D)), 1.0, style)
+    cs = rope.cos_sin(torch.randint(0, 5000, (T,), generator=g))
+    with torch.no_grad():
+        got = blocks.qkv_norm_rope_rows(x, ws, qw, kw, 1e-6, rope, cs, D)
+        q, k, v = blocks.linear_many(x, ws)
+        want = blocks.qk_norm_rope_rows(q.view(T, Hq, D), k.view(T, Hk, D), v, qw, kw, 1e-6, rope, cs)
+    assert got is not None
+    assert torch.equal(_bits(got[0]), _bits(want[0])) and torch.equal(_bits(got[1]), _bits(want[1]))
+
+
+def test_projections_in_one_call_only_where_they_apply():
+    """None (the caller runs the separate calls) with grad, for fp32, and for a step large enough
+    for the thread pool; the separate calls' bits in every case (they are what runs then)."""
+    from skyrl_numerics.invariant import blocks
+    from skyrl_numerics.kernels.pool import PAR_MIN_WORK
+
+    D, K = 16, 64
+    rope = blocks.Rope(D, 1.0 / (1e4 ** (torch.arange(0, D, 2, dtype=torch.float32) / D)), 1.0, "neox")
+    ws = [torch.randn(2 * D, K).bfloat16(), torch.randn(D, K).bfloat16(), torch.randn(D, K).bfloat16()]
+    qw, kw = torch.ones(D).bfloat16(), torch.ones(D).bfloat16()
+    big = PAR_MIN_WORK // (K * 4 * D) + 1
+    cs = rope.cos_sin(torch.arange(big))
+    x = torch.randn(big, K).bfloat16()
+    with torch.no_grad():
+        assert blocks.qkv_norm_rope_rows(x, ws, qw, kw, 1e-6, rope, cs, D) is None
+        assert blocks.qkv_norm_rope_rows(x[:4].float(), ws, qw, kw, 1e-6, rope,
+                                         rope.cos_sin(torch.arange(4)), D) is None
+    with torch.enable_grad():
+        w0 = ws[0].clone().requires_grad_(True)
+        assert blocks.qkv_norm_rope_rows(x[:4], [w0, *ws[1:]], qw, kw, 1e-6, rope,
+                                         rope.cos_sin(torch.arange(4)), D) is None

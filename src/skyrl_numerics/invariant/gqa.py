@@ -20,7 +20,8 @@ from typing import Callable, ClassVar
 import torch
 
 from .base import Attend
-from .blocks import Rope, linear, linear_many, qk_norm_rope_rows, require, rms_norm_heads
+from .blocks import (Rope, linear, linear_many, qk_norm_rope_rows, qkv_norm_rope_rows, require,
+                     rms_norm_heads)
 from .kv_format import KVFormat, parse_kv_spec
 
 
@@ -113,30 +114,42 @@ class GQAttention:
     def attention(self, i: int, x: torch.Tensor, positions: torch.Tensor,
                   attend: Attend) -> torch.Tensor:
         a, p = self.attn_dims, f"model.layers.{i}.self_attn."
+        q, rows = self.queries_and_rows(i, x, positions)
+        o = linear(attend(i, q, rows).reshape(x.shape[0], a.heads * a.head_dim),
+                   self.proj(p + "o_proj.weight"))
+        return o + self.w(p + "o_proj.bias") if a.o_bias else o
+
+    def queries_and_rows(self, i: int, x: torch.Tensor, positions: torch.Tensor):
+        """Layer ``i``'s queries ``[T, H, D]`` and cache rows ``[k | v]`` ``[T, 2·Hkv·D]`` of
+        ``x`` (module doc: projections, biases, q/k norms, RoPE)."""
+        a, p = self.attn_dims, f"model.layers.{i}.self_attn."
         T = x.shape[0]
-        q, k, v = linear_many(x, [self.proj(p + "q_proj.weight"), self.proj(p + "k_proj.weight"),
-                                  self.proj(p + "v_proj.weight")])
+        ws = [self.proj(p + "q_proj.weight"), self.proj(p + "k_proj.weight"),
+              self.proj(p + "v_proj.weight")]
+        if a.qk_norm:
+            qw, kw = self.w(p + "q_norm.weight"), self.w(p + "k_norm.weight")
+        if a.qk_norm and not a.qkv_bias:    # (no-grad CPU, a small step: one C call, same bits)
+            fused = qkv_norm_rope_rows(x, ws, qw, kw, a.eps, self.rope,
+                                       self.rope_cos_sin(positions), a.head_dim)
+            if fused is not None:
+                return fused
+        q, k, v = linear_many(x, ws)
         if a.qkv_bias:
             q, k, v = (t + self.w(p + f"{n}.bias")
                        for t, n in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")))
         qh, kh = q.view(T, a.heads, a.head_dim), k.view(T, a.kv_heads, a.head_dim)
         fused = None
         if a.qk_norm:
-            qw, kw = self.w(p + "q_norm.weight"), self.w(p + "k_norm.weight")
             fused = qk_norm_rope_rows(qh, kh, v, qw, kw, a.eps, self.rope,
                                       self.rope_cos_sin(positions))
         if fused is not None:                 # (no-grad CPU: one kernel, the same bits)
-            q, rows = fused
-        else:
-            # q and k (normalized per head) rotated together (per element: the same bits)
-            qk = (rms_norm_heads([(qh, qw), (kh, kw)], a.eps) if a.qk_norm
-                  else torch.cat([qh, kh], dim=1))
-            qk = self.rope(qk, positions, self.rope_cos_sin(positions))
-            q, k = qk[:, :a.heads], qk[:, a.heads:]
-            rows = torch.cat([k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
-        o = linear(attend(i, q, rows).reshape(T, a.heads * a.head_dim),
-                   self.proj(p + "o_proj.weight"))
-        return o + self.w(p + "o_proj.bias") if a.o_bias else o
+            return fused
+        # q and k (normalized per head) rotated together (per element: the same bits)
+        qk = (rms_norm_heads([(qh, qw), (kh, kw)], a.eps) if a.qk_norm
+              else torch.cat([qh, kh], dim=1))
+        qk = self.rope(qk, positions, self.rope_cos_sin(positions))
+        q, k = qk[:, :a.heads], qk[:, a.heads:]
+        return q, torch.cat([k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
 
 
 class GQADecoder(GQAttention):

@@ -26,9 +26,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import cpu_gemm_amx
 from .cpu_reduce import row_sum
 from .fixed_order import F32, c32, dot8, lib
-from .pool import parallel
+from .pool import PAR_MIN_WORK, parallel
 
 MAX_N = 65536
 MAX_HEAD_DIM = 1024     # qk_norm_rope.c's ROPE_MAX_D
@@ -152,4 +153,41 @@ def qk_norm_rope(q, k, v, q_w, k_w, cos, sin, eps: float, gptj: bool):
                               rows.data_ptr(), rows.stride(0), 0, T)
     if rc != 0:
         raise RuntimeError(f"skyrl_qk_norm_rope refused its sizes (rc {rc})")
+    return q_out, rows
+
+
+def qkv_norm_rope(x, ws, q_w, k_w, cos, sin, eps: float, gptj: bool, D: int):
+    """:func:`qk_norm_rope` of the q/k/v projections of bf16 ``x (T, K)`` by ``ws = (wq, wk,
+    wv)`` (bf16 ``[Hq·D, K]``, ``[Hk·D, K]`` twice), in one C call (``skyrl_qkv_norm_rope``):
+    ``(q_out (T, Hq, D), rows (T, 2·Hk·D))``, the bits of
+    :func:`~skyrl_numerics.kernels.cpu_gemm_bf16.linear` three times then :func:`qk_norm_rope`
+    (tested; a NaN projection is the exception: its payload is the C rounding's 0x7FC0, where
+    torch's AVX2 / AVX-512 ``.to`` writes 0xFFFF — ``csrc/fixed_order.h``). For a small model's
+    decode step, where those calls cost more than their arithmetic. None where it does not apply: no library, the amx GEMM arithmetic, weights not
+    laid out as the bf16 GEMM reads them, or work large enough for the thread pool to split
+    (then the separate calls, split over threads, are faster)."""
+    L = lib()
+    wq, wk, wv = ws
+    T, K = x.shape
+    bf = torch.bfloat16
+    if (L is None or D > MAX_HEAD_DIM or D % 2 or x.dtype != bf or cpu_gemm_amx.uses_amx(x)
+            or any(w.dtype != bf or w.dim() != 2 or w.shape[1] != K or w.stride(1) != 1
+                   or (w.shape[0] > 1 and w.stride(0) < K) for w in ws)
+            or wk.shape != wv.shape or wq.shape[0] % D or wk.shape[0] % D
+            or q_w.dtype != bf or k_w.dtype != bf
+            or T * K * (wq.shape[0] + 2 * wk.shape[0]) >= PAR_MIN_WORK):
+        return None
+    Hq, Hk = wq.shape[0] // D, wk.shape[0] // D
+    xf = x.float().contiguous()
+    cos, sin = cos.reshape(T, D // 2).float().contiguous(), sin.reshape(T, D // 2).float().contiguous()
+    qw, kw = q_w.contiguous(), k_w.contiguous()
+    q_out = torch.empty((T, Hq, D), dtype=bf)
+    rows = torch.empty((T, 2 * Hk * D), dtype=bf)
+    ld = [w.stride(0) if w.shape[0] > 1 else K for w in ws]
+    rc = L.skyrl_qkv_norm_rope(xf.data_ptr(), K, K, wq.data_ptr(), ld[0], wk.data_ptr(), ld[1],
+                               wv.data_ptr(), ld[2], Hq, Hk, qw.data_ptr(), kw.data_ptr(),
+                               cos.data_ptr(), sin.data_ptr(), D, float(eps), int(bool(gptj)),
+                               q_out.data_ptr(), rows.data_ptr(), rows.stride(0), T)
+    if rc != 0:
+        raise RuntimeError(f"skyrl_qkv_norm_rope refused its sizes (rc {rc})")
     return q_out, rows

@@ -85,7 +85,9 @@ static inline v8f fold8(const v8f *v) {
          + __builtin_shufflevector(Dq[0], Dq[1], 1, 3, 5, 7, 9, 11, 13, 15);
 }
 
-/* float32 -> bfloat16, round to nearest even (NaN -> 0x7FC0), as torch's conversion */
+/* float32 -> bfloat16, round to nearest even, as torch's conversion; NaN -> 0x7FC0, as torch's
+ * scalar loop (ATEN_CPU_CAPABILITY=default) — its AVX2 / AVX-512 loops give 0xFFFF (torch 2.13,
+ * measured), so a NaN's payload is the one pattern that can differ from torch's .to there */
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);

@@ -11,6 +11,12 @@
  * Inputs bfloat16: q (T, Hq, D), k (T, Hk, D) with row strides; weights (D,) bf16; cos/sin
  * (T, D/2) float32 contiguous. Outputs bf16: q_out (T, Hq, D) contiguous, k_out at k_out_ld
  * per token (e.g. the first half of a [k | v] cache row). Tokens lo .. hi - 1.
+ *
+ * skyrl_qkv_norm_rope: the q / k / v projections before it, in the same call (a small model's
+ * decode step, where the calls around the arithmetic cost more than the arithmetic):
+ *   q, k, v = bf16(x Wq^T), bf16(x Wk^T), bf16(x Wv^T)   each output skyrl_gemm_bf16's dot product,
+ *                                                          rounded to nearest even (torch's .to)
+ *   q_out, k part of rows = the above;  v part of rows = v
  */
 #include "fixed_order.h"
 
@@ -55,4 +61,35 @@ int skyrl_qk_norm_rope(const uint16_t *q, int64_t q_ld, int Hq, const uint16_t *
                           k_out + t * k_out_ld + (int64_t)j * D);
     }
     return 0;
+}
+
+int skyrl_gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *out,
+                    int64_t ldo, int64_t M, int64_t K, int64_t n_lo, int64_t n_hi);
+
+/* x: T float32 rows of K at x_ld; wq [Hq D, K], wk / wv [Hk D, K] bf16 at their leading dims.
+ * rows: bf16 [T, 2 Hk D] at rows_ld ([k | v]). Returns 0; -1 on a bad size; -2 without memory. */
+int skyrl_qkv_norm_rope(const float *x, int64_t x_ld, int64_t K, const uint16_t *wq, int64_t wq_ld,
+                        const uint16_t *wk, int64_t wk_ld, const uint16_t *wv, int64_t wv_ld,
+                        int Hq, int Hk, const uint16_t *qw, const uint16_t *kw, const float *cos_,
+                        const float *sin_, int D, float eps, int gptj, uint16_t *q_out,
+                        uint16_t *rows, int64_t rows_ld, int64_t T) {
+    if (D < 2 || D % 2 || D > ROPE_MAX_D || T < 0 || K < 1) return -1;
+    const int64_t nq = (int64_t)Hq * D, nk = (int64_t)Hk * D, n = nq + 2 * nk;
+    float *f = (float *)malloc((size_t)(T > 0 ? T : 1) * n * sizeof(float));
+    uint16_t *b = (uint16_t *)malloc((size_t)(T > 0 ? T : 1) * n * sizeof(uint16_t));
+    int rc = (!f || !b) ? -2 : 0;
+    if (!rc) rc = skyrl_gemm_bf16(x, x_ld, wq, wq_ld, f, n, T, K, 0, nq);
+    if (!rc) rc = skyrl_gemm_bf16(x, x_ld, wk, wk_ld, f + nq, n, T, K, 0, nk);
+    if (!rc) rc = skyrl_gemm_bf16(x, x_ld, wv, wv_ld, f + nq + nk, n, T, K, 0, nk);
+    if (!rc) {
+        for (int64_t i = 0; i < T * n; i++) b[i] = f32_to_bf16(f[i]);
+        rc = skyrl_qk_norm_rope(b, n, Hq, b + nq, n, Hk, qw, kw, cos_, sin_, D, eps, gptj, q_out,
+                                rows, rows_ld, 0, T);
+    }
+    if (!rc)
+        for (int64_t t = 0; t < T; t++)
+            memcpy(rows + t * rows_ld + nk, b + t * n + nq + nk, (size_t)nk * sizeof(uint16_t));
+    free(f);
+    free(b);
+    return rc;
 }
