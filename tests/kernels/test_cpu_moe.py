@@ -9,6 +9,8 @@ from hypothesis import given, settings, strategies as st
 
 from skyrl_numerics.kernels import cpu_moe, native
 
+pytestmark = pytest.mark.isa   # also run under each lower CPU capability (tests/test_isa_matrix.py)
+
 
 def _bits(t):
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
