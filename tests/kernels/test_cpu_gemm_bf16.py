@@ -80,22 +80,52 @@ def test_grouped_rows_are_each_groups_own_call(counts, K, N, seed, native_on):
     with pytest.MonkeyPatch.context() as mp:
         if not native_on:
             mp.setattr(gb, "lib", lambda: None)
-        got = gb.grouped_f32(x, ws, off)
+        got = gb.grouped(x, ws, off)
     assert got.shape == (R, N)
     for i in range(len(counts)):
         want = gb.linear_spec(x[off[i]:off[i + 1]], ws[i])
         assert torch.equal(_bits(got[off[i]:off[i + 1]]), _bits(want))
 
 
+@needs_lib
+@settings(max_examples=30, deadline=None)
+@given(M=st.integers(0, 150), K=st.sampled_from([1, 16, 40, 128, 300]), N=st.sampled_from([1, 7, 48, 130]),
+       seed=st.integers(0, 2**16), threads=st.sampled_from([1, 2]),
+       scale=st.sampled_from([1e-3, 1.0, 1e3, 1e15]), pad=st.sampled_from([0, 5]))
+def test_bf16_rows_in_and_out_are_the_float32_call_rounded(M, K, N, seed, threads, scale, pad):
+    """x read as bfloat16 rows (widened in the kernel, 64 rows at a time; row stride past K) and
+    outputs rounded to bfloat16 in the kernel give the float32 call on ``x.float()`` then torch's
+    ``.to(bfloat16)``, bit for bit, for one call and for grouped rows, on one thread or split."""
+    x, w = _data(seed, M, K + pad, N, scale)
+    x = x[:, pad:]                                        # row stride K + pad
+    f32 = gb.linear_f32(x.float(), w[:, pad:])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        one = gb.linear(x, w[:, pad:])
+        mixed = gb.linear(x, w[:, pad:], out_dtype=torch.float32)
+        off = np.array([0, M // 3, M // 3, M - M // 5])   # an empty group; rows after the last: +0
+        ws = [w[:, pad:], None, w.flip(0)[:, pad:]]
+        grouped = gb.grouped(x, ws, off, torch.bfloat16)
+    finally:
+        torch.set_num_threads(before)
+    assert one.dtype == torch.bfloat16 and torch.equal(_bits(one), _bits(f32.to(torch.bfloat16)))
+    assert torch.equal(_bits(mixed), _bits(f32))
+    want = torch.zeros(M, N, dtype=torch.bfloat16)
+    want[off[0]:off[1]] = f32[off[0]:off[1]].to(torch.bfloat16)
+    want[off[2]:off[3]] = gb.linear_f32(x[off[2]:off[3]].float(), ws[2]).to(torch.bfloat16)
+    assert torch.equal(_bits(grouped), _bits(want))
+
+
 def test_grouped_refuses_bad_offsets():
     x = torch.zeros(4, 8)
     ws = [torch.zeros(3, 8, dtype=torch.bfloat16)] * 2
     with pytest.raises(ValueError, match="non-decreasing"):
-        gb.grouped_f32(x, ws, [0, 3, 2])
+        gb.grouped(x, ws, [0, 3, 2])
     with pytest.raises(ValueError, match="past the 4 rows"):      # never read
-        gb.grouped_f32(x, ws, [0, 3, 5])
+        gb.grouped(x, ws, [0, 3, 5])
     with pytest.raises(ValueError, match="K = 8"):
-        gb.grouped_f32(x, [torch.zeros(3, 9, dtype=torch.bfloat16)] * 2, [0, 2, 4])
+        gb.grouped(x, [torch.zeros(3, 9, dtype=torch.bfloat16)] * 2, [0, 2, 4])
 
 
 def test_weight_must_be_bf16_and_match_k():

@@ -40,6 +40,35 @@ def test_kernel_equals_its_specification(M, N, dtype, per_row, strided, eps, val
     assert _same(y, ys) and _same(rstd, rs)
 
 
+@pytest.mark.skipif(native.lib() is None, reason="compiled kernels unavailable")
+@settings(max_examples=50, deadline=None)
+@given(M=st.integers(1, 40), N=st.sampled_from([1, 7, 64, 128, 129, 4099]),
+       w_dtype=st.sampled_from([torch.float32, torch.bfloat16]), strided=st.booleans(),
+       eps=st.sampled_from([1e-6, 0.0]), values=st.sampled_from(["normal", "cancel", "tiny", "huge"]),
+       threads=st.sampled_from([1, 2]), seed=st.integers(0, 2 ** 16))
+def test_residual_add_and_norm_in_one_pass_equal_torchs_add_then_the_norm(M, N, w_dtype, strided, eps,
+                                                                         values, threads, seed):
+    """``add_rms_norm``'s C pass gives torch's bfloat16 ``h + a`` (rounding ties, cancellation to
+    zero, overflow to inf, subnormal sums) and then :func:`rms_norm` of it, bit for bit, on one
+    thread or split over two."""
+    g = torch.Generator().manual_seed(seed)
+    scale = {"normal": 1.0, "cancel": 1.0, "tiny": 1e-38, "huge": 2e38}[values]
+    h = (torch.randn(M, 2 * N if strided else N, generator=g) * scale).bfloat16()[:, :N]
+    a = (torch.randn(M, N, generator=g) * scale).bfloat16()
+    if values == "cancel":        # exact cancellations and sums one bf16 ulp apart (ties)
+        a = torch.where(torch.rand(M, N, generator=g) < 0.5, -h, (h.float() * 2 ** -8).bfloat16())
+    w = torch.randn(N, generator=g).to(w_dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        s, y = cn.add_rms_norm(h, a, w, eps)
+    finally:
+        torch.set_num_threads(before)
+    want = h + a
+    assert s.dtype == torch.bfloat16 and _same(s, want)
+    assert _same(y, cn.rms_norm(want, w, eps)[0])
+
+
 def test_a_baseline_build_gives_the_same_bits(tmp_path, monkeypatch):
     monkeypatch.setenv("SKYRL_NUMERICS_CACHE_DIR", str(tmp_path))
     base = native.load(native.build(native.BASE_FLAGS))

@@ -30,7 +30,7 @@ from skyrl_numerics.errors import InputError
 
 from skyrl_numerics.kernels import matmul as inv_matmul
 
-from .blocks import linear, rms_norm, routed_experts, sigmoid_group_topk, softmax_topk
+from .blocks import add_rms_norm, linear, rms_norm, routed_experts, sigmoid_group_topk, softmax_topk
 from .multimodal import is_multimodal, text_config, text_weight_name
 
 # attend(layer, q [T, H, Dq], rows [T, W]) -> out [T, H, Do]
@@ -364,16 +364,20 @@ class InvariantCausalLM(nn.Module):
     def forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        attend: Attend) -> torch.Tensor:
         """Final-norm hidden states ``[T, hidden]`` of a flat token stream: pre-norm decoder
-        layers ``h += attention(rms_norm(h)); h += ffn(rms_norm(h))`` (HF layer norm names)."""
-        eps = self.dims.eps
+        layers ``h += attention(rms_norm(h)); h += ffn(rms_norm(h))`` (HF layer norm names),
+        each residual add with the norm after it (:func:`.blocks.add_rms_norm`)."""
+        eps, n = self.dims.eps, self.dims.layers
         self._cos_sin = None          # RoPE's cos/sin of these positions: once per forward
         h = self.embed(input_ids)
-        for i in range(self.dims.layers):
-            p = f"model.layers.{i}."
-            h = h + self.attention(i, rms_norm(h, self.w(p + "input_layernorm.weight"), eps),
-                                   positions, attend)
-            h = h + self.ffn(i, rms_norm(h, self.w(p + "post_attention_layernorm.weight"), eps))
-        return rms_norm(h, self.w("model.norm.weight"), eps)
+        norms = [f"model.layers.{i}.{w}" for i in range(n)
+                 for w in ("input_layernorm.weight", "post_attention_layernorm.weight")]
+        norms.append("model.norm.weight")
+        x = rms_norm(h, self.w(norms[0]), eps)
+        for i in range(n):
+            a = self.attention(i, x, positions, attend)
+            h, x = add_rms_norm(h, a, self.w(norms[2 * i + 1]), eps)
+            h, x = add_rms_norm(h, self.ffn(i, x), self.w(norms[2 * i + 2]), eps)
+        return x
 
     def attn_core(self, layer: int, q: torch.Tensor, rows: torch.Tensor,
                   kv_lens: torch.Tensor | None) -> torch.Tensor:

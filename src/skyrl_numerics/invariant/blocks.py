@@ -6,7 +6,8 @@ not depend on which other tokens share the call, nor on prefill vs decode:
 
 - :func:`linear`: ``x @ w.T`` through :func:`skyrl_numerics.kernels.matmul` (fp32 accumulation,
   per-row order independent of the number of rows; bf16 rounded once at the end);
-- :func:`rms_norm`: per-row fp32 (:func:`skyrl_numerics.kernels.rms_norm`);
+- :func:`rms_norm`: per-row fp32 (:func:`skyrl_numerics.kernels.rms_norm`); :func:`add_rms_norm`
+  with the residual add before it;
 - :class:`Rope`: elementwise, ``cos/sin`` of the token's own position, in fp32. Two layouts:
 
       neox  (rotate-half, Qwen/Llama):  x' = x * cos + [-x[d/2:], x[:d/2]] * sin
@@ -86,7 +87,7 @@ def linear_many(x: torch.Tensor, ws) -> list[torch.Tensor]:
     if not _no_grad_bf16(x, ws):
         return [linear(x, w) for w in ws]
     x2 = cpu_gemm_bf16.operand(x.reshape(x.shape[:-1].numel(), x.shape[-1]))
-    return [cpu_gemm_bf16.linear_f32(x2, w).to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+    return [cpu_gemm_bf16.linear(x2, w, out_dtype=x.dtype).view(*x.shape[:-1], w.shape[0])
             for w in ws]
 
 
@@ -135,6 +136,17 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     if x.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
         return cpu.rms_norm(x2, w, eps)[0].reshape(*lead, x.shape[-1])
     return _inv_rms_norm(x2, w, eps).reshape(*lead, x.shape[-1])
+
+
+def add_rms_norm(h: torch.Tensor, a: torch.Tensor, w: torch.Tensor, eps: float):
+    """``(h + a, rms_norm(h + a, w, eps))``: the residual add and the next norm of a pre-norm
+    decoder (no-grad CPU: one C pass, :func:`skyrl_numerics.kernels.cpu_norm.add_rms_norm`; the
+    same bits as the two calls)."""
+    if h.device.type == "cpu" and not (torch.is_grad_enabled() and (
+            h.requires_grad or a.requires_grad or w.requires_grad)):
+        return cpu_norm.add_rms_norm(h, a, w, eps)
+    s = h + a
+    return s, rms_norm(s, w, eps)
 
 
 def rms_norm_heads(parts, eps: float) -> torch.Tensor:
@@ -389,7 +401,7 @@ def _looped_expert_rows(x, ids, expert) -> torch.Tensor:
 def _grouped_expert_rows(x, ids, expert, E: int, weights=None) -> torch.Tensor:
     """The rows of :func:`_looped_expert_rows`, all experts at once: the (token, slot) pairs are
     sorted by expert (stable) and each projection (gate, up, down) is one grouped call of the
-    bf16 GEMM (:func:`skyrl_numerics.kernels.cpu_gemm_bf16.grouped_f32`), every expert's rows
+    bf16 GEMM (:func:`skyrl_numerics.kernels.cpu_gemm_bf16.grouped`), every expert's rows
     against its own weight as stored. Each output row is the per-expert loop's (the GEMM's bits
     depend only on the row and the weight: tested against the loop).
 
@@ -409,13 +421,13 @@ def _grouped_expert_rows(x, ids, expert, E: int, weights=None) -> torch.Tensor:
         trios[e] = expert(e)
     a = cpu_moe.expert_operand(x, src)                                  # sorted by expert
     gated = len(next(t for t in trios if t is not None)) == 3
-    u = cpu_gemm_bf16.grouped_f32(a, [t and t[-2] for t in trios], groups).to(x.dtype)
+    u = cpu_gemm_bf16.grouped(a, [t and t[-2] for t in trios], groups, x.dtype)
     if gated:
-        h = silu(cpu_gemm_bf16.grouped_f32(a, [t and t[0] for t in trios], groups).to(x.dtype)) * u
+        h = silu(cpu_gemm_bf16.grouped(a, [t and t[0] for t in trios], groups, x.dtype)) * u
     else:                                                  # relu2_mlp's activation
         h = torch.relu(u)
         h = h * h
-    y = cpu_gemm_bf16.grouped_f32(h, [t and t[-1] for t in trios], groups)
+    y = cpu_gemm_bf16.grouped(h, [t and t[-1] for t in trios], groups)
     if weights is None:
         return cpu_moe.slot_rows(y, rowmap, T, k, H, x.dtype)
     return cpu_moe.combine(y, rowmap, weights, H, x.dtype)

@@ -220,7 +220,7 @@ class InvariantGptOss(GQADecoder, InvariantCausalLM):
         (bg, bu, bd) = biases
 
         def proj(a, j, b):     # bf16(a W_j) + b[expert of the row]
-            return cpu_gemm_bf16.grouped_f32(a, [t and t[j] for t in used], groups).to(x.dtype) + b[es]
+            return cpu_gemm_bf16.grouped(a, [t and t[j] for t in used], groups, x.dtype) + b[es]
         a = cpu_moe.expert_operand(x, src)
         h = clamped_swiglu(proj(a, 0, bg), proj(a, 1, bu), self.dims.alpha, self.dims.limit)
         y = proj(h, 2, bd)

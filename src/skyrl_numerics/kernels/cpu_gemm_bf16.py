@@ -99,28 +99,46 @@ def linear_spec(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out
 
 
+_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _x_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` as the C kernel reads it: float32 or bfloat16 with unit stride (another
+    dtype widened to float32: the kernel's bits are those of x's float32 widening)."""
+    if x.dtype not in _CODES:
+        x = x.float()
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ w[N, K].T`` as float32 ``[M, N]`` (module doc); ``w`` bfloat16."""
+    return _gemm(x, w, torch.float32)
+
+
+def _gemm(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`linear_f32`'s result in ``out_dtype``: bfloat16 (or float32) rounded once in the
+    kernel, as ``.to(out_dtype)`` of the float32 result rounds it (to nearest even)."""
     w = _weight(w)
     M, K = x.shape
     N = w.shape[0]
     if w.shape[1] != K:
         raise ValueError(f"x has K = {K}, weight {tuple(w.shape)}")
     if cpu_gemm_amx.uses_amx(x):
-        return cpu_gemm_amx.linear_f32(x, w, _ld)
+        return cpu_gemm_amx.linear_f32(x, w, _ld).to(out_dtype)
     L = lib()
-    if L is None:
-        return linear_spec(x, w)
-    x = _rows(x)
-    out = torch.empty(M, N)
+    if L is None or out_dtype not in _CODES:
+        return linear_spec(x, w).to(out_dtype)
+    x = _x_rows(x)
+    out = torch.empty(M, N, dtype=out_dtype)
     if M == 0 or N == 0:
         return out.zero_()
+    args = (x.data_ptr(), _CODES[x.dtype], _ld(x), w.data_ptr(), _ld(w), out.data_ptr(),
+            _CODES[out_dtype], N, M, K)
 
     def run(lo: int, hi: int) -> None:
-        rc = L.skyrl_gemm_bf16(x.data_ptr(), _ld(x), w.data_ptr(), _ld(w),
-                               out.data_ptr(), N, M, K, lo, hi)
+        rc = L.skyrl_gemm_bf16_io(*args, lo, hi)
         if rc != 0:
-            raise RuntimeError(f"skyrl_gemm_bf16 failed (rc {rc})")
+            raise RuntimeError(f"skyrl_gemm_bf16_io failed (rc {rc})")
 
     parallel(run, N, M * N * K)
     return out
@@ -131,10 +149,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     """``x (..., K) @ w.T (+ bias)`` in ``out_dtype`` (default ``x.dtype``): the float32 result
     of :func:`linear_f32`, plus ``float32(bias)``, rounded once."""
     lead = x.shape[:-1]
-    out = linear_f32(x.reshape(lead.numel(), x.shape[-1]), w)
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(out_dtype or x.dtype).reshape(*lead, w.shape[0])
+    out_dtype = out_dtype or x.dtype
+    x2 = x.reshape(lead.numel(), x.shape[-1])
+    if bias is None:
+        out = _gemm(x2, w, out_dtype)
+    else:
+        out = (linear_f32(x2, w) + bias.float()).to(out_dtype)
+    return out.view(*lead, w.shape[0])
 
 
 @dataclass(frozen=True)
@@ -152,11 +173,12 @@ class Groups:
         return cls(offs, np.flatnonzero(offs[1:] > offs[:-1]).tolist())
 
 
-def grouped_f32(x: torch.Tensor, ws, row_off) -> torch.Tensor:
+def grouped(x: torch.Tensor, ws, row_off, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows ``row_off[g] .. row_off[g + 1]`` of ``x [R, K]`` times ``ws[g]`` (bfloat16 ``[N, K]``,
-    one per group: an MoE layer's experts; None for a group without rows) -> float32 ``[R, N]``;
-    each row is :func:`linear_f32`'s of its group (the same bits as one call per group, in one C
-    call). Rows after the last group are +0. ``row_off``: the offsets, or their :class:`Groups`."""
+    one per group: an MoE layer's experts; None for a group without rows) -> ``[R, N]``; each row
+    is :func:`linear_f32`'s of its group in ``out_dtype`` (float32, or bfloat16 rounded once: the
+    same bits as one call per group, in one C call). Rows after the last group are +0.
+    ``row_off``: the offsets, or their :class:`Groups`."""
     grp = row_off if isinstance(row_off, Groups) else Groups.of(row_off)
     offs, used = grp.off, grp.used
     R, K = x.shape
@@ -164,7 +186,7 @@ def grouped_f32(x: torch.Tensor, ws, row_off) -> torch.Tensor:
         raise ValueError(f"row_off {offs.tolist()}: groups past the {R} rows of x")
     if not used:
         first = next((w for w in ws if w is not None), None)
-        return torch.zeros(R, first.shape[0] if first is not None else 0)
+        return torch.zeros(R, first.shape[0] if first is not None else 0, dtype=out_dtype)
     w0 = _weight(ws[used[0]])
     N, ld = w0.shape[0], _ld(w0)
     if w0.shape[1] != K:
@@ -182,18 +204,21 @@ def grouped_f32(x: torch.Tensor, ws, row_off) -> torch.Tensor:
     L = lib()
     if same and cpu_gemm_amx.uses_amx(x):
         goff = np.append(offs[used], offs[used[-1] + 1])   # groups without rows drop out
-        return cpu_gemm_amx.grouped_f32(x, [w0] + [ws[g] for g in used[1:]], goff, _ld)
-    if L is None or not same:
-        out = torch.zeros(R, N)
+        return cpu_gemm_amx.grouped_f32(x, [w0] + [ws[g] for g in used[1:]], goff, _ld).to(out_dtype)
+    if L is None or not same or out_dtype not in _CODES:
+        out = torch.zeros(R, N, dtype=out_dtype)
         for g in used:
-            out[offs[g]:offs[g + 1]] = linear_f32(x[offs[g]:offs[g + 1]], ws[g])
+            out[offs[g]:offs[g + 1]] = _gemm(x[offs[g]:offs[g + 1]], ws[g], out_dtype)
         return out
-    x = _rows(x)
-    out = torch.zeros(R, N)
+    x = _x_rows(x)
+    out = torch.empty(R, N, dtype=out_dtype)
+    if offs[-1] < R:
+        out[int(offs[-1]):].zero_()
+    args = (x.data_ptr(), _CODES[x.dtype], _ld(x), ptrs.ctypes.data, ld, offs.ctypes.data,
+            len(ptrs), out.data_ptr(), _CODES[out_dtype], N, K)
 
     def run(lo: int, hi: int) -> None:
-        rc = L.skyrl_gemm_bf16_grouped(x.data_ptr(), _ld(x), ptrs.ctypes.data, ld,
-                                       offs.ctypes.data, len(ptrs), out.data_ptr(), N, K, lo, hi)
+        rc = L.skyrl_gemm_bf16_grouped(*args, lo, hi)
         if rc != 0:
             raise RuntimeError(f"skyrl_gemm_bf16_grouped failed (rc {rc})")
 

@@ -84,6 +84,33 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float):
 
 
 
+def add_rms_norm(h: torch.Tensor, a: torch.Tensor, w: torch.Tensor, eps: float):
+    """A pre-norm decoder's residual add and the norm after it: ``(s, y)`` with ``s = h + a``
+    (torch's bfloat16 add: one float32 addition, rounded once) and ``y = rms_norm(s, w, eps)[0]``,
+    in one C pass per row (``skyrl_add_rms_norm``) for bfloat16 ``h``, ``a`` ``(M, N)`` and a
+    weight row ``(N,)``; else those two torch-level calls. The same bits either way (tested)."""
+    bf = torch.bfloat16
+    L = lib()
+    if (L is None or h.dtype != bf or a.dtype != bf or h.dim() != 2 or h.shape != a.shape
+            or w.dim() != 1 or w.dtype not in _CODES or w.shape[0] != h.shape[1]
+            or h.shape[1] > MAX_N or h.stride(1) != 1 or a.stride(1) != 1 or h.shape[0] == 0):
+        s = h + a
+        return s, rms_norm(s, w, eps)[0]
+    M, N = h.shape
+    wo = w if w.stride(0) == 1 else w.contiguous()
+    s, y = torch.empty((M, N), dtype=bf), torch.empty((M, N), dtype=bf)
+    args = (h.data_ptr(), h.stride(0), a.data_ptr(), a.stride(0), wo.data_ptr(), _CODES[wo.dtype],
+            s.data_ptr(), y.data_ptr())
+
+    def run(lo: int, hi: int) -> None:
+        rc = L.skyrl_add_rms_norm(*args, lo, hi, N, float(eps))
+        if rc != 0:
+            raise RuntimeError(f"skyrl_add_rms_norm refused its sizes (rc {rc})")
+
+    parallel(run, M, 3 * M * N)
+    return s, y
+
+
 def rms_norm_backward(g, x, w, rstd, rows_per_block: int = 256):
     """dx per row; dW: fp32 partial sums over fixed blocks of rows, folded in block order."""
     N = x.shape[-1]

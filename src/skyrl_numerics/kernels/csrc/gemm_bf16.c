@@ -227,18 +227,64 @@ int skyrl_gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw,
     return 0;
 }
 
+#define IO_ROWS 64   /* rows of x widened (bfloat16 x) or of out rounded (bfloat16 out) at a time */
+
+/* skyrl_gemm_bf16 with x and out in float32 or bfloat16 (dtype codes 0 / 1): bfloat16 rows of x
+ * are widened (exact) and bfloat16 outputs rounded once from the float32 result (to nearest
+ * even, fixed_order.h), IO_ROWS rows at a time, so the outputs are skyrl_gemm_bf16's (rounded:
+ * torch's .to(bfloat16) of them) and a call costs no float32 copy of x or out in the caller.
+ * Returns 0, -1 for a bad shape or dtype code, -2 without memory. */
+int skyrl_gemm_bf16_io(const void *x, int x_dtype, int64_t ldx, const uint16_t *w, int64_t ldw,
+                       void *out, int out_dtype, int64_t ldo, int64_t M, int64_t K, int64_t n_lo,
+                       int64_t n_hi) {
+    if ((x_dtype | out_dtype) & ~1) return -1;
+    if (!x_dtype && !out_dtype)
+        return skyrl_gemm_bf16((const float *)x, ldx, w, ldw, (float *)out, ldo, M, K, n_lo, n_hi);
+    if (M < 0 || K < 0 || n_lo < 0 || n_hi < n_lo || ldx < K || ldw < K) return -1;
+    const int64_t width = n_hi - n_lo, rb = M < IO_ROWS ? M : IO_ROWS;
+    float *xb = x_dtype ? (float *)malloc((size_t)(rb * K + 1) * 4) : NULL;
+    float *ob = out_dtype ? (float *)malloc((size_t)(rb * width + 1) * 4) : NULL;
+    int rc = ((x_dtype && !xb) || (out_dtype && !ob)) ? -2 : 0;
+    for (int64_t m0 = 0; m0 < M && !rc; m0 += rb) {
+        const int64_t mr = M - m0 < rb ? M - m0 : rb;
+        const float *xf = xb;
+        int64_t lx = K;
+        if (x_dtype) {
+            for (int64_t r = 0; r < mr; r++) load_row(xb + r * K, x, (m0 + r) * ldx, 1, (int)K);
+        } else {
+            xf = (const float *)x + m0 * ldx;
+            lx = ldx;
+        }
+        if (!out_dtype) {
+            rc = skyrl_gemm_bf16(xf, lx, w, ldw, (float *)out + m0 * ldo, ldo, mr, K, n_lo, n_hi);
+            continue;
+        }
+        rc = skyrl_gemm_bf16(xf, lx, w + n_lo * ldw, ldw, ob, width, mr, K, 0, width);
+        for (int64_t r = 0; r < mr && !rc; r++) {
+            uint16_t *o = (uint16_t *)out + (m0 + r) * ldo + n_lo;
+            for (int64_t j = 0; j < width; j++) o[j] = f32_to_bf16(ob[r * width + j]);
+        }
+    }
+    free(xb);
+    free(ob);
+    return rc;
+}
+
 /* Grouped rows (an MoE layer's experts): rows row_off[g] .. row_off[g + 1] - 1 of x times
  * w_ptrs[g] (bfloat16 [N, K] at leading dim ldw), columns n_lo .. n_hi - 1, into the same rows
- * of out. Each output is skyrl_gemm_bf16's, so the same bits as one call per group. */
-int skyrl_gemm_bf16_grouped(const float *x, int64_t ldx, const uint64_t *w_ptrs, int64_t ldw,
-                            const int64_t *row_off, int64_t G, float *out, int64_t ldo, int64_t K,
-                            int64_t n_lo, int64_t n_hi) {
+ * of out; x and out float32 or bfloat16 as in skyrl_gemm_bf16_io. Each output is
+ * skyrl_gemm_bf16's, so the same bits as one call per group. */
+int skyrl_gemm_bf16_grouped(const void *x, int x_dtype, int64_t ldx, const uint64_t *w_ptrs,
+                            int64_t ldw, const int64_t *row_off, int64_t G, void *out,
+                            int out_dtype, int64_t ldo, int64_t K, int64_t n_lo, int64_t n_hi) {
     for (int64_t g = 0; g < G; g++) {
         const int64_t r0 = row_off[g], r1 = row_off[g + 1];
         if (r1 < r0) return -1;
         if (r1 == r0) continue;
-        const int rc = skyrl_gemm_bf16(x + r0 * ldx, ldx, (const uint16_t *)(uintptr_t)w_ptrs[g],
-                                       ldw, out + r0 * ldo, ldo, r1 - r0, K, n_lo, n_hi);
+        const int rc = skyrl_gemm_bf16_io((const char *)x + r0 * ldx * (x_dtype ? 2 : 4), x_dtype,
+                                          ldx, (const uint16_t *)(uintptr_t)w_ptrs[g], ldw,
+                                          (char *)out + r0 * ldo * (out_dtype ? 2 : 4), out_dtype,
+                                          ldo, r1 - r0, K, n_lo, n_hi);
         if (rc) return rc;
     }
     return 0;
