@@ -148,14 +148,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x (..., K) @ w.T (+ bias)`` in ``out_dtype`` (default ``x.dtype``): the float32 result
     of :func:`linear_f32`, plus ``float32(bias)``, rounded once."""
-    lead = x.shape[:-1]
     out_dtype = out_dtype or x.dtype
-    x2 = x.reshape(lead.numel(), x.shape[-1])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if bias is None:
         out = _gemm(x2, w, out_dtype)
     else:
         out = (linear_f32(x2, w) + bias.float()).to(out_dtype)
-    return out.view(*lead, w.shape[0])
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], w.shape[0])
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,10 @@
 """The data movement around a grouped MoE layer's GEMMs on CPU: one C kernel each
 (``csrc/moe_rows.c``) and its torch specification, the same bits. The invariant forward
 (:func:`skyrl_numerics.invariant.blocks.routed_experts`) sorts the (token, slot) pairs
-``p = t·k + s`` by expert, pads each expert's rows to whole GEMM row blocks, and calls:
+``p = t·k + s`` by expert and calls:
 
-- :func:`gather_rows`: ``out[c, dest[p]] = float32(x[src[p]])`` for each copy ``c``, every other
-  row +0 (the blocks' padding) — the GEMM operands of the gate and up projections
-  (:func:`expert_operand`: the same rows kept in bfloat16 where the GEMM runs on AMX tiles);
+- :func:`expert_operand`: the rows ``x[src[r]]`` in sorted order, bfloat16 as stored (the
+  grouped GEMM widens them itself), the operand of the gate and up projections;
 - :func:`slot_rows`: ``rows[t, s] = y[rowmap[t·k + s], :H]`` rounded to the model dtype;
 - :func:`combine`: the slot-order weighted sum of those rows, every product and sum rounded to
   the model dtype as torch's ops round them (:func:`weighted_slot_sum`)::
@@ -21,7 +20,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import cpu_gemm_amx
 from .fixed_order import lib
 
 
@@ -65,49 +63,15 @@ def sort_pairs(ids: torch.Tensor, E: int):
     return off, src, rowmap
 
 
-def gather_rows_spec(x: torch.Tensor, src, dest, out_rows: int, copies: int) -> torch.Tensor:
-    """:func:`gather_rows` with torch ops."""
-    a = torch.zeros(out_rows, x.shape[-1], dtype=torch.float32)
-    # (index_select / index_copy_ move the same rows as x[i] / a[i] = ..., several times faster)
-    a.index_copy_(0, torch.from_numpy(_index(dest)), x.index_select(0, torch.from_numpy(_index(src))).float())
-    return a.expand(copies, out_rows, x.shape[-1]).contiguous()
-
-
-def gather_rows(x: torch.Tensor, src, dest, out_rows: int, copies: int = 1) -> torch.Tensor:
-    """``x (T, H)``'s rows ``src[p]`` at rows ``dest[p]`` of each of ``copies`` float32
-    ``(out_rows, H)`` buffers, the other rows +0: ``(copies, out_rows, H)`` contiguous."""
-    L = lib() if x.dtype == torch.bfloat16 else None
-    if L is None:
-        return gather_rows_spec(x, src, dest, out_rows, copies)
-    H = x.shape[-1]
-    xc = x.contiguous()
-    src, dest = _index(src), _index(dest)
-    out = torch.empty(copies, out_rows, H)
-    if src.size != dest.size:
-        raise ValueError(f"gather_rows: {src.size} source rows for {dest.size} destinations")
-    rc = L.skyrl_moe_gather(xc.data_ptr(), xc.stride(0), xc.shape[0], H, src.ctypes.data,
-                            dest.ctypes.data, src.size, out.data_ptr(), out_rows, copies)
-    if rc == -1:
-        raise ValueError(_outside("src", src, xc.shape[0], "rows of x"))
-    if rc == -2:
-        raise ValueError(_outside("dest", dest, out_rows, "out_rows"))
-    if rc != 0:
-        raise RuntimeError(f"skyrl_moe_gather failed (rc {rc})")
-    return out
-
-
 def _outside(name: str, idx: np.ndarray, n: int, what: str) -> str:
     p = int(np.flatnonzero((idx < 0) | (idx >= n))[0])
     return f"{name}[{p}] = {int(idx[p])} is outside 0 .. {n - 1} ({n} {what})"
 
 
 def expert_operand(x: torch.Tensor, src) -> torch.Tensor:
-    """Rows ``x[src[p]]`` in order, as the experts' GEMM operand: bfloat16 as stored where that
-    GEMM runs on AMX tiles (:func:`.cpu_gemm_amx.uses_amx`), else :func:`gather_rows`' float32."""
-    if cpu_gemm_amx.uses_amx(x):
-        return x.index_select(0, torch.from_numpy(_index(src)))
-    n = len(src)
-    return gather_rows(x, src, np.arange(n, dtype=np.int64), n)[0]
+    """Rows ``x[src[r]]`` in order, as stored: the experts' GEMM operand (the bf16 GEMM reads
+    bfloat16 rows itself, on either arithmetic)."""
+    return x.index_select(0, torch.from_numpy(_index(src)))
 
 
 def slot_rows(y: torch.Tensor, rowmap, T: int, k: int, H: int, dtype) -> torch.Tensor:

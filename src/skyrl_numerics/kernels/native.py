@@ -164,7 +164,6 @@ SIGNATURES = {   # every kernel returns an int status (0: done)
     "skyrl_rms_norm_fwd": [_PTR, _I32, _I64, _PTR, _I32, _I64, _PTR, _I32, _PTR, _I64, _I64, _I32, _F32],
     "skyrl_add_rms_norm": [_PTR, _I64, _PTR, _I64, _PTR, _I32, _PTR, _PTR, _I64, _I64, _I32, _F32],
     "skyrl_moe_sort": [_PTR, _I64, _I32, _I64, _PTR, _PTR, _PTR, _PTR],
-    "skyrl_moe_gather": [_PTR, _I64, _I64, _I32, _PTR, _PTR, _I64, _PTR, _I64, _I32],
     "skyrl_moe_combine": [_PTR, _I64, _I64, _I32, _PTR, _PTR, _I64, _I32, _PTR],
     "skyrl_row_sum": [_PTR, _I64, _I64, _PTR, _I64, _I64],
     "skyrl_gemm_bf16": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64],

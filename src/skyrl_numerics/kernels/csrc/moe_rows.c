@@ -6,9 +6,6 @@
  *                      counting sort: numpy's stable argsort order): off[e] .. off[e + 1] - 1
  *                      are expert e's sorted rows, src[r] = the token (p / k) of sorted row r,
  *                      rowmap[p] = the sorted row of pair p (integer bookkeeping only)
- *   skyrl_moe_gather:  out[c, dest[p], :] = float(x[src[p], :])  for every (token, slot) pair p
- *                      and copy c; every other row of out is +0 (the padding of each expert's
- *                      row blocks)
  *   skyrl_moe_combine: per token t, with r_s = bf16(y[rowmap[t k + s], :H]) and
  *                      w_s = bf16(weights[t, s]) (float32 -> bfloat16, nearest even):
  *                      acc = bf16(r_0 * w_0);  acc = bf16(acc + bf16(r_s * w_s)) for s = 1 .. k-1
@@ -37,26 +34,6 @@ int skyrl_moe_sort(const int64_t *ids, int64_t P, int k, int64_t E, int64_t *off
         rowmap[p] = r;
     }
     free(next);
-    return 0;
-}
-
-/* Returns 0; -1 when a src[p] is outside 0 .. x_rows - 1, -2 when a dest[p] is outside
- * 0 .. out_rows - 1 (checked before anything is written). */
-int skyrl_moe_gather(const uint16_t *x, int64_t x_ld, int64_t x_rows, int H, const int64_t *src,
-                     const int64_t *dest, int64_t npairs, float *out, int64_t out_rows,
-                     int copies) {
-    for (int64_t p = 0; p < npairs; p++) {
-        if (src[p] < 0 || src[p] >= x_rows) return -1;
-        if (dest[p] < 0 || dest[p] >= out_rows) return -2;
-    }
-    memset(out, 0, (size_t)copies * out_rows * H * 4);
-    for (int64_t p = 0; p < npairs; p++) {
-        const uint16_t *xr = x + src[p] * x_ld;
-        for (int c = 0; c < copies; c++) {
-            float *o = out + ((int64_t)c * out_rows + dest[p]) * H;
-            for (int h = 0; h < H; h++) o[h] = bf16_to_f32(xr[h]);
-        }
-    }
     return 0;
 }
 
