@@ -193,11 +193,11 @@ def test_projections_norms_and_rope_in_one_call_equal_the_separate_calls(T, K, H
                                                                           scale, strided, seed):
     """A small decode step's q/k/v projections + per-head norms + RoPE + cache rows in one C call
     (``blocks.qkv_norm_rope_rows``): the bits of ``linear_many`` then ``qk_norm_rope_rows`` (the
-    calls it replaces), weights read in place (``strided``: rows of a wider tensor)."""
+    calls it replaces), x and the weights read in place (``strided``: rows of wider tensors)."""
     from skyrl_numerics.invariant import blocks
 
     g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(T, K, generator=g) * scale).bfloat16()
+    x = (torch.randn(T, K + (8 if strided else 0), generator=g) * scale).bfloat16()[:, :K]
 
     def weight(rows):
         w = (torch.randn(rows, K + (8 if strided else 0), generator=g) * K ** -0.5).bfloat16()

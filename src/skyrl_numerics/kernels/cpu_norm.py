@@ -150,6 +150,13 @@ def qk_norm_rope_spec(q, k, v, q_w, k_w, cos, sin, eps: float, gptj: bool):
     return _rope_spec(qn, cos, sin, gptj), rows
 
 
+def _f32_rows(t: torch.Tensor, T: int, n: int) -> torch.Tensor:
+    """``t`` as contiguous float32 ``(T, n)`` (a view when it already is one)."""
+    if t.dtype != torch.float32 or not t.is_contiguous():
+        t = t.float().contiguous()
+    return t.view(T, n)
+
+
 def qk_norm_rope(q, k, v, q_w, k_w, cos, sin, eps: float, gptj: bool):
     """Per-head RMSNorm and RoPE of bf16 ``q (T, Hq, D)`` (weight ``q_w (D,)``) and
     ``k (T, Hk, D)`` (``k_w``) at ``cos``/``sin`` (float32, ``T·D/2`` values each: the rotary
@@ -164,7 +171,7 @@ def qk_norm_rope(q, k, v, q_w, k_w, cos, sin, eps: float, gptj: bool):
     L = lib()
     if L is None or D > MAX_HEAD_DIM:
         return qk_norm_rope_spec(q, k, v, q_w, k_w, cos, sin, eps, gptj)
-    cos, sin = cos.reshape(T, D // 2).float().contiguous(), sin.reshape(T, D // 2).float().contiguous()
+    cos, sin = _f32_rows(cos, T, D // 2), _f32_rows(sin, T, D // 2)
     q2, k2 = q.reshape(T, Hq * D), k.reshape(T, Hk * D)
     if q2.stride(1) != 1:
         q2 = q2.contiguous()
@@ -205,14 +212,15 @@ def qkv_norm_rope(x, ws, q_w, k_w, cos, sin, eps: float, gptj: bool, D: int):
             or T * K * (wq.shape[0] + 2 * wk.shape[0]) >= PAR_MIN_WORK):
         return None
     Hq, Hk = wq.shape[0] // D, wk.shape[0] // D
-    xf = x.float().contiguous()
-    cos, sin = cos.reshape(T, D // 2).float().contiguous(), sin.reshape(T, D // 2).float().contiguous()
+    if x.stride(1) != 1 or (T > 1 and x.stride(0) < K):
+        x = x.contiguous()
+    cos, sin = _f32_rows(cos, T, D // 2), _f32_rows(sin, T, D // 2)
     qw, kw = q_w.contiguous(), k_w.contiguous()
     q_out = torch.empty((T, Hq, D), dtype=bf)
     rows = torch.empty((T, 2 * Hk * D), dtype=bf)
     ld = [w.stride(0) if w.shape[0] > 1 else K for w in ws]
-    rc = L.skyrl_qkv_norm_rope(xf.data_ptr(), K, K, wq.data_ptr(), ld[0], wk.data_ptr(), ld[1],
-                               wv.data_ptr(), ld[2], Hq, Hk, qw.data_ptr(), kw.data_ptr(),
+    rc = L.skyrl_qkv_norm_rope(x.data_ptr(), x.stride(0) if T > 1 else K, K, wq.data_ptr(), ld[0],
+                               wk.data_ptr(), ld[1], wv.data_ptr(), ld[2], Hq, Hk, qw.data_ptr(), kw.data_ptr(),
                                cos.data_ptr(), sin.data_ptr(), D, float(eps), int(bool(gptj)),
                                q_out.data_ptr(), rows.data_ptr(), rows.stride(0), T)
     if rc != 0:

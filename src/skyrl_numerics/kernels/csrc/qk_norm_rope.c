@@ -66,21 +66,25 @@ int skyrl_qk_norm_rope(const uint16_t *q, int64_t q_ld, int Hq, const uint16_t *
 int skyrl_gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *out,
                     int64_t ldo, int64_t M, int64_t K, int64_t n_lo, int64_t n_hi);
 
-/* x: T float32 rows of K at x_ld; wq [Hq D, K], wk / wv [Hk D, K] bf16 at their leading dims.
- * rows: bf16 [T, 2 Hk D] at rows_ld ([k | v]). Returns 0; -1 on a bad size; -2 without memory. */
-int skyrl_qkv_norm_rope(const float *x, int64_t x_ld, int64_t K, const uint16_t *wq, int64_t wq_ld,
+/* x: T bf16 rows of K at x_ld (widened once, exactly); wq [Hq D, K], wk / wv [Hk D, K] bf16 at
+ * their leading dims. rows: bf16 [T, 2 Hk D] at rows_ld ([k | v]). Returns 0; -1 on a bad size;
+ * -2 without memory. */
+int skyrl_qkv_norm_rope(const uint16_t *x, int64_t x_ld, int64_t K, const uint16_t *wq, int64_t wq_ld,
                         const uint16_t *wk, int64_t wk_ld, const uint16_t *wv, int64_t wv_ld,
                         int Hq, int Hk, const uint16_t *qw, const uint16_t *kw, const float *cos_,
                         const float *sin_, int D, float eps, int gptj, uint16_t *q_out,
                         uint16_t *rows, int64_t rows_ld, int64_t T) {
     if (D < 2 || D % 2 || D > ROPE_MAX_D || T < 0 || K < 1) return -1;
     const int64_t nq = (int64_t)Hq * D, nk = (int64_t)Hk * D, n = nq + 2 * nk;
-    float *f = (float *)malloc((size_t)(T > 0 ? T : 1) * n * sizeof(float));
-    uint16_t *b = (uint16_t *)malloc((size_t)(T > 0 ? T : 1) * n * sizeof(uint16_t));
+    const int64_t rows_t = T > 0 ? T : 1;
+    float *f = (float *)malloc((size_t)rows_t * (n + K) * sizeof(float));
+    uint16_t *b = (uint16_t *)malloc((size_t)rows_t * n * sizeof(uint16_t));
     int rc = (!f || !b) ? -2 : 0;
-    if (!rc) rc = skyrl_gemm_bf16(x, x_ld, wq, wq_ld, f, n, T, K, 0, nq);
-    if (!rc) rc = skyrl_gemm_bf16(x, x_ld, wk, wk_ld, f + nq, n, T, K, 0, nk);
-    if (!rc) rc = skyrl_gemm_bf16(x, x_ld, wv, wv_ld, f + nq + nk, n, T, K, 0, nk);
+    float *xf = f + rows_t * n;
+    for (int64_t t = 0; !rc && t < T; t++) load_row(xf + t * K, x, t * x_ld, 1, (int)K);
+    if (!rc) rc = skyrl_gemm_bf16(xf, K, wq, wq_ld, f, n, T, K, 0, nq);
+    if (!rc) rc = skyrl_gemm_bf16(xf, K, wk, wk_ld, f + nq, n, T, K, 0, nk);
+    if (!rc) rc = skyrl_gemm_bf16(xf, K, wv, wv_ld, f + nq + nk, n, T, K, 0, nk);
     if (!rc) {
         for (int64_t i = 0; i < T * n; i++) b[i] = f32_to_bf16(f[i]);
         rc = skyrl_qk_norm_rope(b, n, Hq, b + nq, n, Hk, qw, kw, cos_, sin_, D, eps, gptj, q_out,
