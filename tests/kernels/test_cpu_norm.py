@@ -184,16 +184,19 @@ def test_qk_norm_rope_kernel_equals_its_specification():
 
 
 @pytest.mark.skipif(native.lib() is None, reason="compiled kernels unavailable")
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(T=st.integers(1, 24), K=st.sampled_from([8, 40, 128, 200]), Hq=st.sampled_from([1, 2, 4]),
        Hk=st.sampled_from([1, 2]), D=st.sampled_from([2, 16, 64]),
        style=st.sampled_from(["neox", "gptj"]), scale=st.sampled_from([1e-3, 1.0, 300.0]),
-       strided=st.booleans(), seed=st.integers(0, 2 ** 16))
+       strided=st.booleans(), norms=st.booleans(), bias=st.booleans(), seed=st.integers(0, 2 ** 16))
 def test_projections_norms_and_rope_in_one_call_equal_the_separate_calls(T, K, Hq, Hk, D, style,
-                                                                          scale, strided, seed):
-    """A small decode step's q/k/v projections + per-head norms + RoPE + cache rows in one C call
-    (``blocks.qkv_norm_rope_rows``): the bits of ``linear_many`` then ``qk_norm_rope_rows`` (the
-    calls it replaces), x and the weights read in place (``strided``: rows of wider tensors)."""
+                                                                          scale, strided, norms,
+                                                                          bias, seed):
+    """A small decode step's q/k/v projections (+ biases, Qwen2's) + per-head norms (Qwen3's; none
+    for Llama / Mistral) + RoPE + cache rows in one C call (``blocks.qkv_norm_rope_rows``): the
+    bits of the calls it replaces — ``linear_many``, the bf16 bias adds, then
+    ``qk_norm_rope_rows`` or ``rope`` and ``cat`` — x and the weights read in place
+    (``strided``: rows of wider tensors)."""
     from skyrl_numerics.invariant import blocks
 
     g = torch.Generator().manual_seed(seed)
@@ -203,13 +206,21 @@ def test_projections_norms_and_rope_in_one_call_equal_the_separate_calls(T, K, H
         w = (torch.randn(rows, K + (8 if strided else 0), generator=g) * K ** -0.5).bfloat16()
         return w[:, :K]
     ws = [weight(Hq * D), weight(Hk * D), weight(Hk * D)]
-    qw, kw = (torch.randn(D, generator=g).bfloat16() for _ in range(2))
+    qw, kw = (torch.randn(D, generator=g).bfloat16() if norms else None for _ in range(2))
+    bs = [torch.randn(w.shape[0], generator=g).bfloat16() for w in ws] if bias else None
     rope = blocks.Rope(D, 1.0 / (1e4 ** (torch.arange(0, D, 2, dtype=torch.float32) / D)), 1.0, style)
-    cs = rope.cos_sin(torch.randint(0, 5000, (T,), generator=g))
+    pos = torch.randint(0, 5000, (T,), generator=g)
+    cs = rope.cos_sin(pos)
     with torch.no_grad():
-        got = blocks.qkv_norm_rope_rows(x, ws, qw, kw, 1e-6, rope, cs, D)
+        got = blocks.qkv_norm_rope_rows(x, ws, qw, kw, 1e-6, rope, cs, D, bs)
         q, k, v = blocks.linear_many(x, ws)
-        want = blocks.qk_norm_rope_rows(q.view(T, Hq, D), k.view(T, Hk, D), v, qw, kw, 1e-6, rope, cs)
+        if bias:
+            q, k, v = (t + b for t, b in zip((q, k, v), bs))
+        if norms:
+            want = blocks.qk_norm_rope_rows(q.view(T, Hq, D), k.view(T, Hk, D), v, qw, kw, 1e-6, rope, cs)
+        else:
+            qk = rope(torch.cat([q.view(T, Hq, D), k.view(T, Hk, D)], dim=1), pos, cs)
+            want = qk[:, :Hq], torch.cat([qk[:, Hq:].reshape(T, -1), v], dim=-1)
     assert got is not None
     assert torch.equal(_bits(got[0]), _bits(want[0])) and torch.equal(_bits(got[1]), _bits(want[1]))
 

@@ -183,18 +183,21 @@ def qk_norm_rope_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_w: to
     return cpu_norm.qk_norm_rope(q, k, v, q_w, k_w, cos, sin, eps, rope.style == "gptj")
 
 
-def qkv_norm_rope_rows(x: torch.Tensor, ws, q_w: torch.Tensor, k_w: torch.Tensor, eps: float,
-                       rope: "Rope", cos_sin, head_dim: int):
-    """:func:`linear_many` of ``x`` by ``ws = (wq, wk, wv)`` then :func:`qk_norm_rope_rows`, in
-    one C call on the no-grad CPU path of a small step
+def qkv_norm_rope_rows(x: torch.Tensor, ws, q_w, k_w, eps: float, rope: "Rope", cos_sin,
+                       head_dim: int, biases=None):
+    """:func:`linear_many` of ``x`` by ``ws = (wq, wk, wv)`` (plus ``biases``, each added in
+    the model dtype), then :func:`qk_norm_rope_rows` (``q_w``, ``k_w`` None: no q/k norms, RoPE
+    and the cache rows only), in one C call on the no-grad CPU path of a small step
     (:func:`skyrl_numerics.kernels.cpu_norm.qkv_norm_rope`: the same bits, tested); ``None``
-    where that does not apply (then the caller runs those two)."""
-    if (x.device.type != "cpu" or x.dim() != 2 or rope.dim != head_dim
+    where that does not apply (then the caller runs those ops)."""
+    extra = [t for t in (q_w, k_w, *(biases or ())) if t is not None]
+    if (x.device.type != "cpu" or x.dim() != 2 or rope is None or rope.dim != head_dim
             or not all(isinstance(w, torch.Tensor) for w in ws)
-            or (torch.is_grad_enabled() and any(t.requires_grad for t in (x, q_w, k_w, *ws)))):
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *extra, *ws)))):
         return None
     cos, sin = cos_sin
-    return cpu_norm.qkv_norm_rope(x, ws, q_w, k_w, cos, sin, eps, rope.style == "gptj", head_dim)
+    return cpu_norm.qkv_norm_rope(x, ws, q_w, k_w, cos, sin, eps, rope.style == "gptj", head_dim,
+                                  biases)
 
 
 # ---- RoPE -----------------------------------------------------------------------------------

@@ -126,17 +126,19 @@ class GQAttention:
         T = x.shape[0]
         ws = [self.proj(p + "q_proj.weight"), self.proj(p + "k_proj.weight"),
               self.proj(p + "v_proj.weight")]
+        qw = kw = biases = None
         if a.qk_norm:
             qw, kw = self.w(p + "q_norm.weight"), self.w(p + "k_norm.weight")
-        if a.qk_norm and not a.qkv_bias:    # (no-grad CPU, a small step: one C call, same bits)
-            fused = qkv_norm_rope_rows(x, ws, qw, kw, a.eps, self.rope,
-                                       self.rope_cos_sin(positions), a.head_dim)
-            if fused is not None:
-                return fused
+        if a.qkv_bias:
+            biases = [self.w(p + f"{n}.bias") for n in ("q_proj", "k_proj", "v_proj")]
+        # (no-grad CPU, a small step: one C call, the same bits)
+        fused = qkv_norm_rope_rows(x, ws, qw, kw, a.eps, self.rope, self.rope_cos_sin(positions),
+                                   a.head_dim, biases)
+        if fused is not None:
+            return fused
         q, k, v = linear_many(x, ws)
         if a.qkv_bias:
-            q, k, v = (t + self.w(p + f"{n}.bias")
-                       for t, n in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")))
+            q, k, v = (t + b for t, b in zip((q, k, v), biases))
         qh, kh = q.view(T, a.heads, a.head_dim), k.view(T, a.kv_heads, a.head_dim)
         fused = None
         if a.qk_norm:

@@ -190,37 +190,45 @@ def qk_norm_rope(q, k, v, q_w, k_w, cos, sin, eps: float, gptj: bool):
     return q_out, rows
 
 
-def qkv_norm_rope(x, ws, q_w, k_w, cos, sin, eps: float, gptj: bool, D: int):
-    """:func:`qk_norm_rope` of the q/k/v projections of bf16 ``x (T, K)`` by ``ws = (wq, wk,
-    wv)`` (bf16 ``[Hq·D, K]``, ``[Hk·D, K]`` twice), in one C call (``skyrl_qkv_norm_rope``):
+def qkv_norm_rope(x, ws, q_w, k_w, cos, sin, eps: float, gptj: bool, D: int, biases=None):
+    """The attention inputs of bf16 ``x (T, K)`` in one C call (``skyrl_qkv_norm_rope``): its
+    q/k/v projections by ``ws = (wq, wk, wv)`` (bf16 ``[Hq·D, K]``, ``[Hk·D, K]`` twice), plus
+    ``biases`` (bf16 ``(bq, bk, bv)``, Qwen2's; torch's bf16 add), then :func:`qk_norm_rope`'s
+    per-head norms (``q_w``, ``k_w``; both None: no q/k norms, Llama's and Mistral's) and RoPE:
     ``(q_out (T, Hq, D), rows (T, 2·Hk·D))``, the bits of
-    :func:`~skyrl_numerics.kernels.cpu_gemm_bf16.linear` three times then :func:`qk_norm_rope`
-    (tested; a NaN projection is the exception: its payload is the C rounding's 0x7FC0, where
-    torch's AVX2 / AVX-512 ``.to`` writes 0xFFFF — ``csrc/fixed_order.h``). For a small model's
-    decode step, where those calls cost more than their arithmetic. None where it does not apply: no library, the amx GEMM arithmetic, weights not
-    laid out as the bf16 GEMM reads them, or work large enough for the thread pool to split
-    (then the separate calls, split over threads, are faster)."""
+    :func:`~skyrl_numerics.kernels.cpu_gemm_bf16.linear` three times, the bias adds, then the
+    norms and the rotation (tested; a NaN projection is the exception: its payload is the C
+    rounding's 0x7FC0, where torch's AVX2 / AVX-512 ``.to`` writes 0xFFFF —
+    ``csrc/fixed_order.h``). For a small model's decode step, where those calls cost more than
+    their arithmetic. None where it does not apply: no library, the amx GEMM arithmetic,
+    tensors not bf16 or not laid out as the kernel reads them, or work large enough for the
+    thread pool to split (then the separate calls, split over threads, are faster)."""
     L = lib()
     wq, wk, wv = ws
     T, K = x.shape
     bf = torch.bfloat16
+    norms = [t for t in (q_w, k_w) if t is not None]
+    bs = list(biases) if biases is not None else []
     if (L is None or D > MAX_HEAD_DIM or D % 2 or x.dtype != bf or cpu_gemm_amx.uses_amx(x)
             or any(w.dtype != bf or w.dim() != 2 or w.shape[1] != K or w.stride(1) != 1
                    or (w.shape[0] > 1 and w.stride(0) < K) for w in ws)
             or wk.shape != wv.shape or wq.shape[0] % D or wk.shape[0] % D
-            or q_w.dtype != bf or k_w.dtype != bf
+            or len(norms) == 1 or any(t.dtype != bf or t.shape != (D,) for t in norms)
+            or any(b.dtype != bf or b.shape != (w.shape[0],) for b, w in zip(bs, ws))
             or T * K * (wq.shape[0] + 2 * wk.shape[0]) >= PAR_MIN_WORK):
         return None
     Hq, Hk = wq.shape[0] // D, wk.shape[0] // D
     if x.stride(1) != 1 or (T > 1 and x.stride(0) < K):
         x = x.contiguous()
     cos, sin = _f32_rows(cos, T, D // 2), _f32_rows(sin, T, D // 2)
-    qw, kw = q_w.contiguous(), k_w.contiguous()
+    norms, bs = [t.contiguous() for t in norms], [b.contiguous() for b in bs]   # (kept alive)
+    ptr = [t.data_ptr() for t in norms] or [None, None]
+    bptr = [b.data_ptr() for b in bs] or [None, None, None]
     q_out = torch.empty((T, Hq, D), dtype=bf)
     rows = torch.empty((T, 2 * Hk * D), dtype=bf)
     ld = [w.stride(0) if w.shape[0] > 1 else K for w in ws]
     rc = L.skyrl_qkv_norm_rope(x.data_ptr(), x.stride(0) if T > 1 else K, K, wq.data_ptr(), ld[0],
-                               wk.data_ptr(), ld[1], wv.data_ptr(), ld[2], Hq, Hk, qw.data_ptr(), kw.data_ptr(),
+                               wk.data_ptr(), ld[1], wv.data_ptr(), ld[2], *bptr, Hq, Hk, *ptr,
                                cos.data_ptr(), sin.data_ptr(), D, float(eps), int(bool(gptj)),
                                q_out.data_ptr(), rows.data_ptr(), rows.stride(0), T)
     if rc != 0:

@@ -175,8 +175,9 @@ SIGNATURES = {   # every kernel returns an int status (0: done)
     "skyrl_gemm_bf16_amx": [_PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64],
     "skyrl_amx_pack_grouped": [_PTR, _I64, _PTR, _I64, _I64, _PTR],
     "skyrl_gemm_bf16_amx_grouped": [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64],
-    "skyrl_qkv_norm_rope": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I32, _I32, _PTR,
-                            _PTR, _PTR, _PTR, _I32, _F32, _I32, _PTR, _PTR, _I64, _I64],
+    "skyrl_qkv_norm_rope": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR,
+                            _I32, _I32, _PTR, _PTR, _PTR, _PTR, _I32, _F32, _I32, _PTR, _PTR, _I64,
+                            _I64],
     "skyrl_qk_norm_rope": [_PTR, _I64, _I32, _PTR, _I64, _I32, _PTR, _PTR, _PTR, _PTR, _I32, _F32, _I32,
                            _PTR, _PTR, _I64, _I64, _I64],
 }
