@@ -78,17 +78,13 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def linear_many(x: torch.Tensor, ws) -> list[torch.Tensor]:
-    """``[linear(x, w) for w in ws]`` bit for bit; on the no-grad CPU path ``x`` is widened to
-    float32 once for all the weights (q/k/v projections of one input)."""
+    """``[linear(x, w) for w in ws]`` bit for bit (planned linears: their numerics, the input's
+    activation format once for all of them)."""
     if not all(isinstance(w, torch.Tensor) for w in ws):     # planned linears (numerics.py)
         from .numerics import project_many
 
         return project_many(x, ws)
-    if not _no_grad_bf16(x, ws):
-        return [linear(x, w) for w in ws]
-    x2 = cpu_gemm_bf16.operand(x.reshape(x.shape[:-1].numel(), x.shape[-1]))
-    return [cpu_gemm_bf16.linear(x2, w, out_dtype=x.dtype).view(*x.shape[:-1], w.shape[0])
-            for w in ws]
+    return [linear(x, w) for w in ws]
 
 
 def head_matmuls(x: torch.Tensor, mats) -> torch.Tensor:

@@ -64,22 +64,9 @@ def _ld(t: torch.Tensor) -> int:
     return t.stride(0) if t.shape[0] > 1 else t.shape[1]
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """``x [M, K]`` as float32 rows with unit stride (bfloat16 widened: exact)."""
-    if x.dtype != torch.float32 or x.stride(-1) != 1:
-        x = x.float().contiguous()
-    return x
-
-
-def operand(x: torch.Tensor) -> torch.Tensor:
-    """``x [M, K]`` as the activations of several GEMMs on one input: widened to float32 once
-    (exact) for the fma arithmetic; bfloat16 as it is where the GEMMs run on AMX tiles."""
-    return x if cpu_gemm_amx.uses_amx(x) else _rows(x)
-
-
 def linear_spec(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """:func:`linear`'s float32 result with torch ops (the module doc's formula, op for op)."""
-    x, wf = _rows(x), w.float()
+    x, wf = x.float(), w.float()
     M, K = x.shape
     N = wf.shape[0]
     k16 = K - K % LANES
