@@ -104,6 +104,8 @@ def test_bf16_rows_in_and_out_are_the_float32_call_rounded(M, K, N, seed, thread
         torch.set_num_threads(threads)
         one = gb.linear(x, w[:, pad:])
         mixed = gb.linear(x, w[:, pad:], out_dtype=torch.float32)
+        half = gb.linear(x.half(), w[:, pad:])             # float16: rounded by torch
+        half_grouped = gb.grouped(x, [w[:, pad:]], [0, M], torch.float16)
         off = np.array([0, M // 3, M // 3, M - M // 5])   # an empty group; rows after the last: +0
         ws = [w[:, pad:], None, w.flip(0)[:, pad:]]
         grouped = gb.grouped(x, ws, off, torch.bfloat16)
@@ -111,6 +113,9 @@ def test_bf16_rows_in_and_out_are_the_float32_call_rounded(M, K, N, seed, thread
         torch.set_num_threads(before)
     assert one.dtype == torch.bfloat16 and torch.equal(_bits(one), _bits(f32.to(torch.bfloat16)))
     assert torch.equal(_bits(mixed), _bits(f32))
+    assert half.dtype == half_grouped.dtype == torch.float16
+    assert torch.equal(half.view(torch.int16), gb.linear_f32(x.half().float(), w[:, pad:]).half().view(torch.int16))
+    assert torch.equal(half_grouped.view(torch.int16), f32.half().view(torch.int16))
     want = torch.zeros(M, N, dtype=torch.bfloat16)
     want[off[0]:off[1]] = f32[off[0]:off[1]].to(torch.bfloat16)
     want[off[2]:off[3]] = gb.linear_f32(x[off[2]:off[3]].float(), ws[2]).to(torch.bfloat16)

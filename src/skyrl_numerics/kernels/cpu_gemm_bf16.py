@@ -112,8 +112,10 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Ten
         raise ValueError(f"x has K = {K}, weight {tuple(w.shape)}")
     if cpu_gemm_amx.uses_amx(x):
         return cpu_gemm_amx.linear_f32(x, w, _ld).to(out_dtype)
+    if out_dtype not in _CODES:                  # (float16: rounded by torch from float32)
+        return _gemm(x, w, torch.float32).to(out_dtype)
     L = lib()
-    if L is None or out_dtype not in _CODES:
+    if L is None:
         return linear_spec(x, w).to(out_dtype)
     x = _x_rows(x)
     out = torch.empty(M, N, dtype=out_dtype)
@@ -166,6 +168,8 @@ def grouped(x: torch.Tensor, ws, row_off, out_dtype: torch.dtype = torch.float32
     same bits as one call per group, in one C call). Rows after the last group are +0.
     ``row_off``: the offsets, or their :class:`Groups`."""
     grp = row_off if isinstance(row_off, Groups) else Groups.of(row_off)
+    if out_dtype not in _CODES:                  # (float16: rounded by torch from float32)
+        return grouped(x, ws, grp, torch.float32).to(out_dtype)
     offs, used = grp.off, grp.used
     R, K = x.shape
     if offs[-1] > R:
@@ -191,7 +195,7 @@ def grouped(x: torch.Tensor, ws, row_off, out_dtype: torch.dtype = torch.float32
     if same and cpu_gemm_amx.uses_amx(x):
         goff = np.append(offs[used], offs[used[-1] + 1])   # groups without rows drop out
         return cpu_gemm_amx.grouped_f32(x, [w0] + [ws[g] for g in used[1:]], goff, _ld).to(out_dtype)
-    if L is None or not same or out_dtype not in _CODES:
+    if L is None or not same:
         out = torch.zeros(R, N, dtype=out_dtype)
         for g in used:
             out[offs[g]:offs[g + 1]] = _gemm(x[offs[g]:offs[g + 1]], ws[g], out_dtype)
