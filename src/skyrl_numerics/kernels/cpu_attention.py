@@ -48,7 +48,8 @@ import torch
 
 from . import native
 
-from .fixed_order import F32 as _F32, ZERO as _ZERO, c32 as _c, dot8, exp_s
+from .fixed_order import DTYPE_CODES as _CODES, F32 as _F32, ZERO as _ZERO, c32 as _c, dot8, exp_s
+from .fixed_order import kernel_operand
 from .pool import parallel
 
 BLOCK_N = 64
@@ -137,18 +138,6 @@ def attention_spec(q, k, v, causal: bool = True, scale: float | None = None,
     return out.to(q.dtype)
 
 
-_CODES = {torch.float32: 0, torch.bfloat16: 1}
-
-
-def _operand(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as the kernel reads it: float32 or bfloat16 as is, last dim contiguous."""
-    if t.dtype not in _CODES:
-        t = t.float()
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    return t
-
-
 def attention(q, k, v, causal: bool = True, scale: float | None = None,
               block_n: int = BLOCK_N, kv_lens=None, sinks=None, window=None) -> torch.Tensor:
     """The fused kernel when it is built (:mod:`.native`), else :func:`attention_spec`: the
@@ -211,7 +200,7 @@ def _forward(q, k, v, causal, scale, block_n, kv_lens, sinks=None, window=None) 
                               window=window)
     s32, w = _sinks32(sinks, H), _window(window)
     lens = _kv_lens(kv_lens, B, Skv).contiguous()
-    qo, ko, vo = _operand(q), _operand(k), _operand(v)
+    qo, ko, vo = kernel_operand(q), kernel_operand(k), kernel_operand(v)
     o_dtype = q.dtype if q.dtype in _CODES else _F32
     out = torch.empty((B, H, Sq, Dv), dtype=o_dtype)
     sc = D ** -0.5 if scale is None else float(scale)
@@ -254,7 +243,7 @@ def paged_attention(q, k_pool, v_pool, rows, kv_lens, scale: float | None = None
     s32, w = _sinks32(sinks, H), _window(window)
     lens = _kv_lens(kv_lens, B, L).contiguous()
     rows = rows.contiguous()
-    qo, ko, vo = _operand(q), _operand(k_pool), _operand(v_pool)
+    qo, ko, vo = kernel_operand(q), kernel_operand(k_pool), kernel_operand(v_pool)
     o_dtype = q.dtype if q.dtype in _CODES else _F32
     out = torch.empty((B, H, Sq, Dv), dtype=o_dtype)
     sc = D ** -0.5 if scale is None else float(scale)

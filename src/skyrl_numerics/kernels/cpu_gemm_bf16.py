@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from . import cpu_gemm_amx
-from .fixed_order import fma, lib
+from .fixed_order import DTYPE_CODES as _CODES, fma, kernel_operand, lib
 from .pool import parallel
 
 _SPEC_CHUNK = 1 << 20   # floats of lane accumulators the spec holds at once
@@ -86,17 +86,6 @@ def linear_spec(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-_CODES = {torch.float32: 0, torch.bfloat16: 1}
-
-
-def _x_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x [M, K]`` as the C kernel reads it: float32 or bfloat16 with unit stride (another
-    dtype widened to float32: the kernel's bits are those of x's float32 widening)."""
-    if x.dtype not in _CODES:
-        x = x.float()
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ w[N, K].T`` as float32 ``[M, N]`` (module doc); ``w`` bfloat16."""
     return _gemm(x, w, torch.float32)
@@ -117,7 +106,7 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Ten
     L = lib()
     if L is None:
         return linear_spec(x, w).to(out_dtype)
-    x = _x_rows(x)
+    x = kernel_operand(x)
     out = torch.empty(M, N, dtype=out_dtype)
     if M == 0 or N == 0:
         return out.zero_()
@@ -200,7 +189,7 @@ def grouped(x: torch.Tensor, ws, row_off, out_dtype: torch.dtype = torch.float32
         for g in used:
             out[offs[g]:offs[g + 1]] = _gemm(x[offs[g]:offs[g + 1]], ws[g], out_dtype)
         return out
-    x = _x_rows(x)
+    x = kernel_operand(x)
     out = torch.empty(R, N, dtype=out_dtype)
     if offs[-1] < R:
         out[int(offs[-1]):].zero_()

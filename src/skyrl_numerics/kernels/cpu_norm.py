@@ -28,12 +28,11 @@ import torch
 
 from . import cpu_gemm_amx
 from .cpu_reduce import row_sum
-from .fixed_order import F32, c32, dot8, lib
+from .fixed_order import DTYPE_CODES as _CODES, F32, c32, dot8, lib
 from .pool import PAR_MIN_WORK, parallel
 
 MAX_N = 65536
 MAX_HEAD_DIM = 1024     # qk_norm_rope.c's ROPE_MAX_D
-_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def rms_norm_spec(x: torch.Tensor, w: torch.Tensor, eps: float):

@@ -25,7 +25,17 @@ import torch
 from . import native
 
 F32 = torch.float32
+#: the C kernels' dtype codes (``fixed_order.h``'s ``load_row``): the dtypes they read and write
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
+
+
+def kernel_operand(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the C kernels read it: float32 or bfloat16 as is (another dtype widened to
+    float32: the kernel's bits are those of that widening), last dim contiguous."""
+    if t.dtype not in DTYPE_CODES:
+        t = t.float()
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 def c32(x: float) -> torch.Tensor:
     """``x`` as a 0-d float32 tensor (so an op with it is a float32 op, as in C)."""
